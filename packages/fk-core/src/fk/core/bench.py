@@ -1,0 +1,559 @@
+"""Benchmark toolkit shared by the ``benchmarks/bench_*.py`` scripts.
+
+Each script runs fk kernels and their peers (Liger Kernel, ``torch.compile``, eager PyTorch, Cut
+Cross Entropy) side by side in one process, on one GPU, and writes one JSON record and a few plots.
+This module holds the parts they share. The method:
+
+Timing (:func:`time_ms`, :func:`time_stats_ms`)
+    The function is called ``warmup`` times first, so Triton compilation, autotuning,
+    ``torch.compile`` tracing and the caching allocator's first allocations happen outside the
+    measurement; then the GPU is synchronized. Each of the ``rep`` timed calls sits between its own
+    pair of CUDA events recorded on the current stream, so the time is GPU time for that call
+    alone, not Python overhead between calls. Before each call, and outside its event pair, a
+    256 MiB scratch buffer is overwritten to evict the L2 cache (50 MiB on an H100), so every
+    call starts with cold caches, as a kernel inside a training step does; tensors listed in
+    ``grad_to_none`` get ``.grad = None`` there too, so forward+backward benchmarks allocate fresh
+    gradients each time instead of accumulating. The GPU is synchronized once after the last event,
+    and the median over the repetitions is reported (p20/p80/min are available): the median ignores
+    the occasional call slowed by clock changes or other work on the machine.
+
+Ceilings (:func:`measure_ceilings`)
+    Achieved bandwidth and FLOP rate only mean something next to what the same GPU reaches in the
+    same run, under the same clocks and driver: :func:`copy_bandwidth_tbps` times a device-to-device
+    copy of 1 GiB of random bytes, :func:`matmul_tflops` an ``n x n`` bf16 matmul on random data.
+    Those are practical ceilings, not the datasheet's numbers.
+
+Accounting (:func:`tbps`, :func:`tflops`, :func:`fraction`)
+    A kernel's bandwidth counts the bytes it must move at minimum: every input read once and every
+    output written once (the copy ceiling likewise counts the bytes read plus the bytes written).
+    FLOPs count a multiply-add as two. The benchmark script states what it counted for each op.
+
+Records (:class:`BenchRecord`, :func:`environment`, :func:`plot`, :func:`markdown_table`)
+    One JSON file per benchmark holds the environment (GPU, versions; no host name), the ceilings,
+    and one row per measurement. Plots and tables are drawn from the record, so they can be redrawn
+    later without a GPU.
+
+Only ``torch`` is imported at module level; matplotlib is imported inside :func:`plot`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib.metadata
+import json
+import math
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable, Generator, Iterable, Mapping, Sequence, Sized
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+
+__all__ = [
+    "BenchRecord",
+    "Ceilings",
+    "TimeStats",
+    "copy_bandwidth_tbps",
+    "environment",
+    "fraction",
+    "markdown_table",
+    "matmul_tflops",
+    "measure_ceilings",
+    "peak_memory_bytes",
+    "plot",
+    "progress",
+    "tbps",
+    "tflops",
+    "time_ms",
+    "time_stats_ms",
+]
+
+T = TypeVar("T")
+
+L2_FLUSH_BYTES: int = 256 * 2**20
+"""Size of the scratch buffer overwritten before each timed call; several times any GPU's L2."""
+
+PEER_PACKAGES: tuple[str, ...] = ("liger-kernel", "cut-cross-entropy", "transformers", "peft")
+"""Distributions of the peers compared against; their versions go into :func:`environment`."""
+
+FK_PACKAGES: tuple[str, ...] = ("fk-core", "fk-norms", "fk-rope", "fk-glu", "fk-flce", "fk-lora", "fk")
+"""The fk distributions whose installed versions go into :func:`environment`."""
+
+_flush_buffers: dict[int, torch.Tensor] = {}
+
+
+# --------------------------------------------------------------------------------------------- timing
+
+
+def _require_cuda(what: str) -> None:
+    if not torch.cuda.is_available():
+        raise RuntimeError(
+            f"{what} needs a CUDA GPU, but torch.cuda.is_available() is False "
+            f"(torch {torch.__version__}, built for CUDA {torch.version.cuda}); run benchmarks on a GPU machine"
+        )
+
+
+def _flush_buffer() -> torch.Tensor:
+    """The L2 scratch buffer of the current CUDA device, allocated on first use and kept."""
+    index = torch.cuda.current_device()
+    buf = _flush_buffers.get(index)
+    if buf is None:
+        buf = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device=torch.device("cuda", index))
+        _flush_buffers[index] = buf
+    return buf
+
+
+def _quantile(sorted_values: Sequence[float], q: float) -> float:
+    """Quantile ``q`` in [0, 1] of ascending values, interpolating linearly between neighbours."""
+    pos = q * (len(sorted_values) - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(sorted_values) - 1)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
+
+
+@dataclass(frozen=True)
+class TimeStats:
+    """Summary of ``n`` timed calls, in milliseconds."""
+
+    median: float
+    p20: float
+    p80: float
+    min: float
+    n: int
+
+    @classmethod
+    def from_samples(cls, samples_ms: Sequence[float]) -> TimeStats:
+        if not samples_ms:
+            raise ValueError("need at least one sample")
+        s = sorted(samples_ms)
+        return cls(median=_quantile(s, 0.5), p20=_quantile(s, 0.2), p80=_quantile(s, 0.8), min=s[0], n=len(s))
+
+
+def _clear_grads(tensors: Sequence[torch.Tensor] | None) -> None:
+    if tensors:
+        for t in tensors:
+            t.grad = None
+
+
+def time_stats_ms(
+    fn: Callable[[], object],
+    *,
+    warmup: int = 25,
+    rep: int = 100,
+    flush_l2: bool = True,
+    grad_to_none: Sequence[torch.Tensor] | None = None,
+) -> TimeStats:
+    """Time ``fn()`` on the current CUDA device and stream; see the module docstring for the method.
+
+    ``fn`` takes no arguments; whatever it returns is dropped. ``warmup`` untimed calls come first,
+    then ``rep`` calls, each between its own pair of CUDA events. With ``flush_l2``, a 256 MiB buffer
+    is overwritten before each call (outside the events). Tensors in ``grad_to_none`` get
+    ``.grad = None`` before every call. Raises ``RuntimeError`` when CUDA is unavailable.
+    """
+    _require_cuda("time_stats_ms")
+    if warmup < 0 or rep < 1:
+        raise ValueError(f"need warmup >= 0 and rep >= 1, got warmup={warmup}, rep={rep}")
+    for _ in range(warmup):
+        _clear_grads(grad_to_none)
+        fn()
+    flush = _flush_buffer() if flush_l2 else None
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(rep)]
+    torch.cuda.synchronize()
+    for start, end in events:
+        _clear_grads(grad_to_none)
+        if flush is not None:
+            flush.zero_()
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return TimeStats.from_samples([start.elapsed_time(end) for start, end in events])
+
+
+def time_ms(
+    fn: Callable[[], object],
+    *,
+    warmup: int = 25,
+    rep: int = 100,
+    flush_l2: bool = True,
+    grad_to_none: Sequence[torch.Tensor] | None = None,
+) -> float:
+    """Median milliseconds of ``fn()``; the same measurement as :func:`time_stats_ms`."""
+    return time_stats_ms(fn, warmup=warmup, rep=rep, flush_l2=flush_l2, grad_to_none=grad_to_none).median
+
+
+def peak_memory_bytes(fn: Callable[[], object]) -> int:
+    """Peak CUDA memory of one call of ``fn()``, in bytes above what was allocated before the call.
+
+    The GPU is synchronized and the peak counter reset, ``fn()`` runs once, and the result is
+    ``torch.cuda.max_memory_allocated() - memory_allocated_before``: every tensor the call allocates
+    counts at its high-water mark (temporaries, activations saved for backward, gradients, and the
+    returned tensors, which are still referenced when the peak is read); memory that already existed
+    (inputs, weights, the allocator's cached but free blocks) does not. Sizes are the caching
+    allocator's rounded block sizes. Run ``fn`` beforehand (e.g. time it first) when it compiles or
+    autotunes, since Triton's autotuner allocates scratch memory on the first call, and clear
+    ``.grad`` of leaf tensors beforehand so a backward pass allocates its gradients afresh.
+    Raises ``RuntimeError`` when CUDA is unavailable.
+    """
+    _require_cuda("peak_memory_bytes")
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated()
+    del out
+    return max(0, peak - before)
+
+
+# ------------------------------------------------------------------------------------------- ceilings
+
+
+def _cuda_device(device: torch.device | str | int | None) -> torch.device:
+    if device is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    if dev.type != "cuda":
+        raise ValueError(f"device must be a CUDA device, got {dev}")
+    return dev
+
+
+def _time_on(device: torch.device, make: Callable[[torch.device], Callable[[], object]]) -> float:
+    """Median ms of the function ``make(device)`` builds; its tensors are freed (and uncached) afterwards."""
+    with torch.cuda.device(device):
+        ms = time_ms(make(device))
+        torch.cuda.empty_cache()
+    return ms
+
+
+def _copy(nbytes: int) -> Callable[[torch.device], Callable[[], object]]:
+    def make(device: torch.device) -> Callable[[], object]:
+        src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=device)
+        dst = torch.empty_like(src)
+        return lambda: dst.copy_(src)
+
+    return make
+
+
+def _matmul(n: int, dtype: torch.dtype) -> Callable[[torch.device], Callable[[], object]]:
+    def make(device: torch.device) -> Callable[[], object]:
+        a = torch.randn(n, n, dtype=dtype, device=device)
+        b = torch.randn(n, n, dtype=dtype, device=device)
+        c = torch.empty(n, n, dtype=dtype, device=device)
+        return lambda: torch.matmul(a, b, out=c)
+
+    return make
+
+
+def copy_bandwidth_tbps(nbytes: int = 2**30, device: torch.device | str | int | None = None) -> float:
+    """Device-to-device copy bandwidth in TB/s (10**12 bytes/s) of ``nbytes`` random bytes.
+
+    Counts the bytes read plus the bytes written (``2 * nbytes``) over the median copy time.
+    """
+    _require_cuda("copy_bandwidth_tbps")
+    if nbytes < 1:
+        raise ValueError(f"nbytes must be positive, got {nbytes}")
+    return tbps(2 * nbytes, _time_on(_cuda_device(device), _copy(nbytes)))
+
+
+def matmul_tflops(
+    n: int = 8192, dtype: torch.dtype = torch.bfloat16, device: torch.device | str | int | None = None
+) -> float:
+    """Matmul throughput in TFLOP/s of an ``n x n`` by ``n x n`` product of random ``dtype`` matrices.
+
+    Counts ``2 * n**3`` FLOPs over the median time; the output buffer is allocated once.
+    """
+    _require_cuda("matmul_tflops")
+    if n < 1:
+        raise ValueError(f"n must be positive, got {n}")
+    return tflops(2 * n**3, _time_on(_cuda_device(device), _matmul(n, dtype)))
+
+
+@dataclass(frozen=True)
+class Ceilings:
+    """Practical ceilings measured in the current run: copy bandwidth (TB/s) and bf16 matmul (TFLOP/s)."""
+
+    copy_tbps: float
+    matmul_tflops: float
+
+    def as_dict(self) -> dict[str, float]:
+        return dataclasses.asdict(self)
+
+
+def measure_ceilings(device: torch.device | str | int | None = None) -> Ceilings:
+    """Measure :class:`Ceilings` with the defaults of :func:`copy_bandwidth_tbps` and :func:`matmul_tflops`."""
+    return Ceilings(copy_tbps=copy_bandwidth_tbps(device=device), matmul_tflops=matmul_tflops(device=device))
+
+
+# ----------------------------------------------------------------------------------------- accounting
+
+
+def _check_ms(ms: float) -> None:
+    if not ms > 0:
+        raise ValueError(f"time must be positive, got {ms} ms")
+
+
+def tbps(nbytes: float, ms: float) -> float:
+    """TB/s (10**12 bytes per second) for ``nbytes`` moved in ``ms`` milliseconds."""
+    _check_ms(ms)
+    return nbytes / (ms * 1e-3) / 1e12
+
+
+def tflops(flops: float, ms: float) -> float:
+    """TFLOP/s (10**12 FLOPs per second) for ``flops`` done in ``ms`` milliseconds."""
+    _check_ms(ms)
+    return flops / (ms * 1e-3) / 1e12
+
+
+def fraction(achieved: float, ceiling: float) -> float:
+    """``achieved / ceiling``, e.g. 0.8 for a kernel reaching 80% of copy bandwidth."""
+    if not ceiling > 0:
+        raise ValueError(f"ceiling must be positive, got {ceiling}")
+    return achieved / ceiling
+
+
+# -------------------------------------------------------------------------------------------- records
+
+
+def _dist_version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def environment() -> dict[str, Any]:
+    """What a result depends on: GPU, versions of Python, torch, Triton, the peers and fk; UTC time.
+
+    Holds no host name. Packages that are not installed map to ``None``.
+    """
+    try:
+        import triton
+
+        triton_version: str | None = triton.__version__
+    except ImportError:
+        triton_version = None
+    cuda = torch.cuda.is_available()
+    return {
+        "gpu": torch.cuda.get_device_name() if cuda else "cpu",
+        "gpu_count": torch.cuda.device_count() if cuda else 0,
+        "cuda": torch.version.cuda,
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "python": platform.python_version(),
+        "peers": {name: _dist_version(name) for name in PEER_PACKAGES},
+        "fk": {name: _dist_version(name) for name in FK_PACKAGES},
+        "date_utc": time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime()),
+    }
+
+
+def _json_default(value: object) -> object:
+    if isinstance(value, torch.Size):
+        return list(value)
+    return str(value)  # torch.dtype, torch.device, Path, ...
+
+
+@dataclass
+class BenchRecord:
+    """One benchmark's results: environment, ceilings and one row per measurement.
+
+    Each row is a flat dict with at least ``provider`` (e.g. ``"fk"``, ``"liger"``, ``"torch.compile"``)
+    plus whatever the benchmark measured: shape parameters, ``mode``, ``ms``, ``tbps``, ``peak_mb``...
+    ``environment`` defaults to :func:`environment` at construction time.
+    """
+
+    name: str
+    environment: dict[str, Any] = field(default_factory=environment)
+    ceilings: dict[str, float] = field(default_factory=dict)
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    notes: str = ""
+
+    def add(self, **fields: Any) -> dict[str, Any]:
+        """Append a row (must include ``provider``) and return it."""
+        if "provider" not in fields:
+            raise ValueError("a row needs a 'provider' field")
+        self.rows.append(fields)
+        return fields
+
+    def to_json(self, path: str | os.PathLike[str]) -> Path:
+        """Write the record as indented JSON with sorted keys, creating parent directories."""
+        out = Path(path)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        text = json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True, default=_json_default)
+        out.write_text(text + "\n", encoding="utf-8")
+        return out
+
+    @classmethod
+    def from_json(cls, path: str | os.PathLike[str]) -> BenchRecord:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+        return cls(
+            name=data["name"],
+            environment=data.get("environment", {}),
+            ceilings=data.get("ceilings", {}),
+            rows=data.get("rows", []),
+            notes=data.get("notes", ""),
+        )
+
+
+def _unique(values: Iterable[T]) -> list[T]:
+    """Distinct values in order of first appearance."""
+    seen: list[T] = []
+    for v in values:
+        if v not in seen:
+            seen.append(v)
+    return seen
+
+
+def plot(
+    record: BenchRecord,
+    *,
+    x: str,
+    y: str,
+    series: str = "provider",
+    facet: str | None = None,
+    path: str | os.PathLike[str],
+    title: str | None = None,
+    logx: bool = False,
+    ylabel: str | None = None,
+    hline: float | None = None,
+    hline_label: str | None = None,
+) -> Path:
+    """Line plot of ``y`` against ``x`` with one line per value of ``series``, saved as a PNG.
+
+    With ``facet``, one subplot per value of that field, side by side, sharing the y axis. ``hline``
+    draws a dashed horizontal line on every subplot (e.g. the copy-bandwidth ceiling). Rows without
+    ``x`` or ``y`` (or with ``None`` there, e.g. a provider that ran out of memory) are skipped.
+    Creates parent directories and returns the path.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in record.rows if r.get(x) is not None and r.get(y) is not None]
+    if not rows:
+        raise ValueError(f"no row of {record.name!r} has both {x!r} and {y!r}")
+    facets: list[Any] = _unique(r.get(facet) for r in rows) if facet else [None]
+    names: list[Any] = _unique(r.get(series) for r in rows)
+
+    fig, axes = plt.subplots(1, len(facets), figsize=(5 * len(facets), 4), squeeze=False, sharey=True)
+    try:
+        for ax, fval in zip(axes[0], facets, strict=True):
+            for name in names:
+                pts = [(r[x], r[y]) for r in rows if r.get(series) == name and (facet is None or r.get(facet) == fval)]
+                if not pts:
+                    continue
+                with contextlib.suppress(TypeError):  # mixed x types: keep the order of the rows
+                    pts.sort(key=lambda p: p[0])
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=str(name))
+            if hline is not None:
+                ax.axhline(hline, color="grey", linestyle="--", linewidth=1, label=hline_label)
+            if logx:
+                ax.set_xscale("log", base=2)
+            if facet is not None:
+                ax.set_title(f"{facet}={fval}")
+            ax.set_xlabel(x)
+            ax.grid(True, alpha=0.3)
+            ax.legend(fontsize="small")
+        axes[0][0].set_ylabel(ylabel or y)
+        fig.suptitle(title if title is not None else record.name)
+        fig.tight_layout()
+        out = Path(path)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(out, dpi=120)
+    finally:
+        plt.close(fig)
+    return out
+
+
+# --------------------------------------------------------------------------------------- run output
+
+
+def _format_elapsed(seconds: float) -> str:
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    minutes, secs = divmod(int(seconds), 60)
+    return f"{minutes}m{secs:02d}s"
+
+
+def progress(iterable: Iterable[T], total: int | None = None, desc: str = "") -> Generator[T, None, None]:
+    """Yield the items of ``iterable`` while showing ``[desc] done/total elapsed`` on stderr.
+
+    On a terminal the line is redrawn in place after each item; otherwise only the final line is
+    written. The final line ends with a newline, also when the loop is left early.
+    """
+    if total is None and isinstance(iterable, Sized):
+        total = len(iterable)
+    stream = sys.stderr
+    tty = stream.isatty()
+    prefix = f"[{desc}] " if desc else ""
+    start = time.perf_counter()
+    done = 0
+
+    def line() -> str:
+        count = f"{done}/{total}" if total is not None else f"{done}"
+        return f"{prefix}{count} {_format_elapsed(time.perf_counter() - start)}"
+
+    if tty:
+        stream.write("\r" + line())
+        stream.flush()
+    try:
+        for item in iterable:
+            yield item
+            done += 1
+            if tty:
+                stream.write("\r" + line())
+                stream.flush()
+    finally:
+        stream.write("\n" if tty else line() + "\n")
+        stream.flush()
+
+
+def _format_cell(value: object) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            return str(value)
+        if value == 0:
+            return "0"
+        magnitude = math.floor(math.log10(abs(float(f"{value:.3g}"))))  # of the rounded value: 99.96 -> 100
+        if magnitude >= 2:  # 123.4 -> "123", 12345.6 -> "12346": no exponent for big numbers
+            return f"{value:.0f}"
+        if magnitude >= -3:  # three significant digits in fixed notation: 1.23, 0.0123
+            return f"{value:.{2 - magnitude}f}"
+        return f"{value:.2e}"
+    return str(value).replace("|", "\\|")
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def markdown_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str]) -> str:
+    """A Markdown table of ``columns`` from ``rows``; floats to three significant digits.
+
+    Missing values are blank; columns holding only numbers are right-aligned.
+    """
+    cells = [[_format_cell(r.get(c)) for c in columns] for r in rows]
+    numeric = [
+        all(_is_number(r.get(c)) or r.get(c) is None for r in rows) and any(r.get(c) is not None for r in rows)
+        for c in columns
+    ]
+    widths = [max([len(c), 3, *(len(row[i]) for row in cells)]) for i, c in enumerate(columns)]
+
+    def fmt(values: Sequence[str]) -> str:
+        padded = [v.rjust(w) if num else v.ljust(w) for v, w, num in zip(values, widths, numeric, strict=True)]
+        return "| " + " | ".join(padded) + " |"
+
+    rule = (
+        "| "
+        + " | ".join("-" * (w - 1) + ":" if num else "-" * w for w, num in zip(widths, numeric, strict=True))
+        + " |"
+    )
+    return "\n".join([fmt(list(columns)), rule, *(fmt(row) for row in cells)])

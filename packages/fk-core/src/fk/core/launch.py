@@ -1,0 +1,91 @@
+"""Launch sizing for row-wise kernels (norms, activations, losses over the last dimension).
+
+A row-wise kernel processes a ``[rows, cols]`` matrix. It either holds a whole row (or several
+narrow rows) in one tile, or, for rows wider than its largest tile, loops over column tiles.
+:func:`row_tiling` picks the tile and the number of warps; :func:`persistent_grid` sizes a grid of
+programs that stride over the rows (one or a few waves across the GPU's multiprocessors), which is
+what kernels that accumulate per-program partial sums (weight gradients) want.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+MAX_TILE_ELEMENTS = 1 << 16
+"""The largest tile (elements) a row-wise fk kernel holds at once; wider rows loop."""
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= ``n`` (and >= 1)."""
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+@dataclass(frozen=True)
+class RowTiling:
+    """How a row-wise kernel covers a ``[rows, cols]`` matrix.
+
+    block_cols: columns in a tile, a power of two.
+    looped: True when one row needs several column tiles (the kernel loops over them).
+    rows_per_tile: rows processed together in one tile (1 when ``looped``).
+    num_warps: warps per program.
+    """
+
+    block_cols: int
+    looped: bool
+    rows_per_tile: int
+    num_warps: int
+
+
+def row_tiling(
+    n_cols: int,
+    *,
+    max_block_cols: int = 8192,
+    min_tile_elements: int = 2048,
+    allow_loop: bool = True,
+    name: str = "input",
+) -> RowTiling:
+    """Choose a tile for rows of ``n_cols`` elements.
+
+    Rows up to ``max_block_cols`` wide fit in one tile; narrow rows are grouped so that a tile has
+    at least ``min_tile_elements`` elements (enough loads in flight to keep memory busy). Wider
+    rows loop over tiles of ``max_block_cols`` columns, or raise a ``ValueError`` naming ``name``
+    when the kernel cannot loop (``allow_loop=False``): never a silent wrong answer.
+    """
+    if n_cols < 1:
+        raise ValueError(f"{name} must have at least one column, got {n_cols}")
+    max_block_cols = min(next_power_of_2(max_block_cols), MAX_TILE_ELEMENTS)
+    block = next_power_of_2(n_cols)
+    looped = block > max_block_cols
+    if looped:
+        if not allow_loop:
+            raise ValueError(f"{name} has rows of {n_cols} elements; this kernel handles at most {max_block_cols}")
+        block = max_block_cols
+    rows = 1 if looped else max(1, min_tile_elements // block)
+    elements = block * rows
+    num_warps = max(1, min(16, elements // 512))
+    return RowTiling(block_cols=block, looped=looped, rows_per_tile=rows, num_warps=num_warps)
+
+
+@functools.cache
+def _multiprocessors(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def multiprocessor_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device; a small fixed number elsewhere.
+
+    Off the GPU (Triton's interpreter runs programs one after another) the count only decides how
+    work is split, so 4 keeps partial-sum buffers small while still testing several programs.
+    """
+    if device.type != "cuda":
+        return 4
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _multiprocessors(index)
+
+
+def persistent_grid(n_work: int, device: torch.device, programs_per_multiprocessor: int = 1) -> int:
+    """Programs for a grid that strides over ``n_work`` items: at most a few per multiprocessor."""
+    return max(1, min(n_work, multiprocessor_count(device) * programs_per_multiprocessor))

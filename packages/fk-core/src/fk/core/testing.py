@@ -1,0 +1,270 @@
+"""Test helpers shared by every fk package (import from tests only; needs pytest and hypothesis).
+
+The tolerance rule
+------------------
+An fk kernel is compared with the float64 evaluation of its PyTorch reference. Its error may be at
+most ``factor`` times the error that PyTorch itself makes at the same dtype (the reference
+evaluated on the low-precision inputs, which upcasts to fp32 inside and rounds its result to the
+dtype), plus a floor of a few units in the last place of the dtype scaled by the magnitude of the
+result::
+
+    max|fk - ref64| <= factor * max|torch_at_dtype - ref64| + floor[dtype] * max|ref64| + 1e-12
+
+That bound is tight enough to catch a wrong formula, a missing term, a lost row or a wrong
+accumulation dtype, and loose enough for a different (equally good) summation order.
+:func:`compare_with_reference` applies it to the outputs and to the gradients of every input that
+requires one; ``tests/test_testing.py`` in fk-core shows that it fails on wrong implementations.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16)
+"""The floating dtypes every kernel is tested in."""
+
+FLOOR: dict[torch.dtype, float] = {torch.float32: 2e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}
+"""Error floor per dtype, relative to the largest reference value: about two units in the last place
+(fp32: enough for a different summation order)."""
+
+AWKWARD_WIDTHS: tuple[int, ...] = (1, 3, 17, 100, 257, 1000, 4097)
+"""Row widths that are not powers of two (and 1): they exercise masks and tile edges."""
+
+WIDE_WIDTHS: tuple[int, ...] = (16385, 65536)
+"""Row widths wider than one tile: they exercise looped paths."""
+
+AWKWARD_ROWS: tuple[int, ...] = (1, 7, 33)
+"""Row counts: one row, and counts that do not divide the rows handled per program."""
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def random_tensor(
+    shape: Sequence[int],
+    dtype: torch.dtype,
+    device: str | torch.device,
+    *,
+    seed: int,
+    scale: float = 1.0,
+    offset: float = 0.0,
+    requires_grad: bool = False,
+) -> torch.Tensor:
+    """Normal random values (``offset + scale * N(0, 1)``), drawn in fp32 on the CPU from ``seed``.
+
+    Drawing on the CPU makes a test's data the same on every machine; the values are then cast to
+    ``dtype`` and moved to ``device``. Never zeros: they hide unwritten outputs.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    values = torch.randn(tuple(shape), generator=gen, dtype=torch.float32) * scale + offset
+    out = values.to(dtype=dtype, device=device)
+    return out.requires_grad_(requires_grad)
+
+
+def with_layout(tensor: torch.Tensor, layout: str) -> torch.Tensor:
+    """The same values as ``tensor`` in another memory layout (a leaf, keeping ``requires_grad``).
+
+    ``"contiguous"``: as given. ``"row_strided"``: rows are a slice of a wider buffer (last stride 1,
+    row stride > width), as views of a fused projection are. ``"transposed"``: the last dimension
+    is not contiguous (a transposed buffer).
+    """
+    requires_grad = tensor.requires_grad
+    data = tensor.detach()
+    if layout == "contiguous":
+        out = data.clone()
+    elif layout == "row_strided":
+        width = data.shape[-1]
+        wide = torch.empty(*data.shape[:-1], width + 13, dtype=data.dtype, device=data.device)
+        wide.normal_()
+        wide[..., :width] = data
+        out = wide[..., :width]
+    elif layout == "transposed":
+        if data.ndim < 2:
+            raise ValueError("layout 'transposed' needs a tensor of at least 2 dimensions")
+        out = data.transpose(-1, -2).contiguous().transpose(-1, -2)
+    else:
+        raise ValueError(f"layout must be 'contiguous', 'row_strided' or 'transposed', got {layout!r}")
+    return out.requires_grad_(requires_grad)
+
+
+LAYOUTS: tuple[str, ...] = ("contiguous", "row_strided", "transposed")
+
+
+def max_abs_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """``max|actual - expected|`` in float64 (``inf`` where either has a NaN or inf it should not)."""
+    diff = (actual.detach().double().cpu() - expected.detach().double().cpu()).abs()
+    if diff.numel() == 0:
+        return 0.0
+    if not torch.isfinite(diff).all():
+        return math.inf
+    return float(diff.max())
+
+
+def assert_close(
+    actual: torch.Tensor,
+    reference: torch.Tensor,
+    baseline: torch.Tensor,
+    *,
+    name: str,
+    factor: float = 2.0,
+    floor: float | None = None,
+    atol: float = 1e-12,
+) -> None:
+    """Check ``actual`` against the float64 ``reference`` with the module's tolerance rule.
+
+    ``baseline`` is PyTorch's own result at ``actual.dtype``; its error sets the bound. ``atol``
+    replaces the tiny absolute term for results that are pure cancellation (a gradient that is
+    exactly zero in exact arithmetic): there the error scales with the cancelling terms, not
+    with the result.
+    """
+    if actual.shape != reference.shape:
+        raise AssertionError(f"{name}: shape {tuple(actual.shape)} != reference {tuple(reference.shape)}")
+    if floor is None:
+        floor = FLOOR.get(actual.dtype, FLOOR[torch.float32])
+    magnitude = float(reference.detach().double().abs().max()) if reference.numel() else 0.0
+    err = max_abs_error(actual, reference)
+    base_err = max_abs_error(baseline, reference)
+    bound = factor * (0.0 if math.isinf(base_err) else base_err) + floor * magnitude + atol
+    if not err <= bound:
+        raise AssertionError(
+            f"{name} ({dtype_name(actual.dtype)}): max error {err:.3e} > bound {bound:.3e} "
+            f"(PyTorch at this dtype: {base_err:.3e}, |reference| up to {magnitude:.3e})"
+        )
+
+
+@dataclass
+class Comparison:
+    """What :func:`compare_with_reference` compared: names and errors, for reports."""
+
+    names: list[str]
+    errors: list[float]
+
+
+def _as_tuple(out: Any) -> tuple[torch.Tensor, ...]:
+    if isinstance(out, torch.Tensor):
+        return (out,)
+    return tuple(o for o in out if isinstance(o, torch.Tensor))
+
+
+def _clone_args(args: Sequence[Any], dtype: torch.dtype | None, device: torch.device | None) -> list[Any]:
+    """Fresh leaves with the same values (optionally cast / moved), keeping requires_grad."""
+    out: list[Any] = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            b = a.detach()
+            if dtype is not None and b.is_floating_point():
+                b = b.to(dtype)
+            if device is not None:
+                b = b.to(device)
+            if dtype is None and device is None:
+                b = b.clone()
+            out.append(b.requires_grad_(a.requires_grad))
+        else:
+            out.append(a)
+    return out
+
+
+def _run(fn: Callable[..., Any], args: Sequence[Any], grad_seed: int) -> tuple[tuple[torch.Tensor, ...], list[Any]]:
+    outputs = _as_tuple(fn(*args))
+    leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+    grads: list[Any] = []
+    differentiable = [o for o in outputs if o.requires_grad]
+    if leaves and differentiable:
+        grad_outs = [
+            random_tensor(o.shape, torch.float32, "cpu", seed=grad_seed + i).to(dtype=o.dtype, device=o.device)
+            for i, o in enumerate(differentiable)
+        ]
+        grads = list(torch.autograd.grad(differentiable, leaves, grad_outs, allow_unused=True))
+    return outputs, grads
+
+
+def compare_with_reference(
+    fk_fn: Callable[..., Any],
+    ref_fn: Callable[..., Any],
+    args: Sequence[Any],
+    *,
+    baseline_fn: Callable[..., Any] | None = None,
+    factor: float = 2.0,
+    floors: dict[torch.dtype, float] | None = None,
+    atols: dict[torch.dtype, float] | None = None,
+    grad_seed: int = 1234,
+    arg_names: Sequence[str] | None = None,
+) -> Comparison:
+    """Compare ``fk_fn(*args)`` and its gradients with ``ref_fn`` evaluated in float64.
+
+    ``args`` are the inputs as the test wants them (dtype, device, layout); tensors with
+    ``requires_grad`` get gradients checked (random upstream gradients, the same for all three
+    runs). ``ref_fn`` runs on float64 CPU copies; ``baseline_fn`` (default ``ref_fn``) runs on
+    copies of ``args`` as given and sets the error bound. A gradient that fk returns as None where
+    the reference has one (or the reverse) fails. ``floors`` and ``atols`` override the relative
+    floor and the absolute term per dtype (see :func:`assert_close`).
+    """
+    baseline_fn = baseline_fn or ref_fn
+    floors = floors or {}
+    atols = atols or {}
+    fk_out, fk_grads = _run(fk_fn, _clone_args(args, None, None), grad_seed)
+    ref_out, ref_grads = _run(ref_fn, _clone_args(args, torch.float64, torch.device("cpu")), grad_seed)
+    base_out, base_grads = _run(baseline_fn, _clone_args(args, None, None), grad_seed)
+    if len(fk_out) != len(ref_out):
+        raise AssertionError(f"fk returned {len(fk_out)} tensors, the reference {len(ref_out)}")
+    if len(fk_grads) != len(ref_grads):
+        raise AssertionError(f"fk gave {len(fk_grads)} gradients, the reference {len(ref_grads)} (lost autograd?)")
+    all_names = list(arg_names) if arg_names else [f"arg{i}" for i in range(len(args))]
+    if len(all_names) != len(args):
+        raise ValueError(f"arg_names has {len(all_names)} names for {len(args)} args")
+    leaf_names = [n for n, a in zip(all_names, args, strict=True) if isinstance(a, torch.Tensor) and a.requires_grad]
+    names: list[str] = []
+    errors: list[float] = []
+    pairs = [(f"output{i}", a, r, b) for i, (a, r, b) in enumerate(zip(fk_out, ref_out, base_out, strict=True))]
+    pairs += [(f"grad of {n}", a, r, b) for n, a, r, b in zip(leaf_names, fk_grads, ref_grads, base_grads, strict=True)]
+    for name, actual, ref, base in pairs:
+        if (actual is None) != (ref is None):
+            raise AssertionError(f"{name}: fk gives {actual is not None}, the reference gives {ref is not None}")
+        if actual is None:
+            continue
+        if actual.dtype != base.dtype:
+            raise AssertionError(f"{name}: dtype {actual.dtype}, expected {base.dtype}")
+        assert_close(
+            actual,
+            ref,
+            base,
+            name=name,
+            factor=factor,
+            floor=floors.get(actual.dtype),
+            atol=atols.get(actual.dtype, 1e-12),
+        )
+        names.append(name)
+        errors.append(max_abs_error(actual, ref))
+    return Comparison(names, errors)
+
+
+# --- hypothesis strategies ----------------------------------------------------------------------
+
+
+def strategies() -> Any:
+    """Namespace of hypothesis strategies for fk property tests (imports hypothesis lazily)."""
+    from hypothesis import strategies as st
+
+    class _Strategies:
+        dtypes = st.sampled_from(DTYPES)
+        layouts = st.sampled_from(LAYOUTS)
+
+        @staticmethod
+        def rows(max_rows: int = 40) -> Any:
+            return st.integers(min_value=1, max_value=max_rows)
+
+        @staticmethod
+        def widths(max_width: int = 5000) -> Any:
+            return st.one_of(st.integers(min_value=1, max_value=max_width), st.sampled_from(AWKWARD_WIDTHS))
+
+        @staticmethod
+        def leading_shapes(max_dims: int = 3, max_size: int = 6) -> Any:
+            return st.lists(st.integers(min_value=1, max_value=max_size), min_size=1, max_size=max_dims)
+
+    return _Strategies

@@ -1,0 +1,290 @@
+"""CPU tests of fk.core.bench: accounting, records, plots, tables, progress, and the CUDA guards."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+import fk.core.bench as bench
+
+needs_no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised without CUDA")
+
+
+# --------------------------------------------------------------------------------------- accounting
+
+
+def test_tbps_counts_decimal_terabytes_per_second() -> None:
+    assert bench.tbps(1e12, 1000.0) == pytest.approx(1.0)
+    assert bench.tbps(2 * 2**30, 0.5) == pytest.approx(2 * 2**30 / 0.5e-3 / 1e12)
+    assert bench.tbps(3e9, 1.0) == pytest.approx(3.0)
+
+
+def test_tflops_counts_decimal_teraflops_per_second() -> None:
+    n = 8192
+    assert bench.tflops(2 * n**3, 2.0) == pytest.approx(2 * n**3 / 2e-3 / 1e12)
+    assert bench.tflops(5e11, 1.0) == pytest.approx(500.0)
+
+
+def test_fraction() -> None:
+    assert bench.fraction(2.4, 3.0) == pytest.approx(0.8)
+    assert bench.fraction(0.0, 3.0) == 0.0
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, math.nan])
+def test_accounting_rejects_non_positive_denominators(bad: float) -> None:
+    with pytest.raises(ValueError):
+        bench.tbps(1.0, bad)
+    with pytest.raises(ValueError):
+        bench.tflops(1.0, bad)
+    with pytest.raises(ValueError):
+        bench.fraction(1.0, bad)
+
+
+def test_time_stats_from_samples() -> None:
+    stats = bench.TimeStats.from_samples([5.0, 1.0, 3.0, 2.0, 4.0, 6.0])
+    assert stats.n == 6
+    assert stats.min == 1.0
+    assert stats.median == pytest.approx(3.5)
+    assert stats.p20 == pytest.approx(2.0)  # position 0.2 * 5 = 1.0 in [1, 2, 3, 4, 5, 6]
+    assert stats.p80 == pytest.approx(5.0)
+    single = bench.TimeStats.from_samples([0.25])
+    assert (single.median, single.p20, single.p80, single.min, single.n) == (0.25, 0.25, 0.25, 0.25, 1)
+    with pytest.raises(ValueError):
+        bench.TimeStats.from_samples([])
+
+
+# ------------------------------------------------------------------------------------- CUDA guards
+
+
+@needs_no_cuda
+def test_time_ms_needs_cuda() -> None:
+    with pytest.raises(RuntimeError, match="CUDA"):
+        bench.time_ms(lambda: None)
+    with pytest.raises(RuntimeError, match="CUDA"):
+        bench.time_stats_ms(lambda: None)
+
+
+@needs_no_cuda
+def test_peak_memory_needs_cuda() -> None:
+    calls: list[int] = []
+    with pytest.raises(RuntimeError, match="CUDA"):
+        bench.peak_memory_bytes(lambda: calls.append(1))
+    assert calls == []
+
+
+@needs_no_cuda
+def test_ceilings_need_cuda() -> None:
+    with pytest.raises(RuntimeError, match="CUDA"):
+        bench.copy_bandwidth_tbps(1024)
+    with pytest.raises(RuntimeError, match="CUDA"):
+        bench.matmul_tflops(64)
+    with pytest.raises(RuntimeError, match="CUDA"):
+        bench.measure_ceilings()
+
+
+# ------------------------------------------------------------------------------------------ records
+
+
+def test_environment_keys() -> None:
+    env = bench.environment()
+    assert {"gpu", "gpu_count", "torch", "triton", "python", "peers", "fk", "date_utc"} <= set(env)
+    assert env["torch"] == torch.__version__
+    assert set(env["peers"]) == {"liger-kernel", "cut-cross-entropy", "transformers", "peft"}
+    assert set(env["fk"]) == {"fk-core", "fk-norms", "fk-rope", "fk-glu", "fk-flce", "fk-lora", "fk"}
+    assert all(v is None or isinstance(v, str) for v in [*env["peers"].values(), *env["fk"].values()])
+    assert env["date_utc"].endswith("+00:00")
+    if not torch.cuda.is_available():
+        assert env["gpu"] == "cpu"
+        assert env["gpu_count"] == 0
+    json.dumps(env)  # serializable as is
+
+
+def test_environment_has_no_hostname() -> None:
+    import socket
+
+    host = socket.gethostname()
+    if len(host) < 4:
+        pytest.skip("host name too short to search for")
+    assert host not in json.dumps(bench.environment())
+
+
+def _record() -> bench.BenchRecord:
+    rec = bench.BenchRecord(name="rmsnorm", environment={"gpu": "cpu"}, ceilings={"copy_tbps": 3.0})
+    for provider, speed in [("fk", 2.4), ("torch", 1.2)]:
+        for mode in ["fwd", "fwd+bwd"]:
+            for hidden in [1024, 4096, 16384]:
+                rec.add(provider=provider, mode=mode, hidden=hidden, tbps=speed * hidden / 16384, ms=0.1)
+    rec.add(provider="liger", mode="fwd", hidden=16384, tbps=None, error="OOM")
+    rec.add(provider="eager", mode="fwd", hidden=16384)  # no y field at all
+    return rec
+
+
+def test_record_add_requires_provider() -> None:
+    rec = bench.BenchRecord(name="x", environment={})
+    row = rec.add(provider="fk", ms=1.5)
+    assert rec.rows == [{"provider": "fk", "ms": 1.5}]
+    assert row is rec.rows[0]
+    with pytest.raises(ValueError, match="provider"):
+        rec.add(ms=2.0)
+
+
+def test_record_default_environment() -> None:
+    rec = bench.BenchRecord(name="x")
+    assert rec.environment["torch"] == torch.__version__
+    assert rec.rows == [] and rec.ceilings == {} and rec.notes == ""
+
+
+def test_record_json_round_trip(tmp_path: Path) -> None:
+    rec = _record()
+    rec.notes = "bytes: read x and w, write y"
+    rec.add(provider="fk", dtype=torch.bfloat16, shape=torch.Size([2, 3]))
+    path = rec.to_json(tmp_path / "deep" / "dir" / "rmsnorm.json")
+    assert path.is_file()
+    text = path.read_text()
+    assert text.startswith("{\n  ")  # indented
+    back = bench.BenchRecord.from_json(path)
+    assert back.name == "rmsnorm"
+    assert back.environment == {"gpu": "cpu"}
+    assert back.ceilings == {"copy_tbps": 3.0}
+    assert back.notes == rec.notes
+    assert back.rows[:-1] == rec.rows[:-1]
+    assert back.rows[-1] == {"provider": "fk", "dtype": "torch.bfloat16", "shape": [2, 3]}
+    assert len(back.rows) == 15
+
+
+def test_ceilings_as_dict() -> None:
+    assert bench.Ceilings(copy_tbps=3.1, matmul_tflops=700.0).as_dict() == {"copy_tbps": 3.1, "matmul_tflops": 700.0}
+
+
+# -------------------------------------------------------------------------------------------- plots
+
+
+def _is_png(path: Path) -> bool:
+    return path.stat().st_size > 1000 and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_with_facets_and_hline(tmp_path: Path) -> None:
+    out = bench.plot(
+        _record(),
+        x="hidden",
+        y="tbps",
+        facet="mode",
+        path=tmp_path / "plots" / "rmsnorm.png",
+        title="RMSNorm",
+        logx=True,
+        ylabel="TB/s",
+        hline=3.0,
+        hline_label="copy",
+    )
+    assert out == tmp_path / "plots" / "rmsnorm.png"
+    assert _is_png(out)
+
+
+def test_plot_facets_make_a_wider_figure(tmp_path: Path) -> None:
+    from matplotlib.image import imread
+
+    one = bench.plot(_record(), x="hidden", y="tbps", path=tmp_path / "one.png")
+    two = bench.plot(_record(), x="hidden", y="tbps", facet="mode", path=tmp_path / "two.png")
+    assert _is_png(one) and _is_png(two)
+    h1, w1 = imread(one).shape[:2]
+    h2, w2 = imread(two).shape[:2]
+    assert h1 == h2
+    assert w2 == 2 * w1
+
+
+def test_plot_closes_its_figure(tmp_path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    before = len(plt.get_fignums())
+    bench.plot(_record(), x="hidden", y="ms", path=tmp_path / "ms.png")
+    assert len(plt.get_fignums()) == before
+
+
+def test_plot_without_any_y_raises(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="peak_mb"):
+        bench.plot(_record(), x="hidden", y="peak_mb", path=tmp_path / "none.png")
+    assert not (tmp_path / "none.png").exists()
+
+
+# ------------------------------------------------------------------------------------ markdown table
+
+
+def _cells(line: str) -> list[str]:
+    """The stripped cells of a Markdown table line, splitting on unescaped pipes."""
+    return [c.strip() for c in re.split(r"(?<!\\)\|", line)[1:-1]]
+
+
+def test_markdown_table() -> None:
+    rows = [
+        {"provider": "fk", "ms": 0.123456, "tbps": 2.71828, "peak_mb": 12345.6, "n": 4096},
+        {"provider": "liger", "ms": 12.0, "tbps": 0.0001234, "n": 8192},
+        {"provider": "a|b", "ms": 99.96, "tbps": 0.0},
+    ]
+    lines = bench.markdown_table(rows, ["provider", "ms", "tbps", "peak_mb", "n"]).splitlines()
+    assert len(lines) == 5
+    assert _cells(lines[0]) == ["provider", "ms", "tbps", "peak_mb", "n"]
+    assert _cells(lines[1]) == ["--------", "----:", "-------:", "------:", "---:"]  # numbers right-aligned
+    assert _cells(lines[2]) == ["fk", "0.123", "2.72", "12346", "4096"]
+    assert _cells(lines[3]) == ["liger", "12.0", "1.23e-04", "", "8192"]
+    assert _cells(lines[4]) == ["a\\|b", "100", "0", "", ""]
+    assert len({len(line) for line in lines}) == 1  # padded to equal width
+
+
+def test_markdown_table_empty() -> None:
+    assert bench.markdown_table([], ["a", "bb"]).splitlines() == ["| a   | bb  |", "| --- | --- |"]
+
+
+def test_markdown_table_float_formatting() -> None:
+    cases = {1.0: "1.00", 1234.5: "1234", 0.5: "0.500", 0.001234: "0.00123", -2.5: "-2.50", math.inf: "inf"}
+    table = bench.markdown_table([{"v": v} for v in cases], ["v"])
+    assert [line.strip("| ").strip() for line in table.splitlines()[2:]] == list(cases.values())
+
+
+# ----------------------------------------------------------------------------------------- progress
+
+
+def test_progress_yields_all_items_quietly_without_tty(capsys: pytest.CaptureFixture[str]) -> None:
+    items = list(bench.progress(range(7), desc="sweep"))
+    assert items == list(range(7))
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert err.startswith("[sweep] 7/7 ")
+    assert "\r" not in err
+
+
+def test_progress_generator_without_len(capsys: pytest.CaptureFixture[str]) -> None:
+    assert list(bench.progress(iter("abc"))) == ["a", "b", "c"]
+    assert capsys.readouterr().err.startswith("3 ")
+    assert list(bench.progress(iter("abc"), total=3, desc="x")) == ["a", "b", "c"]
+    assert capsys.readouterr().err.startswith("[x] 3/3 ")
+
+
+class _Tty(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_redraws_on_a_tty(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = _Tty()
+    monkeypatch.setattr("sys.stderr", fake)
+    assert list(bench.progress([10, 20, 30], desc="d")) == [10, 20, 30]
+    out = fake.getvalue()
+    assert out.count("\r") == 4  # initial 0/3, then after each item
+    assert "\r[d] 0/3 " in out and "\r[d] 3/3 " in out
+    assert out.endswith("\n") and out.count("\n") == 1
+
+
+def test_progress_ends_line_when_loop_breaks(capsys: pytest.CaptureFixture[str]) -> None:
+    gen = bench.progress(range(10), desc="b")
+    for i in gen:
+        if i == 2:
+            break
+    gen.close()
+    err = capsys.readouterr().err
+    assert err.startswith("[b] 2/10 ") and err.endswith("\n")

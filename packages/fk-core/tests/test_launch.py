@@ -1,0 +1,46 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fk.core.launch import MAX_TILE_ELEMENTS, next_power_of_2, persistent_grid, row_tiling
+
+
+@pytest.mark.parametrize(("n", "expected"), [(1, 1), (2, 2), (3, 4), (1000, 1024), (1024, 1024), (1025, 2048)])
+def test_next_power_of_2(n: int, expected: int) -> None:
+    assert next_power_of_2(n) == expected
+
+
+def test_narrow_rows_are_grouped() -> None:
+    tiling = row_tiling(100, min_tile_elements=2048)
+    assert tiling.block_cols == 128 and not tiling.looped
+    assert tiling.rows_per_tile == 16
+
+
+def test_row_that_fits_one_tile() -> None:
+    tiling = row_tiling(4097, max_block_cols=8192)
+    assert tiling == row_tiling(8192, max_block_cols=8192)
+    assert tiling.block_cols == 8192 and not tiling.looped and tiling.rows_per_tile == 1
+
+
+def test_wide_row_loops_or_raises() -> None:
+    tiling = row_tiling(65537, max_block_cols=8192)
+    assert tiling.looped and tiling.block_cols == 8192 and tiling.rows_per_tile == 1
+    with pytest.raises(ValueError, match="logits has rows of 65537 elements"):
+        row_tiling(65537, max_block_cols=8192, allow_loop=False, name="logits")
+
+
+def test_tile_never_exceeds_the_limit() -> None:
+    assert row_tiling(10**7, max_block_cols=10**7).block_cols == MAX_TILE_ELEMENTS
+
+
+def test_empty_row_is_an_error() -> None:
+    with pytest.raises(ValueError, match="x must have at least one column"):
+        row_tiling(0, name="x")
+
+
+def test_persistent_grid_bounds() -> None:
+    cpu = torch.device("cpu")
+    assert persistent_grid(1, cpu) == 1
+    assert persistent_grid(0, cpu) == 1
+    assert persistent_grid(10**6, cpu, 2) == 8

@@ -1,0 +1,97 @@
+"""The tolerance harness must pass good implementations and fail wrong ones."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fk.core import testing
+
+
+def softmax_ref(x: torch.Tensor) -> torch.Tensor:
+    compute = torch.promote_types(x.dtype, torch.float32)
+    return torch.softmax(x.to(compute), dim=-1).to(x.dtype)
+
+
+def softmax_good(x: torch.Tensor) -> torch.Tensor:
+    # Same function, another summation order.
+    xf = x.float()
+    e = torch.exp(xf - xf.max(-1, keepdim=True).values)
+    return (e / e.flip(-1).sum(-1, keepdim=True)).to(x.dtype)
+
+
+def softmax_wrong_scale(x: torch.Tensor) -> torch.Tensor:
+    return (torch.softmax(x.float(), dim=-1) * 1.03).to(x.dtype)
+
+
+def softmax_low_precision(x: torch.Tensor) -> torch.Tensor:
+    # Accumulating in the input dtype: visibly worse than PyTorch at fp16/bf16.
+    e = torch.exp(x - x.max(-1, keepdim=True).values)
+    total = torch.zeros_like(e[..., :1])
+    for i in range(e.shape[-1]):
+        total = total + e[..., i : i + 1]
+    return e / total
+
+
+def softmax_lost_row(x: torch.Tensor) -> torch.Tensor:
+    y = softmax_ref(x).clone()
+    y[-1] = 0
+    return y
+
+
+@pytest.mark.parametrize("dtype", testing.DTYPES, ids=testing.dtype_name)
+def test_good_implementation_passes(dtype: torch.dtype) -> None:
+    x = testing.random_tensor((9, 300), dtype, "cpu", seed=0, scale=3, requires_grad=True)
+    result = testing.compare_with_reference(softmax_good, softmax_ref, [x])
+    assert result.names == ["output0", "grad of arg0"]
+
+
+@pytest.mark.parametrize("wrong", [softmax_wrong_scale, softmax_lost_row])
+@pytest.mark.parametrize("dtype", testing.DTYPES, ids=testing.dtype_name)
+def test_wrong_implementation_fails(wrong, dtype: torch.dtype) -> None:
+    x = testing.random_tensor((9, 300), dtype, "cpu", seed=1, scale=3, requires_grad=True)
+    with pytest.raises(AssertionError, match="max error"):
+        testing.compare_with_reference(wrong, softmax_ref, [x])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=testing.dtype_name)
+def test_low_precision_accumulation_fails(dtype: torch.dtype) -> None:
+    x = testing.random_tensor((4, 2000), dtype, "cpu", seed=2, scale=0.1)
+    with pytest.raises(AssertionError, match="max error"):
+        testing.compare_with_reference(softmax_low_precision, softmax_ref, [x])
+
+
+def test_nan_fails() -> None:
+    x = testing.random_tensor((3, 10), torch.float32, "cpu", seed=3)
+    with pytest.raises(AssertionError):
+        testing.compare_with_reference(lambda t: softmax_ref(t) * float("nan"), softmax_ref, [x])
+
+
+def test_missing_gradient_fails() -> None:
+    x = testing.random_tensor((3, 10), torch.float32, "cpu", seed=4, requires_grad=True)
+    w = testing.random_tensor((10,), torch.float32, "cpu", seed=5, requires_grad=True)
+
+    def ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return x * w
+
+    def detached_w(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return x * w.detach()
+
+    with pytest.raises(AssertionError, match="grad of w"):
+        testing.compare_with_reference(detached_w, ref, [x, w], arg_names=["x", "w"])
+
+
+@pytest.mark.parametrize("layout", testing.LAYOUTS)
+def test_with_layout_keeps_values(layout: str) -> None:
+    x = testing.random_tensor((5, 7), torch.float32, "cpu", seed=6, requires_grad=True)
+    y = testing.with_layout(x, layout)
+    assert torch.equal(y, x.detach())
+    assert y.requires_grad and y.is_leaf
+    assert y.is_contiguous() == (layout == "contiguous")
+
+
+def test_random_tensor_is_reproducible_and_nonzero() -> None:
+    a = testing.random_tensor((100,), torch.bfloat16, "cpu", seed=7)
+    b = testing.random_tensor((100,), torch.bfloat16, "cpu", seed=7)
+    assert torch.equal(a, b)
+    assert (a != 0).all()

@@ -1,0 +1,289 @@
+"""RMSNorm against its float64 reference: on the GPU where there is one, else in Triton's interpreter."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from fk.core import testing
+from fk.core.testing import AWKWARD_ROWS, AWKWARD_WIDTHS, DTYPES, WIDE_WIDTHS, dtype_name
+from fk.norms import RMSNorm, rms_norm, rms_norm_ref
+from fk.norms.rms_norm import dw_partial_rows
+
+MODES = ("llama", "gemma")
+EPS = 1e-6
+
+
+def _fk(mode: str, eps: float = EPS) -> Callable[..., torch.Tensor]:
+    return lambda x, w=None: rms_norm(x, w, eps, casting_mode=mode)
+
+
+def _ref(mode: str, eps: float = EPS) -> Callable[..., torch.Tensor]:
+    return lambda x, w=None: rms_norm_ref(x, w, eps, mode)
+
+
+# With one column, dx = r * (g - xhat^2 g) is zero up to eps: pure cancellation between terms of
+# size |g|, so its error is judged against |g| (up to ~10 here), not against dx.
+WIDTH_ONE_ATOLS = {torch.float32: 1e-5, torch.float16: 1e-5, torch.bfloat16: 1e-4}
+
+
+def _atols(width: int) -> dict[torch.dtype, float] | None:
+    return WIDTH_ONE_ATOLS if width == 1 else None
+
+
+def _inputs(shape: tuple[int, ...], dtype: torch.dtype, device: str, seed: int, weight_grad: bool = True) -> list[Any]:
+    x = testing.random_tensor(shape, dtype, device, seed=seed, scale=2.0, requires_grad=True)
+    w = testing.random_tensor(
+        shape[-1:], dtype, device, seed=seed + 1, offset=1.0, scale=0.5, requires_grad=weight_grad
+    )
+    return [x, w]
+
+
+@pytest.mark.parametrize("width", AWKWARD_WIDTHS)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
+def test_matches_reference(device: str, dtype: torch.dtype, mode: str, width: int) -> None:
+    args = _inputs((7, width), dtype, device, seed=width)
+    testing.compare_with_reference(_fk(mode), _ref(mode), args, arg_names=["x", "weight"], atols=_atols(width))
+
+
+@pytest.mark.parametrize("width", WIDE_WIDTHS)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
+def test_wide_rows_match_reference(device: str, dtype: torch.dtype, mode: str, width: int) -> None:
+    args = _inputs((3, width), dtype, device, seed=width)
+    testing.compare_with_reference(_fk(mode), _ref(mode), args, arg_names=["x", "weight"])
+
+
+@pytest.mark.parametrize("rows", AWKWARD_ROWS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
+def test_row_counts_and_leading_dims(device: str, dtype: torch.dtype, rows: int) -> None:
+    args = _inputs((rows, 2, 96), dtype, device, seed=rows)
+    testing.compare_with_reference(_fk("llama"), _ref("llama"), args, arg_names=["x", "weight"])
+
+
+@pytest.mark.parametrize("layout", ["row_strided", "transposed"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
+def test_non_contiguous_input(device: str, dtype: torch.dtype, layout: str) -> None:
+    x, w = _inputs((33, 300), dtype, device, seed=5)
+    x = testing.with_layout(x, layout)
+    testing.compare_with_reference(_fk("llama"), _ref("llama"), [x, w], arg_names=["x", "weight"])
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
+def test_frozen_weight_matches_reference(device: str, dtype: torch.dtype, mode: str) -> None:
+    args = _inputs((7, 1000), dtype, device, seed=11, weight_grad=False)
+    result = testing.compare_with_reference(_fk(mode), _ref(mode), args, arg_names=["x", "weight"])
+    assert result.names == ["output0", "grad of x"]
+
+
+@pytest.mark.parametrize("width", [100, 20000])
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
+def test_no_weight(device: str, dtype: torch.dtype, width: int) -> None:
+    x = testing.random_tensor((5, width), dtype, device, seed=3, requires_grad=True)
+    testing.compare_with_reference(_fk("llama"), _ref("llama"), [x])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
+def test_frozen_input_trainable_weight(device: str, dtype: torch.dtype) -> None:
+    x, w = _inputs((9, 200), dtype, device, seed=4)
+    x.requires_grad_(False)
+    result = testing.compare_with_reference(_fk("llama"), _ref("llama"), [x, w], arg_names=["x", "weight"])
+    assert result.names == ["output0", "grad of weight"]
+
+
+def test_offset_argument(device: str) -> None:
+    x, w = _inputs((6, 64), torch.float32, device, seed=8)
+    fk_fn = lambda x, w: rms_norm(x, w, EPS, casting_mode="llama", offset=0.5)  # noqa: E731
+    ref_fn = lambda x, w: rms_norm_ref(x, w, EPS, "llama", 0.5)  # noqa: E731
+    testing.compare_with_reference(fk_fn, ref_fn, [x, w], arg_names=["x", "weight"])
+
+
+def test_llama_mode_matches_torch_rms_norm(device: str) -> None:
+    x, w = _inputs((17, 513), torch.float32, device, seed=9)
+    expected = torch.nn.functional.rms_norm(x.detach(), (513,), w.detach(), EPS)
+    torch.testing.assert_close(rms_norm(x.detach(), w.detach(), EPS), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_gemma_mode_applies_one_plus_weight(device: str) -> None:
+    x, w = _inputs((4, 32), torch.float32, device, seed=10)
+    expected = rms_norm(x.detach(), w.detach() + 1.0, EPS, casting_mode="llama")
+    torch.testing.assert_close(rms_norm(x.detach(), w.detach(), EPS, casting_mode="gemma"), expected)
+
+
+def test_zero_rows(device: str) -> None:
+    x = torch.empty(0, 64, device=device, requires_grad=True)
+    w = torch.ones(64, device=device, requires_grad=True)
+    y = rms_norm(x, w)
+    assert y.shape == (0, 64)
+    y.sum().backward()
+    assert x.grad is not None and x.grad.shape == (0, 64)
+    assert w.grad is not None and torch.equal(w.grad, torch.zeros(64, device=device))
+
+
+def test_every_output_element_is_written(device: str) -> None:
+    # Poison the allocator's memory: outputs must not keep NaNs from earlier tensors.
+    for _ in range(3):
+        torch.full((7, 3000), float("nan"), device=device)
+    x, w = _inputs((7, 3000), torch.bfloat16, device, seed=12)
+    y = rms_norm(x, w)
+    y.backward(torch.ones_like(y))
+    assert torch.isfinite(y).all() and x.grad is not None and torch.isfinite(x.grad).all()
+    assert w.grad is not None and torch.isfinite(w.grad).all()
+
+
+def test_upstream_gradient_with_zero_strides(device: str) -> None:
+    # loss.sum() sends back an expanded gradient (every stride 0).
+    x, w = _inputs((5, 130), torch.float32, device, seed=13)
+    rms_norm(x, w).sum().backward()
+    xr, wr = (t.detach().double().requires_grad_() for t in (x, w))
+    rms_norm_ref(xr, wr, EPS).sum().backward()
+    assert x.grad is not None and w.grad is not None and xr.grad is not None and wr.grad is not None
+    torch.testing.assert_close(x.grad.double(), xr.grad, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(w.grad.double(), wr.grad, rtol=1e-4, atol=1e-5)
+
+
+def _allocated_sizes(fn: Callable[[], None]) -> set[int]:
+    """Bytes of every allocation made while ``fn`` runs (host and device), seen by the profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities, profile_memory=True) as prof:
+        fn()
+    sizes = set()
+    for event in prof.events():
+        for field in ("cpu_memory_usage", "device_memory_usage"):
+            size = getattr(event, field, 0) or 0
+            if size > 0:
+                sizes.add(size)
+    return sizes
+
+
+@pytest.mark.parametrize("width", [1000, 20000])
+def test_frozen_weight_allocates_no_partial_buffer(device: str, width: int) -> None:
+    rows = 64
+    partial_bytes = dw_partial_rows(rows, width, torch.device(device)) * width * 4
+    dx_bytes = rows * width * 2
+    for weight_grad in (True, False):
+        x, w = _inputs((rows, width), torch.bfloat16, device, seed=14, weight_grad=weight_grad)
+        y = rms_norm(x, w)
+        dy = torch.randn_like(y)
+        sizes = _allocated_sizes(lambda: y.backward(dy))  # noqa: B023
+        assert dx_bytes in sizes, sizes  # the profiler does see the backward's allocations
+        assert (partial_bytes in sizes) == weight_grad, sizes
+        if not weight_grad:
+            assert max(sizes) == dx_bytes, sizes  # nothing as large as a weight-sized buffer besides dx
+        assert (w.grad is not None) == weight_grad
+
+
+def test_module_matches_torch_module(device: str) -> None:
+    torch_norm = torch.nn.RMSNorm(96, eps=1e-5, device=device)
+    with torch.no_grad():
+        torch_norm.weight.normal_()
+    fk_norm = RMSNorm(96, eps=1e-5, device=device)
+    assert fk_norm.state_dict().keys() == torch_norm.state_dict().keys()
+    fk_norm.load_state_dict(torch_norm.state_dict())
+    x = testing.random_tensor((3, 5, 96), torch.float32, device, seed=15)
+    torch.testing.assert_close(fk_norm(x), torch_norm(x), rtol=1e-5, atol=1e-5)
+    assert isinstance(fk_norm, torch.nn.RMSNorm)
+
+
+@pytest.mark.parametrize("affine", [True, False])
+def test_module_options(device: str, affine: bool) -> None:
+    torch_norm = torch.nn.RMSNorm((4, 24), elementwise_affine=affine, device=device)  # eps=None
+    fk_norm = RMSNorm((4, 24), elementwise_affine=affine, device=device)
+    if affine:
+        with torch.no_grad():
+            torch_norm.weight.normal_()
+        fk_norm.load_state_dict(torch_norm.state_dict())
+    x = testing.random_tensor((3, 4, 24), torch.float32, device, seed=16)
+    torch.testing.assert_close(fk_norm(x), torch_norm(x), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match=r"x must end with the dimensions \(4, 24\)"):
+        fk_norm(x[..., :10])
+
+
+def test_bad_inputs(device: str) -> None:
+    x = torch.randn(4, 8, device=device)
+    w = torch.randn(8, device=device)
+    with pytest.raises(TypeError, match=r"x must be a torch\.Tensor"):
+        rms_norm([1.0], w)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="x must have dtype in"):
+        rms_norm(x.to(torch.int32), w)
+    with pytest.raises(TypeError, match="weight must have dtype in"):
+        rms_norm(x, w.to(torch.int64))
+    with pytest.raises(ValueError, match=r"weight must have shape \(8,\), got \(7,\)"):
+        rms_norm(x, w[:7])
+    with pytest.raises(ValueError, match="weight must be on the device of x"):
+        rms_norm(x, torch.randn(8, device="meta"))
+    with pytest.raises(ValueError, match="eps must be > 0"):
+        rms_norm(x, w, eps=-1.0)
+    with pytest.raises(ValueError, match="casting_mode must be one of"):
+        rms_norm(x, w, casting_mode="llama3")
+    with pytest.raises(ValueError, match="x must have at least 1 dimension"):
+        rms_norm(torch.tensor(1.0, device=device))
+    with pytest.raises(ValueError, match="non-empty last dimension"):
+        rms_norm(torch.randn(4, 0, device=device))
+    with pytest.raises(TypeError, match="offset must be a float"):
+        rms_norm(x, w, offset="1")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="casting_mode must be one of"):
+        RMSNorm(8, casting_mode="gema")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_name)
+def test_torch_compile_fullgraph(device: str, dtype: torch.dtype) -> None:
+    torch._dynamo.reset()
+    x, w = _inputs((6, 257), dtype, device, seed=17)
+
+    def loss(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return (rms_norm(x * 2.0, w, EPS) * 3.0).sum()
+
+    compiled = torch.compile(loss, fullgraph=True)
+    compiled(x, w).backward()
+    assert x.grad is not None and w.grad is not None
+    gx, gw = x.grad.clone(), w.grad.clone()
+    x.grad = w.grad = None
+    loss(x, w).backward()
+    torch.testing.assert_close(gx, x.grad)
+    torch.testing.assert_close(gw, w.grad)
+
+
+S = testing.strategies()
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(dtype=S.dtypes, layout=S.layouts, rows=S.rows(40), width=S.widths(3000), mode=st.sampled_from(MODES))
+def test_property_any_shape_dtype_layout(
+    device: str, dtype: torch.dtype, layout: str, rows: int, width: int, mode: str
+) -> None:
+    x, w = _inputs((rows, width), dtype, device, seed=rows * 7919 + width)
+    x = testing.with_layout(x, layout)
+    testing.compare_with_reference(_fk(mode), _ref(mode), [x, w], arg_names=["x", "weight"], atols=_atols(width))
+
+
+def test_cpu_without_interpreter_takes_the_reference() -> None:
+    code = (
+        "import torch; from fk.norms import rms_norm, rms_norm_ref; from fk.core import backend;"
+        "x = torch.randn(3, 10, dtype=torch.bfloat16); w = torch.randn(10, dtype=torch.bfloat16);"
+        "assert backend.kernel_path(x) is backend.KernelPath.REFERENCE;"
+        "assert torch.equal(rms_norm(x, w, 1e-6), rms_norm_ref(x, w, 1e-6)); print('ok')"
+    )
+    env = {**os.environ, "TRITON_INTERPRET": "0", "CUDA_VISIBLE_DEVICES": ""}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("width", [1024, 4096, 8192, 32768, 65536])
+@pytest.mark.parametrize("mode", MODES)
+def test_gpu_training_shapes(width: int, mode: str) -> None:
+    args = _inputs((4096 if width <= 8192 else 512, width), torch.bfloat16, "cuda", seed=width)
+    testing.compare_with_reference(_fk(mode), _ref(mode), args, arg_names=["x", "weight"])
