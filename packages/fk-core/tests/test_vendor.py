@@ -14,6 +14,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+import torch
 
 from fk.core.vendor import VendorError, main, rewrite_imports, vendor, vendor_packages
 
@@ -342,9 +343,14 @@ def _norms_missing() -> bool:
 @pytest.mark.skipif(_norms_missing(), reason="fk.norms is not importable (not written or not on the path yet)")
 @pytest.mark.parametrize(
     ("layout", "interpret"),
-    [pytest.param("top", "1", id="top-level-interpreter"), pytest.param("nested", "0", id="nested-reference")],
+    [pytest.param("top", "1", id="top-level-kernel"), pytest.param("nested", "0", id="nested-reference")],
 )
 def test_vendor_norms_end_to_end(tmp_path: Path, layout: str, interpret: str) -> None:
+    # The "top" case runs the vendored kernels: compiled on a GPU, else in Triton's interpreter.
+    # The "nested" case runs on the CPU without the interpreter: the vendored reference path.
+    tensor_device = "cpu"
+    if interpret == "1" and torch.cuda.is_available():
+        interpret, tensor_device = "0", "cuda"
     if layout == "top":
         into, module = tmp_path, "myvendor"
     else:
@@ -364,8 +370,8 @@ def test_vendor_norms_end_to_end(tmp_path: Path, layout: str, interpret: str) ->
         from {module}.norms import RMSNorm, rms_norm
 
         torch.manual_seed(0)
-        x = torch.randn(3, 5, 64, requires_grad=True)
-        weight = torch.randn(64, requires_grad=True)
+        x = torch.randn(3, 5, 64, device="{tensor_device}", requires_grad=True)
+        weight = torch.randn(64, device="{tensor_device}", requires_grad=True)
         out = rms_norm(x, weight, eps=1e-6)
         ref_x = x.detach().clone().requires_grad_(True)
         ref_weight = weight.detach().clone().requires_grad_(True)

@@ -44,13 +44,16 @@ def row_tiling(
     *,
     max_block_cols: int = 8192,
     min_tile_elements: int = 2048,
+    elements_per_warp: int = 512,
+    max_warps: int = 16,
     allow_loop: bool = True,
     name: str = "input",
 ) -> RowTiling:
     """Choose a tile for rows of ``n_cols`` elements.
 
     Rows up to ``max_block_cols`` wide fit in one tile; narrow rows are grouped so that a tile has
-    at least ``min_tile_elements`` elements (enough loads in flight to keep memory busy). Wider
+    at least ``min_tile_elements`` elements (enough loads in flight to keep memory busy), with one
+    warp per ``elements_per_warp`` elements of the tile (at most ``max_warps``). Wider
     rows loop over tiles of ``max_block_cols`` columns, or raise a ``ValueError`` naming ``name``
     when the kernel cannot loop (``allow_loop=False``): never a silent wrong answer.
     """
@@ -65,7 +68,7 @@ def row_tiling(
         block = max_block_cols
     rows = 1 if looped else max(1, min_tile_elements // block)
     elements = block * rows
-    num_warps = max(1, min(16, elements // 512))
+    num_warps = max(1, min(max_warps, elements // elements_per_warp))
     return RowTiling(block_cols=block, looped=looped, rows_per_tile=rows, num_warps=num_warps)
 
 

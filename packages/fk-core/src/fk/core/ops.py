@@ -1,18 +1,20 @@
-"""Registering fk launchers as PyTorch custom ops.
+"""Registering fk launchers as PyTorch custom ops, with a cheap eager path.
 
 Every fk launcher (a Python function that takes tensors, launches Triton kernels and returns
 tensors) is registered with ``torch.library`` as a custom op with a fake (meta) implementation,
-and the forward op gets its backward through ``register_autograd``. ``torch.compile(fullgraph=True)``
-then traces through fk ops without graph breaks, and autograd works in eager mode too.
+and a forward op gets its backward through ``register_autograd``. ``torch.compile(fullgraph=True)``
+then traces through fk ops without graph breaks.
+
+A custom op call costs tens to hundreds of microseconds of Python on the host (argument
+normalization, alias checks), which is more than the whole kernel at small sizes. So
+:func:`define_autograd_op` returns a function that uses the custom ops only while
+``torch.compile`` traces, and in eager mode runs the *same* launchers and the *same* backward
+through a plain ``torch.autograd.Function``. Both paths share every line of kernel and gradient
+code; the tests run both.
 
 The op namespace is derived from the defining module's import name (``fk.norms.rms_norm`` becomes
 ``fk_norms_rms_norm``), so a vendored copy of a package (imported under another name) registers
 its own ops instead of clashing with an installed fk.
-
-Use::
-
-    rms_norm_fwd = define_op(__name__, "fwd", _rms_norm_fwd, fake=_rms_norm_fwd_fake)
-    rms_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
 """
 
 from __future__ import annotations
@@ -50,3 +52,60 @@ def define_op(
     op = torch.library.custom_op(f"{op_namespace(module_name)}::{name}", impl, mutates_args=tuple(mutates_args))
     op.register_fake(fake)
     return op
+
+
+def define_autograd_op(
+    module_name: str,
+    name: str,
+    *,
+    forward: Callable[..., Any],
+    forward_fake: Callable[..., Any],
+    backward_launcher: Callable[..., Any],
+    backward_fake: Callable[..., Any],
+    setup_context: Callable[[Any, tuple[Any, ...], Any], None],
+    backward: Callable[..., Any],
+    forward_mutates_args: Iterable[str] = (),
+    backward_mutates_args: Iterable[str] = (),
+) -> Callable[..., Any]:
+    """A differentiable fk op: ``<name>_fwd`` and ``<name>_bwd`` custom ops plus an eager path.
+
+    - ``forward(*inputs)``: the forward launcher; ``forward_fake`` its fake implementation.
+    - ``backward_launcher(...)``: the backward launcher; ``backward_fake`` its fake.
+    - ``setup_context(ctx, inputs, output)``: saves what the backward needs (as in
+      ``register_autograd``).
+    - ``backward(run_backward, ctx, *grad_outputs)``: the gradient formula. It must launch the
+      backward through ``run_backward`` (the custom op under ``torch.compile``, the launcher itself
+      in eager mode) and return one gradient (or None) per input.
+
+    Returns ``apply(*inputs)``, which calls the custom op while ``torch.compile`` traces and a
+    plain ``torch.autograd.Function`` otherwise.
+    """
+    bwd_op = define_op(
+        module_name, f"{name}_bwd", backward_launcher, fake=backward_fake, mutates_args=backward_mutates_args
+    )
+    fwd_op = define_op(module_name, f"{name}_fwd", forward, fake=forward_fake, mutates_args=forward_mutates_args)
+    fwd_op.register_autograd(lambda ctx, *grads: backward(bwd_op, ctx, *grads), setup_context=setup_context)
+
+    class Eager(torch.autograd.Function):
+        @staticmethod
+        def forward(*inputs: Any) -> Any:
+            return forward(*inputs)
+
+        @staticmethod
+        def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+            setup_context(ctx, inputs, output)
+
+        @staticmethod
+        def backward(ctx: Any, *grads: Any) -> Any:
+            return backward(backward_launcher, ctx, *grads)
+
+    Eager.__name__ = Eager.__qualname__ = f"{name}_eager"
+
+    def apply(*inputs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return fwd_op(*inputs)
+        return Eager.apply(*inputs)
+
+    apply.fwd_op = fwd_op  # type: ignore[attr-defined]
+    apply.bwd_op = bwd_op  # type: ignore[attr-defined]
+    return apply

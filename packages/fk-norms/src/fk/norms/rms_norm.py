@@ -16,6 +16,7 @@ ops, the functional API :func:`rms_norm` and the module :class:`RMSNorm`.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -25,8 +26,8 @@ import triton.language as tl
 
 from fk.core import validate
 from fk.core.backend import uses_kernel
-from fk.core.launch import persistent_grid, row_tiling
-from fk.core.ops import define_op
+from fk.core.launch import RowTiling, persistent_grid, row_tiling
+from fk.core.ops import define_autograd_op
 
 CASTING_MODES = ("llama", "gemma")
 
@@ -205,8 +206,10 @@ def _rms_norm_bwd_kernel(
                     s = tl.load(w_ptr + c_idx, mask=m, other=0.0).to(tl.float32) + offset
                 gx += dy * s * x
             c = tl.sum(gx, axis=0) * rstd / n_cols
-            for start in range(0, n_cols, BLOCK_COLS):
-                c_idx = start + cols
+            # Pass 2 walks the tiles backwards: the ones pass 1 read last are likeliest in L2.
+            n_col_tiles = tl.cdiv(n_cols, BLOCK_COLS)
+            for back in range(0, n_col_tiles):
+                c_idx = (n_col_tiles - 1 - back) * BLOCK_COLS + cols
                 m = c_idx < n_cols
                 x = tl.load(x_row + c_idx, mask=m, other=0.0).to(tl.float32)
                 dy = tl.load(dy_row + c_idx, mask=m, other=0.0).to(tl.float32)
@@ -224,9 +227,26 @@ def _rms_norm_bwd_kernel(
 
 # --- 3. Launchers, registered as custom ops -------------------------------------------------------
 
+# Launch parameters (benchmarks/tune_rms_norm.py sweeps them on a GPU).
 FWD_MAX_BLOCK_COLS = 32768  # widest row the forward holds in one tile
+FWD_MIN_TILE = 2048  # narrow rows are grouped into tiles of at least this many elements
 BWD_MAX_BLOCK_COLS = 8192  # the backward holds x, dy, s and dw: four fp32 tiles
-BWD_PROGRAMS_PER_SM = 4
+BWD_MIN_TILE = 2048
+BWD_PROGRAMS_PER_SM = 4  # rows that fit one tile
+BWD_LOOPED_PROGRAMS_PER_SM = 1  # wider rows: few programs, so the rows they re-read stay in L2
+ELEMENTS_PER_WARP = 512
+
+
+@functools.lru_cache(maxsize=256)
+def _fwd_tiling(n_cols: int) -> RowTiling:
+    return row_tiling(n_cols, max_block_cols=FWD_MAX_BLOCK_COLS, min_tile_elements=FWD_MIN_TILE,
+                      elements_per_warp=ELEMENTS_PER_WARP, name="x")  # fmt: skip
+
+
+@functools.lru_cache(maxsize=256)
+def _bwd_tiling(n_cols: int) -> RowTiling:
+    return row_tiling(n_cols, max_block_cols=BWD_MAX_BLOCK_COLS, min_tile_elements=BWD_MIN_TILE,
+                      elements_per_warp=ELEMENTS_PER_WARP, name="x")  # fmt: skip
 
 
 def _as_rows(t: torch.Tensor) -> torch.Tensor:
@@ -248,7 +268,7 @@ def _rms_norm_fwd(
     n_rows = x_rows.shape[0]
     if n_rows == 0:
         return y, rstd
-    tiling = row_tiling(n_cols, max_block_cols=FWD_MAX_BLOCK_COLS, name="x")
+    tiling = _fwd_tiling(n_cols)
     grid = (triton.cdiv(n_rows, tiling.rows_per_tile),)
     _rms_norm_fwd_kernel[grid](
         x_rows, weight if weight is not None else x_rows, y, rstd,
@@ -269,9 +289,10 @@ def _rms_norm_fwd_fake(
 
 def dw_partial_rows(n_rows: int, n_cols: int, device: torch.device) -> int:
     """Rows of the fp32 partial buffer the backward allocates for the weight gradient."""
-    tiling = row_tiling(n_cols, max_block_cols=BWD_MAX_BLOCK_COLS)
-    n_tiles = n_rows if tiling.looped else triton.cdiv(n_rows, tiling.rows_per_tile)
-    return persistent_grid(n_tiles, device, BWD_PROGRAMS_PER_SM)
+    tiling = _bwd_tiling(n_cols)
+    if tiling.looped:
+        return persistent_grid(n_rows, device, BWD_LOOPED_PROGRAMS_PER_SM)
+    return persistent_grid(triton.cdiv(n_rows, tiling.rows_per_tile), device, BWD_PROGRAMS_PER_SM)
 
 
 def _rms_norm_bwd(
@@ -291,7 +312,7 @@ def _rms_norm_bwd(
     if n_rows == 0:
         dw = torch.zeros_like(weight) if compute_dw and weight is not None else x.new_empty(0)
         return dx, dw
-    tiling = row_tiling(n_cols, max_block_cols=BWD_MAX_BLOCK_COLS, name="x")
+    tiling = _bwd_tiling(n_cols)
     n_programs = dw_partial_rows(n_rows, n_cols, x.device)
     if compute_dw:
         alloc = torch.zeros if tiling.looped else torch.empty
@@ -325,26 +346,29 @@ def _rms_norm_bwd_fake(
     return dx, x.new_empty(0)
 
 
-rms_norm_fwd = define_op(__name__, "fwd", _rms_norm_fwd, fake=_rms_norm_fwd_fake)
-rms_norm_bwd = define_op(__name__, "bwd", _rms_norm_bwd, fake=_rms_norm_bwd_fake)
-
-
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, torch.Tensor]) -> None:
     x, weight, _eps, offset, _gemma = inputs
     ctx.save_for_backward(x, weight, output[1])
     ctx.offset = offset
+    ctx.mark_non_differentiable(output[1])
+    ctx.set_materialize_grads(False)
 
 
-def _backward(ctx: Any, dy: torch.Tensor, _drstd: torch.Tensor) -> tuple[Any, ...]:
+def _backward(run_backward: Any, ctx: Any, dy: torch.Tensor | None, _drstd: Any) -> tuple[Any, ...]:
     x, weight, rstd = ctx.saved_tensors
     need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-    if not (need_dx or need_dw):
+    if dy is None or not (need_dx or need_dw):
         return None, None, None, None, None
-    dx, dw = rms_norm_bwd(dy, x, weight, rstd, ctx.offset, need_dw)
+    dx, dw = run_backward(dy, x, weight, rstd, ctx.offset, need_dw)
     return (dx if need_dx else None), (dw if need_dw else None), None, None, None
 
 
-rms_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
+_rms_norm = define_autograd_op(
+    __name__, "rms_norm",
+    forward=_rms_norm_fwd, forward_fake=_rms_norm_fwd_fake,
+    backward_launcher=_rms_norm_bwd, backward_fake=_rms_norm_bwd_fake,
+    setup_context=_setup_context, backward=_backward,
+)  # fmt: skip
 
 
 # --- 4. Functional API ----------------------------------------------------------------------------
@@ -390,7 +414,7 @@ def rms_norm(
         validate.check_same_device("weight", weight, "x", x)
     if not uses_kernel(x):
         return rms_norm_ref(x, weight, eps, casting_mode, offset)
-    y, _ = rms_norm_fwd(x, weight, eps, _default_offset(casting_mode, offset), casting_mode == "gemma")
+    y, _ = _rms_norm(x, weight, eps, _default_offset(casting_mode, offset), casting_mode == "gemma")
     return y
 
 
