@@ -199,8 +199,9 @@ def _rms_norm_bwd_kernel(
             for start in range(0, n_cols, BLOCK_COLS):
                 c_idx = start + cols
                 m = c_idx < n_cols
-                x = tl.load(x_row + c_idx, mask=m, other=0.0).to(tl.float32)
-                dy = tl.load(dy_row + c_idx, mask=m, other=0.0).to(tl.float32)
+                # evict_last: keep the row in L2 for pass 2.
+                x = tl.load(x_row + c_idx, mask=m, other=0.0, eviction_policy="evict_last").to(tl.float32)
+                dy = tl.load(dy_row + c_idx, mask=m, other=0.0, eviction_policy="evict_last").to(tl.float32)
                 s = tl.full([BLOCK_COLS], 1.0, tl.float32)
                 if HAS_WEIGHT:
                     s = tl.load(w_ptr + c_idx, mask=m, other=0.0).to(tl.float32) + offset
@@ -211,42 +212,44 @@ def _rms_norm_bwd_kernel(
             for back in range(0, n_col_tiles):
                 c_idx = (n_col_tiles - 1 - back) * BLOCK_COLS + cols
                 m = c_idx < n_cols
-                x = tl.load(x_row + c_idx, mask=m, other=0.0).to(tl.float32)
-                dy = tl.load(dy_row + c_idx, mask=m, other=0.0).to(tl.float32)
+                # Last use of x and dy: evict_first. dx streams out without displacing them.
+                x = tl.load(x_row + c_idx, mask=m, other=0.0, eviction_policy="evict_first").to(tl.float32)
+                dy = tl.load(dy_row + c_idx, mask=m, other=0.0, eviction_policy="evict_first").to(tl.float32)
                 s = tl.full([BLOCK_COLS], 1.0, tl.float32)
                 if HAS_WEIGHT:
                     s = tl.load(w_ptr + c_idx, mask=m, other=0.0).to(tl.float32) + offset
                 xhat = x * rstd
                 dx = (dy * s - xhat * c) * rstd
-                tl.store(dx_row + c_idx, dx.to(dx_ptr.dtype.element_ty), mask=m)
+                tl.store(dx_row + c_idx, dx.to(dx_ptr.dtype.element_ty), mask=m, eviction_policy="evict_first")
                 if COMPUTE_DW:
-                    # This program's own partial row: no other program touches it.
-                    acc = tl.load(partial_row + c_idx, mask=m, other=0.0)
-                    tl.store(partial_row + c_idx, acc + dy * xhat, mask=m)
+                    # This program's own partial row (no other program touches it), kept in L2.
+                    acc = tl.load(partial_row + c_idx, mask=m, other=0.0, eviction_policy="evict_last")
+                    tl.store(partial_row + c_idx, acc + dy * xhat, mask=m, eviction_policy="evict_last")
 
 
 # --- 3. Launchers, registered as custom ops -------------------------------------------------------
 
 # Launch parameters (benchmarks/tune_rms_norm.py sweeps them on a GPU).
 FWD_MAX_BLOCK_COLS = 32768  # widest row the forward holds in one tile
-FWD_MIN_TILE = 2048  # narrow rows are grouped into tiles of at least this many elements
-BWD_MAX_BLOCK_COLS = 8192  # the backward holds x, dy, s and dw: four fp32 tiles
+FWD_MIN_TILE = 4096  # narrow rows are grouped into tiles of at least this many elements
+FWD_ELEMENTS_PER_WARP = 512
+BWD_MAX_BLOCK_COLS = 16384  # the backward holds x, dy, s and dw: four fp32 tiles
 BWD_MIN_TILE = 2048
-BWD_PROGRAMS_PER_SM = 4  # rows that fit one tile
+BWD_PROGRAMS_PER_SM = 2  # rows that fit one tile
 BWD_LOOPED_PROGRAMS_PER_SM = 1  # wider rows: few programs, so the rows they re-read stay in L2
-ELEMENTS_PER_WARP = 512
+BWD_ELEMENTS_PER_WARP = 256
 
 
 @functools.lru_cache(maxsize=256)
 def _fwd_tiling(n_cols: int) -> RowTiling:
     return row_tiling(n_cols, max_block_cols=FWD_MAX_BLOCK_COLS, min_tile_elements=FWD_MIN_TILE,
-                      elements_per_warp=ELEMENTS_PER_WARP, name="x")  # fmt: skip
+                      elements_per_warp=FWD_ELEMENTS_PER_WARP, name="x")  # fmt: skip
 
 
 @functools.lru_cache(maxsize=256)
 def _bwd_tiling(n_cols: int) -> RowTiling:
     return row_tiling(n_cols, max_block_cols=BWD_MAX_BLOCK_COLS, min_tile_elements=BWD_MIN_TILE,
-                      elements_per_warp=ELEMENTS_PER_WARP, name="x")  # fmt: skip
+                      elements_per_warp=BWD_ELEMENTS_PER_WARP, name="x")  # fmt: skip
 
 
 def _as_rows(t: torch.Tensor) -> torch.Tensor:
