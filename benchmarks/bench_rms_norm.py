@@ -10,6 +10,7 @@ run, and peak memory. Bytes counted (the minimum any implementation must move):
 
 Run on a GPU:  python benchmarks/bench_rms_norm.py --out benchmarks/results
 Redraw plots:  python benchmarks/bench_rms_norm.py --plot benchmarks/results/rms_norm.json
+               (PNGs into docs/assets/benchmarks; benchmarks/report.py rebuilds docs/benchmarks.md)
 """
 
 from __future__ import annotations
@@ -134,6 +135,15 @@ def plots(record: bench.BenchRecord, out: Path) -> None:
         )  # fmt: skip
 
 
+COLUMNS = ["H", "weight", "mode", "fk ms", "fk TB/s", "fk copy%", "liger ms", "torch.compile ms", "eager ms",
+           "speedup", "fk MB", "liger MB"]  # fmt: skip
+
+
+def summary(record: bench.BenchRecord) -> str:
+    """The markdown table for docs/benchmarks.md ("speedup": over the faster of Liger and torch.compile)."""
+    return bench.markdown_table(speedups(record), COLUMNS)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
@@ -141,15 +151,14 @@ def main() -> None:
     parser.add_argument("--widths", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384, 32768])
     parser.add_argument("--rep", type=int, default=100)
     parser.add_argument("--plot", type=Path, help="only redraw the plots from this JSON record")
+    parser.add_argument("--plot-dir", type=Path, default=Path("docs/assets/benchmarks"))
     args = parser.parse_args()
     if args.plot:
         record = bench.BenchRecord.from_json(args.plot)
-        plots(record, args.plot.parent)
+        plots(record, args.plot_dir)
     else:
         record = run(args.rows, args.widths, args.out, args.rep)
-    columns = ["H", "weight", "mode", "fk ms", "fk TB/s", "fk copy%", "liger ms", "torch.compile ms", "eager ms",
-               "speedup", "fk MB", "liger MB"]  # fmt: skip
-    print(bench.markdown_table(speedups(record), columns))
+    print(summary(record))
 
 
 if __name__ == "__main__":

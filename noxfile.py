@@ -1,0 +1,138 @@
+"""Every task of the fk monorepo: `nox -l` lists them, `nox -s NAME` runs one.
+
+CPU sessions install torch from the package index (pin with FK_TORCH, default ``torch==2.13.0``;
+that pin takes a CPU-only wheel where the index offers one) and run the kernels in Triton's
+interpreter. The ``gpu`` and ``bench`` sessions run in the current interpreter without
+installing anything, for a GPU machine whose Python already has torch, triton and the peers.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import zipfile
+from pathlib import Path
+
+import nox
+
+ROOT = Path(__file__).parent
+PACKAGES = sorted(p for p in (ROOT / "packages").iterdir() if (p / "pyproject.toml").exists())
+META = ROOT / "meta"
+ALL_DISTS = [*PACKAGES, META]
+TORCH = os.environ.get("FK_TORCH", "torch==2.13.0")
+# Triton 3.6 is what the GPU machines run; its interpreter needs numpy < 2.4 (it calls int() on
+# one-element arrays, which numpy 2.4 rejects).
+TRITON = os.environ.get("FK_TRITON", "triton==3.6.0")
+CPU_ENV = {"TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
+
+nox.options.sessions = ["lint", "tests"]
+nox.options.reuse_existing_virtualenvs = True
+
+
+def _leaf(dist: Path) -> str:
+    """``packages/fk-norms`` -> ``norms``; ``meta`` -> ``hf``."""
+    return "hf" if dist == META else dist.name.removeprefix("fk-")
+
+
+def _install_runtime(session: nox.Session) -> None:
+    session.install(TORCH, TRITON)
+
+
+def _src_paths() -> str:
+    return os.pathsep.join(str(d / "src") for d in ALL_DISTS)
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """Every package's tests in one environment, on CPU through Triton's interpreter."""
+    _install_runtime(session)
+    core = PACKAGES[0]
+    session.install(f"{core}[testing]")
+    session.install("--no-deps", *(str(d) for d in ALL_DISTS))
+    session.run("pytest", *session.posargs, env=CPU_ENV)
+
+
+@nox.session
+@nox.parametrize("dist", [d.name for d in ALL_DISTS])
+def tests_isolated(session: nox.Session, dist: str) -> None:
+    """One package alone, with only its declared dependencies (plus fk-core's test extra)."""
+    path = next(d for d in ALL_DISTS if d.name == dist)
+    _install_runtime(session)
+    # The fk distributions are not on the index yet: install the local ones this one depends on,
+    # then the package itself with its declared dependencies resolved normally.
+    session.install(f"{ROOT / 'packages' / 'fk-core'}[testing]")
+    if path == META:
+        session.install(*(str(p) for p in PACKAGES if p.name != "fk-core"))
+    session.install(str(path))
+    tests_dir = path / "tests"
+    session.run("pytest", str(tests_dir), *session.posargs, env=CPU_ENV)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff: lint rules and formatting."""
+    session.install("ruff==0.17.6")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+@nox.session
+def typecheck(session: nox.Session) -> None:
+    """mypy over every package's sources."""
+    _install_runtime(session)
+    session.install("mypy==2.4.1", "pytest", "hypothesis", "numpy<2.4", "matplotlib")
+    session.run("mypy", *(str(d / "src" / "fk" / _leaf(d)) for d in ALL_DISTS), env={"MYPYPATH": _src_paths()})
+
+
+@nox.session
+def build(session: nox.Session) -> None:
+    """Wheel and sdist for every distribution; each wheel holds only its own leaf of ``fk``."""
+    session.install("build", "hatchling")
+    dist_dir = ROOT / "dist"
+    shutil.rmtree(dist_dir, ignore_errors=True)
+    for dist in ALL_DISTS:
+        session.run("python", "-m", "build", "--no-isolation", "--outdir", str(dist_dir), str(dist), silent=True)
+    wheels = sorted(dist_dir.glob("*.whl"))
+    if len(wheels) != len(ALL_DISTS) or len(list(dist_dir.glob("*.tar.gz"))) != len(ALL_DISTS):
+        session.error(f"expected a wheel and an sdist per distribution, got {[p.name for p in dist_dir.iterdir()]}")
+    for dist in ALL_DISTS:
+        name = "fk" if dist == META else dist.name.replace("-", "_")
+        (wheel,) = [w for w in wheels if w.name.split("-")[0] == name]
+        files = zipfile.ZipFile(wheel).namelist()
+        own = f"fk/{_leaf(dist)}/"
+        stray = [f for f in files if not (f.startswith(own) or ".dist-info/" in f)]
+        if stray or "fk/__init__.py" in files or not any(f.startswith(own) for f in files):
+            session.error(f"{wheel.name}: files outside {own}: {stray}")
+        session.log(f"{wheel.name}: {len(files)} files, all under {own}")
+
+
+@nox.session
+def docs(session: nox.Session) -> None:
+    """The documentation site, built with --strict (broken links fail)."""
+    session.install("mkdocs==1.6.1")
+    session.run("mkdocs", "build", "--strict", "--site-dir", str(ROOT / "site"))
+
+
+@nox.session
+def demo(session: nox.Session) -> None:
+    """The demo: every fk kernel against its reference (and timed against eager PyTorch on a GPU)."""
+    _install_runtime(session)
+    session.install("numpy<2.4")
+    session.install("--no-deps", *(str(d) for d in ALL_DISTS))
+    session.run("python", "-m", "fk.hf.demo", *session.posargs)
+
+
+@nox.session(venv_backend="none")
+def gpu(session: nox.Session) -> None:
+    """The full test suite, `gpu` tests included, in the current interpreter (no install)."""
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [_src_paths(), os.environ.get("PYTHONPATH")]))}
+    session.run(sys.executable, "-m", "pytest", *session.posargs, env=env)
+
+
+@nox.session(venv_backend="none")
+def bench(session: nox.Session) -> None:
+    """Every benchmark script on the GPU, in the current interpreter; results under benchmarks/results."""
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [_src_paths(), os.environ.get("PYTHONPATH")]))}
+    for script in sorted((ROOT / "benchmarks").glob("bench_*.py")):
+        session.run(sys.executable, str(script), *session.posargs, env=env)
