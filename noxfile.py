@@ -48,7 +48,7 @@ def tests(session: nox.Session) -> None:
     """Every package's tests in one environment, on CPU through Triton's interpreter."""
     _install_runtime(session)
     core = PACKAGES[0]
-    session.install(f"{core}[testing]")
+    session.install(f"{core}[testing,bench]")
     session.install("--no-deps", *(str(d) for d in ALL_DISTS))
     session.run("pytest", *session.posargs, env=CPU_ENV)
 
@@ -61,7 +61,7 @@ def tests_isolated(session: nox.Session, dist: str) -> None:
     _install_runtime(session)
     # The fk distributions are not on the index yet: install the local ones this one depends on,
     # then the package itself with its declared dependencies resolved normally.
-    session.install(f"{ROOT / 'packages' / 'fk-core'}[testing]")
+    session.install(f"{ROOT / 'packages' / 'fk-core'}[testing,bench]")
     if path == META:
         session.install(*(str(p) for p in PACKAGES if p.name != "fk-core"))
     session.install(str(path))
