@@ -24,7 +24,7 @@ FWD_SPACE = {
     "FWD_ELEMENTS_PER_WARP": [256, 512, 1024],
 }
 BWD_SPACE = {"BWD_MAX_BLOCK_COLS": [4096, 8192, 16384], "BWD_MIN_TILE": [2048, 4096],
-             "BWD_PROGRAMS_PER_SM": [2, 4, 8], "BWD_LOOPED_PROGRAMS_PER_SM": [1, 2], "BWD_LOOPED_ROWS": [1, 2, 4], "BWD_ELEMENTS_PER_WARP": [256, 512]}  # fmt: skip
+             "BWD_PROGRAMS_PER_SM": [2, 4, 8], "BWD_LOOPED_PROGRAMS_PER_SM": [1, 2], "BWD_ELEMENTS_PER_WARP": [256, 512]}  # fmt: skip
 
 
 def variants(space: dict[str, list[int]]) -> list[dict[str, int]]:

@@ -30,13 +30,6 @@ def test_wide_row_loops_or_raises() -> None:
         row_tiling(65537, max_block_cols=8192, allow_loop=False, name="logits")
 
 
-def test_looped_rows() -> None:
-    tiling = row_tiling(40000, max_block_cols=8192, looped_rows=4)
-    assert tiling.looped and tiling.rows_per_tile == 4 and tiling.num_warps == 16
-    with pytest.raises(ValueError, match="looped_rows must be a power of two"):
-        row_tiling(40000, looped_rows=3)
-
-
 def test_tile_never_exceeds_the_limit() -> None:
     assert row_tiling(10**7, max_block_cols=10**7).block_cols == MAX_TILE_ELEMENTS
 

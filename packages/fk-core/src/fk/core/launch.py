@@ -29,7 +29,7 @@ class RowTiling:
 
     block_cols: columns in a tile, a power of two.
     looped: True when one row needs several column tiles (the kernel loops over them).
-    rows_per_tile: rows processed together in one tile (``looped_rows`` when ``looped``).
+    rows_per_tile: rows processed together in one tile (1 when ``looped``).
     num_warps: warps per program.
     """
 
@@ -46,7 +46,6 @@ def row_tiling(
     min_tile_elements: int = 2048,
     elements_per_warp: int = 512,
     max_warps: int = 16,
-    looped_rows: int = 1,
     allow_loop: bool = True,
     name: str = "input",
 ) -> RowTiling:
@@ -56,11 +55,8 @@ def row_tiling(
     at least ``min_tile_elements`` elements (enough loads in flight to keep memory busy), with one
     warp per ``elements_per_warp`` elements of the tile (at most ``max_warps``). Wider
     rows loop over tiles of ``max_block_cols`` columns, or raise a ``ValueError`` naming ``name``
-    when the kernel cannot loop (``allow_loop=False``): never a silent wrong answer. A looping
-    kernel takes ``looped_rows`` rows (a power of two) per tile.
+    when the kernel cannot loop (``allow_loop=False``): never a silent wrong answer.
     """
-    if looped_rows < 1 or looped_rows & (looped_rows - 1):
-        raise ValueError(f"looped_rows must be a power of two, got {looped_rows}")
     if n_cols < 1:
         raise ValueError(f"{name} must have at least one column, got {n_cols}")
     max_block_cols = min(next_power_of_2(max_block_cols), MAX_TILE_ELEMENTS)
@@ -70,7 +66,7 @@ def row_tiling(
         if not allow_loop:
             raise ValueError(f"{name} has rows of {n_cols} elements; this kernel handles at most {max_block_cols}")
         block = max_block_cols
-    rows = looped_rows if looped else max(1, min_tile_elements // block)
+    rows = 1 if looped else max(1, min_tile_elements // block)
     elements = block * rows
     num_warps = max(1, min(max_warps, elements // elements_per_warp))
     return RowTiling(block_cols=block, looped=looped, rows_per_tile=rows, num_warps=num_warps)

@@ -156,7 +156,7 @@ def _rms_norm_bwd_kernel(
     HAS_WEIGHT: tl.constexpr,
     COMPUTE_DW: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
-    ROWS: tl.constexpr,  # rows per tile
+    ROWS: tl.constexpr,  # rows per tile (1 when LOOPED)
     LOOPED: tl.constexpr,  # the row is wider than BLOCK_COLS: two passes over column tiles
 ):
     pid = tl.program_id(0)
@@ -188,50 +188,43 @@ def _rms_norm_bwd_kernel(
         if COMPUTE_DW:
             tl.store(partial_row + cols, dw_acc, mask=col_mask)
     else:
-        # Rows wider than one tile: ROWS rows at a time, two passes over their column tiles.
-        for tile in range(pid, n_tiles, n_programs):
-            rows = tile * ROWS + tl.arange(0, ROWS)
-            row_mask = rows < n_rows
-            rows64 = rows.to(tl.int64)[:, None]
-            x_rows = x_ptr + rows64 * x_row_stride
-            dy_rows = dy_ptr + rows64 * dy_row_stride
-            dx_rows = dx_ptr + rows64 * n_cols
-            rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
-            # Pass 1: c = (1/H) sum_j g_j xhat_j. evict_last keeps the rows in L2 for pass 2.
-            gx = tl.zeros([ROWS, BLOCK_COLS], dtype=tl.float32)
+        for row in range(pid, n_rows, n_programs):
+            row64 = tl.cast(row, tl.int64)
+            x_row = x_ptr + row64 * x_row_stride
+            dy_row = dy_ptr + row64 * dy_row_stride
+            dx_row = dx_ptr + row64 * n_cols
+            rstd = tl.load(rstd_ptr + row)
+            # Pass 1: c = (1/H) sum_j g_j xhat_j. Pass 2 re-reads the row, mostly from L2.
+            gx = tl.zeros([BLOCK_COLS], dtype=tl.float32)
             for start in range(0, n_cols, BLOCK_COLS):
                 c_idx = start + cols
-                m = row_mask[:, None] & (c_idx < n_cols)[None, :]
-                x = tl.load(x_rows + c_idx[None, :], mask=m, other=0.0, eviction_policy="evict_last").to(tl.float32)
-                dy = tl.load(dy_rows + c_idx[None, :], mask=m, other=0.0, eviction_policy="evict_last").to(tl.float32)
+                m = c_idx < n_cols
+                # evict_last: keep the row in L2 for pass 2.
+                x = tl.load(x_row + c_idx, mask=m, other=0.0, eviction_policy="evict_last").to(tl.float32)
+                dy = tl.load(dy_row + c_idx, mask=m, other=0.0, eviction_policy="evict_last").to(tl.float32)
                 s = tl.full([BLOCK_COLS], 1.0, tl.float32)
                 if HAS_WEIGHT:
-                    s = tl.load(w_ptr + c_idx, mask=c_idx < n_cols, other=0.0).to(tl.float32) + offset
-                gx += dy * s[None, :] * x
-            c = tl.sum(gx, axis=1) * rstd / n_cols
-            # Pass 2 walks the tiles backwards (those pass 1 read last are likeliest in L2); it is
-            # the last use of x and dy (evict_first), and dx streams out.
+                    s = tl.load(w_ptr + c_idx, mask=m, other=0.0).to(tl.float32) + offset
+                gx += dy * s * x
+            c = tl.sum(gx, axis=0) * rstd / n_cols
+            # Pass 2 walks the tiles backwards: the ones pass 1 read last are likeliest in L2.
             n_col_tiles = tl.cdiv(n_cols, BLOCK_COLS)
             for back in range(0, n_col_tiles):
                 c_idx = (n_col_tiles - 1 - back) * BLOCK_COLS + cols
-                col_mask = c_idx < n_cols
-                m = row_mask[:, None] & col_mask[None, :]
-                x = tl.load(x_rows + c_idx[None, :], mask=m, other=0.0, eviction_policy="evict_first").to(tl.float32)
-                dy = tl.load(dy_rows + c_idx[None, :], mask=m, other=0.0, eviction_policy="evict_first").to(tl.float32)
+                m = c_idx < n_cols
+                # Last use of x and dy: evict_first. dx streams out without displacing them.
+                x = tl.load(x_row + c_idx, mask=m, other=0.0, eviction_policy="evict_first").to(tl.float32)
+                dy = tl.load(dy_row + c_idx, mask=m, other=0.0, eviction_policy="evict_first").to(tl.float32)
                 s = tl.full([BLOCK_COLS], 1.0, tl.float32)
                 if HAS_WEIGHT:
-                    s = tl.load(w_ptr + c_idx, mask=col_mask, other=0.0).to(tl.float32) + offset
-                xhat = x * rstd[:, None]
-                dx = (dy * s[None, :] - xhat * c[:, None]) * rstd[:, None]
-                tl.store(
-                    dx_rows + c_idx[None, :], dx.to(dx_ptr.dtype.element_ty), mask=m, eviction_policy="evict_first"
-                )
+                    s = tl.load(w_ptr + c_idx, mask=m, other=0.0).to(tl.float32) + offset
+                xhat = x * rstd
+                dx = (dy * s - xhat * c) * rstd
+                tl.store(dx_row + c_idx, dx.to(dx_ptr.dtype.element_ty), mask=m, eviction_policy="evict_first")
                 if COMPUTE_DW:
-                    # This program's own partial row (no other program touches it), kept in L2:
-                    # one read-modify-write per ROWS rows.
-                    acc = tl.load(partial_row + c_idx, mask=col_mask, other=0.0, eviction_policy="evict_last")
-                    acc += tl.sum(dy * xhat, axis=0)
-                    tl.store(partial_row + c_idx, acc, mask=col_mask, eviction_policy="evict_last")
+                    # This program's own partial row (no other program touches it), kept in L2.
+                    acc = tl.load(partial_row + c_idx, mask=m, other=0.0, eviction_policy="evict_last")
+                    tl.store(partial_row + c_idx, acc + dy * xhat, mask=m, eviction_policy="evict_last")
 
 
 # --- 3. Launchers, registered as custom ops -------------------------------------------------------
@@ -244,7 +237,6 @@ BWD_MAX_BLOCK_COLS = 16384  # the backward holds x, dy, s and dw: four fp32 tile
 BWD_MIN_TILE = 2048
 BWD_PROGRAMS_PER_SM = 2  # rows that fit one tile
 BWD_LOOPED_PROGRAMS_PER_SM = 1  # wider rows: few programs, so the rows they re-read stay in L2
-BWD_LOOPED_ROWS = 2  # rows per tile there: one read-modify-write of the partial dw per tile
 BWD_ELEMENTS_PER_WARP = 256
 
 
@@ -257,7 +249,7 @@ def _fwd_tiling(n_cols: int) -> RowTiling:
 @functools.lru_cache(maxsize=256)
 def _bwd_tiling(n_cols: int) -> RowTiling:
     return row_tiling(n_cols, max_block_cols=BWD_MAX_BLOCK_COLS, min_tile_elements=BWD_MIN_TILE,
-                      elements_per_warp=BWD_ELEMENTS_PER_WARP, looped_rows=BWD_LOOPED_ROWS, name="x")  # fmt: skip
+                      elements_per_warp=BWD_ELEMENTS_PER_WARP, name="x")  # fmt: skip
 
 
 def _as_rows(t: torch.Tensor) -> torch.Tensor:
@@ -301,8 +293,9 @@ def _rms_norm_fwd_fake(
 def dw_partial_rows(n_rows: int, n_cols: int, device: torch.device) -> int:
     """Rows of the fp32 partial buffer the backward allocates for the weight gradient."""
     tiling = _bwd_tiling(n_cols)
-    per_sm = BWD_LOOPED_PROGRAMS_PER_SM if tiling.looped else BWD_PROGRAMS_PER_SM
-    return persistent_grid(triton.cdiv(n_rows, tiling.rows_per_tile), device, per_sm)
+    if tiling.looped:
+        return persistent_grid(n_rows, device, BWD_LOOPED_PROGRAMS_PER_SM)
+    return persistent_grid(triton.cdiv(n_rows, tiling.rows_per_tile), device, BWD_PROGRAMS_PER_SM)
 
 
 def _rms_norm_bwd(
