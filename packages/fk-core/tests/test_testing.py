@@ -95,3 +95,23 @@ def test_random_tensor_is_reproducible_and_nonzero() -> None:
     b = testing.random_tensor((100,), torch.bfloat16, "cpu", seed=7)
     assert torch.equal(a, b)
     assert (a != 0).all()
+
+
+@pytest.mark.parametrize("layout", testing.LAYOUTS)
+def test_compare_passes_inputs_in_their_layout(layout: str) -> None:
+    x = testing.with_layout(testing.random_tensor((6, 9), torch.float32, "cpu", seed=8, requires_grad=True), layout)
+    seen: list[tuple[int, ...]] = []
+
+    def spy(t: torch.Tensor) -> torch.Tensor:
+        seen.append(t.stride())
+        return softmax_ref(t)
+
+    testing.compare_with_reference(spy, softmax_ref, [x], baseline_fn=softmax_ref)
+    assert seen == [x.stride()]
+
+
+def test_copy_with_strides_keeps_a_row_strided_view() -> None:
+    x = testing.with_layout(testing.random_tensor((4, 5), torch.float32, "cpu", seed=9), "row_strided")
+    y = testing.copy_with_strides(x)
+    assert y.stride() == x.stride() and torch.equal(y, x)
+    assert y.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()

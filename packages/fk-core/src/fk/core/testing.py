@@ -152,8 +152,26 @@ def _as_tuple(out: Any) -> tuple[torch.Tensor, ...]:
     return tuple(o for o in out if isinstance(o, torch.Tensor))
 
 
+def copy_with_strides(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` with the same sizes, strides and storage offset, in fresh memory.
+
+    ``clone()`` keeps strides only for dense tensors: a row-strided view (rows that are slices of
+    a wider buffer) would come back contiguous, and a test that meant to pass strided input would
+    silently pass a contiguous one.
+    """
+    extent = t.storage_offset() + 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True) if n > 0)
+    buffer = torch.full((extent if t.numel() else 0,), float("nan"), dtype=t.dtype, device=t.device)
+    out = buffer.as_strided(t.shape, t.stride(), t.storage_offset())
+    out.copy_(t.detach())
+    return out
+
+
 def _clone_args(args: Sequence[Any], dtype: torch.dtype | None, device: torch.device | None) -> list[Any]:
-    """Fresh leaves with the same values (optionally cast / moved), keeping requires_grad."""
+    """Fresh leaves with the same values (optionally cast / moved), keeping requires_grad.
+
+    Copies made without a cast or a move keep the memory layout of the original (strided inputs
+    stay strided).
+    """
     out: list[Any] = []
     for a in args:
         if isinstance(a, torch.Tensor):
@@ -163,7 +181,7 @@ def _clone_args(args: Sequence[Any], dtype: torch.dtype | None, device: torch.de
             if device is not None:
                 b = b.to(device)
             if dtype is None and device is None:
-                b = b.clone()
+                b = copy_with_strides(b)
             out.append(b.requires_grad_(a.requires_grad))
         else:
             out.append(a)
