@@ -115,3 +115,9 @@ def test_copy_with_strides_keeps_a_row_strided_view() -> None:
     y = testing.copy_with_strides(x)
     assert y.stride() == x.stride() and torch.equal(y, x)
     assert y.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
+
+
+def test_copy_with_strides_keeps_an_expanded_view() -> None:
+    x = testing.random_tensor((1, 5), torch.float32, "cpu", seed=10).expand(4, 5)
+    y = testing.copy_with_strides(x)
+    assert y.stride() == (0, 1) and torch.equal(y, x)

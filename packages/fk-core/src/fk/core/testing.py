@@ -159,11 +159,13 @@ def copy_with_strides(t: torch.Tensor) -> torch.Tensor:
     a wider buffer) would come back contiguous, and a test that meant to pass strided input would
     silently pass a contiguous one.
     """
-    extent = t.storage_offset() + 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True) if n > 0)
-    buffer = torch.full((extent if t.numel() else 0,), float("nan"), dtype=t.dtype, device=t.device)
-    out = buffer.as_strided(t.shape, t.stride(), t.storage_offset())
-    out.copy_(t.detach())
-    return out
+    if t.numel() == 0:
+        return t.detach().clone()
+    extent = t.storage_offset() + 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
+    # Copy the storage span the view covers (gaps included), then view it the same way: this also
+    # keeps overlapping layouts (stride 0, as from expand) that an element-wise copy cannot write.
+    buffer = t.detach().as_strided((extent,), (1,), 0).clone()
+    return buffer.as_strided(t.shape, t.stride(), t.storage_offset())
 
 
 def _clone_args(args: Sequence[Any], dtype: torch.dtype | None, device: torch.device | None) -> list[Any]:
