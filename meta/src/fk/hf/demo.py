@@ -56,9 +56,27 @@ def _rms_norm(
     return make
 
 
+def _rope(device: str, dtype: torch.dtype) -> tuple[Callable[..., Any], Callable[..., Any], list[Any]]:
+    from fk.core.testing import random_tensor
+    from fk.rope import rope, rope_ref
+
+    batch, seq, q_heads, k_heads, dim = (2, 2048, 32, 8, 128) if device == "cuda" else (1, 33, 4, 2, 64)
+    q = random_tensor((batch, q_heads, seq, dim), dtype, device, seed=2, requires_grad=True)
+    k = random_tensor((batch, k_heads, seq, dim), dtype, device, seed=3, requires_grad=True)
+    angles = torch.outer(torch.arange(seq, dtype=torch.float32), 1e4 ** (-torch.arange(0, dim, 2) / dim))
+    angles = torch.cat((angles, angles), dim=-1)[None]
+    cos, sin = angles.cos().to(device=device, dtype=dtype), angles.sin().to(device=device, dtype=dtype)
+    return (
+        lambda q, k: torch.cat([t.flatten() for t in rope(q, k, cos, sin)]),
+        lambda q, k: torch.cat([t.flatten() for t in rope_ref(q, k, cos.to(q.dtype), sin.to(q.dtype))]),
+        [q, k],
+    )
+
+
 CASES: list[Case] = [
     Case("RMSNorm (llama)", "fk.norms", "rows x 4096 / 64 x 1000", _rms_norm("llama")),
     Case("RMSNorm (gemma)", "fk.norms", "rows x 4096 / 64 x 1000", _rms_norm("gemma")),
+    Case("RoPE (q and k, GQA)", "fk.rope", "2 x 32/8 x 2048 x 128 / 1 x 4/2 x 33 x 64", _rope),
 ]
 
 
