@@ -68,7 +68,10 @@ def _rope(device: str, dtype: torch.dtype) -> tuple[Callable[..., Any], Callable
     cos, sin = angles.cos().to(device=device, dtype=dtype), angles.sin().to(device=device, dtype=dtype)
     return (
         lambda q, k: torch.cat([t.flatten() for t in rope(q, k, cos, sin)]),
-        lambda q, k: torch.cat([t.flatten() for t in rope_ref(q, k, cos.to(q.dtype), sin.to(q.dtype))]),
+        # The reference also runs on float64 CPU copies of q and k: bring cos and sin along.
+        lambda q, k: torch.cat(
+            [t.flatten() for t in rope_ref(q, k, cos.to(q.device, q.dtype), sin.to(q.device, q.dtype))]
+        ),
         [q, k],
     )
 
