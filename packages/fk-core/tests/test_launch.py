@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fk.core.launch import MAX_TILE_ELEMENTS, next_power_of_2, persistent_grid, row_tiling
+from fk.core.launch import MAX_TILE_ELEMENTS, as_rows, next_power_of_2, persistent_grid, row_tiling, writable_rows
 
 
 @pytest.mark.parametrize(("n", "expected"), [(1, 1), (2, 2), (3, 4), (1000, 1024), (1024, 1024), (1025, 2048)])
@@ -44,3 +44,23 @@ def test_persistent_grid_bounds() -> None:
     assert persistent_grid(1, cpu) == 1
     assert persistent_grid(0, cpu) == 1
     assert persistent_grid(10**6, cpu, 2) == 8
+
+
+def test_as_rows_keeps_row_strides_and_copies_only_when_needed() -> None:
+    wide = torch.randn(6, 10)
+    sliced = wide[:, :7]
+    assert as_rows(sliced).data_ptr() == sliced.data_ptr() and as_rows(sliced).stride() == (10, 1)
+    expanded = torch.randn(1, 7).expand(6, 7)
+    assert as_rows(expanded).stride() == (0, 1)
+    transposed = torch.randn(7, 6).t()
+    rows = as_rows(transposed)
+    assert rows.stride() == (7, 1) and torch.equal(rows, transposed)
+    assert as_rows(torch.randn(2, 3, 5)).shape == (6, 5)
+
+
+def test_writable_rows_refuses_copies_and_overlap() -> None:
+    sliced = torch.randn(6, 10)[:, :7]
+    assert writable_rows(sliced) is not None
+    assert writable_rows(torch.randn(1, 7).expand(6, 7)) is None  # overlapping rows
+    assert writable_rows(torch.randn(7, 6).t()) is None  # no unit column stride
+    assert writable_rows(torch.randn(4, 6, 5).transpose(0, 1)) is None  # not a [rows, 5] view

@@ -92,3 +92,33 @@ def multiprocessor_count(device: torch.device) -> int:
 def persistent_grid(n_work: int, device: torch.device, programs_per_multiprocessor: int = 1) -> int:
     """Programs for a grid that strides over ``n_work`` items: at most a few per multiprocessor."""
     return max(1, min(n_work, multiprocessor_count(device) * programs_per_multiprocessor))
+
+
+def as_rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a ``[rows, t.shape[-1]]`` view with unit column stride, copied only when it must be.
+
+    Any row stride is kept (rows sliced from a wider buffer, or stride 0 from ``expand``): that is
+    what a kernel needs to *read* ``t``. For a tensor a kernel writes, use :func:`writable_rows`.
+    """
+    rows = t.reshape(-1, t.shape[-1])
+    if rows.shape[1] > 1 and rows.stride(1) != 1:
+        rows = rows.contiguous()
+    return rows
+
+
+def writable_rows(t: torch.Tensor) -> torch.Tensor | None:
+    """``t`` as a ``[rows, t.shape[-1]]`` view a kernel may write in place, or None if there is none.
+
+    The view must share ``t``'s memory (no copy), have unit column stride, and rows that do not
+    overlap (no two elements of ``t`` in one memory location).
+    """
+    n_cols = t.shape[-1]
+    try:
+        rows = t.view(-1, n_cols)
+    except RuntimeError:  # not expressible as a view of [rows, n_cols]
+        return None
+    if n_cols > 1 and rows.stride(1) != 1:
+        return None
+    if rows.shape[0] > 1 and rows.stride(0) < n_cols:
+        return None
+    return rows

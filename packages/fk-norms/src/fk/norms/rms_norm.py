@@ -26,7 +26,7 @@ import triton.language as tl
 
 from fk.core import validate
 from fk.core.backend import uses_kernel
-from fk.core.launch import RowTiling, persistent_grid, row_tiling
+from fk.core.launch import RowTiling, as_rows, persistent_grid, row_tiling
 from fk.core.ops import define_autograd_op
 
 CASTING_MODES = ("llama", "gemma")
@@ -252,14 +252,6 @@ def _bwd_tiling(n_cols: int) -> RowTiling:
                       elements_per_warp=BWD_ELEMENTS_PER_WARP, name="x")  # fmt: skip
 
 
-def _as_rows(t: torch.Tensor) -> torch.Tensor:
-    """View ``t`` as ``[rows, H]`` with unit column stride (copies only when it must)."""
-    rows = t.reshape(-1, t.shape[-1])
-    if rows.shape[1] > 1 and rows.stride(1) != 1:
-        rows = rows.contiguous()
-    return rows
-
-
 def _rms_norm_fwd(
     x: torch.Tensor, weight: torch.Tensor | None, eps: float, offset: float, gemma: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -267,7 +259,7 @@ def _rms_norm_fwd(
     n_cols = x.shape[-1]
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
-    x_rows = _as_rows(x)
+    x_rows = as_rows(x)
     n_rows = x_rows.shape[0]
     if n_rows == 0:
         return y, rstd
@@ -310,7 +302,7 @@ def _rms_norm_bwd(
     n_cols = x.shape[-1]
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     compute_dw = compute_dw and weight is not None
-    x_rows, dy_rows = _as_rows(x), _as_rows(dy)
+    x_rows, dy_rows = as_rows(x), as_rows(dy)
     n_rows = x_rows.shape[0]
     if n_rows == 0:
         dw = torch.zeros_like(weight) if compute_dw and weight is not None else x.new_empty(0)
