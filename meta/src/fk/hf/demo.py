@@ -76,9 +76,28 @@ def _rope(device: str, dtype: torch.dtype) -> tuple[Callable[..., Any], Callable
     )
 
 
+def _glu(
+    approximate: str | None,
+) -> Callable[[str, torch.dtype], tuple[Callable[..., Any], Callable[..., Any], list[Any]]]:
+    def make(device: str, dtype: torch.dtype) -> tuple[Callable[..., Any], Callable[..., Any], list[Any]]:
+        from fk.core.testing import random_tensor
+        from fk.glu import geglu, geglu_ref, swiglu, swiglu_ref
+
+        rows, width = (8192, 14336) if device == "cuda" else (64, 1000)
+        gate = random_tensor((rows, width), dtype, device, seed=4, requires_grad=True)
+        up = random_tensor((rows, width), dtype, device, seed=5, requires_grad=True)
+        if approximate is None:
+            return swiglu, swiglu_ref, [gate, up]
+        return (lambda a, b: geglu(a, b, approximate)), (lambda a, b: geglu_ref(a, b, approximate)), [gate, up]
+
+    return make
+
+
 CASES: list[Case] = [
     Case("RMSNorm (llama)", "fk.norms", "rows x 4096 / 64 x 1000", _rms_norm("llama")),
     Case("RMSNorm (gemma)", "fk.norms", "rows x 4096 / 64 x 1000", _rms_norm("gemma")),
+    Case("SwiGLU", "fk.glu", "8192 x 14336 / 64 x 1000", _glu(None)),
+    Case("GeGLU (tanh)", "fk.glu", "8192 x 14336 / 64 x 1000", _glu("tanh")),
     Case("RoPE (q and k, GQA)", "fk.rope", "2 x 32/8 x 2048 x 128 / 1 x 4/2 x 33 x 64", _rope),
 ]
 
