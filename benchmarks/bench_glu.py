@@ -165,8 +165,7 @@ def summary(record: bench.BenchRecord) -> str:
 def plots(record: bench.BenchRecord, out: Path) -> None:
     copy = record.ceilings.get("copy_tbps")
     for act in _acts(record):
-        sub = bench.BenchRecord(record.name, record.environment, record.ceilings,
-                                [r for r in record.rows if r["act"] == act], record.notes)  # fmt: skip
+        sub = record.subset(act=act)
         width = sub.rows[0]["intermediate"]
         bench.plot(
             sub, x="tokens", y="tbps", facet="mode", logx=True, path=out / f"{NAME}_{act}.png",

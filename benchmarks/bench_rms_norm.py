@@ -126,8 +126,7 @@ def speedups(record: bench.BenchRecord) -> list[dict[str, object]]:
 def plots(record: bench.BenchRecord, out: Path) -> None:
     copy = record.ceilings.get("copy_tbps")
     for weight in ("trainable", "frozen"):
-        sub = bench.BenchRecord(record.name, record.environment, record.ceilings,
-                                [r for r in record.rows if r["weight"] == weight], record.notes)  # fmt: skip
+        sub = record.subset(weight=weight)
         bench.plot(
             sub, x="H", y="tbps", facet="mode", logx=True, path=out / f"{NAME}_{weight}.png",
             title=f"RMSNorm, {record.rows[0]['rows']} rows, bf16, weight {weight} ({record.environment.get('gpu')})",

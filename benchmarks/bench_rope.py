@@ -177,8 +177,7 @@ def plots(record: bench.BenchRecord, out: Path) -> None:
     copy = record.ceilings.get("copy_tbps")
     gpu = record.environment.get("gpu")
     for layout in LAYOUTS:
-        sub = bench.BenchRecord(record.name, record.environment, record.ceilings,
-                                [r for r in record.rows if r["layout"] == layout], record.notes)  # fmt: skip
+        sub = record.subset(layout=layout)
         if not sub.rows:
             continue
         bench.plot(

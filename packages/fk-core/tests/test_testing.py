@@ -121,3 +121,17 @@ def test_copy_with_strides_keeps_an_expanded_view() -> None:
     x = testing.random_tensor((1, 5), torch.float32, "cpu", seed=10).expand(4, 5)
     y = testing.copy_with_strides(x)
     assert y.stride() == (0, 1) and torch.equal(y, x)
+
+
+def test_run_on_reference_path() -> None:
+    testing.run_on_reference_path("import os; assert os.environ['TRITON_INTERPRET'] == '0'; print('ok')")
+    with pytest.raises(AssertionError, match="reference-path run failed"):
+        testing.run_on_reference_path("print('not ok')")
+
+
+def test_assert_compile_matches_eager() -> None:
+    x = testing.random_tensor((4, 6), torch.float32, "cpu", seed=11, requires_grad=True)
+    testing.assert_compile_matches_eager(lambda t: (softmax_ref(t) * t).sum(), [x])
+    unused = testing.random_tensor((3,), torch.float32, "cpu", seed=12, requires_grad=True)
+    with pytest.raises(AssertionError, match="input 1 got no gradient"):
+        testing.assert_compile_matches_eager(lambda t, u: (t * 2).sum(), [x, unused])

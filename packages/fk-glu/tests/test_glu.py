@@ -3,9 +3,6 @@ there is one, else in Triton's interpreter."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from collections.abc import Callable
 from types import SimpleNamespace
 
@@ -297,7 +294,6 @@ def test_bad_inputs(device: str) -> None:
 
 @pytest.mark.parametrize("fused", [False, True], ids=["separate", "fused"])
 def test_torch_compile_fullgraph(device: str, fused: bool) -> None:
-    torch._dynamo.reset()
     gu = _fused_input((6, 257), torch.float32 if fused else torch.bfloat16, device, seed=22)
 
     def loss(gu: torch.Tensor) -> torch.Tensor:
@@ -305,13 +301,7 @@ def test_torch_compile_fullgraph(device: str, fused: bool) -> None:
         y = geglu_fused(x, inplace_grad=True) if fused else swiglu(*x.chunk(2, dim=-1), inplace_grad=True)
         return (y * 3.0).sum()
 
-    compiled = torch.compile(loss, fullgraph=True)
-    compiled(gu).backward()
-    assert gu.grad is not None
-    got = gu.grad.clone()
-    gu.grad = None
-    loss(gu).backward()
-    torch.testing.assert_close(got, gu.grad)
+    testing.assert_compile_matches_eager(loss, [gu])
 
 
 S = testing.strategies()
@@ -382,7 +372,7 @@ def test_mlp_from_config_and_state_dict_round_trip(device: str) -> None:
 
 
 def test_cpu_without_interpreter_takes_the_reference() -> None:
-    code = (
+    testing.run_on_reference_path(
         "import torch; from fk.glu import swiglu, geglu_fused, gated_act_ref, gated_act_fused_ref;"
         "from fk.core import backend;"
         "a = torch.randn(3, 10, dtype=torch.bfloat16); b = torch.randn(3, 10, dtype=torch.bfloat16);"
@@ -391,9 +381,6 @@ def test_cpu_without_interpreter_takes_the_reference() -> None:
         "gu = torch.randn(3, 20); assert torch.equal(geglu_fused(gu), gated_act_fused_ref(gu, 'gelu_tanh'));"
         "print('ok')"
     )
-    env = {**os.environ, "TRITON_INTERPRET": "0", "CUDA_VISIBLE_DEVICES": ""}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
 
 
 # --- GPU, at training sizes -----------------------------------------------------------------------

@@ -380,6 +380,11 @@ class BenchRecord:
         self.rows.append(fields)
         return fields
 
+    def subset(self, **match: Any) -> BenchRecord:
+        """The same record with only the rows whose fields equal ``match`` (for one plot or table)."""
+        rows = [r for r in self.rows if all(r.get(k) == v for k, v in match.items())]
+        return BenchRecord(self.name, self.environment, self.ceilings, rows, self.notes)
+
     def to_json(self, path: str | os.PathLike[str]) -> Path:
         """Write the record as indented JSON with sorted keys, creating parent directories."""
         out = Path(path)

@@ -264,6 +264,36 @@ def compare_with_reference(
     return Comparison(names, errors)
 
 
+def assert_compile_matches_eager(loss: Callable[..., torch.Tensor], inputs: Sequence[torch.Tensor]) -> None:
+    """``torch.compile(loss, fullgraph=True)`` traces without a graph break, and its gradients with
+    respect to ``inputs`` (leaves that require grad) equal eager mode's."""
+    torch._dynamo.reset()
+    for t in inputs:
+        t.grad = None
+    compiled = torch.compile(loss, fullgraph=True)
+    compiled(*inputs).backward()
+    got = [t.grad.clone() if t.grad is not None else None for t in inputs]
+    for t in inputs:
+        t.grad = None
+    loss(*inputs).backward()
+    for i, (g, t) in enumerate(zip(got, inputs, strict=True)):
+        assert g is not None and t.grad is not None, f"input {i} got no gradient"
+        torch.testing.assert_close(g, t.grad)
+
+
+def run_on_reference_path(code: str) -> None:
+    """Run ``code`` in a fresh interpreter with Triton's interpreter off and no GPU visible (the
+    path a CPU-only user gets: the plain PyTorch reference); it must print ``ok`` last."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRITON_INTERPRET": "0", "CUDA_VISIBLE_DEVICES": ""}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=False)
+    if out.returncode != 0 or out.stdout.strip().splitlines()[-1:] != ["ok"]:
+        raise AssertionError(f"reference-path run failed:\nstdout:\n{out.stdout}\nstderr:\n{out.stderr}")
+
+
 # --- hypothesis strategies ----------------------------------------------------------------------
 
 
