@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fk.core.launch import MAX_TILE_ELEMENTS, as_rows, next_power_of_2, persistent_grid, row_tiling, writable_rows
+from fk.core.launch import MAX_TILE_ELEMENTS, as_rows, cdiv, next_power_of_2, persistent_grid, row_tiling, writable_rows
 
 
 @pytest.mark.parametrize(("n", "expected"), [(1, 1), (2, 2), (3, 4), (1000, 1024), (1024, 1024), (1025, 2048)])
@@ -64,3 +64,8 @@ def test_writable_rows_refuses_copies_and_overlap() -> None:
     assert writable_rows(torch.randn(1, 7).expand(6, 7)) is None  # overlapping rows
     assert writable_rows(torch.randn(7, 6).t()) is None  # no unit column stride
     assert writable_rows(torch.randn(4, 6, 5).transpose(0, 1)) is None  # not a [rows, 5] view
+
+
+@pytest.mark.parametrize(("a", "b", "expected"), [(0, 4, 0), (1, 4, 1), (4, 4, 1), (5, 4, 2), (16384, 2, 8192)])
+def test_cdiv(a: int, b: int, expected: int) -> None:
+    assert cdiv(a, b) == expected

@@ -18,6 +18,12 @@ MAX_TILE_ELEMENTS = 1 << 16
 """The largest tile (elements) a row-wise fk kernel holds at once; wider rows loop."""
 
 
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for launch grids. Plain Python on purpose: ``triton.cdiv`` is a constexpr
+    function whose host-side call costs microseconds, on a path where every microsecond shows."""
+    return -(-a // b)
+
+
 def next_power_of_2(n: int) -> int:
     """The smallest power of two >= ``n`` (and >= 1)."""
     return 1 << max(0, (int(n) - 1).bit_length())

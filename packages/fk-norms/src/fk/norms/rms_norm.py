@@ -26,7 +26,7 @@ import triton.language as tl
 
 from fk.core import validate
 from fk.core.backend import uses_kernel
-from fk.core.launch import RowTiling, as_rows, persistent_grid, row_tiling
+from fk.core.launch import RowTiling, as_rows, cdiv, persistent_grid, row_tiling
 from fk.core.ops import define_autograd_op
 
 CASTING_MODES = ("llama", "gemma")
@@ -264,7 +264,7 @@ def _rms_norm_fwd(
     if n_rows == 0:
         return y, rstd
     tiling = _fwd_tiling(n_cols)
-    grid = (triton.cdiv(n_rows, tiling.rows_per_tile),)
+    grid = (cdiv(n_rows, tiling.rows_per_tile),)
     _rms_norm_fwd_kernel[grid](
         x_rows, weight if weight is not None else x_rows, y, rstd,
         n_rows, n_cols, x_rows.stride(0), eps, offset,
@@ -287,7 +287,7 @@ def dw_partial_rows(n_rows: int, n_cols: int, device: torch.device) -> int:
     tiling = _bwd_tiling(n_cols)
     if tiling.looped:
         return persistent_grid(n_rows, device, BWD_LOOPED_PROGRAMS_PER_SM)
-    return persistent_grid(triton.cdiv(n_rows, tiling.rows_per_tile), device, BWD_PROGRAMS_PER_SM)
+    return persistent_grid(cdiv(n_rows, tiling.rows_per_tile), device, BWD_PROGRAMS_PER_SM)
 
 
 def _rms_norm_bwd(

@@ -42,7 +42,7 @@ import triton.language as tl
 
 from fk.core import validate
 from fk.core.backend import uses_kernel
-from fk.core.launch import next_power_of_2
+from fk.core.launch import cdiv, next_power_of_2
 from fk.core.ops import define_autograd_op
 
 LAYOUTS = ("bhsd", "bshd")
@@ -348,7 +348,7 @@ def _launch(
         pos_sb = position_ids.stride(0) if position_ids.shape[0] > 1 else 0
     tiling = rope_tiling(n_qh if q is not None else 0, n_kh if k is not None else 0, head_dim)
     copy_pass = rot_dim < head_dim and (q_out.data_ptr() != q_in.data_ptr() or k_out.data_ptr() != k_in.data_ptr())
-    grid = (triton.cdiv(seq_len, tiling.block_s), batch)
+    grid = (cdiv(seq_len, tiling.block_s), batch)
     _rope_kernel[grid](
         q_in, k_in, q_out, k_out, cos, sin, pos, seq_len,
         *_bsh_strides(q_in, bshd), *_bsh_strides(k_in, bshd), *_bsh_strides(q_out, bshd), *_bsh_strides(k_out, bshd),
