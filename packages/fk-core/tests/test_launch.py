@@ -3,7 +3,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fk.core.launch import MAX_TILE_ELEMENTS, as_rows, cdiv, next_power_of_2, persistent_grid, row_tiling, writable_rows
+from fk.core.launch import (
+    MAX_TILE_ELEMENTS,
+    as_rows,
+    cdiv,
+    next_power_of_2,
+    persistent_grid,
+    row_reduction_grid,
+    row_tiling,
+    writable_rows,
+)
 
 
 @pytest.mark.parametrize(("n", "expected"), [(1, 1), (2, 2), (3, 4), (1000, 1024), (1024, 1024), (1025, 2048)])
@@ -69,3 +78,12 @@ def test_writable_rows_refuses_copies_and_overlap() -> None:
 @pytest.mark.parametrize(("a", "b", "expected"), [(0, 4, 0), (1, 4, 1), (4, 4, 1), (5, 4, 2), (16384, 2, 8192)])
 def test_cdiv(a: int, b: int, expected: int) -> None:
     assert cdiv(a, b) == expected
+
+
+def test_row_reduction_grid() -> None:
+    cpu = torch.device("cpu")  # 4 "multiprocessors" off the GPU
+    narrow = row_tiling(1000, min_tile_elements=2048)  # 2 rows per tile
+    assert row_reduction_grid(6, narrow, cpu, 2, 1) == 3  # 3 tiles
+    assert row_reduction_grid(10**6, narrow, cpu, 2, 1) == 8
+    wide = row_tiling(40000, max_block_cols=8192)
+    assert row_reduction_grid(10**6, wide, cpu, 2, 1) == 4

@@ -100,6 +100,16 @@ def persistent_grid(n_work: int, device: torch.device, programs_per_multiprocess
     return max(1, min(n_work, multiprocessor_count(device) * programs_per_multiprocessor))
 
 
+def row_reduction_grid(
+    n_rows: int, tiling: RowTiling, device: torch.device, programs_per_sm: int, looped_programs_per_sm: int
+) -> int:
+    """Programs of a persistent grid over the row tiles of ``tiling``, which is also the number of
+    rows of the fp32 partial-sum buffers a weight-gradient reduction allocates. Looped (wide-row)
+    kernels take their own, usually smaller, count per multiprocessor."""
+    per_sm = looped_programs_per_sm if tiling.looped else programs_per_sm
+    return persistent_grid(cdiv(n_rows, tiling.rows_per_tile), device, per_sm)
+
+
 def as_rows(t: torch.Tensor) -> torch.Tensor:
     """``t`` as a ``[rows, t.shape[-1]]`` view with unit column stride, copied only when it must be.
 

@@ -26,7 +26,7 @@ import triton.language as tl
 
 from fk.core import validate
 from fk.core.backend import uses_kernel
-from fk.core.launch import RowTiling, as_rows, cdiv, persistent_grid, row_tiling
+from fk.core.launch import RowTiling, as_rows, cdiv, row_reduction_grid, row_tiling
 from fk.core.ops import define_autograd_op
 
 CASTING_MODES = ("llama", "gemma")
@@ -284,10 +284,7 @@ def _rms_norm_fwd_fake(
 
 def dw_partial_rows(n_rows: int, n_cols: int, device: torch.device) -> int:
     """Rows of the fp32 partial buffer the backward allocates for the weight gradient."""
-    tiling = _bwd_tiling(n_cols)
-    if tiling.looped:
-        return persistent_grid(n_rows, device, BWD_LOOPED_PROGRAMS_PER_SM)
-    return persistent_grid(cdiv(n_rows, tiling.rows_per_tile), device, BWD_PROGRAMS_PER_SM)
+    return row_reduction_grid(n_rows, _bwd_tiling(n_cols), device, BWD_PROGRAMS_PER_SM, BWD_LOOPED_PROGRAMS_PER_SM)
 
 
 def _rms_norm_bwd(

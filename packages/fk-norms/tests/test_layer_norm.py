@@ -1,0 +1,423 @@
+"""LayerNorm against its float64 reference: on the GPU where there is one, else in Triton's interpreter."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from fk.core import testing
+from fk.core.testing import AWKWARD_ROWS, AWKWARD_WIDTHS, DTYPES, WIDE_WIDTHS, dtype_name
+from fk.norms import LayerNorm, layer_norm, layer_norm_ref
+from fk.norms.layer_norm import partial_rows
+
+EPS = 1e-5
+NAMES = ["x", "weight", "bias"]
+
+
+def _fk(eps: float = EPS) -> Callable[..., torch.Tensor]:
+    return lambda x, w=None, b=None: layer_norm(x, w, b, eps)
+
+
+def _ref(eps: float = EPS) -> Callable[..., torch.Tensor]:
+    return lambda x, w=None, b=None: layer_norm_ref(x, w, b, eps)
+
+
+# With one column, x - mean is zero: dx = r * (g - mean(g) - xhat * ...) is zero in exact
+# arithmetic, and what PyTorch computes there is cancellation between terms of size r * |g| (r is
+# 1/sqrt(eps) ~ 316). Its error is judged against that, not against dx.
+WIDTH_ONE_ATOLS = {torch.float32: 1e-3, torch.float16: 1e-3, torch.bfloat16: 1e-2}
+
+
+def _atols(width: int) -> dict[torch.dtype, float] | None:
+    return WIDTH_ONE_ATOLS if width == 1 else None
+
+
+def _inputs(
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    device: str,
+    seed: int,
+    weight_grad: bool = True,
+    bias_grad: bool = True,
+) -> list[Any]:
+    # A mean away from zero, so that a kernel that forgets to centre the row is caught.
+    x = testing.random_tensor(shape, dtype, device, seed=seed, scale=2.0, offset=0.5, requires_grad=True)
+    w = testing.random_tensor(
+        shape[-1:], dtype, device, seed=seed + 1, offset=1.0, scale=0.5, requires_grad=weight_grad
+    )
+    b = testing.random_tensor(shape[-1:], dtype, device, seed=seed + 2, scale=0.5, requires_grad=bias_grad)
+    return [x, w, b]
+
+
+@pytest.mark.parametrize("width", AWKWARD_WIDTHS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
+def test_matches_reference(device: str, dtype: torch.dtype, width: int) -> None:
+    args = _inputs((7, width), dtype, device, seed=width)
+    result = testing.compare_with_reference(_fk(), _ref(), args, arg_names=NAMES, atols=_atols(width))
+    assert result.names == ["output0", "grad of x", "grad of weight", "grad of bias"]
+
+
+@pytest.mark.parametrize("width", WIDE_WIDTHS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
+def test_wide_rows_match_reference(device: str, dtype: torch.dtype, width: int) -> None:
+    args = _inputs((3, width), dtype, device, seed=width)
+    testing.compare_with_reference(_fk(), _ref(), args, arg_names=NAMES)
+
+
+@pytest.mark.parametrize("width", [1000, 40000])  # one tile, and the forward's looped path
+def test_large_mean_small_spread(device: str, width: int) -> None:
+    # |mean| >> std: a variance taken as E[x^2] - E[x]^2 in fp32 would lose most of its digits.
+    x = testing.random_tensor((4, width), torch.float32, device, seed=21, scale=0.01, offset=300.0)
+    x.requires_grad_(True)
+    testing.compare_with_reference(_fk(), _ref(), [x])
+
+
+@pytest.mark.parametrize("rows", AWKWARD_ROWS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
+def test_row_counts_and_leading_dims(device: str, dtype: torch.dtype, rows: int) -> None:
+    args = _inputs((rows, 2, 96), dtype, device, seed=rows)
+    testing.compare_with_reference(_fk(), _ref(), args, arg_names=NAMES)
+
+
+@pytest.mark.parametrize("layout", ["row_strided", "transposed"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
+def test_non_contiguous_input(device: str, dtype: torch.dtype, layout: str) -> None:
+    x, w, b = _inputs((33, 300), dtype, device, seed=5)
+    x = testing.with_layout(x, layout)
+    testing.compare_with_reference(_fk(), _ref(), [x, w, b], arg_names=NAMES)
+
+
+def test_non_contiguous_wide_rows(device: str) -> None:
+    x, w, b = _inputs((3, 16385), torch.float32, device, seed=6)
+    x = testing.with_layout(x, "row_strided")
+    testing.compare_with_reference(_fk(), _ref(), [x, w, b], arg_names=NAMES)
+
+
+FROZEN = [(False, True), (True, False), (False, False)]
+
+
+@pytest.mark.parametrize(("weight_grad", "bias_grad"), FROZEN, ids=["frozen_w", "frozen_b", "frozen_both"])
+@pytest.mark.parametrize("width", [1000, 20000])
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
+def test_frozen_params_match_reference(
+    device: str, dtype: torch.dtype, width: int, weight_grad: bool, bias_grad: bool
+) -> None:
+    args = _inputs((5, width), dtype, device, seed=11, weight_grad=weight_grad, bias_grad=bias_grad)
+    result = testing.compare_with_reference(_fk(), _ref(), args, arg_names=NAMES)
+    expected = ["output0", "grad of x"] + ["grad of weight"] * weight_grad + ["grad of bias"] * bias_grad
+    assert result.names == expected
+    # And the frozen ones come back as None from autograd itself.
+    x, w, b = (t.detach().requires_grad_(t.requires_grad) for t in args)
+    layer_norm(x, w, b).sum().backward()
+    assert (w.grad is not None, b.grad is not None) == (weight_grad, bias_grad)
+
+
+@pytest.mark.parametrize("width", [200, 20000])
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
+def test_frozen_input_trainable_params(device: str, dtype: torch.dtype, width: int) -> None:
+    x, w, b = _inputs((9, width), dtype, device, seed=4)
+    x.requires_grad_(False)
+    result = testing.compare_with_reference(_fk(), _ref(), [x, w, b], arg_names=NAMES)
+    assert result.names == ["output0", "grad of weight", "grad of bias"]
+
+
+@pytest.mark.parametrize("width", [100, 20000])
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
+def test_no_affine(device: str, dtype: torch.dtype, width: int) -> None:
+    x = testing.random_tensor((5, width), dtype, device, seed=3, offset=1.0, requires_grad=True)
+    testing.compare_with_reference(_fk(), _ref(), [x])
+
+
+@pytest.mark.parametrize("width", [100, 20000])
+@pytest.mark.parametrize("which", ["weight_only", "bias_only"])
+def test_weight_or_bias_alone(device: str, which: str, width: int) -> None:
+    x, w, b = _inputs((5, width), torch.float32, device, seed=7)
+    if which == "weight_only":
+        testing.compare_with_reference(lambda x, w: layer_norm(x, w, None, EPS), _ref(), [x, w], arg_names=NAMES[:2])
+    else:
+        fk_fn = lambda x, b: layer_norm(x, None, b, EPS)  # noqa: E731
+        ref_fn = lambda x, b: layer_norm_ref(x, None, b, EPS)  # noqa: E731
+        testing.compare_with_reference(fk_fn, ref_fn, [x, b], arg_names=["x", "bias"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_name)
+def test_matches_torch_layer_norm(device: str, dtype: torch.dtype) -> None:
+    x, w, b = _inputs((17, 513), dtype, device, seed=9)
+    dy = testing.random_tensor((17, 513), dtype, device, seed=99)
+    expected = torch.nn.functional.layer_norm(x, (513,), w, b, EPS)
+    expected_grads = torch.autograd.grad(expected, (x, w, b), dy)
+    got = layer_norm(x, w, b, EPS)
+    got_grads = torch.autograd.grad(got, (x, w, b), dy)
+    # Two roundings to bf16 (PyTorch's and fk's) may differ by a unit in the last place of the
+    # largest value: column sums (dw, db) are judged against their largest element.
+    ulps = 1e-5 if dtype == torch.float32 else 2 * 2**-8
+    for name, g, e in zip(["output", *NAMES], [got, *got_grads], [expected, *expected_grads], strict=True):
+        atol = ulps * float(e.detach().abs().max())
+        torch.testing.assert_close(g, e, rtol=ulps, atol=atol, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_zero_rows(device: str) -> None:
+    x = torch.empty(0, 64, device=device, requires_grad=True)
+    w = torch.ones(64, device=device, requires_grad=True)
+    b = torch.zeros(64, device=device, requires_grad=True)
+    y = layer_norm(x, w, b)
+    assert y.shape == (0, 64)
+    y.sum().backward()
+    assert x.grad is not None and x.grad.shape == (0, 64)
+    assert w.grad is not None and torch.equal(w.grad, torch.zeros(64, device=device))
+    assert b.grad is not None and torch.equal(b.grad, torch.zeros(64, device=device))
+
+
+@pytest.mark.parametrize("width", [3000, 20000])
+def test_every_output_element_is_written(device: str, width: int) -> None:
+    # Poison the allocator's memory: outputs must not keep NaNs from earlier tensors.
+    for _ in range(3):
+        torch.full((7, width), float("nan"), device=device)
+    x, w, b = _inputs((7, width), torch.bfloat16, device, seed=12)
+    y = layer_norm(x, w, b)
+    y.backward(torch.ones_like(y))
+    assert torch.isfinite(y).all() and x.grad is not None and torch.isfinite(x.grad).all()
+    assert w.grad is not None and torch.isfinite(w.grad).all()
+    assert b.grad is not None and torch.isfinite(b.grad).all()
+
+
+def test_upstream_gradient_with_zero_strides(device: str) -> None:
+    # loss.sum() sends back an expanded gradient (every stride 0).
+    x, w, b = _inputs((5, 130), torch.float32, device, seed=13)
+    layer_norm(x, w, b).sum().backward()
+    xr, wr, br = (t.detach().double().requires_grad_() for t in (x, w, b))
+    layer_norm_ref(xr, wr, br, EPS).sum().backward()
+    for got, want in ((x.grad, xr.grad), (w.grad, wr.grad), (b.grad, br.grad)):
+        assert got is not None and want is not None
+        torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5)
+
+
+def _allocated_sizes(fn: Callable[[], None]) -> list[int]:
+    """Bytes of every allocation made while ``fn`` runs (host and device), seen by the profiler.
+
+    Each allocation is counted once, by the op that makes it (``self_*`` memory: an op's children
+    are not counted again), so two buffers of one size show up twice.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities, profile_memory=True) as prof:
+        fn()
+    sizes = []
+    for event in prof.events():
+        for field in ("self_cpu_memory_usage", "self_device_memory_usage"):
+            size = getattr(event, field, 0) or 0
+            if size > 0:
+                sizes.append(size)
+    return sizes
+
+
+def _profiled_rows(device: str, width: int) -> int:
+    """Enough rows that the grid is capped by the device, not by the rows (fewer in the interpreter)."""
+    return {("cuda", 1000): 2048, ("cuda", 20000): 600, ("cpu", 1000): 64, ("cpu", 20000): 40}[(device, width)]
+
+
+def _round_up(n_bytes: int, device: str) -> int:
+    # CUDA's caching allocator hands out multiples of 512 bytes, and the profiler reports those.
+    granule = 512 if device == "cuda" else 1
+    return -(-n_bytes // granule) * granule
+
+
+@pytest.mark.parametrize(("weight_grad", "bias_grad"), [(True, True), *FROZEN])
+@pytest.mark.parametrize("width", [1000, 20000])
+def test_frozen_params_allocate_no_partial_buffer(device: str, width: int, weight_grad: bool, bias_grad: bool) -> None:
+    rows = _profiled_rows(device, width)
+    partial_bytes = _round_up(partial_rows(rows, width, torch.device(device)) * width * 4, device)
+    dx_bytes = _round_up(rows * width * 2, device)
+    assert partial_bytes != dx_bytes  # else the check below could not tell them apart
+    x, w, b = _inputs((rows, width), torch.bfloat16, device, seed=14, weight_grad=weight_grad, bias_grad=bias_grad)
+    y = layer_norm(x, w, b)
+    dy = torch.randn_like(y)
+    sizes = _allocated_sizes(lambda: y.backward(dy))
+    assert dx_bytes in sizes, sizes  # the profiler does see the backward's allocations
+    # One fp32 partial buffer per trainable parameter, none for a frozen one.
+    assert sizes.count(partial_bytes) == weight_grad + bias_grad, sizes
+    if not (weight_grad or bias_grad):
+        assert max(sizes) == dx_bytes, sizes  # nothing as large as a weight-sized buffer besides dx
+    assert (w.grad is not None, b.grad is not None) == (weight_grad, bias_grad)
+
+
+@pytest.mark.parametrize("width", [1000, 20000])
+def test_frozen_input_allocates_no_dx(device: str, width: int) -> None:
+    rows = _profiled_rows(device, width)
+    x, w, b = _inputs((rows, width), torch.bfloat16, device, seed=15)
+    x.requires_grad_(False)
+    y = layer_norm(x, w, b)
+    dy = torch.randn_like(y)
+    sizes = _allocated_sizes(lambda: y.backward(dy))
+    partial_bytes = _round_up(partial_rows(rows, width, torch.device(device)) * width * 4, device)
+    assert sizes.count(partial_bytes) == 2, sizes  # the profiler does see the backward's allocations
+    assert max(sizes) < _round_up(rows * width * 2, device), sizes  # but no dx-sized buffer
+    assert x.grad is None and w.grad is not None and b.grad is not None
+
+
+def test_module_matches_torch_module(device: str) -> None:
+    torch_norm = torch.nn.LayerNorm(96, eps=1e-6, device=device)
+    with torch.no_grad():
+        torch_norm.weight.normal_()
+        torch_norm.bias.normal_()
+    fk_norm = LayerNorm(96, eps=1e-6, device=device)
+    assert isinstance(fk_norm, torch.nn.LayerNorm)
+    assert fk_norm.state_dict().keys() == torch_norm.state_dict().keys()
+    fk_norm.load_state_dict(torch_norm.state_dict())
+    x = testing.random_tensor((3, 5, 96), torch.float32, device, seed=15, requires_grad=True)
+    y_fk, y_torch = fk_norm(x), torch_norm(x)
+    torch.testing.assert_close(y_fk, y_torch, rtol=1e-5, atol=1e-5)
+    dy = testing.random_tensor((3, 5, 96), torch.float32, device, seed=16)
+    got = torch.autograd.grad(y_fk, (x, fk_norm.weight, fk_norm.bias), dy)
+    want = torch.autograd.grad(y_torch, (x, torch_norm.weight, torch_norm.bias), dy)
+    for g, e in zip(got, want, strict=True):
+        torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("affine", "bias"),
+    [(True, True), (True, False), (False, True), (False, False)],
+    ids=["weight_bias", "weight", "none", "none_no_bias"],
+)
+def test_module_options(device: str, affine: bool, bias: bool) -> None:
+    kwargs = {"elementwise_affine": affine, "bias": bias, "device": device, "dtype": torch.bfloat16}
+    torch_norm = torch.nn.LayerNorm((4, 24), **kwargs)
+    fk_norm = LayerNorm((4, 24), **kwargs)
+    assert fk_norm.state_dict().keys() == torch_norm.state_dict().keys()
+    assert (fk_norm.weight is None, fk_norm.bias is None) == (torch_norm.weight is None, torch_norm.bias is None)
+    if affine:
+        with torch.no_grad():
+            torch_norm.weight.normal_()
+            if torch_norm.bias is not None:
+                torch_norm.bias.normal_()
+        fk_norm.load_state_dict(torch_norm.state_dict())
+    x = testing.random_tensor((3, 4, 24), torch.bfloat16, device, seed=16)
+    torch.testing.assert_close(fk_norm(x), torch_norm(x), rtol=2e-2, atol=2e-2)
+    with pytest.raises(ValueError, match=r"x must end with the dimensions \(4, 24\)"):
+        fk_norm(x[..., :10])
+
+
+def test_module_multi_dim_gradients(device: str) -> None:
+    fk_norm = LayerNorm((3, 8), device=device)
+    with torch.no_grad():
+        fk_norm.weight.normal_()
+        fk_norm.bias.normal_()
+    x = testing.random_tensor((5, 3, 8), torch.float32, device, seed=17, requires_grad=True)
+    leaves = (x, fk_norm.weight, fk_norm.bias)
+    dy = testing.random_tensor((5, 3, 8), torch.float32, device, seed=18)
+    torch_y = torch.nn.functional.layer_norm(x, (3, 8), fk_norm.weight, fk_norm.bias, fk_norm.eps)
+    want = torch.autograd.grad(torch_y, leaves, dy)
+    got = torch.autograd.grad(fk_norm(x), leaves, dy)
+    for g, e in zip(got, want, strict=True):
+        assert g.shape == e.shape
+        torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-5)
+
+
+def test_bad_inputs(device: str) -> None:
+    x = torch.randn(4, 8, device=device)
+    w = torch.randn(8, device=device)
+    b = torch.randn(8, device=device)
+    with pytest.raises(TypeError, match=r"x must be a torch\.Tensor"):
+        layer_norm([1.0], w, b)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="x must have dtype in"):
+        layer_norm(x.to(torch.int32), w, b)
+    with pytest.raises(TypeError, match="weight must have dtype in"):
+        layer_norm(x, w.to(torch.int64), b)
+    with pytest.raises(TypeError, match="bias must have dtype in"):
+        layer_norm(x, w, b.to(torch.int64))
+    with pytest.raises(TypeError, match=r"bias must be a torch\.Tensor"):
+        layer_norm(x, w, 0.5)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"weight must have shape \(8,\), got \(7,\)"):
+        layer_norm(x, w[:7], b)
+    with pytest.raises(ValueError, match=r"bias must have shape \(8,\), got \(1, 8\)"):
+        layer_norm(x, w, b[None])
+    with pytest.raises(ValueError, match="weight must be on the device of x"):
+        layer_norm(x, torch.randn(8, device="meta"), b)
+    with pytest.raises(ValueError, match="bias must be on the device of x"):
+        layer_norm(x, w, torch.randn(8, device="meta"))
+    with pytest.raises(ValueError, match="eps must be > 0"):
+        layer_norm(x, w, b, eps=0.0)
+    with pytest.raises(TypeError, match="eps must be a float"):
+        layer_norm(x, w, b, eps="1e-5")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="x must have at least 1 dimension"):
+        layer_norm(torch.tensor(1.0, device=device))
+    with pytest.raises(ValueError, match="non-empty last dimension"):
+        layer_norm(torch.randn(4, 0, device=device))
+
+
+def test_torch_compile_fullgraph(device: str) -> None:
+    x, w, b = _inputs((6, 257), torch.float32, device, seed=19)
+
+    def loss(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return (layer_norm(x * 2.0, w, b, EPS) * 3.0).sum()
+
+    testing.assert_compile_matches_eager(loss, [x, w, b])
+
+
+def test_torch_compile_fullgraph_frozen_weight(device: str) -> None:
+    x, w, b = _inputs((6, 257), torch.bfloat16, device, seed=20, weight_grad=False)
+
+    def loss(x: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return (layer_norm(x * 2.0, w, b, EPS) * 3.0).sum()
+
+    testing.assert_compile_matches_eager(loss, [x, b])
+    assert w.grad is None
+
+
+S = testing.strategies()
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    dtype=S.dtypes,
+    layout=S.layouts,
+    rows=S.rows(40),
+    width=S.widths(3000),
+    weight_grad=st.booleans(),
+    bias_grad=st.booleans(),
+)
+def test_property_any_shape_dtype_layout(
+    device: str, dtype: torch.dtype, layout: str, rows: int, width: int, weight_grad: bool, bias_grad: bool
+) -> None:
+    x, w, b = _inputs(
+        (rows, width), dtype, device, seed=rows * 7919 + width, weight_grad=weight_grad, bias_grad=bias_grad
+    )
+    x = testing.with_layout(x, layout)
+    testing.compare_with_reference(_fk(), _ref(), [x, w, b], arg_names=NAMES, atols=_atols(width))
+
+
+def test_cpu_without_interpreter_takes_the_reference() -> None:
+    testing.run_on_reference_path(
+        "import torch; from fk.norms import layer_norm, layer_norm_ref, LayerNorm; from fk.core import backend;"
+        "x = torch.randn(3, 10, dtype=torch.bfloat16); w = torch.randn(10, dtype=torch.bfloat16);"
+        "b = torch.randn(10, dtype=torch.bfloat16);"
+        "assert backend.kernel_path(x) is backend.KernelPath.REFERENCE;"
+        "assert torch.equal(layer_norm(x, w, b), layer_norm_ref(x, w, b));"
+        "m = LayerNorm(10); torch.testing.assert_close(m(x.float()), torch.nn.LayerNorm(10)(x.float()));"
+        "print('ok')"
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("width", [1024, 4096, 8192, 32768, 65536])
+@pytest.mark.parametrize(("weight_grad", "bias_grad"), [(True, True), (False, False)], ids=["trainable", "frozen"])
+def test_gpu_training_shapes(width: int, weight_grad: bool, bias_grad: bool) -> None:
+    args = _inputs(
+        (4096 if width <= 8192 else 512, width), torch.bfloat16, "cuda", seed=width,
+        weight_grad=weight_grad, bias_grad=bias_grad,
+    )  # fmt: skip
+    testing.compare_with_reference(_fk(), _ref(), args, arg_names=NAMES)
+
+
+@pytest.mark.gpu
+def test_gpu_matches_torch_layer_norm_fp32() -> None:
+    x, w, b = _inputs((2048, 4096), torch.float32, "cuda", seed=20)
+    torch.testing.assert_close(
+        layer_norm(x, w, b, EPS), torch.nn.functional.layer_norm(x, (4096,), w, b, EPS), rtol=1e-5, atol=1e-5
+    )
