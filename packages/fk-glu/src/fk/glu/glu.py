@@ -304,6 +304,21 @@ def _glu_fwd_fake(a: torch.Tensor, b: torch.Tensor, activation: int, inplace: bo
     return torch.empty(a.shape, dtype=a.dtype, device=a.device)
 
 
+def _grad_buffer(t: torch.Tensor, needed: bool, in_place: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The gradient of ``t`` and its ``[rows, N]`` view for the kernel (None when not needed).
+
+    In place, it is a new view of ``t``'s own buffer where ``t`` can be written as rows; otherwise a
+    new tensor.
+    """
+    if not needed:
+        return t.new_empty(0), None
+    rows = writable_rows(t) if in_place else None
+    if rows is not None:
+        return t.view(t.shape), rows
+    grad = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+    return grad, grad.view(-1, t.shape[-1])
+
+
 def _glu_bwd(
     dy: torch.Tensor,
     a: torch.Tensor,
@@ -320,22 +335,10 @@ def _glu_bwd(
     """
     if a.numel() == 0:
         return _glu_bwd_fake(dy, a, b, activation, inplace, compute_da, compute_db)
-    n = a.shape[-1]
     a_rows, b_rows = as_rows(a), as_rows(b)
-    da_rows = db_rows = None
-    if inplace and _disjoint(a_rows, b_rows):
-        da_rows = writable_rows(a) if compute_da else None
-        db_rows = writable_rows(b) if compute_db else None
-    if compute_da and da_rows is None:
-        da = torch.empty(a.shape, dtype=a.dtype, device=a.device)
-        da_rows = da.view(-1, n)
-    else:
-        da = a.view(a.shape) if compute_da else a.new_empty(0)  # a new view of a's buffer
-    if compute_db and db_rows is None:
-        db = torch.empty(b.shape, dtype=b.dtype, device=b.device)
-        db_rows = db.view(-1, n)
-    else:
-        db = b.view(b.shape) if compute_db else b.new_empty(0)
+    in_place = inplace and _disjoint(a_rows, b_rows)
+    da, da_rows = _grad_buffer(a, compute_da, in_place)
+    db, db_rows = _grad_buffer(b, compute_db, in_place)
     if compute_da or compute_db:
         _launch_bwd(as_rows(dy), a_rows, b_rows, da_rows, db_rows, activation)
     return da, db
