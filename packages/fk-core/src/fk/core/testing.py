@@ -294,6 +294,46 @@ def run_on_reference_path(code: str) -> None:
         raise AssertionError(f"reference-path run failed:\nstdout:\n{out.stdout}\nstderr:\n{out.stderr}")
 
 
+# --- allocations ------------------------------------------------------------------------------
+
+CUDA_ALLOCATION_GRANULE = 512
+"""CUDA's caching allocator rounds every block up to a multiple of 512 bytes."""
+
+CUDA_UNSPLIT_SLACK = 1 << 20
+"""The caching allocator hands over a cached block whole (without splitting it) when less than
+1 MiB would remain, so a buffer may show up as a block up to this many bytes larger."""
+
+
+def allocation_sizes(fn: Callable[[], Any]) -> list[int]:
+    """Bytes of every allocation made while ``fn`` runs (host and device), seen by the profiler.
+
+    Each allocation is counted once, by the op that makes it (``self_*`` memory: an op's children
+    are not counted again), so two buffers of one size show up twice.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities, profile_memory=True) as prof:
+        fn()
+    sizes = []
+    for event in prof.events():
+        for field in ("self_cpu_memory_usage", "self_device_memory_usage"):
+            size = getattr(event, field, 0) or 0
+            if size > 0:
+                sizes.append(size)
+    return sizes
+
+
+def count_buffers(sizes: Sequence[int], n_bytes: int, device: str | torch.device) -> int:
+    """How many of the allocations ``sizes`` (from :func:`allocation_sizes`) hold a buffer of
+    ``n_bytes`` bytes: exactly that size on the CPU; on CUDA, rounded up to the allocator's granule,
+    or a cached block up to :data:`CUDA_UNSPLIT_SLACK` larger."""
+    if torch.device(device).type != "cuda":
+        return sum(s == n_bytes for s in sizes)
+    low = -(-n_bytes // CUDA_ALLOCATION_GRANULE) * CUDA_ALLOCATION_GRANULE
+    return sum(low <= s < low + CUDA_UNSPLIT_SLACK for s in sizes)
+
+
 # --- hypothesis strategies ----------------------------------------------------------------------
 
 
