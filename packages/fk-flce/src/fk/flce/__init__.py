@@ -1,0 +1,28 @@
+"""fk.flce: cross entropy for LLM training, and fused linear + cross entropy.
+
+- :func:`cross_entropy` / :class:`CrossEntropyLoss`: drop-ins for ``F.cross_entropy`` on 2-D
+  logits, with z-loss, logit softcapping, ``num_items_in_batch`` and per-token extras.
+- :func:`linear_cross_entropy` / :class:`LinearCrossEntropyLoss`: the loss of
+  ``hidden @ weight.T (+ bias)`` without ever materializing the ``[tokens, vocab]`` logits.
+"""
+
+from fk.flce.cross_entropy import CrossEntropyLoss, CrossEntropyOutput, cross_entropy, cross_entropy_ref
+from fk.flce.linear_cross_entropy import (
+    DEFAULT_MEMORY_BUDGET,
+    LinearCrossEntropyLoss,
+    linear_cross_entropy,
+    linear_cross_entropy_ref,
+    shift_labels,
+)
+
+__all__ = [
+    "DEFAULT_MEMORY_BUDGET",
+    "CrossEntropyLoss",
+    "CrossEntropyOutput",
+    "LinearCrossEntropyLoss",
+    "cross_entropy",
+    "cross_entropy_ref",
+    "linear_cross_entropy",
+    "linear_cross_entropy_ref",
+    "shift_labels",
+]
