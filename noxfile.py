@@ -39,6 +39,21 @@ def _install_runtime(session: nox.Session) -> None:
     session.install(TORCH, TRITON)
 
 
+def _test_extras(dist: Path) -> list[str]:
+    """The ``testing`` extra of a kernel package other than fk-core (fk-lora: peft, transformers)."""
+    import tomllib
+
+    project = tomllib.loads((dist / "pyproject.toml").read_text())["project"]
+    return [] if dist.name == "fk-core" else project.get("optional-dependencies", {}).get("testing", [])
+
+
+def _install_test_extras(session: nox.Session, dists: list[Path]) -> None:
+    """Install the test extras of ``dists`` with torch pinned, so pip never swaps the CPU torch."""
+    extras = [req for d in dists for req in _test_extras(d)]
+    if extras:
+        session.install(*extras, TORCH, "numpy<2.4")
+
+
 def _src_paths() -> str:
     return os.pathsep.join(str(d / "src") for d in ALL_DISTS)
 
@@ -49,6 +64,7 @@ def tests(session: nox.Session) -> None:
     _install_runtime(session)
     core = PACKAGES[0]
     session.install(f"{core}[testing,bench]")
+    _install_test_extras(session, PACKAGES)
     session.install("--no-deps", *(str(d) for d in ALL_DISTS))
     session.run("pytest", *session.posargs, env=CPU_ENV)
 
@@ -64,7 +80,10 @@ def tests_isolated(session: nox.Session, dist: str) -> None:
     session.install(f"{ROOT / 'packages' / 'fk-core'}[testing,bench]")
     if path == META:
         session.install(*(str(p) for p in PACKAGES if p.name != "fk-core"))
-    session.install(str(path))
+    elif path.name == "fk-lora":
+        session.install(str(ROOT / "packages" / "fk-glu"))
+    _install_test_extras(session, [path])
+    session.install(str(path), TORCH)
     tests_dir = path / "tests"
     session.run("pytest", str(tests_dir), *session.posargs, env=CPU_ENV)
 

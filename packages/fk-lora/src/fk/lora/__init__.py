@@ -1,0 +1,39 @@
+"""fk.lora: fused LoRA projections (PEFT semantics) and a patcher for PEFT models.
+
+- :func:`lora_linear` / :func:`lora_o`: one LoRA linear layer, base matmul and LoRA branch in one
+  output buffer, rank-sized intermediates only.
+- :func:`lora_qkv` / :func:`lora_projections`: several projections of one input (q, k, v), one
+  ``dx`` in the backward.
+- :func:`lora_mlp`: gate/up/down LoRA projections around fk.glu's SwiGLU/GeGLU kernel, the
+  activation recomputed in the backward instead of saved.
+- :func:`patch` / :func:`unpatch`: swap the forward of a PEFT model's LoRA modules (needs ``peft``).
+"""
+
+from fk.lora.lora import (
+    MLP_ACTIVATIONS,
+    LoRAWeights,
+    lora_linear,
+    lora_linear_ref,
+    lora_mlp,
+    lora_mlp_ref,
+    lora_o,
+    lora_projections,
+    lora_qkv,
+)
+from fk.lora.patching import PatchReport, is_patched, patch, unpatch
+
+__all__ = [
+    "MLP_ACTIVATIONS",
+    "LoRAWeights",
+    "PatchReport",
+    "is_patched",
+    "lora_linear",
+    "lora_linear_ref",
+    "lora_mlp",
+    "lora_mlp_ref",
+    "lora_o",
+    "lora_projections",
+    "lora_qkv",
+    "patch",
+    "unpatch",
+]

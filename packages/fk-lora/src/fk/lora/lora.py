@@ -1,0 +1,505 @@
+"""LoRA projections with the frozen base matmul and the low-rank branch fused: ``y = x W^T + b + s (d(x) A^T) B^T + s c``.
+
+Notation, for one projection: ``x`` ``[M, K]`` (the leading dimensions flattened), base weight
+``W`` ``[N, K]`` and bias ``b`` ``[N]`` (frozen or trainable), LoRA ``A`` ``[r, K]``, ``B``
+``[N, r]``, ``lora_bias`` ``c`` ``[N]`` (PEFT's ``lora_bias=True`` gives ``lora_B`` a bias),
+``scaling`` ``s`` (``alpha / r``, or ``alpha / sqrt(r)`` with rsLoRA) and ``d`` the LoRA dropout
+(``p``), applied to the LoRA branch only, as PEFT applies ``nn.Dropout`` before ``lora_A``.
+
+The forward computes the base projection, then adds ``s (d(x) A^T) B^T`` into the same buffer
+with one ``addmm``: the only extra intermediate is the rank-sized ``xa = d(x) A^T`` ``[M, r]``.
+Dropout masks are drawn with ``torch.native_dropout`` on ``x`` cast to ``A``'s dtype, in the order
+PEFT calls the modules (q, k, v; gate, up, down): the same random stream as ``nn.Dropout`` in
+PEFT, so a run seeded like a PEFT run draws the same masks. The mask is saved as bool (one byte
+per element), not the dropped input.
+
+Dtypes: the output has ``x``'s dtype (as PEFT's, which casts its result back to the base
+layer's). ``A`` and ``B`` may be kept in another dtype (fp32 LoRA weights with bf16 activations):
+``d(x) A^T`` is computed in ``A``'s dtype, as PEFT computes it; the rest runs in ``x``'s dtype
+(the rank-sized ``xa`` and ``B`` are cast, never the activations) and the LoRA gradients are
+returned in the LoRA weights' dtype.
+
+This file holds, in order: the references, the launchers (forward and backward of a group of
+projections that share their input, and of a gated MLP, as ``torch.autograd.Function``\\ s; the
+matmuls are PyTorch's, the MLP's activation is fk.glu's Triton kernel), and the functional API
+(:func:`lora_linear`, :func:`lora_o`, :func:`lora_qkv`, :func:`lora_mlp`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from fk.core import validate
+from fk.core.backend import uses_kernel
+from fk.glu import ACTIVATIONS, gated_act_ref, resolve_activation
+from fk.glu import glu as _glu_impl
+
+MLP_ACTIVATIONS: dict[str, str] = {"swiglu": "silu", "geglu": "gelu_tanh"}
+"""Short names accepted by :func:`lora_mlp` (Hugging Face ``hidden_act`` names are accepted too)."""
+
+
+class LoRAWeights(NamedTuple):
+    """The parameters of one LoRA projection (a PEFT ``lora.Linear`` with one active adapter)."""
+
+    weight: torch.Tensor
+    """Base weight ``[N, K]`` (``base_layer.weight``), frozen or trainable."""
+    bias: torch.Tensor | None
+    """Base bias ``[N]`` or None."""
+    lora_A: torch.Tensor
+    """``[r, K]`` (``lora_A[adapter].weight``)."""
+    lora_B: torch.Tensor
+    """``[N, r]`` (``lora_B[adapter].weight``), same dtype as ``lora_A``."""
+    scaling: float
+    """``alpha / r`` (or ``alpha / sqrt(r)``): PEFT's ``module.scaling[adapter]``."""
+    dropout_p: float = 0.0
+    """LoRA dropout probability; 0 when the dropout module is in eval mode."""
+    lora_bias: torch.Tensor | None = None
+    """``[N]``: ``lora_B``'s bias (PEFT ``lora_bias=True``), scaled by ``scaling`` like ``lora_B``."""
+
+
+# --- 1. Reference ---------------------------------------------------------------------------------
+
+
+def lora_linear_ref(
+    x: torch.Tensor,
+    base_weight: torch.Tensor,
+    base_bias: torch.Tensor | None,
+    lora_A: torch.Tensor,
+    lora_B: torch.Tensor,
+    scaling: float,
+    dropout_p: float = 0.0,
+    lora_bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """PEFT's ``lora.Linear.forward`` for one adapter, in plain PyTorch (the definition tests use).
+
+    ``result = base(x); result = result + lora_B(lora_A(dropout(x.to(A.dtype)))) * scaling``, cast
+    back to the base result's dtype. Dropout (``dropout_p > 0``) draws from the global generator
+    exactly as :func:`lora_linear` does.
+    """
+    result = F.linear(x, base_weight, base_bias)
+    xl = x.to(lora_A.dtype)
+    if dropout_p > 0:
+        xl = F.dropout(xl, dropout_p, training=True)
+    lora = F.linear(F.linear(xl, lora_A), lora_B, lora_bias) * scaling
+    return (result + lora).to(result.dtype)
+
+
+def lora_mlp_ref(
+    x: torch.Tensor, gate: LoRAWeights, up: LoRAWeights, down: LoRAWeights, activation: str = "swiglu"
+) -> torch.Tensor:
+    """``down(act(gate(x)) * up(x))`` with each projection a :func:`lora_linear_ref`."""
+    act = _resolve_mlp_activation(activation)
+    g = lora_linear_ref(x, *gate)
+    u = lora_linear_ref(x, *up)
+    return lora_linear_ref(gated_act_ref(g, u, act), *down)
+
+
+# --- 2. Launchers ---------------------------------------------------------------------------------
+#
+# Forward of one projection (x2 = x as [M, K], c = the activation dtype, l = the LoRA dtype):
+#   xa = d(x2.to(l)) A^T                         [M, r], in l     (d: dropout, mask m, 1/(1-p))
+#   y  = addmm(b, x2, W^T) ; y += s xa B^T ; y += s c_bias       [M, N], in c, one buffer
+#
+# Backward, with upstream gradient dy [M, N] and G = dy B [M, r] (rank-sized):
+#   dB      = s dy^T xa                          [N, r]
+#   dc_bias = s sum_rows(dy)                     [N]
+#   dA      = s G^T d(x2)                        [r, K]   d(x2) = x2 * m / (1 - p), recomputed
+#   dW      = dy^T x2                            [N, K]   only when W requires grad
+#   db      = sum_rows(dy)                       [N]      only when b requires grad
+#   dx      = dy W + s (G A) * m / (1 - p)       [M, K]
+# For projections that share x (q, k, v; gate, up), dx is one buffer: the first dy W is an mm,
+# every other term is accumulated into it (addmm_ without dropout; with dropout the masked term
+# G A is formed once per projection and added with its mask).
+#
+# Gated MLP: g = proj_gate(x), u = proj_up(x), h = act(g) * u (fk.glu's kernel), y = proj_down(h).
+# Saved: x, g, u, the rank-sized xa's and the masks; h is not saved but recomputed from g and u in
+# the backward (one more elementwise pass instead of an [M, I] buffer kept from forward to
+# backward). Backward: dh from proj_down's backward (using the recomputed h), then
+# (dg, du) = glu_backward(dh, g, u), written into g's and u's buffers in eager mode, then dx.
+
+
+def _use_kernel_launchers() -> bool:
+    return not torch.compiler.is_compiling()
+
+
+def _act_fwd(gate: torch.Tensor, up: torch.Tensor, act: str) -> torch.Tensor:
+    if not uses_kernel(gate):
+        return gated_act_ref(gate, up, act)
+    code = ACTIVATIONS.index(act)
+    if _use_kernel_launchers():
+        return _glu_impl._glu_fwd(gate, up, code, False)
+    return _glu_impl._glu.fwd_op(gate, up, code, False)  # type: ignore[attr-defined]
+
+
+def _gated_act_grad_ref(
+    dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, act: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d gate, d up) of ``act(gate) * up`` in plain PyTorch (fp32 math), for the reference path."""
+    a, b, dy = gate.float(), up.float(), dh.float()
+    if act == "gelu":
+        cdf = 0.5 * (1.0 + torch.erf(a * 0.7071067811865476))
+        value = a * cdf
+        grad = cdf + a * 0.3989422804014327 * torch.exp(-0.5 * a * a)
+    else:  # a * sigmoid(k(a)), as in fk.glu's kernels
+        k1, k3 = 1.5957691216057308, 0.07135481627159279
+        k, dk = (a, 1.0) if act == "silu" else (a * (k1 + k3 * a * a), k1 + 3.0 * k3 * a * a)
+        s = torch.sigmoid(k)
+        value = a * s
+        grad = s + value * (1.0 - s) * dk
+    return (dy * b * grad).to(gate.dtype), (dy * value).to(up.dtype)
+
+
+def _act_bwd(
+    dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, act: str
+) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """(d gate, d up, written into gate's and up's buffers)."""
+    if not uses_kernel(gate):
+        dg, du = _gated_act_grad_ref(dh, gate, up, act)
+        return dg, du, False
+    code = ACTIVATIONS.index(act)
+    if _use_kernel_launchers():
+        dg, du = _glu_impl._glu_bwd(dh, gate, up, code, True, True, True)
+        return dg, du, dg.data_ptr() == gate.data_ptr()
+    dg, du = _glu_impl._glu.bwd_op(dh, gate, up, code, False, True, True)  # type: ignore[attr-defined]
+    return dg, du, False
+
+
+def _proj_fwd(
+    x2: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    lora_A: torch.Tensor,
+    lora_B: torch.Tensor,
+    lora_bias: torch.Tensor | None,
+    scaling: float,
+    p: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """One projection of ``x2`` ``[M, K]``: (y ``[M, N]``, xa ``[M, r]``, dropout mask or None)."""
+    xl = x2 if x2.dtype == lora_A.dtype else x2.to(lora_A.dtype)
+    mask = None
+    if p > 0:
+        xl, mask = torch.native_dropout(xl, p, True)
+    xa = torch.mm(xl, lora_A.t())
+    del xl
+    y = torch.mm(x2, weight.t()) if bias is None else torch.addmm(bias, x2, weight.t())
+    c = x2.dtype
+    y.addmm_(xa.to(c), lora_B.to(c).t(), alpha=scaling)
+    if lora_bias is not None:
+        y.add_(lora_bias.to(c), alpha=scaling)
+    return y, xa, mask
+
+
+def _masked(t: torch.Tensor, mask: torch.Tensor, p: float) -> torch.Tensor:
+    """``t * mask / (1 - p)``: dropout with a saved mask (a new tensor)."""
+    return torch.ops.aten.native_dropout_backward.default(t, mask, 1.0 / (1.0 - p))
+
+
+def _proj_bwd(
+    dy: torch.Tensor,
+    x2: torch.Tensor,
+    weight: torch.Tensor,
+    lora_A: torch.Tensor,
+    lora_B: torch.Tensor,
+    xa: torch.Tensor,
+    mask: torch.Tensor | None,
+    scaling: float,
+    p: float,
+    needs: tuple[bool, bool, bool, bool, bool, bool],
+    dx: torch.Tensor | None,
+) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
+    """Backward of :func:`_proj_fwd` (see the math above).
+
+    ``needs`` = (dx, dW, db, dA, dB, dlora_bias). ``dx`` is the accumulation buffer (None: this is
+    the first term). Returns (dx, [dW, db, dA, dB, dlora_bias]).
+    """
+    need_dx, need_dw, need_db, need_da, need_dbb, need_dlb = needs
+    c = dy.dtype
+    grads: list[torch.Tensor | None] = [None] * 5
+    if need_dw:
+        grads[0] = torch.mm(dy.t(), x2).to(weight.dtype)
+    if need_db or need_dlb:
+        col_sum = dy.sum(0, dtype=torch.float32)
+        if need_db:
+            grads[1] = col_sum.to(weight.dtype)
+        if need_dlb:
+            grads[4] = (col_sum * scaling).to(lora_B.dtype)
+    if need_dbb:
+        grads[3] = torch.mm(dy.t(), xa.to(c) * scaling).to(lora_B.dtype)
+    if need_da or need_dx:
+        gs = torch.mm(dy, lora_B.to(c)) * scaling  # s G, [M, r]
+        if need_da:
+            xd = x2 if mask is None else _masked(x2, mask, p)
+            grads[2] = torch.mm(gs.t(), xd).to(lora_A.dtype)
+            del xd
+        if need_dx:
+            dx = torch.mm(dy, weight) if dx is None else dx.addmm_(dy, weight)
+            a_c = lora_A.to(c)
+            if mask is None:
+                dx.addmm_(gs, a_c)
+            else:
+                dx.add_(_masked(torch.mm(gs, a_c), mask, p))
+    return dx, grads
+
+
+_SLOTS = 5  # tensors per projection: weight, bias, lora_A, lora_B, lora_bias
+
+
+class _LoRAProjections(torch.autograd.Function):
+    """``len(config)`` LoRA projections of one input ``x``: returns one output per projection.
+
+    ``config`` is a tuple of ``(scaling, dropout_p)`` per projection; ``params`` holds, per
+    projection, ``weight, bias, lora_A, lora_B, lora_bias`` (None where absent).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, config: tuple[tuple[float, float], ...], *params: Any) -> Any:
+        x2 = x.reshape(-1, x.shape[-1])
+        outs, xas, masks = [], [], []
+        for i, (s, p) in enumerate(config):
+            w, b, a, bb, lb = params[_SLOTS * i : _SLOTS * (i + 1)]
+            y, xa, mask = _proj_fwd(x2, w, b, a, bb, lb, s, p)
+            outs.append(y.view(*x.shape[:-1], y.shape[-1]))
+            xas.append(xa)
+            masks.append(mask)
+        weights = [t for i in range(len(config)) for t in (params[_SLOTS * i], params[_SLOTS * i + 2], params[_SLOTS * i + 3])]  # fmt: skip
+        ctx.save_for_backward(x, *weights, *xas, *masks)
+        ctx.config = config
+        ctx.set_materialize_grads(False)
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx: Any, *dys: Any) -> Any:
+        n = len(ctx.config)
+        saved = ctx.saved_tensors
+        x, weights, xas, masks = saved[0], saved[1 : 1 + 3 * n], saved[1 + 3 * n : 1 + 4 * n], saved[1 + 4 * n :]
+        x2 = x.reshape(-1, x.shape[-1])
+        need_dx = ctx.needs_input_grad[0]
+        dx = None
+        grads: list[torch.Tensor | None] = []
+        for i, (s, p) in enumerate(ctx.config):
+            needs = ctx.needs_input_grad[2 + _SLOTS * i : 2 + _SLOTS * (i + 1)]
+            if dys[i] is None:
+                grads += [None] * _SLOTS
+                continue
+            dy = dys[i].reshape(-1, dys[i].shape[-1])
+            w, a, b = weights[3 * i : 3 * i + 3]
+            dx, g = _proj_bwd(dy, x2, w, a, b, xas[i], masks[i], s, p, (need_dx, *needs), dx)
+            grads += g
+        if dx is not None:
+            dx = dx.view(x.shape)
+        return (dx, None, *grads)
+
+
+class _LoRAMLP(torch.autograd.Function):
+    """``down(act(gate(x)) * up(x))`` with three LoRA projections; ``act`` is fk.glu's kernel.
+
+    ``config`` = ``(act, (s, p) of gate, (s, p) of up, (s, p) of down)``; ``params`` as in
+    :class:`_LoRAProjections`, gate then up then down.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, config: tuple[Any, ...], *params: Any) -> Any:
+        act, (sg, pg), (su, pu), (sd, pd) = config
+        x2 = x.reshape(-1, x.shape[-1])
+        wg, bg, ag, bbg, lbg, wu, bu, au, bbu, lbu, wd, bd, ad, bbd, lbd = params
+        gate, xa_g, m_g = _proj_fwd(x2, wg, bg, ag, bbg, lbg, sg, pg)
+        up, xa_u, m_u = _proj_fwd(x2, wu, bu, au, bbu, lbu, su, pu)
+        h = _act_fwd(gate, up, act)
+        y, xa_d, m_d = _proj_fwd(h, wd, bd, ad, bbd, lbd, sd, pd)
+        del h  # recomputed in the backward
+        ctx.save_for_backward(x, gate, up, wg, ag, bbg, wu, au, bbu, wd, ad, bbd, xa_g, xa_u, xa_d, m_g, m_u, m_d)
+        ctx.config = config
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> Any:
+        act, (sg, pg), (su, pu), (sd, pd) = ctx.config
+        x, gate, up, wg, ag, bg, wu, au, bu, wd, ad, bd, xa_g, xa_u, xa_d, m_g, m_u, m_d = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        need_dx = needs[0]
+        need_gu = need_dx or any(needs[2:12])
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        h = _act_fwd(gate, up, act)
+        dh, grads_d = _proj_bwd(dy2, h, wd, ad, bd, xa_d, m_d, sd, pd, (need_gu, *needs[12:17]), None)
+        del h
+        grads_g: list[torch.Tensor | None] = [None] * _SLOTS
+        grads_u: list[torch.Tensor | None] = [None] * _SLOTS
+        dx = None
+        if need_gu and dh is not None:
+            dgate, dup, written = _act_bwd(dh, gate, up, act)
+            del dh
+            if written:  # the gradients overwrote gate and up: a second backward must fail loudly
+                torch.autograd.graph.increment_version(gate)
+                torch.autograd.graph.increment_version(up)
+            x2 = x.reshape(-1, x.shape[-1])
+            dx, grads_g = _proj_bwd(dgate, x2, wg, ag, bg, xa_g, m_g, sg, pg, (need_dx, *needs[2:7]), None)
+            dx, grads_u = _proj_bwd(dup, x2, wu, au, bu, xa_u, m_u, su, pu, (need_dx, *needs[7:12]), dx)
+        if dx is not None:
+            dx = dx.view(x.shape)
+        return (dx, None, *grads_g, *grads_u, *grads_d)
+
+
+# --- 3. Functional API ----------------------------------------------------------------------------
+
+
+def _resolve_mlp_activation(activation: str) -> str:
+    if isinstance(activation, str) and activation in MLP_ACTIVATIONS:
+        return MLP_ACTIVATIONS[activation]
+    return resolve_activation(activation)
+
+
+def _check_scalar(name: str, value: object, *, low: float | None = None, high: float | None = None) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a float, got {type(value).__name__}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    if low is not None and value < low:
+        raise ValueError(f"{name} must be >= {low}, got {value}")
+    if high is not None and not value < high:
+        raise ValueError(f"{name} must be < {high}, got {value}")
+    return value
+
+
+def _check_optional_vector(name: str, t: object, n: int, like_name: str, like: torch.Tensor) -> None:
+    if t is None:
+        return
+    validate.check_tensor(name, t)
+    assert isinstance(t, torch.Tensor)
+    validate.check_same_dtype(name, t, like_name, like)
+    validate.check_same_device(name, t, like_name, like)
+    validate.check_shape(name, t, (n,))
+
+
+def _check_parts(prefix: str, x: torch.Tensor, parts: object) -> tuple[tuple[float, float], list[Any]]:
+    """Validate one projection's parameters against ``x``; returns ((scaling, p), flat params)."""
+    if not isinstance(parts, tuple) or len(parts) not in (5, 6, 7):
+        raise TypeError(f"{prefix or 'parts'} must be a LoRAWeights (or a tuple of its 5 to 7 fields), got {type(parts).__name__}")  # fmt: skip
+    w, b, a, bb, s, *rest = parts
+    p = rest[0] if rest else 0.0
+    lb = rest[1] if len(rest) > 1 else None
+    names = [f"{prefix}{n}" for n in ("weight", "bias", "lora_A", "lora_B", "scaling", "dropout_p", "lora_bias")]
+    for name, t in ((names[0], w), (names[2], a), (names[3], bb)):
+        validate.check_tensor(name, t)
+        validate.check_dtype(name, t)
+        validate.check_same_device(name, t, "x", x)
+        validate.check_ndim(name, t, 2)
+    validate.check_same_dtype(names[0], w, "x", x)
+    validate.check_same_dtype(names[3], bb, names[2], a)
+    n_out, k = w.shape
+    r = a.shape[0]
+    validate.check_shape(names[0], w, (n_out, x.shape[-1]))
+    validate.check_shape(names[2], a, (r, k))
+    validate.check_shape(names[3], bb, (n_out, r))
+    _check_optional_vector(names[1], b, n_out, names[0], w)
+    _check_optional_vector(names[6], lb, n_out, names[3], bb)
+    scaling = _check_scalar(names[4], s)
+    p = _check_scalar(names[5], p, low=0.0, high=1.0)
+    return (scaling, p), [w, b, a, bb, lb]
+
+
+def _check_x(x: object) -> torch.Tensor:
+    validate.check_tensor("x", x)
+    assert isinstance(x, torch.Tensor)
+    validate.check_dtype("x", x)
+    validate.check_min_ndim("x", x, 1)
+    return x
+
+
+def lora_linear(
+    x: torch.Tensor,
+    base_weight: torch.Tensor,
+    base_bias: torch.Tensor | None,
+    lora_A: torch.Tensor,
+    lora_B: torch.Tensor,
+    scaling: float,
+    dropout_p: float = 0.0,
+    lora_bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """A LoRA linear layer, as PEFT's ``lora.Linear`` with one adapter, with the base matmul and the
+    low-rank branch sharing one output buffer (see the module docstring).
+
+    Args:
+        x: ``(..., K)``, fp32/fp16/bf16.
+        base_weight: ``[N, K]``, dtype of ``x``; no gradient, buffer or FLOP is spent on it when
+            it does not require grad (the usual frozen base).
+        base_bias: ``[N]`` or None, dtype of ``base_weight``; frozen or trainable.
+        lora_A: ``[r, K]``; ``lora_B``: ``[N, r]``, both of one float dtype (may differ from ``x``'s).
+        scaling: ``alpha / r`` (``alpha / sqrt(r)`` for rsLoRA).
+        dropout_p: LoRA dropout in ``[0, 1)``, applied to the LoRA branch's input only; the mask is
+            drawn from the global generator as PEFT's ``nn.Dropout`` draws it. Pass 0 in eval mode.
+        lora_bias: ``[N]`` or None, dtype of ``lora_B``: ``lora_B``'s bias (PEFT ``lora_bias=True``).
+
+    Returns ``(..., N)`` in ``x``'s dtype.
+    """
+    x = _check_x(x)
+    cfg, params = _check_parts("", x, (base_weight, base_bias, lora_A, lora_B, scaling, dropout_p, lora_bias))
+    (y,) = _LoRAProjections.apply(x, (cfg,), *params)
+    return y
+
+
+lora_o = lora_linear
+"""The attention output projection: :func:`lora_linear` (its input is not shared with another projection)."""
+
+
+def lora_projections(x: torch.Tensor, *parts: LoRAWeights) -> tuple[torch.Tensor, ...]:
+    """Several LoRA projections of one input ``x`` (one per :class:`LoRAWeights`), with one ``dx``
+    accumulation in the backward. Dropout masks are drawn in the order of ``parts``."""
+    x = _check_x(x)
+    if not parts:
+        raise ValueError("lora_projections needs at least one LoRAWeights")
+    configs, flat = [], []
+    for i, p in enumerate(parts):
+        cfg, params = _check_parts(f"parts[{i}].", x, p)
+        configs.append(cfg)
+        flat += params
+    return tuple(_LoRAProjections.apply(x, tuple(configs), *flat))
+
+
+def lora_qkv(
+    x: torch.Tensor, q_parts: LoRAWeights, k_parts: LoRAWeights, v_parts: LoRAWeights
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(q_proj(x), k_proj(x), v_proj(x))`` for three LoRA projections of one input.
+
+    One forward call, one ``dx`` in the backward (``dq Wq + dk Wk + dv Wv`` plus the LoRA terms,
+    accumulated into one buffer). Dropout masks are drawn in the order q, k, v, as PEFT's
+    attention forward calls the three modules.
+    """
+    x = _check_x(x)
+    cfgs, flat = [], []
+    for name, parts in (("q_parts", q_parts), ("k_parts", k_parts), ("v_parts", v_parts)):
+        cfg, params = _check_parts(f"{name}.", x, parts)
+        cfgs.append(cfg)
+        flat += params
+    q, k, v = _LoRAProjections.apply(x, tuple(cfgs), *flat)
+    return q, k, v
+
+
+def lora_mlp(
+    x: torch.Tensor,
+    gate_parts: LoRAWeights,
+    up_parts: LoRAWeights,
+    down_parts: LoRAWeights,
+    activation: str = "swiglu",
+) -> torch.Tensor:
+    """``down_proj(act(gate_proj(x)) * up_proj(x))`` with three LoRA projections (LlamaMLP / GemmaMLP).
+
+    ``activation`` is ``"swiglu"`` (SiLU) or ``"geglu"`` (tanh GELU), or a Hugging Face
+    ``hidden_act`` name (``"silu"``, ``"gelu_pytorch_tanh"``, ``"gelu"``, ...). The gated activation
+    runs in fk.glu's Triton kernel; its output is not kept for the backward but recomputed from
+    the gate and up projections. Dropout masks are drawn in the order gate, up, down.
+    """
+    x = _check_x(x)
+    act = _resolve_mlp_activation(activation)
+    cfg_g, pg = _check_parts("gate_parts.", x, gate_parts)
+    cfg_u, pu = _check_parts("up_parts.", x, up_parts)
+    n_inter = pg[0].shape[0]
+    if pu[0].shape[0] != n_inter:
+        raise ValueError(f"up_parts.weight must have {n_inter} rows (gate_parts.weight's), got shape {tuple(pu[0].shape)}")  # fmt: skip
+    h_like = x.new_empty((1, n_inter)) if x.ndim else x
+    cfg_d, pd = _check_parts("down_parts.", h_like, down_parts)
+    return _LoRAMLP.apply(x, (act, cfg_g, cfg_u, cfg_d), *pg, *pu, *pd)

@@ -1,0 +1,290 @@
+"""Swap the forward of PEFT LoRA modules for fk.lora's fused functions: :func:`patch` / :func:`unpatch`.
+
+The modules are found by structure, not by model class:
+
+- a module with ``gate_proj``, ``up_proj`` and ``down_proj`` children that are PEFT ``lora.Linear``
+  and an ``act_fn`` child that computes SiLU or GELU (LlamaMLP, MistralMLP, Qwen2MLP, GemmaMLP,
+  ...) gets its own forward replaced by :func:`fk.lora.lora_mlp`. This assumes the module computes
+  ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``, as all of these do;
+- ``q_proj``, ``k_proj`` and ``v_proj`` children of one module (an attention block) that are
+  ``lora.Linear`` form a shared-input group: the first one called computes all of them with
+  :func:`fk.lora.lora_projections` (one ``dx`` in the backward, masks drawn in the order q, k, v as
+  PEFT draws them) and hands its result to the others when they are called with the same tensor;
+- every other ``lora.Linear`` (``o_proj``, ...) uses :func:`fk.lora.lora_linear`.
+
+Only forward methods are swapped (an instance attribute over the class's method); model source
+is never rewritten, and :func:`unpatch` removes the attributes again.
+
+At every call the patched forward checks that the module is still plain LoRA: one active adapter,
+not merged, adapters enabled, no LoRA variant (DoRA, ...), a ``torch.nn.Linear`` base layer
+(not a bitsandbytes quantized one), no autocast, the base weight in the input's dtype. Otherwise
+it runs PEFT's own forward, and says so once per module and reason on the ``fk.lora`` logger.
+Modules that can never take the fused path (quantized, DoRA at patch time) are left alone and
+reported as skipped.
+
+This module imports ``peft`` (only when :func:`patch` is called); the rest of fk.lora does not.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from fk.lora.lora import LoRAWeights, lora_linear, lora_mlp, lora_projections
+
+log = logging.getLogger("fk.lora")
+
+_STATE = "_fk_lora_patches"
+_QKV = ("q_proj", "k_proj", "v_proj")
+_MLP = ("gate_proj", "up_proj", "down_proj")
+
+
+@dataclass
+class PatchReport:
+    """What :func:`patch` did: qualified module names per kind, and the LoRA modules left to PEFT."""
+
+    mlp: list[str] = field(default_factory=list)
+    """MLP modules whose forward is :func:`fk.lora.lora_mlp`."""
+    qkv: list[list[str]] = field(default_factory=list)
+    """Groups of projections that share their input (q/k/v of one attention block)."""
+    linear: list[str] = field(default_factory=list)
+    """``lora.Linear`` modules patched alone (``o_proj``, ...)."""
+    skipped: dict[str, str] = field(default_factory=dict)
+    """LoRA modules left to PEFT's forward, with the reason."""
+
+    @property
+    def n_patched(self) -> int:
+        return len(self.mlp) + len(self.qkv) + len(self.linear)
+
+    def __str__(self) -> str:
+        return (
+            f"fk.lora patched {len(self.mlp)} MLP, {len(self.qkv)} QKV group(s), {len(self.linear)} other "
+            f"linear(s); {len(self.skipped)} LoRA module(s) left to PEFT"
+        )
+
+
+def _lora_linear_class() -> type:
+    from peft.tuners.lora.layer import Linear
+
+    return Linear
+
+
+def _lora_layer_class() -> type:
+    from peft.tuners.lora.layer import LoraLayer
+
+    return LoraLayer
+
+
+def _static_reason(module: Any, lora_linear_cls: type) -> str | None:
+    """Why ``module`` can never take the fused path (None: it can)."""
+    if type(module) is not lora_linear_cls:
+        return f"{type(module).__module__}.{type(module).__name__} is not PEFT's plain lora.Linear (quantized or custom layer)"  # fmt: skip
+    base = getattr(module, "get_base_layer")()  # noqa: B009 (mypy narrows module to object above)
+    if type(base) is not nn.Linear:
+        return f"base layer {type(base).__name__} is not torch.nn.Linear"
+    if getattr(module, "fan_in_fan_out", False):
+        return "fan_in_fan_out=True"
+    variants = getattr(module, "lora_variant", {}) or {}
+    if variants:
+        return f"LoRA variant {', '.join(sorted(type(v).__name__ for v in variants.values()))} (e.g. DoRA)"
+    return None
+
+
+def _call_parts(module: Any, x: Any) -> LoRAWeights | str:
+    """The module's parameters for a fused call on ``x``, or why PEFT's forward must run instead."""
+    if module.disable_adapters:
+        return "adapters are disabled"
+    if module.merged:
+        return "the adapter is merged into the base weight"
+    active = [a for a in module.active_adapters if a in module.lora_A]
+    if len(active) != 1:
+        return f"{len(active)} active adapters (fk.lora fuses exactly one)"
+    name = active[0]
+    if name in (getattr(module, "lora_variant", {}) or {}) or module.use_dora.get(name, False):
+        return "a LoRA variant (DoRA, ...) is active"
+    base = module.get_base_layer()
+    if type(base) is not nn.Linear:
+        return f"base layer {type(base).__name__} is not torch.nn.Linear"
+    dropout = module.lora_dropout[name]
+    if isinstance(dropout, nn.Identity):
+        p = 0.0
+    elif type(dropout) is nn.Dropout:
+        p = float(dropout.p) if dropout.training else 0.0
+    else:
+        return f"dropout module {type(dropout).__name__}"
+    lora_a, lora_b = module.lora_A[name], module.lora_B[name]
+    if not isinstance(x, torch.Tensor) or x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        return "input is not a float tensor"
+    if base.weight.dtype != x.dtype:
+        return f"base weight dtype {base.weight.dtype} differs from the input's {x.dtype}"
+    if lora_a.weight.dtype != x.dtype and not getattr(module, "cast_input_dtype_enabled", True):
+        return "input dtype casting is disabled"
+    if torch.is_autocast_enabled(x.device.type):
+        return "autocast is enabled"
+    return LoRAWeights(
+        base.weight,
+        base.bias,
+        lora_a.weight,
+        lora_b.weight,
+        float(module.scaling[name]),
+        p,
+        lora_b.bias,
+    )
+
+
+def _fallback(module: nn.Module, label: str, reason: str) -> None:
+    logged: set[str] = module.__dict__.setdefault("_fk_lora_logged", set())
+    if reason not in logged:
+        logged.add(reason)
+        log.info("fk.lora: %s runs PEFT's forward: %s", label, reason)
+
+
+def _linear_forward(module: nn.Module, original: Any, label: str, x: Any, *args: Any, **kwargs: Any) -> Any:
+    parts = _call_parts(module, x) if not (args or kwargs) else "extra forward arguments"
+    if isinstance(parts, str):
+        _fallback(module, label, parts)
+        return original(x, *args, **kwargs)
+    return lora_linear(x, *parts)
+
+
+@dataclass
+class _SharedInput:
+    """q/k/v of one attention block: the first call computes all, the others pick up their result."""
+
+    members: list[tuple[nn.Module, Any, str]]  # (module, original forward, label), in call order
+    pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    split: bool = False  # a member was called with another input: stop fusing this group
+
+
+def _shared_forward(group: _SharedInput, index: int, x: Any, *args: Any, **kwargs: Any) -> Any:
+    module, original, label = group.members[index]
+    if index == 0:
+        group.pending.clear()
+        if not group.split and not (args or kwargs):
+            parts = [_call_parts(m, x) for m, _, _ in group.members]
+            reasons = [f"{lbl}: {p}" for (_, _, lbl), p in zip(group.members, parts, strict=True) if isinstance(p, str)]
+            if not reasons:
+                outs = lora_projections(x, *parts)  # type: ignore[arg-type]
+                for (m, _, _), out in zip(group.members[1:], outs[1:], strict=True):
+                    group.pending[id(m)] = (x, out)
+                return outs[0]
+            _fallback(module, label + " (QKV group)", "; ".join(reasons))
+        return _linear_forward(module, original, label, x, *args, **kwargs)
+    entry = group.pending.pop(id(module), None)
+    if entry is not None:
+        if entry[0] is x and not (args or kwargs):
+            return entry[1]
+        group.split = True
+        group.pending.clear()
+        log.warning(
+            "fk.lora: %s was called with another input than %s; its group is no longer fused "
+            "(this call's dropout mask was drawn in fused order)", label, group.members[0][2],
+        )  # fmt: skip
+    return _linear_forward(module, original, label, x, *args, **kwargs)
+
+
+def _activation_of(act_fn: Any) -> str | None:
+    """The fk.glu activation ``act_fn`` computes (by its class), or None when unknown."""
+    name = type(act_fn).__name__
+    if name in ("SiLU", "SiLUActivation"):
+        return "silu"
+    if name in ("GELUTanh", "PytorchGELUTanh", "NewGELUActivation", "GELUPytorchTanh"):
+        return "gelu_tanh"
+    if name == "GELU":
+        return "gelu_tanh" if getattr(act_fn, "approximate", "none") == "tanh" else "gelu"
+    if name == "GELUActivation":
+        return "gelu"
+    return None
+
+
+def _mlp_forward(mlp: nn.Module, original: Any, label: str, act: str, x: Any, *args: Any, **kwargs: Any) -> Any:
+    if args or kwargs:
+        _fallback(mlp, label, "extra forward arguments")
+        return original(x, *args, **kwargs)
+    parts = [_call_parts(getattr(mlp, n), x) for n in _MLP]
+    reasons = [f"{n}: {p}" for n, p in zip(_MLP, parts, strict=True) if isinstance(p, str)]
+    if reasons:
+        _fallback(mlp, label, "; ".join(reasons))
+        return original(x)
+    gate, up, down = parts
+    return lora_mlp(x, gate, up, down, activation=act)  # type: ignore[arg-type]
+
+
+def _swap(module: nn.Module, forward: Any, saved: list[tuple[nn.Module, Any]]) -> None:
+    saved.append((module, module.__dict__.get("forward")))
+    module.forward = forward
+
+
+def patch(peft_model: nn.Module) -> PatchReport:
+    """Swap the forward of the PEFT LoRA modules of ``peft_model`` for fk.lora's fused functions.
+
+    Returns a :class:`PatchReport` (also logged on ``fk.lora``). Patching an already patched model
+    first undoes the previous patch. :func:`unpatch` restores every forward.
+    """
+    unpatch(peft_model)
+    lora_linear_cls, lora_layer_cls = _lora_linear_class(), _lora_layer_class()
+    report = PatchReport()
+    saved: list[tuple[nn.Module, Any]] = []
+    names = {id(m): n for n, m in peft_model.named_modules()}
+    taken: set[int] = set()
+
+    def eligible(module: nn.Module | None) -> bool:
+        if module is None or id(module) in taken or not isinstance(module, lora_layer_cls):
+            return False
+        reason = _static_reason(module, lora_linear_cls)
+        if reason is not None:
+            report.skipped[names[id(module)]] = reason
+            return False
+        return True
+
+    for qualname, parent in peft_model.named_modules():
+        children = dict(parent.named_children())
+        mlp = [children.get(n) for n in _MLP]
+        act = _activation_of(children.get("act_fn"))
+        if act is not None and all(eligible(m) for m in mlp):
+            label = qualname or type(parent).__name__
+            forward = functools.partial(_mlp_forward, parent, parent.forward, label, act)
+            _swap(parent, forward, saved)
+            taken.update(id(m) for m in mlp if m is not None)
+            report.mlp.append(qualname)
+            continue
+        qkv = [(n, children[n]) for n in _QKV if n in children and eligible(children[n])]
+        if len(qkv) >= 2:
+            group = _SharedInput([(m, m.forward, names[id(m)]) for _, m in qkv])
+            for i, (_, m) in enumerate(qkv):
+                _swap(m, functools.partial(_shared_forward, group, i), saved)
+                taken.add(id(m))
+            report.qkv.append([names[id(m)] for _, m in qkv])
+    for qualname, module in peft_model.named_modules():
+        if id(module) in taken or not eligible(module):
+            continue
+        _swap(module, functools.partial(_linear_forward, module, module.forward, qualname), saved)
+        taken.add(id(module))
+        report.linear.append(qualname)
+    for qualname, reason in report.skipped.items():
+        log.info("fk.lora: %s left to PEFT's forward: %s", qualname, reason)
+    peft_model.__dict__[_STATE] = saved
+    log.info("%s", report)
+    return report
+
+
+def unpatch(peft_model: nn.Module) -> int:
+    """Restore every forward that :func:`patch` swapped on ``peft_model``; returns how many."""
+    saved = peft_model.__dict__.pop(_STATE, [])
+    for module, previous in reversed(saved):
+        if previous is None:
+            module.__dict__.pop("forward", None)
+        else:
+            module.forward = previous
+        module.__dict__.pop("_fk_lora_logged", None)
+    return len(saved)
+
+
+def is_patched(peft_model: nn.Module) -> bool:
+    """True when :func:`patch` swapped forwards on ``peft_model`` and :func:`unpatch` has not undone them."""
+    return bool(peft_model.__dict__.get(_STATE))

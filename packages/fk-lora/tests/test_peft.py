@@ -1,0 +1,268 @@
+"""fk.lora against PEFT's own forward on the same modules of a tiny Llama: outputs and gradients,
+with PEFT's dropout masks, and :func:`fk.lora.patch` / :func:`fk.lora.unpatch` on whole models.
+
+Each comparison follows fk.core.testing's rule: fk's error against a float64 evaluation of the
+same PEFT modules may be at most twice PEFT's own error at the test dtype, plus a floor. The
+float64 run replays the dropout masks that PEFT drew, so fk matches only if it drew the same.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import fk.lora
+from fk.core import testing
+from fk.core.testing import dtype_name
+
+peft = pytest.importorskip("peft")
+transformers = pytest.importorskip("transformers")
+
+pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+HIDDEN = 48
+
+
+def _model(
+    device: str,
+    dtype: torch.dtype = torch.float32,
+    *,
+    lora_fp32: bool = False,
+    dropout: float = 0.0,
+    rslora: bool = False,
+    lora_bias: bool = False,
+    base_bias: bool = False,
+    train_bias: bool = False,
+    dora: bool = False,
+    act: str = "silu",
+    layers: int = 1,
+) -> Any:
+    config = transformers.LlamaConfig(
+        hidden_size=HIDDEN, intermediate_size=96, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=12, vocab_size=64, max_position_embeddings=64,
+        attention_bias=base_bias, mlp_bias=base_bias, hidden_act=act,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    base = transformers.LlamaForCausalLM(config).to(dtype)
+    lora_config = peft.LoraConfig(
+        r=4, lora_alpha=8, lora_dropout=dropout, target_modules=TARGETS, use_rslora=rslora,
+        lora_bias=lora_bias, use_dora=dora, init_lora_weights=False,
+        bias="lora_only" if train_bias else "none",
+    )  # fmt: skip
+    model = peft.get_peft_model(base, lora_config, autocast_adapter_dtype=lora_fp32)
+    return model.to(device).train()
+
+
+def _layer(model: Any) -> Any:
+    return model.base_model.model.model.layers[0]
+
+
+def _dropouts(model: nn.Module) -> dict[str, nn.Module]:
+    return {n: m for n, m in model.named_modules() if type(m) is nn.Dropout}
+
+
+def _run(
+    model: nn.Module, fn: Callable[[nn.Module, torch.Tensor], Sequence[torch.Tensor]], x: torch.Tensor, seed: int
+) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+    x = x.detach().clone().requires_grad_()
+    params = [p for p in model.parameters() if p.requires_grad]
+    torch.manual_seed(seed)
+    outs = list(fn(model, x))
+    dys = [testing.random_tensor(o.shape, torch.float32, "cpu", seed=9 + i).to(o.device, o.dtype) for i, o in enumerate(outs)]  # fmt: skip
+    grads = torch.autograd.grad(outs, [x, *params], dys, allow_unused=True)
+    return [o.detach() for o in outs], list(grads)
+
+
+def _compare(
+    model: nn.Module,
+    fn: Callable[[nn.Module, torch.Tensor], Sequence[torch.Tensor]],
+    x: torch.Tensor,
+    *,
+    seed: int = 5,
+    floors: dict[torch.dtype, float] | None = None,
+) -> None:
+    """fk (patched) and PEFT on ``model``, against float64 PEFT replaying PEFT's dropout masks."""
+    reference = copy.deepcopy(model).to(device="cpu", dtype=torch.float64)
+    masks: dict[str, torch.Tensor] = {}
+    hooks = [
+        m.register_forward_hook(lambda mod, inp, out, name=n: masks.__setitem__(name, (out != 0).cpu()))
+        for n, m in _dropouts(model).items()
+    ]
+    peft_out, peft_grads = _run(model, fn, x, seed)
+    for h in hooks:
+        h.remove()
+    for n, m in _dropouts(reference).items():
+        if n in masks:
+            m.register_forward_hook(lambda mod, inp, out, name=n: inp[0] * masks[name] / (1 - mod.p))
+
+    report = fk.lora.patch(model)
+    assert report.n_patched
+    try:
+        fk_out, fk_grads = _run(model, fn, x, seed)
+    finally:
+        fk.lora.unpatch(model)
+    ref_out, ref_grads = _run(reference, fn, x.to("cpu", torch.float64), seed)
+
+    names = [f"output{i}" for i in range(len(fk_out))] + ["grad of x"]
+    names += [f"grad of {n}" for n, p in model.named_parameters() if p.requires_grad]
+    floors = floors or {}
+    for name, a, r, b in zip(names, fk_out + fk_grads, ref_out + ref_grads, peft_out + peft_grads, strict=True):
+        assert (a is None) == (b is None), f"{name}: fk gives {a is not None}, PEFT gives {b is not None}"
+        if a is None:
+            continue
+        assert r is not None and a.dtype == b.dtype, f"{name}: dtype {a.dtype}, PEFT's {b.dtype}"
+        testing.assert_close(a, r, b, name=name, floor=floors.get(a.dtype))
+
+
+def _qkv(model: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
+    attn = _layer(model).self_attn
+    return [attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)]
+
+
+def _o(model: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
+    return [_layer(model).self_attn.o_proj(x)]
+
+
+def _mlp(model: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
+    return [_layer(model).mlp(x)]
+
+
+DTYPE_CASES = {
+    "float32": (torch.float32, False),
+    "bfloat16": (torch.bfloat16, False),
+    "bfloat16_lora_fp32": (torch.bfloat16, True),  # PEFT's default: adapter weights kept in fp32
+}
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.25], ids=["no_dropout", "dropout"])
+@pytest.mark.parametrize("case", list(DTYPE_CASES))
+@pytest.mark.parametrize("block", ["qkv", "o", "mlp"])
+def test_layers_match_peft(device: str, block: str, case: str, dropout: float) -> None:
+    dtype, lora_fp32 = DTYPE_CASES[case]
+    model = _model(device, dtype, lora_fp32=lora_fp32, dropout=dropout)
+    x = testing.random_tensor((2, 5, HIDDEN), dtype, device, seed=1)
+    # fp32 LoRA weights with bf16 activations: fk's LoRA backward runs in bf16 and rounds the
+    # rank-sized gradients to bf16 before casting them to fp32 (PEFT's run in fp32).
+    floors = {torch.float32: testing.FLOOR[torch.bfloat16]} if lora_fp32 else None
+    _compare(model, {"qkv": _qkv, "o": _o, "mlp": _mlp}[block], x, floors=floors)
+
+
+VARIANTS: dict[str, dict[str, Any]] = {
+    "rslora_lora_bias_trainable_base_bias": {"rslora": True, "lora_bias": True, "base_bias": True, "train_bias": True},
+    "frozen_base_bias": {"base_bias": True},
+    "geglu": {"act": "gelu_pytorch_tanh"},
+    "gelu_erf": {"act": "gelu"},
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_variants_match_peft(device: str, variant: str) -> None:
+    model = _model(device, dropout=0.25, **VARIANTS[variant])
+    x = testing.random_tensor((2, 5, HIDDEN), torch.float32, device, seed=2)
+    _compare(model, lambda m, x: [*_qkv(m, x), *_mlp(m, x), *_o(m, x)], x)
+
+
+def _loss(model: nn.Module, ids: torch.Tensor, seed: int) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+    torch.manual_seed(seed)
+    loss = model(input_ids=ids, labels=ids).loss
+    params = [p for p in model.parameters() if p.requires_grad]
+    return loss.detach(), list(torch.autograd.grad(loss, params))
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "gradient_checkpointing"])
+def test_patch_round_trip_on_a_model(device: str, checkpointing: bool) -> None:
+    model = _model(device, dropout=0.1, layers=2)
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(0)).to(device)
+    want_loss, want_grads = _loss(model, ids, seed=3)
+
+    report = fk.lora.patch(model)
+    assert fk.lora.is_patched(model)
+    assert len(report.mlp) == 2 and len(report.qkv) == 2 and not report.skipped
+    assert all(len(g) == 3 for g in report.qkv)
+    assert sorted(n.rsplit(".", 1)[-1] for n in report.linear) == ["o_proj", "o_proj"]
+    got_loss, got_grads = _loss(model, ids, seed=3)
+    torch.testing.assert_close(got_loss, want_loss, rtol=1e-5, atol=1e-6)
+    for g, w in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+    frozen = [p for n, p in model.named_parameters() if "base_layer.weight" in n]
+    assert frozen and all(p.grad is None and not p.requires_grad for p in frozen)
+
+    assert fk.lora.unpatch(model) == 2 + 2 * 3 + 2
+    assert not fk.lora.is_patched(model)
+    assert all("forward" not in m.__dict__ for m in model.modules())
+    again_loss, again_grads = _loss(model, ids, seed=3)
+    assert torch.equal(again_loss, want_loss)
+    assert all(torch.equal(g, w) for g, w in zip(again_grads, want_grads, strict=True))
+
+
+def test_dora_falls_back_to_peft_with_a_log_line(device: str, caplog: pytest.LogCaptureFixture) -> None:
+    model = _model(device, dora=True)
+    x = testing.random_tensor((2, 3, HIDDEN), torch.float32, device, seed=4)
+    want = _mlp(model, x)[0]
+    with caplog.at_level(logging.INFO, logger="fk.lora"):
+        report = fk.lora.patch(model)
+    assert report.n_patched == 0 and len(report.skipped) == len(TARGETS)
+    assert all("DoraLinearVariant" in r for r in report.skipped.values())
+    lines = [
+        r.getMessage() for r in caplog.records if r.name == "fk.lora" and "left to PEFT's forward" in r.getMessage()
+    ]
+    assert len(lines) == len(TARGETS) and any("down_proj" in line for line in lines)
+    assert torch.equal(_mlp(model, x)[0], want)
+    fk.lora.unpatch(model)
+
+
+def test_merged_or_disabled_adapters_run_peft_forward(device: str, caplog: pytest.LogCaptureFixture) -> None:
+    model = _model(device)
+    x = testing.random_tensor((2, 3, HIDDEN), torch.float32, device, seed=6)
+    unmerged = _mlp(model, x)[0].detach()
+    with torch.no_grad():
+        with model.disable_adapter():
+            disabled = _mlp(model, x)[0]
+        model.merge_adapter()  # (a disabled adapter's forward unmerges it: merge after)
+        merged = _mlp(model, x)[0]
+    fk.lora.patch(model)
+    with caplog.at_level(logging.INFO, logger="fk.lora"), torch.no_grad():
+        assert torch.equal(_mlp(model, x)[0], merged)
+        _mlp(model, x)  # logged once per module and reason
+        model.unmerge_adapter()
+        with model.disable_adapter():
+            # (merging and unmerging moved the base weights by rounding errors)
+            torch.testing.assert_close(_mlp(model, x)[0], disabled, rtol=1e-5, atol=1e-6)
+    messages = [r.getMessage() for r in caplog.records if r.name == "fk.lora"]
+    assert sum("merged" in m for m in messages) == 1
+    assert any("disabled" in m for m in messages)
+    torch.testing.assert_close(_mlp(model, x)[0], unmerged, rtol=1e-5, atol=1e-5)  # fused again
+    fk.lora.unpatch(model)
+
+
+def test_two_active_adapters_fall_back(device: str, caplog: pytest.LogCaptureFixture) -> None:
+    model = _model(device)
+    model.add_adapter("other", peft.LoraConfig(r=2, target_modules=TARGETS, init_lora_weights=False))
+    model.base_model.set_adapter(["default", "other"])
+    x = testing.random_tensor((2, 3, HIDDEN), torch.float32, device, seed=7)
+    want = _o(model, x)[0]
+    fk.lora.patch(model)
+    with caplog.at_level(logging.INFO, logger="fk.lora"):
+        got = _o(model, x)[0]
+    assert torch.equal(got, want)
+    assert any("2 active adapters" in r.getMessage() for r in caplog.records)
+    fk.lora.unpatch(model)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32], ids=dtype_name)
+def test_patch_twice_is_one_patch(device: str, dtype: torch.dtype) -> None:
+    model = _model(device, dtype)
+    first = fk.lora.patch(model)
+    second = fk.lora.patch(model)
+    assert first == second
+    assert fk.lora.unpatch(model) == first.n_patched - len(first.qkv) + sum(len(g) for g in first.qkv)
+    assert all("forward" not in m.__dict__ for m in model.modules())
