@@ -59,11 +59,11 @@ def main() -> None:
     w = torch.ones(1024, device=device, dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn_like(x)
     xd, wd = x.detach(), w.detach()
-    _, rstd = module._rms_norm_fwd(xd, wd, 1e-6, 0.0, False)
+    _, rstd = module._rms_norm_fwd(xd, wd, 1e-6, 0.0, False, False)
     rows = [
         ("torch.empty", lambda: torch.empty(16, 1024, device=device, dtype=torch.bfloat16)),
         ("one aten op (x + 1)", lambda: xd + 1),
-        ("forward launcher", lambda: module._rms_norm_fwd(xd, wd, 1e-6, 0.0, False)),
+        ("forward launcher", lambda: module._rms_norm_fwd(xd, wd, 1e-6, 0.0, False, False)),
         ("backward launcher", lambda: module._rms_norm_bwd(dy, xd, wd, rstd, 0.0, True)),
         ("rms_norm forward (no grad)", lambda: module.rms_norm(xd, wd)),
         ("rms_norm forward (grad)", lambda: module.rms_norm(x, w)),

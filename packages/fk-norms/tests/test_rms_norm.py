@@ -259,3 +259,76 @@ def test_cpu_without_interpreter_takes_the_reference() -> None:
 def test_gpu_training_shapes(width: int, mode: str) -> None:
     args = _inputs((4096 if width <= 8192 else 512, width), torch.bfloat16, "cuda", seed=width)
     testing.compare_with_reference(_fk(mode), _ref(mode), args, arg_names=["x", "weight"])
+
+
+# --- in_place_backward: dx written over dy ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("width", [*AWKWARD_WIDTHS, *WIDE_WIDTHS])
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
+def test_in_place_backward_matches_reference(device: str, dtype: torch.dtype, width: int) -> None:
+    rows = 3 if width > 5000 else 7
+    args = _inputs((rows, width), dtype, device, seed=width + 1)
+    fk_fn = lambda x, w: rms_norm(x, w, EPS, in_place_backward=True)  # noqa: E731
+    testing.compare_with_reference(fk_fn, _ref("llama"), args, arg_names=["x", "weight"], atols=_atols(width))
+
+
+@pytest.mark.parametrize("weight_grad", [True, False], ids=["trainable", "frozen"])
+@pytest.mark.parametrize("width", [300, 20000])
+def test_in_place_backward_writes_over_dy_and_allocates_no_dx(device: str, width: int, weight_grad: bool) -> None:
+    rows = 40 if device == "cpu" else 600
+    x, w = _inputs((rows, width), torch.bfloat16, device, seed=21, weight_grad=weight_grad)
+    y = rms_norm(x, w, EPS, in_place_backward=True)
+    dy = testing.random_tensor((rows, width), torch.bfloat16, device, seed=22)
+    dy_copy = dy.clone()
+    leaves = (x, w) if weight_grad else (x,)
+    grads: list[Any] = []
+    sizes = testing.allocation_sizes(lambda: grads.extend(torch.autograd.grad(y, leaves, dy)))
+    dx = grads[0]
+    assert dx.data_ptr() == dy.data_ptr()  # dy now holds dx
+    assert testing.count_buffers(sizes, rows * width * 2, device) == 0, sizes  # no dx-sized buffer
+    partial_bytes = dw_partial_rows(rows, width, torch.device(device)) * width * 4
+    assert testing.count_buffers(sizes, partial_bytes, device) == weight_grad, sizes  # the profiler saw it
+    # The same gradients as the out-of-place backward.
+    x2, w2 = (t.detach().requires_grad_(t.requires_grad) for t in (x, w))
+    want = torch.autograd.grad(rms_norm(x2, w2, EPS), (x2, w2) if weight_grad else (x2,), dy_copy)
+    for g, e in zip(grads, want, strict=True):
+        torch.testing.assert_close(g, e, rtol=0, atol=0)
+
+
+def test_in_place_backward_falls_back_where_dy_is_not_writable(device: str) -> None:
+    # loss.sum() sends an expanded gradient (stride 0): there is nothing to write over.
+    x, w = _inputs((5, 130), torch.float32, device, seed=23)
+    rms_norm(x, w, EPS, in_place_backward=True).sum().backward()
+    assert x.grad is not None and w.grad is not None
+    x2, w2 = (t.detach().requires_grad_() for t in (x, w))
+    rms_norm(x2, w2, EPS).sum().backward()
+    torch.testing.assert_close(x.grad, x2.grad, rtol=0, atol=0)
+    torch.testing.assert_close(w.grad, w2.grad, rtol=0, atol=0)
+
+
+def test_in_place_backward_is_unsafe_when_dy_is_shared(device: str) -> None:
+    # Why it is off by default: a sandwich norm's output is added to the residual, and autograd
+    # hands the same gradient tensor to both branches of the add. Written over, the residual
+    # branch would see dx instead of dy. This test documents the hazard.
+    x, w = _inputs((4, 64), torch.float32, device, seed=24)
+    residual = testing.random_tensor((4, 64), torch.float32, device, seed=25, requires_grad=True)
+    dy = testing.random_tensor((4, 64), torch.float32, device, seed=26)
+    (residual + rms_norm(x, w, EPS, in_place_backward=True)).backward(dy)
+    assert residual.grad is not None and not torch.equal(residual.grad, dy)  # corrupted, as documented
+    residual.grad = None
+    (residual + rms_norm(x, w, EPS)).backward(dy)
+    assert residual.grad is not None and torch.equal(residual.grad, dy)  # the default is safe
+
+
+def test_in_place_backward_module_and_compile(device: str) -> None:
+    norm = RMSNorm(257, eps=EPS, device=device, in_place_backward=True)
+    assert "in_place_backward=True" in repr(norm)
+    x = testing.random_tensor((6, 257), torch.float32, device, seed=27, requires_grad=True)
+
+    def loss(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return (rms_norm(x * 2.0, w, EPS, in_place_backward=True) * 3.0).sum()
+
+    testing.assert_compile_matches_eager(loss, [x, norm.weight])
+    with pytest.raises(TypeError, match="in_place_backward must be a bool"):
+        rms_norm(x, norm.weight, in_place_backward=1)  # type: ignore[arg-type]

@@ -26,7 +26,7 @@ import triton.language as tl
 
 from fk.core import validate
 from fk.core.backend import uses_kernel
-from fk.core.launch import RowTiling, as_rows, cdiv, row_reduction_grid, row_tiling
+from fk.core.launch import RowTiling, as_rows, cdiv, row_reduction_grid, row_tiling, writable_rows
 from fk.core.ops import define_autograd_op
 
 CASTING_MODES = ("llama", "gemma")
@@ -77,6 +77,11 @@ def rms_norm_ref(
 # In "llama" mode the rounding of xhat to the input dtype is treated as the identity, as autograd
 # treats a dtype cast; the kernels use the unrounded fp32 xhat, which is closer to exact.
 #
+# The same two kernels serve FusedAddRMSNorm (fused_add_rms_norm.py): with HAS_RESIDUAL the forward
+# normalizes s = x + r and writes s out; with HAS_DRES the backward adds the gradient of that
+# output, dx = dres + r * (g - xhat * c). dx may be written over dy (in_place_backward): each
+# element of dy is read before the dx of the same element is written, by the same program.
+#
 # The weight gradient is a column sum over all rows. The backward runs a persistent grid: program p
 # strides over row tiles p, p+P, ... and keeps its share of dw in fp32 registers (or, for rows too
 # wide for one tile, in its own row of the fp32 partial buffer), then writes one row of a [P, H]
@@ -85,16 +90,31 @@ def rms_norm_ref(
 
 
 @triton.jit
+def _add_residual(x, r_ptrs, s_ptrs, mask):
+    """s = x + r rounded to x's dtype (as ``residual = residual + hidden_states`` in PyTorch); stores
+    s at ``s_ptrs`` and returns it. ``s_ptrs`` may equal ``r_ptrs``: each element is read, then
+    written, by the same thread."""
+    s = (x.to(tl.float32) + tl.load(r_ptrs, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
+    tl.store(s_ptrs, s, mask=mask)
+    return s
+
+
+@triton.jit
 def _rms_norm_fwd_kernel(
     x_ptr,  # [M, H] input, row stride x_row_stride, unit column stride
+    r_ptr,  # [M, H] residual, row stride r_row_stride (unused when HAS_RESIDUAL is False)
+    s_ptr,  # [M, H] output x + r in x's dtype, row stride s_row_stride; may be r_ptr (in place)
     w_ptr,  # [H] weight (unused when HAS_WEIGHT is False)
     y_ptr,  # [M, H] output, contiguous
     rstd_ptr,  # [M] fp32 output: 1 / sqrt(mean(x^2) + eps), saved for the backward
     n_rows,
     n_cols,
     x_row_stride,
+    r_row_stride,
+    s_row_stride,
     eps,
     offset,
+    HAS_RESIDUAL: tl.constexpr,  # normalize s = x + r (rounded to x's dtype) and write s out
     HAS_WEIGHT: tl.constexpr,
     GEMMA: tl.constexpr,  # all-fp32 product (gemma) instead of rounding xhat first (llama)
     BLOCK_COLS: tl.constexpr,
@@ -104,11 +124,16 @@ def _rms_norm_fwd_kernel(
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_mask = rows < n_rows
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * x_row_stride
+    r_rows = r_ptr + rows.to(tl.int64)[:, None] * r_row_stride
+    s_rows = s_ptr + rows.to(tl.int64)[:, None] * s_row_stride
     y_rows = y_ptr + rows.to(tl.int64)[:, None] * n_cols
     cols = tl.arange(0, BLOCK_COLS)
     if not LOOPED:
         mask = row_mask[:, None] & (cols < n_cols)[None, :]
-        x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0)
+        if HAS_RESIDUAL:
+            x = _add_residual(x, r_rows + cols[None, :], s_rows + cols[None, :], mask)
+        x = x.to(tl.float32)
         rstd = tl.rsqrt(tl.sum(x * x, axis=1) / n_cols + eps)
         tl.store(rstd_ptr + rows, rstd, mask=row_mask)
         xhat = x * rstd[:, None]
@@ -123,14 +148,23 @@ def _rms_norm_fwd_kernel(
         for start in range(0, n_cols, BLOCK_COLS):
             c = start + cols
             mask = row_mask[:, None] & (c < n_cols)[None, :]
-            x = tl.load(x_rows + c[None, :], mask=mask, other=0.0).to(tl.float32)
+            x = tl.load(x_rows + c[None, :], mask=mask, other=0.0)
+            if HAS_RESIDUAL:
+                x = _add_residual(x, r_rows + c[None, :], s_rows + c[None, :], mask)
+            x = x.to(tl.float32)
             sum_sq += x * x
         rstd = tl.rsqrt(tl.sum(sum_sq, axis=1) / n_cols + eps)
         tl.store(rstd_ptr + rows, rstd, mask=row_mask)
+        if HAS_RESIDUAL:
+            # Pass 2 reads back the s this program has just written (from L2), not x and r.
+            tl.debug_barrier()
         for start in range(0, n_cols, BLOCK_COLS):
             c = start + cols
             mask = row_mask[:, None] & (c < n_cols)[None, :]
-            x = tl.load(x_rows + c[None, :], mask=mask, other=0.0).to(tl.float32)
+            if HAS_RESIDUAL:
+                x = tl.load(s_rows + c[None, :], mask=mask, other=0.0).to(tl.float32)
+            else:
+                x = tl.load(x_rows + c[None, :], mask=mask, other=0.0).to(tl.float32)
             xhat = x * rstd[:, None]
             if HAS_WEIGHT:
                 s = tl.load(w_ptr + c, mask=c < n_cols, other=0.0).to(tl.float32) + offset
@@ -144,15 +178,19 @@ def _rms_norm_fwd_kernel(
 def _rms_norm_bwd_kernel(
     dy_ptr,  # [M, H] upstream gradient, row stride dy_row_stride, unit column stride
     x_ptr,  # [M, H] forward input, row stride x_row_stride, unit column stride
+    dres_ptr,  # [M, H] gradient added to dx, row stride dres_row_stride (unused unless HAS_DRES)
     w_ptr,  # [H] weight (unused when HAS_WEIGHT is False)
     rstd_ptr,  # [M] fp32, from the forward
-    dx_ptr,  # [M, H] output, contiguous
+    dx_ptr,  # [M, H] output, row stride dx_row_stride; may be dy_ptr (dx written over dy)
     dw_partial_ptr,  # [P, H] fp32 output, one row per program (unused when COMPUTE_DW is False)
     n_rows,
     n_cols,
     dy_row_stride,
     x_row_stride,
+    dres_row_stride,
+    dx_row_stride,
     offset,
+    HAS_DRES: tl.constexpr,  # dx += dres (FusedAddRMSNorm: the gradient of the residual output)
     HAS_WEIGHT: tl.constexpr,
     COMPUTE_DW: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
@@ -182,7 +220,9 @@ def _rms_norm_bwd_kernel(
             g = dy * s[None, :]
             c = tl.sum(g * xhat, axis=1) / n_cols
             dx = (g - xhat * c[:, None]) * rstd[:, None]
-            tl.store(dx_ptr + rows64 * n_cols + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
+            if HAS_DRES:
+                dx += tl.load(dres_ptr + rows64 * dres_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            tl.store(dx_ptr + rows64 * dx_row_stride + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
             if COMPUTE_DW:
                 dw_acc += tl.sum(dy * xhat, axis=0)
         if COMPUTE_DW:
@@ -192,7 +232,8 @@ def _rms_norm_bwd_kernel(
             row64 = tl.cast(row, tl.int64)
             x_row = x_ptr + row64 * x_row_stride
             dy_row = dy_ptr + row64 * dy_row_stride
-            dx_row = dx_ptr + row64 * n_cols
+            dx_row = dx_ptr + row64 * dx_row_stride
+            dres_row = dres_ptr + row64 * dres_row_stride
             rstd = tl.load(rstd_ptr + row)
             # Pass 1: c = (1/H) sum_j g_j xhat_j. Pass 2 re-reads the row, mostly from L2.
             gx = tl.zeros([BLOCK_COLS], dtype=tl.float32)
@@ -220,6 +261,8 @@ def _rms_norm_bwd_kernel(
                     s = tl.load(w_ptr + c_idx, mask=m, other=0.0).to(tl.float32) + offset
                 xhat = x * rstd
                 dx = (dy * s - xhat * c) * rstd
+                if HAS_DRES:
+                    dx += tl.load(dres_row + c_idx, mask=m, other=0.0, eviction_policy="evict_first").to(tl.float32)
                 tl.store(dx_row + c_idx, dx.to(dx_ptr.dtype.element_ty), mask=m, eviction_policy="evict_first")
                 if COMPUTE_DW:
                     # This program's own partial row (no other program touches it), kept in L2.
@@ -252,10 +295,21 @@ def _bwd_tiling(n_cols: int) -> RowTiling:
                       elements_per_warp=BWD_ELEMENTS_PER_WARP, name="x")  # fmt: skip
 
 
-def _rms_norm_fwd(
-    x: torch.Tensor, weight: torch.Tensor | None, eps: float, offset: float, gemma: bool
+def launch_forward(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float,
+    offset: float,
+    gemma: bool,
+    residual: torch.Tensor | None = None,
+    residual_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Forward launcher: returns (y with x's shape and dtype, rstd fp32 with shape x.shape[:-1])."""
+    """Launch the forward kernel: returns (y with x's shape and dtype, rstd fp32 of shape x.shape[:-1]).
+
+    With ``residual``, the row normalized is ``s = x + residual`` (rounded to x's dtype), written
+    into ``residual_out``: a ``[rows, H]`` view with unit column stride, possibly ``residual``'s
+    own memory (FusedAddRMSNorm).
+    """
     n_cols = x.shape[-1]
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
@@ -263,20 +317,31 @@ def _rms_norm_fwd(
     n_rows = x_rows.shape[0]
     if n_rows == 0:
         return y, rstd
+    r_rows = as_rows(residual) if residual is not None else x_rows
+    s_rows = residual_out if residual_out is not None else x_rows
     tiling = _fwd_tiling(n_cols)
     grid = (cdiv(n_rows, tiling.rows_per_tile),)
     _rms_norm_fwd_kernel[grid](
-        x_rows, weight if weight is not None else x_rows, y, rstd,
-        n_rows, n_cols, x_rows.stride(0), eps, offset,
-        HAS_WEIGHT=weight is not None, GEMMA=gemma,
+        x_rows, r_rows, s_rows, weight if weight is not None else x_rows, y, rstd,
+        n_rows, n_cols, x_rows.stride(0), r_rows.stride(0), s_rows.stride(0), eps, offset,
+        HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None, GEMMA=gemma,
         BLOCK_COLS=tiling.block_cols, ROWS=tiling.rows_per_tile, LOOPED=tiling.looped,
         num_warps=tiling.num_warps,
     )  # fmt: skip
     return y, rstd
 
 
+def _rms_norm_fwd(
+    x: torch.Tensor, weight: torch.Tensor | None, eps: float, offset: float, gemma: bool, in_place_backward: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward launcher: returns (y with x's shape and dtype, rstd fp32 with shape x.shape[:-1]).
+
+    ``in_place_backward`` is for the backward (see :func:`_backward`); the forward ignores it."""
+    return launch_forward(x, weight, eps, offset, gemma)
+
+
 def _rms_norm_fwd_fake(
-    x: torch.Tensor, weight: torch.Tensor | None, eps: float, offset: float, gemma: bool
+    x: torch.Tensor, weight: torch.Tensor | None, eps: float, offset: float, gemma: bool, in_place_backward: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     return y, torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
@@ -285,6 +350,47 @@ def _rms_norm_fwd_fake(
 def dw_partial_rows(n_rows: int, n_cols: int, device: torch.device) -> int:
     """Rows of the fp32 partial buffer the backward allocates for the weight gradient."""
     return row_reduction_grid(n_rows, _bwd_tiling(n_cols), device, BWD_PROGRAMS_PER_SM, BWD_LOOPED_PROGRAMS_PER_SM)
+
+
+def launch_backward(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    rstd: torch.Tensor,
+    offset: float,
+    compute_dw: bool,
+    dx: torch.Tensor,
+    dres: torch.Tensor | None = None,
+) -> torch.Tensor | None:
+    """Launch the backward kernel, writing dx (plus ``dres`` when given) into ``dx``: x's shape, or
+    a ``[rows, H]`` view with unit column stride (possibly dy's own memory). Returns the weight
+    gradient in the weight's dtype, or None when it is not computed."""
+    n_cols = x.shape[-1]
+    compute_dw = compute_dw and weight is not None
+    x_rows, dy_rows = as_rows(x), as_rows(dy)
+    n_rows = x_rows.shape[0]
+    if n_rows == 0:
+        return torch.zeros_like(weight) if compute_dw and weight is not None else None
+    dx_rows = dx.view(n_rows, n_cols)
+    dres_rows = as_rows(dres) if dres is not None else x_rows
+    tiling = _bwd_tiling(n_cols)
+    n_programs = dw_partial_rows(n_rows, n_cols, x.device)
+    if compute_dw:
+        alloc = torch.zeros if tiling.looped else torch.empty
+        partial = alloc((n_programs, n_cols), dtype=torch.float32, device=x.device)
+    else:
+        partial = rstd  # never read or written: COMPUTE_DW is False
+    _rms_norm_bwd_kernel[(n_programs,)](
+        dy_rows, x_rows, dres_rows, weight if weight is not None else x_rows, rstd, dx_rows, partial,
+        n_rows, n_cols, dy_rows.stride(0), x_rows.stride(0), dres_rows.stride(0), dx_rows.stride(0), offset,
+        HAS_DRES=dres is not None, HAS_WEIGHT=weight is not None, COMPUTE_DW=compute_dw,
+        BLOCK_COLS=tiling.block_cols, ROWS=tiling.rows_per_tile, LOOPED=tiling.looped,
+        num_warps=tiling.num_warps,
+    )  # fmt: skip
+    if not compute_dw:
+        return None
+    assert weight is not None
+    return partial.sum(0).to(weight.dtype)
 
 
 def _rms_norm_bwd(
@@ -296,32 +402,9 @@ def _rms_norm_bwd(
     compute_dw: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Backward launcher: returns (dx with x's shape and dtype, dw, or an empty tensor when not computed)."""
-    n_cols = x.shape[-1]
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    compute_dw = compute_dw and weight is not None
-    x_rows, dy_rows = as_rows(x), as_rows(dy)
-    n_rows = x_rows.shape[0]
-    if n_rows == 0:
-        dw = torch.zeros_like(weight) if compute_dw and weight is not None else x.new_empty(0)
-        return dx, dw
-    tiling = _bwd_tiling(n_cols)
-    n_programs = dw_partial_rows(n_rows, n_cols, x.device)
-    if compute_dw:
-        alloc = torch.zeros if tiling.looped else torch.empty
-        partial = alloc((n_programs, n_cols), dtype=torch.float32, device=x.device)
-    else:
-        partial = rstd  # never read or written: COMPUTE_DW is False
-    _rms_norm_bwd_kernel[(n_programs,)](
-        dy_rows, x_rows, weight if weight is not None else x_rows, rstd, dx, partial,
-        n_rows, n_cols, dy_rows.stride(0), x_rows.stride(0), offset,
-        HAS_WEIGHT=weight is not None, COMPUTE_DW=compute_dw,
-        BLOCK_COLS=tiling.block_cols, ROWS=tiling.rows_per_tile, LOOPED=tiling.looped,
-        num_warps=tiling.num_warps,
-    )  # fmt: skip
-    if not compute_dw:
-        return dx, x.new_empty(0)
-    assert weight is not None
-    return dx, partial.sum(0).to(weight.dtype)
+    dw = launch_backward(dy, x, weight, rstd, offset, compute_dw, dx)
+    return dx, (dw if dw is not None else x.new_empty(0))
 
 
 def _rms_norm_bwd_fake(
@@ -339,20 +422,36 @@ def _rms_norm_bwd_fake(
 
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, torch.Tensor]) -> None:
-    x, weight, _eps, offset, _gemma = inputs
+    x, weight, _eps, offset, _gemma, in_place_backward = inputs
     ctx.save_for_backward(x, weight, output[1])
     ctx.offset = offset
+    ctx.in_place_backward = in_place_backward
     ctx.mark_non_differentiable(output[1])
     ctx.set_materialize_grads(False)
+
+
+def writable_gradient(dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
+    """dy as ``[rows, H]`` rows the backward may overwrite with dx, or None where it must not: a
+    dtype other than x's, overlapping or non-unit-stride memory (an expanded ``loss.sum()``
+    gradient), or a backward that builds a graph (``create_graph=True``: dy may be needed again)."""
+    if dy.dtype != x.dtype or dy.shape != x.shape or dy.requires_grad or torch.is_grad_enabled():
+        return None
+    return writable_rows(dy)
 
 
 def _backward(run_backward: Any, ctx: Any, dy: torch.Tensor | None, _drstd: Any) -> tuple[Any, ...]:
     x, weight, rstd = ctx.saved_tensors
     need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     if dy is None or not (need_dx or need_dw):
-        return None, None, None, None, None
+        return (None,) * 6
+    # In place only on the eager path (run_backward is the launcher itself): under torch.compile the
+    # backward is a functional custom op, which may not write over its inputs.
+    dy_rows = writable_gradient(dy, x) if ctx.in_place_backward and run_backward is _rms_norm_bwd else None
+    if dy_rows is not None:
+        dw = launch_backward(dy, x, weight, rstd, ctx.offset, need_dw, dy_rows)
+        return (dy if need_dx else None), (dw if need_dw else None), None, None, None, None
     dx, dw = run_backward(dy, x, weight, rstd, ctx.offset, need_dw)
-    return (dx if need_dx else None), (dw if need_dw else None), None, None, None
+    return (dx if need_dx else None), (dw if need_dw else None), None, None, None, None
 
 
 _rms_norm = define_autograd_op(
@@ -366,28 +465,10 @@ _rms_norm = define_autograd_op(
 # --- 4. Functional API ----------------------------------------------------------------------------
 
 
-def rms_norm(
-    x: torch.Tensor,
-    weight: torch.Tensor | None = None,
-    eps: float = 1e-6,
-    *,
-    casting_mode: str = "llama",
-    offset: float | None = None,
-) -> torch.Tensor:
-    """RMSNorm over the last dimension of ``x``: ``x / sqrt(mean(x^2) + eps) * (offset + weight)``.
-
-    Args:
-        x: input of shape ``(..., H)``, fp32/fp16/bf16, any strides.
-        weight: ``(H,)`` scale, or None for no affine transform.
-        eps: added to the mean square before the square root; > 0.
-        casting_mode: ``"llama"`` (round the normalized row to x's dtype before scaling) or
-            ``"gemma"`` (all fp32, rounded once).
-        offset: added to the weight before scaling; defaults to 1.0 for ``"gemma"`` (its weights
-            are stored zero-centred) and 0.0 for ``"llama"``.
-
-    Returns a tensor of x's shape and dtype. The weight gradient is computed only when ``weight``
-    requires grad: a frozen weight costs no backward work or memory.
-    """
+def check_rms_norm_args(
+    x: torch.Tensor, weight: torch.Tensor | None, eps: float, casting_mode: str, offset: float | None
+) -> float:
+    """Validate the arguments :func:`rms_norm` shares with ``fused_add_rms_norm``; returns eps as a float."""
     validate.check_tensor("x", x)
     validate.check_dtype("x", x)
     validate.check_min_ndim("x", x, 1)
@@ -404,9 +485,47 @@ def rms_norm(
         validate.check_dtype("weight", weight)
         validate.check_shape("weight", weight, (x.shape[-1],))
         validate.check_same_device("weight", weight, "x", x)
+    return eps
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    *,
+    casting_mode: str = "llama",
+    offset: float | None = None,
+    in_place_backward: bool = False,
+) -> torch.Tensor:
+    """RMSNorm over the last dimension of ``x``: ``x / sqrt(mean(x^2) + eps) * (offset + weight)``.
+
+    Args:
+        x: input of shape ``(..., H)``, fp32/fp16/bf16, any strides.
+        weight: ``(H,)`` scale, or None for no affine transform.
+        eps: added to the mean square before the square root; > 0.
+        casting_mode: ``"llama"`` (round the normalized row to x's dtype before scaling) or
+            ``"gemma"`` (all fp32, rounded once).
+        offset: added to the weight before scaling; defaults to 1.0 for ``"gemma"`` (its weights
+            are stored zero-centred) and 0.0 for ``"llama"``.
+        in_place_backward: write dx over the incoming gradient dy instead of a fresh buffer (one
+            activation-sized buffer less per backward). Unsafe wherever dy is used again after
+            this backward: sandwich norms (Gemma 2/3's post-norms, whose output is added to the
+            residual, so autograd hands the *same* gradient tensor to the residual branch) and any
+            caller that reads the gradient it passed to ``backward``. Off by default. Only the
+            eager path writes in place; it falls back to a fresh dx where dy is not writable
+            (another dtype, an expanded ``loss.sum()`` gradient, ``create_graph=True``) and under
+            ``torch.compile``.
+
+    Returns a tensor of x's shape and dtype. The weight gradient is computed only when ``weight``
+    requires grad: a frozen weight costs no backward work or memory.
+    """
+    eps = check_rms_norm_args(x, weight, eps, casting_mode, offset)
+    if not isinstance(in_place_backward, bool):
+        raise TypeError(f"in_place_backward must be a bool, got {type(in_place_backward).__name__}")
     if not uses_kernel(x):
         return rms_norm_ref(x, weight, eps, casting_mode, offset)
-    y, _ = _rms_norm(x, weight, eps, _default_offset(casting_mode, offset), casting_mode == "gemma")
+    offset = _default_offset(casting_mode, offset)
+    y, _ = _rms_norm(x, weight, eps, offset, casting_mode == "gemma", in_place_backward)
     return y
 
 
@@ -416,7 +535,8 @@ def rms_norm(
 class RMSNorm(torch.nn.RMSNorm):
     """Drop-in for ``torch.nn.RMSNorm`` (same constructor and state_dict) running fk's kernels.
 
-    Extra keyword arguments ``casting_mode`` and ``offset`` are as in :func:`rms_norm`. As in
+    Extra keyword arguments ``casting_mode``, ``offset`` and ``in_place_backward`` are as in
+    :func:`rms_norm`. As in
     PyTorch, ``eps=None`` means ``torch.finfo(x.dtype).eps``; a multi-dimensional
     ``normalized_shape`` normalizes over all of its trailing dimensions.
     """
@@ -431,10 +551,12 @@ class RMSNorm(torch.nn.RMSNorm):
         *,
         casting_mode: str = "llama",
         offset: float | None = None,
+        in_place_backward: bool = False,
     ) -> None:
         super().__init__(normalized_shape, eps, elementwise_affine, device, dtype)
         self.casting_mode = validate.check_choice("casting_mode", casting_mode, CASTING_MODES)
         self.offset = offset
+        self.in_place_backward = in_place_backward
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = tuple(self.normalized_shape)
@@ -445,9 +567,13 @@ class RMSNorm(torch.nn.RMSNorm):
         if len(shape) != 1:
             x_flat = x.reshape(*x.shape[: x.ndim - len(shape)], -1)
             w_flat = weight.reshape(-1) if weight is not None else None
-            y = rms_norm(x_flat, w_flat, eps, casting_mode=self.casting_mode, offset=self.offset)
+            y = rms_norm(x_flat, w_flat, eps, casting_mode=self.casting_mode, offset=self.offset,
+                         in_place_backward=self.in_place_backward)  # fmt: skip
             return y.reshape(x.shape)
-        return rms_norm(x, weight, eps, casting_mode=self.casting_mode, offset=self.offset)
+        return rms_norm(
+            x, weight, eps, casting_mode=self.casting_mode, offset=self.offset, in_place_backward=self.in_place_backward
+        )
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, casting_mode={self.casting_mode!r}"
+        extra = ", in_place_backward=True" if self.in_place_backward else ""
+        return f"{super().extra_repr()}, casting_mode={self.casting_mode!r}{extra}"

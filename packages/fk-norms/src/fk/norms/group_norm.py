@@ -1,0 +1,405 @@
+"""GroupNorm: the channels of an ``(N, C, *)`` input split into groups, each group normalized.
+
+As ``torch.nn.functional.group_norm``: for each sample and group of ``C / num_groups`` channels,
+``y = (x - mean) / sqrt(var + eps) * weight[c] + bias[c]`` with the mean and (biased) variance taken
+over the group's channels and all spatial positions, in fp32; the per-channel affine transform is
+in fp32 and the result is rounded once to the dtype of ``x``. ``weight`` and ``bias`` are each
+optional; their gradients have their own dtypes.
+
+This file holds, in order: the reference, the Triton kernels, the launchers registered as custom
+ops, the functional API :func:`group_norm` and the module :class:`GroupNorm`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from fk.core import validate
+from fk.core.backend import uses_kernel
+from fk.core.launch import next_power_of_2
+from fk.core.ops import define_autograd_op
+
+# --- 1. Reference ---------------------------------------------------------------------------------
+
+
+def group_norm_ref(
+    x: torch.Tensor,
+    num_groups: int,
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    eps: float = 1e-5,
+) -> torch.Tensor:
+    """Plain PyTorch GroupNorm (computes in fp32, or fp64 for fp64 input).
+
+    This is the definition the kernels are tested against; it equals
+    ``torch.nn.functional.group_norm(x, num_groups, weight, bias, eps)``.
+    """
+    compute = torch.promote_types(x.dtype, torch.float32)
+    n, c = x.shape[0], x.shape[1]
+    xg = x.to(compute).reshape(n, num_groups, -1)
+    centered = xg - xg.mean(-1, keepdim=True)
+    y = (centered * torch.rsqrt(centered.pow(2).mean(-1, keepdim=True) + eps)).reshape(x.shape)
+    channel_shape = (1, c) + (1,) * (x.ndim - 2)
+    if weight is not None:
+        y = y * weight.to(compute).reshape(channel_shape)
+    if bias is not None:
+        y = y + bias.to(compute).reshape(channel_shape)
+    return y.to(x.dtype)
+
+
+# --- 2. Kernels -----------------------------------------------------------------------------------
+#
+# Layout: x as a contiguous [N, C, S] array (S = product of the spatial sizes). Group (n, g) is the
+# contiguous run of L = Cg * S elements (Cg = C / G channels) starting at (n * C + g * Cg) * S, seen
+# as a [Cg, S] matrix. One program per group walks it in [BLOCK_C, BLOCK_S] tiles.
+#
+# Notation, per group: mu = mean(x), r = 1 / sqrt(mean((x - mu)^2) + eps) (both saved, fp32),
+# xhat = (x - mu) * r, y[c, s] = xhat[c, s] * w[c] + b[c].
+#
+# Backward, with g[c, s] = dy[c, s] * w[c] (LayerNorm's derivation over the L elements of a group):
+#   dx   = r * (g - mean(g) - xhat * mean(g * xhat))
+#   dw_c = sum over n and s of dy[c, s] * xhat[c, s]
+#   db_c = sum over n and s of dy[c, s]
+# Each program writes its group's per-channel sums into row n of [N, C] fp32 partial buffers (every
+# (n, c) belongs to exactly one program: no atomics), reduced over N at the end. A parameter that
+# needs no gradient gets neither the arithmetic (COMPUTE_DW / COMPUTE_DB are constexpr) nor a buffer.
+#
+# The forward takes the mean in one pass and the variance around it in a second (no E[x^2] - E[x]^2
+# cancellation), then writes y in a third; groups that fit in one tile re-read it from cache.
+
+
+@triton.jit
+def _group_norm_fwd_kernel(
+    x_ptr,  # [N, C, S] input, contiguous
+    w_ptr,  # [C] weight (unused when HAS_WEIGHT is False)
+    b_ptr,  # [C] bias (unused when HAS_BIAS is False)
+    y_ptr,  # [N, C, S] output, contiguous
+    mean_ptr,  # [N * G] fp32 output: mean of each group
+    rstd_ptr,  # [N * G] fp32 output: 1 / sqrt(var + eps) of each group
+    n_groups,
+    n_group_channels,  # Cg
+    n_spatial,  # S
+    eps,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    group_len = n_group_channels * n_spatial
+    base = pid.to(tl.int64) * group_len
+    first_channel = (pid % n_groups) * n_group_channels
+    cs = tl.arange(0, BLOCK_C)
+    ss = tl.arange(0, BLOCK_S)
+    acc = tl.zeros([BLOCK_C, BLOCK_S], dtype=tl.float32)
+    for c0 in range(0, n_group_channels, BLOCK_C):
+        for s0 in range(0, n_spatial, BLOCK_S):
+            c, s = c0 + cs, s0 + ss
+            mask = (c < n_group_channels)[:, None] & (s < n_spatial)[None, :]
+            offs = base + c[:, None] * n_spatial + s[None, :]
+            acc += tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    mean = tl.sum(tl.sum(acc, axis=1), axis=0) / group_len
+    acc = tl.zeros([BLOCK_C, BLOCK_S], dtype=tl.float32)
+    for c0 in range(0, n_group_channels, BLOCK_C):
+        for s0 in range(0, n_spatial, BLOCK_S):
+            c, s = c0 + cs, s0 + ss
+            mask = (c < n_group_channels)[:, None] & (s < n_spatial)[None, :]
+            offs = base + c[:, None] * n_spatial + s[None, :]
+            d = tl.where(mask, tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32) - mean, 0.0)
+            acc += d * d
+    rstd = tl.rsqrt(tl.sum(tl.sum(acc, axis=1), axis=0) / group_len + eps)
+    tl.store(mean_ptr + pid, mean)
+    tl.store(rstd_ptr + pid, rstd)
+    for c0 in range(0, n_group_channels, BLOCK_C):
+        c = c0 + cs
+        c_mask = c < n_group_channels
+        w = tl.full([BLOCK_C], 1.0, tl.float32)
+        if HAS_WEIGHT:
+            w = tl.load(w_ptr + first_channel + c, mask=c_mask, other=0.0).to(tl.float32)
+        b = tl.zeros([BLOCK_C], dtype=tl.float32)
+        if HAS_BIAS:
+            b = tl.load(b_ptr + first_channel + c, mask=c_mask, other=0.0).to(tl.float32)
+        for s0 in range(0, n_spatial, BLOCK_S):
+            s = s0 + ss
+            mask = c_mask[:, None] & (s < n_spatial)[None, :]
+            offs = base + c[:, None] * n_spatial + s[None, :]
+            x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            y = (x - mean) * rstd * w[:, None] + b[:, None]
+            tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _group_norm_bwd_kernel(
+    dy_ptr,  # [N, C, S] upstream gradient, contiguous
+    x_ptr,  # [N, C, S] forward input, contiguous
+    w_ptr,  # [C] weight (unused when HAS_WEIGHT is False)
+    mean_ptr,  # [N * G] fp32, from the forward
+    rstd_ptr,  # [N * G] fp32, from the forward
+    dx_ptr,  # [N, C, S] output, contiguous (unused when COMPUTE_DX is False)
+    dw_partial_ptr,  # [N, C] fp32 output: per-sample channel sums (unused when COMPUTE_DW is False)
+    db_partial_ptr,  # [N, C] fp32 output (unused when COMPUTE_DB is False)
+    n_groups,
+    n_group_channels,
+    n_spatial,
+    HAS_WEIGHT: tl.constexpr,
+    COMPUTE_DX: tl.constexpr,
+    COMPUTE_DW: tl.constexpr,
+    COMPUTE_DB: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    group_len = n_group_channels * n_spatial
+    base = pid.to(tl.int64) * group_len
+    first_channel = (pid % n_groups) * n_group_channels
+    # Row n of the [N, C] partial buffers, at this group's first channel: offset pid * Cg.
+    partial_base = pid.to(tl.int64) * n_group_channels
+    mean = tl.load(mean_ptr + pid)
+    rstd = tl.load(rstd_ptr + pid)
+    cs = tl.arange(0, BLOCK_C)
+    ss = tl.arange(0, BLOCK_S)
+    sum_g = tl.zeros([BLOCK_C, BLOCK_S], dtype=tl.float32)
+    sum_gx = tl.zeros([BLOCK_C, BLOCK_S], dtype=tl.float32)
+    # Pass 1: mean(g), mean(g * xhat), and the per-channel sums for dw and db.
+    for c0 in range(0, n_group_channels, BLOCK_C):
+        c = c0 + cs
+        c_mask = c < n_group_channels
+        w = tl.full([BLOCK_C], 1.0, tl.float32)
+        if HAS_WEIGHT:
+            w = tl.load(w_ptr + first_channel + c, mask=c_mask, other=0.0).to(tl.float32)
+        dw_acc = tl.zeros([BLOCK_C, BLOCK_S], dtype=tl.float32)
+        db_acc = tl.zeros([BLOCK_C, BLOCK_S], dtype=tl.float32)
+        for s0 in range(0, n_spatial, BLOCK_S):
+            s = s0 + ss
+            mask = c_mask[:, None] & (s < n_spatial)[None, :]
+            offs = base + c[:, None] * n_spatial + s[None, :]
+            dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            if COMPUTE_DX or COMPUTE_DW:
+                x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+                xhat = tl.where(mask, (x - mean) * rstd, 0.0)
+                if COMPUTE_DX:
+                    g = dy * w[:, None]
+                    sum_g += g
+                    sum_gx += g * xhat
+                if COMPUTE_DW:
+                    dw_acc += dy * xhat
+            if COMPUTE_DB:
+                db_acc += dy
+        if COMPUTE_DW:
+            tl.store(dw_partial_ptr + partial_base + c, tl.sum(dw_acc, axis=1), mask=c_mask)
+        if COMPUTE_DB:
+            tl.store(db_partial_ptr + partial_base + c, tl.sum(db_acc, axis=1), mask=c_mask)
+    if COMPUTE_DX:
+        mean_g = tl.sum(tl.sum(sum_g, axis=1), axis=0) / group_len
+        mean_gx = tl.sum(tl.sum(sum_gx, axis=1), axis=0) / group_len
+        # Pass 2: dx.
+        for c0 in range(0, n_group_channels, BLOCK_C):
+            c = c0 + cs
+            c_mask = c < n_group_channels
+            w = tl.full([BLOCK_C], 1.0, tl.float32)
+            if HAS_WEIGHT:
+                w = tl.load(w_ptr + first_channel + c, mask=c_mask, other=0.0).to(tl.float32)
+            for s0 in range(0, n_spatial, BLOCK_S):
+                s = s0 + ss
+                mask = c_mask[:, None] & (s < n_spatial)[None, :]
+                offs = base + c[:, None] * n_spatial + s[None, :]
+                dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+                x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+                xhat = (x - mean) * rstd
+                dx = (dy * w[:, None] - mean_g - xhat * mean_gx) * rstd
+                tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+# --- 3. Launchers, registered as custom ops -------------------------------------------------------
+
+# Launch parameters: untuned first choices.
+TILE_ELEMENTS = 4096  # elements of one [BLOCK_C, BLOCK_S] tile
+ELEMENTS_PER_WARP = 256
+MAX_WARPS = 16
+
+
+def _tile(n_group_channels: int, n_spatial: int) -> tuple[int, int, int]:
+    """(BLOCK_C, BLOCK_S, num_warps) for groups of ``n_group_channels`` channels of ``n_spatial``."""
+    block_s = min(next_power_of_2(n_spatial), TILE_ELEMENTS)
+    block_c = min(next_power_of_2(n_group_channels), max(1, TILE_ELEMENTS // block_s))
+    num_warps = max(1, min(MAX_WARPS, block_c * block_s // ELEMENTS_PER_WARP))
+    return block_c, block_s, num_warps
+
+
+def _as_ncs(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a contiguous ``[N, C, S]`` array (a copy only when ``t`` is not contiguous)."""
+    return t.reshape(t.shape[0], t.shape[1], -1).contiguous()
+
+
+def _group_norm_fwd(
+    x: torch.Tensor, num_groups: int, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Forward launcher: returns (y with x's shape and dtype, mean and rstd fp32 of shape (N, G))."""
+    n, c = x.shape[0], x.shape[1]
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    mean = torch.empty((n, num_groups), dtype=torch.float32, device=x.device)
+    rstd = torch.empty((n, num_groups), dtype=torch.float32, device=x.device)
+    if x.numel() == 0:
+        return y, mean, rstd
+    x3 = _as_ncs(x)
+    block_c, block_s, num_warps = _tile(c // num_groups, x3.shape[2])
+    _group_norm_fwd_kernel[(n * num_groups,)](
+        x3, weight if weight is not None else x3, bias if bias is not None else x3, y, mean, rstd,
+        num_groups, c // num_groups, x3.shape[2], eps,
+        HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, BLOCK_C=block_c, BLOCK_S=block_s,
+        num_warps=num_warps,
+    )  # fmt: skip
+    return y, mean, rstd
+
+
+def _group_norm_fwd_fake(
+    x: torch.Tensor, num_groups: int, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    mean = torch.empty((x.shape[0], num_groups), dtype=torch.float32, device=x.device)
+    return y, mean, torch.empty((x.shape[0], num_groups), dtype=torch.float32, device=x.device)
+
+
+def _group_norm_bwd(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    num_groups: int,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+    compute_dx: bool,
+    compute_dw: bool,
+    compute_db: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backward launcher: returns (dx, dw, db); each one not computed is an empty tensor.
+
+    ``bias`` is not read: it gives db its dtype (and says whether there is one).
+    """
+    n, c = x.shape[0], x.shape[1]
+    compute_dw = compute_dw and weight is not None
+    compute_db = compute_db and bias is not None
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device) if compute_dx else x.new_empty(0)
+    if x.numel() == 0 or not (compute_dx or compute_dw or compute_db):
+        dw = torch.zeros_like(weight) if compute_dw and weight is not None else x.new_empty(0)
+        db = torch.zeros_like(bias) if compute_db and bias is not None else x.new_empty(0)
+        return dx, dw, db
+    x3, dy3 = _as_ncs(x), _as_ncs(dy)
+    # A partial buffer that is not needed is never read or written: its COMPUTE_* flag is False.
+    dw_partial = torch.empty((n, c), dtype=torch.float32, device=x.device) if compute_dw else rstd
+    db_partial = torch.empty((n, c), dtype=torch.float32, device=x.device) if compute_db else rstd
+    block_c, block_s, num_warps = _tile(c // num_groups, x3.shape[2])
+    _group_norm_bwd_kernel[(n * num_groups,)](
+        dy3, x3, weight if weight is not None else x3, mean, rstd, dx if compute_dx else x3, dw_partial, db_partial,
+        num_groups, c // num_groups, x3.shape[2],
+        HAS_WEIGHT=weight is not None, COMPUTE_DX=compute_dx, COMPUTE_DW=compute_dw, COMPUTE_DB=compute_db,
+        BLOCK_C=block_c, BLOCK_S=block_s, num_warps=num_warps,
+    )  # fmt: skip
+    dw = dw_partial.sum(0).to(weight.dtype) if compute_dw and weight is not None else x.new_empty(0)
+    db = db_partial.sum(0).to(bias.dtype) if compute_db and bias is not None else x.new_empty(0)
+    return dx, dw, db
+
+
+def _group_norm_bwd_fake(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    num_groups: int,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+    compute_dx: bool,
+    compute_dw: bool,
+    compute_db: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device) if compute_dx else x.new_empty(0)
+    dw = torch.empty_like(weight) if compute_dw and weight is not None else x.new_empty(0)
+    db = torch.empty_like(bias) if compute_db and bias is not None else x.new_empty(0)
+    return dx, dw, db
+
+
+def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
+    x, num_groups, weight, bias, _eps = inputs
+    ctx.save_for_backward(x, weight, bias, output[1], output[2])
+    ctx.num_groups = num_groups
+    ctx.mark_non_differentiable(output[1], output[2])
+    ctx.set_materialize_grads(False)
+
+
+def _backward(run_backward: Any, ctx: Any, dy: torch.Tensor | None, _dmean: Any, _drstd: Any) -> tuple[Any, ...]:
+    x, weight, bias, mean, rstd = ctx.saved_tensors
+    need_dx, _, need_dw, need_db = ctx.needs_input_grad[:4]
+    if dy is None or not (need_dx or need_dw or need_db):
+        return None, None, None, None, None
+    dx, dw, db = run_backward(dy, x, ctx.num_groups, weight, bias, mean, rstd, need_dx, need_dw, need_db)
+    return (dx if need_dx else None), None, (dw if need_dw else None), (db if need_db else None), None
+
+
+_group_norm = define_autograd_op(
+    __name__, "group_norm",
+    forward=_group_norm_fwd, forward_fake=_group_norm_fwd_fake,
+    backward_launcher=_group_norm_bwd, backward_fake=_group_norm_bwd_fake,
+    setup_context=_setup_context, backward=_backward,
+)  # fmt: skip
+
+
+# --- 4. Functional API ----------------------------------------------------------------------------
+
+
+def group_norm(
+    x: torch.Tensor,
+    num_groups: int,
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    eps: float = 1e-5,
+) -> torch.Tensor:
+    """GroupNorm of an ``(N, C, *)`` input, as ``torch.nn.functional.group_norm``.
+
+    Args:
+        x: input of shape ``(N, C, *)``, fp32/fp16/bf16, any strides (copied to contiguous inside).
+        num_groups: number of groups; must divide ``C``.
+        weight: ``(C,)`` per-channel scale, or None.
+        bias: ``(C,)`` per-channel shift, or None.
+        eps: added to the variance before the square root; > 0.
+
+    Returns a tensor of x's shape and dtype. The weight and bias gradients are computed only when
+    they require grad: a frozen affine transform costs no backward work or memory.
+    """
+    validate.check_tensor("x", x)
+    validate.check_dtype("x", x)
+    validate.check_min_ndim("x", x, 2)
+    eps = validate.check_positive_float("eps", eps)
+    if isinstance(num_groups, bool) or not isinstance(num_groups, int):
+        raise TypeError(f"num_groups must be an int, got {type(num_groups).__name__}")
+    channels = x.shape[1]
+    if num_groups < 1 or channels % num_groups != 0:
+        raise ValueError(f"num_groups must be >= 1 and divide the {channels} channels of x, got {num_groups}")
+    if math.prod(x.shape[2:]) == 0:
+        raise ValueError(f"x must have non-empty spatial dimensions, got shape {tuple(x.shape)}")
+    for name, param in (("weight", weight), ("bias", bias)):
+        if param is not None:
+            validate.check_tensor(name, param)
+            validate.check_dtype(name, param)
+            validate.check_shape(name, param, (channels,))
+            validate.check_same_device(name, param, "x", x)
+    if not uses_kernel(x):
+        return group_norm_ref(x, num_groups, weight, bias, eps)
+    y, _, _ = _group_norm(x, num_groups, weight, bias, eps)
+    return y
+
+
+# --- 5. Module ------------------------------------------------------------------------------------
+
+
+class GroupNorm(torch.nn.GroupNorm):
+    """Drop-in for ``torch.nn.GroupNorm`` (same constructor and state_dict) running fk's kernels."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.ndim < 2 or x.shape[1] != self.num_channels:
+            raise ValueError(f"x must have shape (N, {self.num_channels}, *), got {tuple(x.shape)}")
+        return group_norm(x, self.num_groups, self.weight, self.bias, self.eps)

@@ -1,0 +1,382 @@
+"""PolyNorm (the PolyCom activation): ``y = w0 norm(x^3) + w1 norm(x^2) + w2 norm(x) + b``.
+
+``norm(u) = u / sqrt(mean(u^2) + eps)`` over the last dimension: an RMS normalization without its
+own weight. ``weight`` has shape ``(3,)`` (initialized to 1/3 each in the PolyCom paper) and
+``bias`` shape ``(1,)`` (initialized to 1); a 0-dimensional bias is accepted too. The kernels
+compute in fp32 and round once to the dtype of ``x``; the parameter gradients have the
+parameters' dtypes.
+
+This file holds, in order: the reference, the Triton kernels, the launchers registered as custom
+ops, the functional API :func:`poly_norm` and the module :class:`PolyNorm`.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from fk.core import validate
+from fk.core.backend import uses_kernel
+from fk.core.launch import RowTiling, as_rows, cdiv, row_reduction_grid, row_tiling
+from fk.core.ops import define_autograd_op
+
+# --- 1. Reference ---------------------------------------------------------------------------------
+
+
+def poly_norm_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """Plain PyTorch PolyNorm over the last dimension (computes in fp32, or fp64 for fp64 input).
+
+    This is the definition the kernels are tested against.
+    """
+    compute = torch.promote_types(x.dtype, torch.float32)
+    xf = x.to(compute)
+    w = weight.to(compute)
+
+    def norm(u: torch.Tensor) -> torch.Tensor:
+        return u * torch.rsqrt(u.pow(2).mean(-1, keepdim=True) + eps)
+
+    y = w[0] * norm(xf.pow(3)) + w[1] * norm(xf.pow(2)) + w[2] * norm(xf) + bias.to(compute).reshape(())
+    return y.to(x.dtype)
+
+
+# --- 2. Kernels -----------------------------------------------------------------------------------
+#
+# Notation, per row of H elements, for p = 1, 2, 3: r_p = 1 / sqrt(mean(x^(2p)) + eps) (saved by the
+# forward, fp32, as an [M, 3] array), n_p = x^p r_p, and the weight of n_p is a_p: a_3 = w0,
+# a_2 = w1, a_1 = w2. y = sum_p a_p n_p + b.
+#
+# Backward. As in RMSNorm, d n_p / d u (u = x^p) maps a gradient g to r_p (g - n_p mean(g n_p)); with
+# g = a_p dy and du/dx = p x^(p-1):
+#   c_p  = mean(dy * n_p)                                   (one fp32 number per row and p)
+#   dx   = sum_p a_p p x^(p-1) r_p (dy - n_p c_p)
+#   d a_p = sum over rows of sum_j dy_j n_pj = sum over rows of H c_p
+#   db   = sum over all elements of dy
+# The c_p are needed for dx anyway, so the weight gradient costs three scalar accumulators per
+# program; the bias gradient one more row sum. Each program of the persistent grid writes one row
+# of a [P, 4] fp32 partial buffer (d w0, d w1, d w2, db), summed at the end; a frozen weight or bias
+# leaves its columns alone (COMPUTE_DW / COMPUTE_DB are constexpr), and when both are frozen the
+# buffer is not allocated.
+#
+# Both kernels walk a row in column tiles twice (sums, then outputs); a row that fits in one tile
+# is re-read from cache.
+
+
+@triton.jit
+def _poly_norm_fwd_kernel(
+    x_ptr,  # [M, H] input, row stride x_row_stride, unit column stride
+    w_ptr,  # [3] weight
+    b_ptr,  # [1] bias
+    y_ptr,  # [M, H] output, contiguous
+    rstd_ptr,  # [M, 3] fp32 output: r_1, r_2, r_3 (see above), saved for the backward
+    n_rows,
+    n_cols,
+    x_row_stride,
+    eps,
+    BLOCK_COLS: tl.constexpr,
+    ROWS: tl.constexpr,
+):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    row_mask = rows < n_rows
+    x_rows = x_ptr + rows.to(tl.int64)[:, None] * x_row_stride
+    cols = tl.arange(0, BLOCK_COLS)
+    s2 = tl.zeros([ROWS, BLOCK_COLS], dtype=tl.float32)
+    s4 = tl.zeros([ROWS, BLOCK_COLS], dtype=tl.float32)
+    s6 = tl.zeros([ROWS, BLOCK_COLS], dtype=tl.float32)
+    for start in range(0, n_cols, BLOCK_COLS):
+        c = start + cols
+        mask = row_mask[:, None] & (c < n_cols)[None, :]
+        x = tl.load(x_rows + c[None, :], mask=mask, other=0.0).to(tl.float32)
+        x2 = x * x
+        s2 += x2
+        s4 += x2 * x2
+        s6 += x2 * x2 * x2
+    r1 = tl.rsqrt(tl.sum(s2, axis=1) / n_cols + eps)
+    r2 = tl.rsqrt(tl.sum(s4, axis=1) / n_cols + eps)
+    r3 = tl.rsqrt(tl.sum(s6, axis=1) / n_cols + eps)
+    tl.store(rstd_ptr + rows * 3, r1, mask=row_mask)
+    tl.store(rstd_ptr + rows * 3 + 1, r2, mask=row_mask)
+    tl.store(rstd_ptr + rows * 3 + 2, r3, mask=row_mask)
+    # Coefficients of x, x^2 and x^3 per row.
+    k1 = tl.load(w_ptr + 2).to(tl.float32) * r1
+    k2 = tl.load(w_ptr + 1).to(tl.float32) * r2
+    k3 = tl.load(w_ptr).to(tl.float32) * r3
+    b = tl.load(b_ptr).to(tl.float32)
+    y_rows = y_ptr + rows.to(tl.int64)[:, None] * n_cols
+    for start in range(0, n_cols, BLOCK_COLS):
+        c = start + cols
+        mask = row_mask[:, None] & (c < n_cols)[None, :]
+        x = tl.load(x_rows + c[None, :], mask=mask, other=0.0).to(tl.float32)
+        y = ((k3[:, None] * x + k2[:, None]) * x + k1[:, None]) * x + b
+        tl.store(y_rows + c[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _poly_norm_bwd_kernel(
+    dy_ptr,  # [M, H] upstream gradient, row stride dy_row_stride, unit column stride
+    x_ptr,  # [M, H] forward input, row stride x_row_stride, unit column stride
+    w_ptr,  # [3] weight
+    rstd_ptr,  # [M, 3] fp32, from the forward
+    dx_ptr,  # [M, H] output, contiguous (unused when COMPUTE_DX is False)
+    partial_ptr,  # [P, 4] fp32 output: d w0, d w1, d w2, db per program (unused unless COMPUTE_DW/DB)
+    n_rows,
+    n_cols,
+    dy_row_stride,
+    x_row_stride,
+    COMPUTE_DX: tl.constexpr,
+    COMPUTE_DW: tl.constexpr,
+    COMPUTE_DB: tl.constexpr,
+    BLOCK_COLS: tl.constexpr,
+    ROWS: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    n_programs = tl.num_programs(0)
+    n_tiles = tl.cdiv(n_rows, ROWS)
+    cols = tl.arange(0, BLOCK_COLS)
+    a1 = tl.load(w_ptr + 2).to(tl.float32)
+    a2 = tl.load(w_ptr + 1).to(tl.float32)
+    a3 = tl.load(w_ptr).to(tl.float32)
+    acc1 = tl.zeros([ROWS], dtype=tl.float32)
+    acc2 = tl.zeros([ROWS], dtype=tl.float32)
+    acc3 = tl.zeros([ROWS], dtype=tl.float32)
+    acc_b = tl.zeros([ROWS], dtype=tl.float32)
+    for tile in range(pid, n_tiles, n_programs):
+        rows = tile * ROWS + tl.arange(0, ROWS)
+        row_mask = rows < n_rows
+        rows64 = rows.to(tl.int64)[:, None]
+        r1 = tl.load(rstd_ptr + rows * 3, mask=row_mask, other=0.0)
+        r2 = tl.load(rstd_ptr + rows * 3 + 1, mask=row_mask, other=0.0)
+        r3 = tl.load(rstd_ptr + rows * 3 + 2, mask=row_mask, other=0.0)
+        # Pass 1: sums of dy x^p (c_p = r_p * that / H) and of dy.
+        t1 = tl.zeros([ROWS, BLOCK_COLS], dtype=tl.float32)
+        t2 = tl.zeros([ROWS, BLOCK_COLS], dtype=tl.float32)
+        t3 = tl.zeros([ROWS, BLOCK_COLS], dtype=tl.float32)
+        tb = tl.zeros([ROWS, BLOCK_COLS], dtype=tl.float32)
+        for start in range(0, n_cols, BLOCK_COLS):
+            c = start + cols
+            mask = row_mask[:, None] & (c < n_cols)[None, :]
+            x = tl.load(x_ptr + rows64 * x_row_stride + c[None, :], mask=mask, other=0.0).to(tl.float32)
+            dy = tl.load(dy_ptr + rows64 * dy_row_stride + c[None, :], mask=mask, other=0.0).to(tl.float32)
+            dyx = dy * x
+            t1 += dyx
+            t2 += dyx * x
+            t3 += dyx * x * x
+            if COMPUTE_DB:
+                tb += dy
+        c1 = tl.sum(t1, axis=1) * r1 / n_cols
+        c2 = tl.sum(t2, axis=1) * r2 / n_cols
+        c3 = tl.sum(t3, axis=1) * r3 / n_cols
+        if COMPUTE_DW:
+            acc1 += c1 * n_cols
+            acc2 += c2 * n_cols
+            acc3 += c3 * n_cols
+        if COMPUTE_DB:
+            acc_b += tl.sum(tb, axis=1)
+        if COMPUTE_DX:
+            # Pass 2: dx = sum_p a_p p x^(p-1) r_p (dy - x^p r_p c_p).
+            k1 = (a1 * r1)[:, None]
+            k2 = (2.0 * a2 * r2)[:, None]
+            k3 = (3.0 * a3 * r3)[:, None]
+            m1 = (r1 * c1)[:, None]
+            m2 = (r2 * c2)[:, None]
+            m3 = (r3 * c3)[:, None]
+            for start in range(0, n_cols, BLOCK_COLS):
+                c = start + cols
+                mask = row_mask[:, None] & (c < n_cols)[None, :]
+                x = tl.load(x_ptr + rows64 * x_row_stride + c[None, :], mask=mask, other=0.0).to(tl.float32)
+                dy = tl.load(dy_ptr + rows64 * dy_row_stride + c[None, :], mask=mask, other=0.0).to(tl.float32)
+                x2 = x * x
+                dx = k1 * (dy - x * m1) + k2 * x * (dy - x2 * m2) + k3 * x2 * (dy - x2 * x * m3)
+                tl.store(dx_ptr + rows64 * n_cols + c[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
+    if COMPUTE_DW:
+        tl.store(partial_ptr + pid * 4, tl.sum(acc3, axis=0))
+        tl.store(partial_ptr + pid * 4 + 1, tl.sum(acc2, axis=0))
+        tl.store(partial_ptr + pid * 4 + 2, tl.sum(acc1, axis=0))
+    if COMPUTE_DB:
+        tl.store(partial_ptr + pid * 4 + 3, tl.sum(acc_b, axis=0))
+
+
+# --- 3. Launchers, registered as custom ops -------------------------------------------------------
+
+# Launch parameters: untuned first choices.
+MAX_BLOCK_COLS = 8192
+MIN_TILE = 2048
+ELEMENTS_PER_WARP = 256
+BWD_PROGRAMS_PER_SM = 2
+BWD_LOOPED_PROGRAMS_PER_SM = 2
+
+
+@functools.lru_cache(maxsize=256)
+def _tiling(n_cols: int) -> RowTiling:
+    return row_tiling(n_cols, max_block_cols=MAX_BLOCK_COLS, min_tile_elements=MIN_TILE,
+                      elements_per_warp=ELEMENTS_PER_WARP, name="x")  # fmt: skip
+
+
+def partial_rows(n_rows: int, n_cols: int, device: torch.device) -> int:
+    """Programs of the backward, and rows of its [P, 4] fp32 partial buffer when it allocates one."""
+    return row_reduction_grid(n_rows, _tiling(n_cols), device, BWD_PROGRAMS_PER_SM, BWD_LOOPED_PROGRAMS_PER_SM)
+
+
+def _poly_norm_fwd(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward launcher: returns (y with x's shape and dtype, rstd fp32 of shape x.shape[:-1] + (3,))."""
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    rstd = torch.empty((*x.shape[:-1], 3), dtype=torch.float32, device=x.device)
+    x_rows = as_rows(x)
+    n_rows, n_cols = x_rows.shape
+    if n_rows == 0:
+        return y, rstd
+    tiling = _tiling(n_cols)
+    _poly_norm_fwd_kernel[(cdiv(n_rows, tiling.rows_per_tile),)](
+        x_rows, weight, bias, y, rstd, n_rows, n_cols, x_rows.stride(0), eps,
+        BLOCK_COLS=tiling.block_cols, ROWS=tiling.rows_per_tile, num_warps=tiling.num_warps,
+    )  # fmt: skip
+    return y, rstd
+
+
+def _poly_norm_fwd_fake(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    return y, torch.empty((*x.shape[:-1], 3), dtype=torch.float32, device=x.device)
+
+
+def _poly_norm_bwd(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    rstd: torch.Tensor,
+    compute_dx: bool,
+    compute_dw: bool,
+    compute_db: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backward launcher: returns (dx, dw, db); each one not computed is an empty tensor.
+
+    ``bias`` is not read: it gives db its dtype and shape.
+    """
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device) if compute_dx else x.new_empty(0)
+    x_rows, dy_rows = as_rows(x), as_rows(dy)
+    n_rows, n_cols = x_rows.shape
+    if n_rows == 0 or not (compute_dx or compute_dw or compute_db):
+        dw = torch.zeros_like(weight) if compute_dw else x.new_empty(0)
+        db = torch.zeros_like(bias) if compute_db else x.new_empty(0)
+        return dx, dw, db
+    tiling = _tiling(n_cols)
+    n_programs = partial_rows(n_rows, n_cols, x.device)
+    partial = torch.empty((n_programs, 4), dtype=torch.float32, device=x.device) if compute_dw or compute_db else rstd
+    _poly_norm_bwd_kernel[(n_programs,)](
+        dy_rows, x_rows, weight, rstd, dx if compute_dx else x_rows, partial,
+        n_rows, n_cols, dy_rows.stride(0), x_rows.stride(0),
+        COMPUTE_DX=compute_dx, COMPUTE_DW=compute_dw, COMPUTE_DB=compute_db,
+        BLOCK_COLS=tiling.block_cols, ROWS=tiling.rows_per_tile, num_warps=tiling.num_warps,
+    )  # fmt: skip
+    dw = partial[:, :3].sum(0).to(weight.dtype) if compute_dw else x.new_empty(0)
+    db = partial[:, 3].sum().reshape(bias.shape).to(bias.dtype) if compute_db else x.new_empty(0)
+    return dx, dw, db
+
+
+def _poly_norm_bwd_fake(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    rstd: torch.Tensor,
+    compute_dx: bool,
+    compute_dw: bool,
+    compute_db: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device) if compute_dx else x.new_empty(0)
+    dw = torch.empty_like(weight) if compute_dw else x.new_empty(0)
+    db = torch.empty_like(bias) if compute_db else x.new_empty(0)
+    return dx, dw, db
+
+
+def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, torch.Tensor]) -> None:
+    x, weight, bias, _eps = inputs
+    ctx.save_for_backward(x, weight, bias, output[1])
+    ctx.mark_non_differentiable(output[1])
+    ctx.set_materialize_grads(False)
+
+
+def _backward(run_backward: Any, ctx: Any, dy: torch.Tensor | None, _drstd: Any) -> tuple[Any, ...]:
+    x, weight, bias, rstd = ctx.saved_tensors
+    need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
+    if dy is None or not (need_dx or need_dw or need_db):
+        return None, None, None, None
+    dx, dw, db = run_backward(dy, x, weight, bias, rstd, need_dx, need_dw, need_db)
+    return (dx if need_dx else None), (dw if need_dw else None), (db if need_db else None), None
+
+
+_poly_norm = define_autograd_op(
+    __name__, "poly_norm",
+    forward=_poly_norm_fwd, forward_fake=_poly_norm_fwd_fake,
+    backward_launcher=_poly_norm_bwd, backward_fake=_poly_norm_bwd_fake,
+    setup_context=_setup_context, backward=_backward,
+)  # fmt: skip
+
+
+# --- 4. Functional API ----------------------------------------------------------------------------
+
+
+def poly_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """PolyNorm over the last dimension: ``w0 norm(x^3) + w1 norm(x^2) + w2 norm(x) + b``.
+
+    Args:
+        x: input of shape ``(..., H)``, fp32/fp16/bf16, any strides.
+        weight: ``(3,)``: the weights of norm(x^3), norm(x^2) and norm(x), in that order.
+        bias: ``(1,)`` (or 0-dimensional) bias.
+        eps: added to each mean square before the square root; > 0.
+
+    Returns a tensor of x's shape and dtype. The weight and bias gradients are computed only when
+    they require grad.
+    """
+    validate.check_tensor("x", x)
+    validate.check_dtype("x", x)
+    validate.check_min_ndim("x", x, 1)
+    eps = validate.check_positive_float("eps", eps)
+    if x.shape[-1] == 0:
+        raise ValueError(f"x must have a non-empty last dimension, got shape {tuple(x.shape)}")
+    validate.check_tensor("weight", weight)
+    validate.check_dtype("weight", weight)
+    validate.check_shape("weight", weight, (3,))
+    validate.check_same_device("weight", weight, "x", x)
+    validate.check_tensor("bias", bias)
+    validate.check_dtype("bias", bias)
+    if tuple(bias.shape) not in ((1,), ()):
+        raise ValueError(f"bias must have shape (1,) or (), got {tuple(bias.shape)}")
+    validate.check_same_device("bias", bias, "x", x)
+    if not uses_kernel(x):
+        return poly_norm_ref(x, weight, bias, eps)
+    y, _ = _poly_norm(x, weight, bias, eps)
+    return y
+
+
+# --- 5. Module ------------------------------------------------------------------------------------
+
+
+class PolyNorm(torch.nn.Module):
+    """PolyNorm with its parameters: ``weight`` ``(3,)`` initialized to 1/3 and ``bias`` ``(1,)``
+    initialized to 1, as in the PolyCom paper. There is no ``torch.nn`` counterpart."""
+
+    def __init__(self, eps: float = 1e-6, device: Any = None, dtype: Any = None) -> None:
+        super().__init__()
+        self.eps = validate.check_positive_float("eps", eps)
+        self.weight = torch.nn.Parameter(torch.empty(3, device=device, dtype=dtype))
+        self.bias = torch.nn.Parameter(torch.empty(1, device=device, dtype=dtype))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            self.weight.fill_(1.0 / 3.0)
+            self.bias.fill_(1.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return poly_norm(x, self.weight, self.bias, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"eps={self.eps}"
