@@ -120,8 +120,8 @@ def cross_entropy_ref(
 # nothing waits for the host.
 #
 # One program handles rows pid, pid + P, ... (P a few per SM). Pass 1 streams the row once with an
-# online softmax (running max m and sum s of exp(z - m)); pass 2 streams it again to write the
-# gradient. With few programs in flight, a row read by pass 1 is still in L2 for pass 2.
+# online softmax (running max m and sum s of exp(z - m), per lane); pass 2 streams it again to
+# write the gradient. With few programs in flight, a row read by pass 1 is still in L2 for pass 2.
 
 
 @triton.jit
@@ -185,12 +185,17 @@ def _cross_entropy_kernel(
         if LSE_GIVEN:
             lse = tl.load(lse_ptr + row)
         else:
-            m = -float("inf")
-            s = 0.0
-            z_y = 0.0
-            sum_wz = 0.0
-            best = -float("inf")
-            best_idx = tl.cast(-1, tl.int64)
+            # Per-lane accumulators, reduced once after the loop: no cross-warp reduction (and
+            # barrier) per block, so the loads stream. Each lane keeps its own running max m and
+            # sum s of exp(z - m); the lanes are combined as lse = M + log(sum s * exp(m - M)).
+            # m starts finite so a lane that has seen only -inf (or nothing) never computes
+            # exp(-inf + inf).
+            m = tl.full([BLOCK], -1e30, tl.float32)
+            s = tl.zeros([BLOCK], tl.float32)
+            z_y = tl.zeros([BLOCK], tl.float32)
+            sum_wz = tl.zeros([BLOCK], tl.float32)
+            best = tl.full([BLOCK], -float("inf"), tl.float32)
+            best_idx = tl.full([BLOCK], n_cols, tl.int32)
             for start in range(0, n_cols, BLOCK):
                 c = start + cols
                 mask = c < n_cols
@@ -198,22 +203,25 @@ def _cross_entropy_kernel(
                 x = tl.load(x_row + c, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
                 # Columns past the end get -inf after the softcap (which would map -inf to -softcap).
                 z = tl.where(mask, _softcapped(x, softcap, HAS_SOFTCAP), -float("inf"))
-                block_max = tl.max(z, axis=0)
-                m_new = tl.maximum(m, block_max)
-                s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
+                m_new = tl.maximum(m, z)
+                s = s * tl.exp(m - m_new) + tl.exp(z - m_new)
                 m = m_new
-                z_y += tl.sum(tl.where(c == label, z, 0.0), axis=0)
+                z_y += tl.where(c == label, z, 0.0)
                 if HAS_SMOOTHING:
                     if HAS_WEIGHT:
                         w = tl.load(class_weight_ptr + c, mask=mask, other=0.0).to(tl.float32)
-                        sum_wz += tl.sum(tl.where(mask, w * z, 0.0), axis=0)
+                        sum_wz += tl.where(mask, w * z, 0.0)
                     else:
-                        sum_wz += tl.sum(tl.where(mask, z, 0.0), axis=0)
+                        sum_wz += tl.where(mask, z, 0.0)
                 if STORE_ACCURACY:
-                    block_idx = tl.argmax(z, axis=0).to(tl.int64) + start
-                    best_idx = tl.where(block_max > best, block_idx, best_idx)
-                    best = tl.maximum(best, block_max)
-            lse = m + tl.log(s)
+                    # Strictly greater: within a lane the first of equal values stays.
+                    better = z > best
+                    best_idx = tl.where(better, c, best_idx)
+                    best = tl.where(better, z, best)
+            m_row = tl.max(m, axis=0)
+            lse = m_row + tl.log(tl.sum(s * tl.exp(m - m_row), axis=0))
+            z_y = tl.sum(z_y, axis=0)
+            sum_wz = tl.sum(sum_wz, axis=0)
             tl.store(lse_ptr + row, lse)
             if COMPUTE_LOSS:
                 loss = (1.0 - label_smoothing) * w_y * (lse - z_y)
@@ -229,7 +237,9 @@ def _cross_entropy_kernel(
                 if STORE_Z_LOSS:
                     tl.store(z_loss_ptr + row, tl.where(ignored, 0.0, z_loss))
             if STORE_ACCURACY:
-                tl.store(correct_ptr + row, tl.where((best_idx == label) & (label != ignore_index), 1.0, 0.0))
+                # The first index holding the row's maximum, as torch.argmax.
+                argmax = tl.min(tl.where(best == tl.max(best, axis=0), best_idx, n_cols), axis=0)
+                tl.store(correct_ptr + row, tl.where((argmax == label) & (label != ignore_index), 1.0, 0.0))
         # Pass 2: the gradient, scaled by the reduction's factor.
         if COMPUTE_GRAD:
             g_row = grad_ptr + row64 * grad_row_stride
@@ -486,8 +496,11 @@ _cross_entropy = define_autograd_op(
     __name__, "cross_entropy",
     forward=_cross_entropy_fwd, forward_fake=_cross_entropy_fwd_fake,
     backward_launcher=_cross_entropy_bwd, backward_fake=_cross_entropy_bwd_fake,
-    setup_context=_setup_context, backward=_backward, backward_mutates_args=("logits",),
+    setup_context=_setup_context, backward=_backward,
 )  # fmt: skip
+# No mutates_args: the custom ops (the torch.compile path) never write in place; only the eager
+# path does, which calls the launcher directly. Declaring logits as mutated makes AOT autograd
+# refuse a leaf logits tensor (torch 2.11).
 
 
 # --- 4. Functional API ----------------------------------------------------------------------------
