@@ -165,7 +165,10 @@ def _inputs(op: Op, rows: int, width: int, trainable: bool) -> tuple[list[torch.
         for _ in range(op.n_inputs)
     ]
     if op.name == "poly_norm":
-        params = [torch.tensor([0.3, 0.3, 0.4], device="cuda"), torch.tensor([0.1], device="cuda")]
+        params = [
+            torch.tensor([0.3, 0.3, 0.4], device="cuda"),
+            torch.tensor(0.1, device="cuda"),
+        ]  # 0-dim bias, as Liger
     else:
         params = [1 + 0.1 * torch.randn(width, device="cuda", generator=gen)]
         if "bias" in op.params:
@@ -211,8 +214,11 @@ def measure(record: bench.BenchRecord, copy_tbps: float, op: Op, name: str, fn: 
         )  # fmt: skip
 
 
-def run_ops(record: bench.BenchRecord, copy_tbps: float, rows: int, widths: list[int], rep: int) -> None:
+def run_ops(record: bench.BenchRecord, copy_tbps: float, rows: int, widths: list[int], rep: int,
+            ops: list[str], out: Path) -> None:  # fmt: skip
     for op in OPS:
+        if op.name not in ops:
+            continue
         found = providers(op)
         for name, factory in found.items():
             if isinstance(factory, str):
@@ -222,8 +228,10 @@ def run_ops(record: bench.BenchRecord, copy_tbps: float, rows: int, widths: list
         for width, trainable, name in bench.progress(cases, desc=op.name):
             factory = found[name]
             assert not isinstance(factory, str)
+            torch._dynamo.reset()  # a fresh compile for each case, never the recompile limit
             measure(record, copy_tbps, op, name, factory(), rows, width, trainable, rep)
             torch.cuda.empty_cache()
+        record.to_json(out)  # keep what is measured so far if a later op runs out of time
 
 
 def run_frozen(record: bench.BenchRecord, tokens: int, widths: list[int], rep: int) -> None:
@@ -282,12 +290,12 @@ def run_lora(record: bench.BenchRecord, tokens: int, widths: list[int], rep: int
         torch.cuda.empty_cache()
 
 
-def run(rows: int, tokens: int, widths: list[int], out: Path, rep: int) -> bench.BenchRecord:
+def run(rows: int, tokens: int, widths: list[int], out: Path, rep: int, ops: list[str]) -> bench.BenchRecord:
     record = bench.BenchRecord(NAME, notes=f"{rows} rows (frozen and lora tables: {tokens}), bf16, eps={EPS}")
     ceilings = bench.measure_ceilings()
     record.ceilings = ceilings.as_dict()
     print(f"ceilings: copy {ceilings.copy_tbps:.2f} TB/s, bf16 matmul {ceilings.matmul_tflops:.0f} TFLOP/s")
-    run_ops(record, ceilings.copy_tbps, rows, widths, rep)
+    run_ops(record, ceilings.copy_tbps, rows, widths, rep, ops, out)
     run_frozen(record, tokens, widths, rep)
     run_lora(record, tokens, widths, rep)
     record.to_json(out)
@@ -405,6 +413,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tokens", type=int, default=2048, help="rows of the frozen and lora tables")
     parser.add_argument("--widths", type=int, nargs="+", default=WIDTHS)
     parser.add_argument("--rep", type=int, default=20, help="timed repetitions per measurement")
+    parser.add_argument("--ops", nargs="+", default=[op.name for op in OPS], choices=[op.name for op in OPS])
     parser.add_argument("--quick", action="store_true", help=f"H in {QUICK_WIDTHS} and 10 repetitions")
     parser.add_argument("--plot", type=Path, help="only redraw the plots from this JSON record")
     parser.add_argument("--plot-dir", type=Path, default=Path("docs/assets/benchmarks"))
@@ -414,7 +423,7 @@ def main(argv: list[str] | None = None) -> None:
         plots(record, args.plot_dir)
     else:
         widths, rep = (QUICK_WIDTHS, 10) if args.quick else (args.widths, args.rep)
-        record = run(args.rows, args.tokens, widths, _out_path(args.out), rep)
+        record = run(args.rows, args.tokens, widths, _out_path(args.out), rep, args.ops)
     print(summary(record))
 
 

@@ -33,7 +33,7 @@ def main() -> None:
     nbytes = logits.numel() * 2
     copy = bench.copy_bandwidth_tbps()
     print(f"copy ceiling {copy:.2f} TB/s")
-    for per_sm, block, warps in itertools.product((1, 2, 4), (2048, 4096, 8192), (4, 8, 16)):
+    for per_sm, block, warps in itertools.product((2, 4, 8), (1024, 2048, 4096), (8, 16)):
         ce.PROGRAMS_PER_SM, ce.MAX_BLOCK, ce.NUM_WARPS = per_sm, block, warps
         fwd = bench.time_ms(lambda: launch_cross_entropy(logits, target, None, None, options, lse=lse, loss=loss))
         bwd = bench.time_ms(lambda: launch_cross_entropy(logits, target, None, None, options, lse=lse, grad=grad,

@@ -203,9 +203,11 @@ def _cross_entropy_kernel(
                 x = tl.load(x_row + c, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
                 # Columns past the end get -inf after the softcap (which would map -inf to -softcap).
                 z = tl.where(mask, _softcapped(x, softcap, HAS_SOFTCAP), -float("inf"))
-                m_new = tl.maximum(m, z)
-                s = s * tl.exp(m - m_new) + tl.exp(z - m_new)
-                m = m_new
+                # One exp per element: exp(-|z - m|) rescales the old sum when z is the new
+                # maximum, and is the new term otherwise.
+                e = tl.exp(-tl.abs(z - m))
+                s = tl.where(z > m, s * e + 1.0, s + e)
+                m = tl.maximum(m, z)
                 z_y += tl.where(c == label, z, 0.0)
                 if HAS_SMOOTHING:
                     if HAS_WEIGHT:
@@ -275,9 +277,9 @@ def _cross_entropy_kernel(
 # --- 3. Launchers, registered as custom ops -------------------------------------------------------
 
 # Launch parameters (benchmarks/tune_flce.py sweeps them on a GPU).
-MAX_BLOCK = 8192  # columns per load
-PROGRAMS_PER_SM = 4  # few programs in flight, so pass 2 finds its row in L2
-NUM_WARPS = 16  # for rows of 4096 columns or more
+MAX_BLOCK = 2048  # columns per load
+PROGRAMS_PER_SM = 4
+NUM_WARPS = 8  # for rows of 4096 columns or more
 
 
 class LossOptions(NamedTuple):
