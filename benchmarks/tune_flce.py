@@ -33,6 +33,7 @@ def main() -> None:
     nbytes = logits.numel() * 2
     copy = bench.copy_bandwidth_tbps()
     print(f"copy ceiling {copy:.2f} TB/s")
+    results = []
     for per_sm, block, warps in itertools.product((2, 4, 8), (1024, 2048, 4096), (8, 16)):
         ce.PROGRAMS_PER_SM, ce.MAX_BLOCK, ce.NUM_WARPS = per_sm, block, warps
         fwd = bench.time_ms(lambda: launch_cross_entropy(logits, target, None, None, options, lse=lse, loss=loss))
@@ -44,10 +45,15 @@ def main() -> None:
             launch_cross_entropy(work, target, None, None, options, lse=lse, loss=loss, grad=work, grad_scale=scale)
 
         fused = bench.time_ms(fused_pass)
+        results.append((fwd + bwd + fused, per_sm, block, warps))
         print(
             f"per_sm {per_sm} block {block:5d} warps {warps:2d}: fwd {bench.tbps(nbytes, fwd) / copy:5.1%}  "
             f"bwd {bench.tbps(2 * nbytes, bwd) / copy:5.1%}  fused {bench.tbps(2 * nbytes, fused) / copy:5.1%}"
         )
+
+    # The best for the three uses together (cross entropy forward + backward, and the fused pass).
+    _, per_sm, block, warps = min(results)
+    print(f"best: PROGRAMS_PER_SM = {per_sm}, MAX_BLOCK = {block}, NUM_WARPS = {warps}")
 
 
 if __name__ == "__main__":

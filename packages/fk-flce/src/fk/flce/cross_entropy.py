@@ -178,10 +178,13 @@ def _cross_entropy_kernel(
         ignored = label == ignore_index
         in_range = (label >= 0) & (label < n_cols)
         bad_label = (label != ignore_index) & ((label < 0) | (label >= n_cols))
+        label_ok = (label != ignore_index) & in_range
+        # Compare with the int32 column indices in int32 (V < 2^31): no 64-bit compare per element.
+        label32 = tl.where(label_ok, label, -1).to(tl.int32)
         w_y = 1.0
         if HAS_WEIGHT:
-            w_y = tl.load(class_weight_ptr + label, mask=(label != ignore_index) & in_range, other=0.0).to(tl.float32)
-        # Pass 1: online log-sum-exp, z_y, sum_v w_v z_v (smoothing) and the argmax (accuracy).
+            w_y = tl.load(class_weight_ptr + label, mask=label_ok, other=0.0).to(tl.float32)
+        # Pass 1: online log-sum-exp, sum_v w_v z_v (smoothing) and the argmax (accuracy).
         if LSE_GIVEN:
             lse = tl.load(lse_ptr + row)
         else:
@@ -192,7 +195,6 @@ def _cross_entropy_kernel(
             # exp(-inf + inf).
             m = tl.full([BLOCK], -1e30, tl.float32)
             s = tl.zeros([BLOCK], tl.float32)
-            z_y = tl.zeros([BLOCK], tl.float32)
             sum_wz = tl.zeros([BLOCK], tl.float32)
             best = tl.full([BLOCK], -float("inf"), tl.float32)
             best_idx = tl.full([BLOCK], n_cols, tl.int32)
@@ -208,7 +210,6 @@ def _cross_entropy_kernel(
                 e = tl.exp(-tl.abs(z - m))
                 s = tl.where(z > m, s * e + 1.0, s + e)
                 m = tl.maximum(m, z)
-                z_y += tl.where(c == label, z, 0.0)
                 if HAS_SMOOTHING:
                     if HAS_WEIGHT:
                         w = tl.load(class_weight_ptr + c, mask=mask, other=0.0).to(tl.float32)
@@ -222,7 +223,9 @@ def _cross_entropy_kernel(
                     best = tl.where(better, z, best)
             m_row = tl.max(m, axis=0)
             lse = m_row + tl.log(tl.sum(s * tl.exp(m - m_row), axis=0))
-            z_y = tl.sum(z_y, axis=0)
+            # The label's logit: one load, not a compare per element.
+            x_y = tl.load(x_row + label, mask=label_ok, other=0.0).to(tl.float32)
+            z_y = _softcapped(x_y, softcap, HAS_SOFTCAP)
             sum_wz = tl.sum(sum_wz, axis=0)
             tl.store(lse_ptr + row, lse)
             if COMPUTE_LOSS:
@@ -241,7 +244,7 @@ def _cross_entropy_kernel(
             if STORE_ACCURACY:
                 # The first index holding the row's maximum, as torch.argmax.
                 argmax = tl.min(tl.where(best == tl.max(best, axis=0), best_idx, n_cols), axis=0)
-                tl.store(correct_ptr + row, tl.where((argmax == label) & (label != ignore_index), 1.0, 0.0))
+                tl.store(correct_ptr + row, tl.where(argmax == label32, 1.0, 0.0))
         # Pass 2: the gradient, scaled by the reduction's factor.
         if COMPUTE_GRAD:
             g_row = grad_ptr + row64 * grad_row_stride
@@ -261,7 +264,7 @@ def _cross_entropy_kernel(
                 mask = c < n_cols
                 x = tl.load(x_row + c, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
                 z = _softcapped(x, softcap, HAS_SOFTCAP)
-                dz = a * tl.exp(z - lse) - tl.where(c == label, nll_coef, 0.0)
+                dz = a * tl.exp(z - lse) - tl.where(c == label32, nll_coef, 0.0)
                 if HAS_SMOOTHING:
                     if HAS_WEIGHT:
                         w = tl.load(class_weight_ptr + c, mask=mask, other=0.0).to(tl.float32)
