@@ -281,7 +281,7 @@ def _cross_entropy_kernel(
 
 # Launch parameters (benchmarks/tune_flce.py sweeps them on a GPU).
 MAX_BLOCK = 2048  # columns per load
-PROGRAMS_PER_SM = 4
+PROGRAMS_PER_SM = 8
 NUM_WARPS = 8  # for rows of 4096 columns or more
 
 
