@@ -93,12 +93,64 @@ def _glu(
     return make
 
 
+def _layer_norm(device: str, dtype: torch.dtype) -> tuple[Callable[..., Any], Callable[..., Any], list[Any]]:
+    from fk.core.testing import random_tensor
+    from fk.norms import layer_norm, layer_norm_ref
+
+    rows, width = (8192, 4096) if device == "cuda" else (64, 1000)
+    x = random_tensor((rows, width), dtype, device, seed=6, requires_grad=True)
+    w = random_tensor((width,), dtype, device, seed=7, offset=1.0, scale=0.1, requires_grad=True)
+    b = random_tensor((width,), dtype, device, seed=8, scale=0.1, requires_grad=True)
+    return (lambda x, w, b: layer_norm(x, w, b, 1e-5)), (lambda x, w, b: layer_norm_ref(x, w, b, 1e-5)), [x, w, b]
+
+
+def _labels(n: int, vocab: int, device: str) -> torch.Tensor:
+    labels = torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(9))
+    labels[::7] = -100
+    return labels.to(device)
+
+
+def _cross_entropy(device: str, dtype: torch.dtype) -> tuple[Callable[..., Any], Callable[..., Any], list[Any]]:
+    from fk.core.testing import random_tensor
+    from fk.flce import cross_entropy, cross_entropy_ref
+
+    rows, vocab = (8192, 32000) if device == "cuda" else (33, 1000)
+    logits = random_tensor((rows, vocab), dtype, device, seed=10, scale=2.0, requires_grad=True)
+    labels = _labels(rows, vocab, device)
+    return (
+        lambda x: cross_entropy(x, labels.to(x.device), label_smoothing=0.1),
+        lambda x: cross_entropy_ref(x, labels.to(x.device), label_smoothing=0.1).loss,
+        [logits],
+    )
+
+
+def _linear_cross_entropy(device: str, dtype: torch.dtype) -> tuple[Callable[..., Any], Callable[..., Any], list[Any]]:
+    from fk.core.testing import random_tensor
+    from fk.flce import linear_cross_entropy, linear_cross_entropy_ref
+
+    tokens, hidden, vocab = (512, 1024, 32000) if device == "cuda" else (33, 64, 1000)
+    h = random_tensor((tokens, hidden), dtype, device, seed=11, requires_grad=True)
+    w = random_tensor((vocab, hidden), dtype, device, seed=12, scale=hidden**-0.5, requires_grad=True)
+    labels = _labels(tokens, vocab, device)
+    return (
+        lambda h, w: linear_cross_entropy(h, w, labels.to(h.device)),
+        # fk's loss is fp32 whatever the input dtype: compare at that precision.
+        lambda h, w: linear_cross_entropy_ref(h, w, labels.to(h.device)).loss.to(
+            torch.promote_types(h.dtype, torch.float32)
+        ),
+        [h, w],
+    )
+
+
 CASES: list[Case] = [
     Case("RMSNorm (llama)", "fk.norms", "rows x 4096 / 64 x 1000", _rms_norm("llama")),
     Case("RMSNorm (gemma)", "fk.norms", "rows x 4096 / 64 x 1000", _rms_norm("gemma")),
     Case("SwiGLU", "fk.glu", "8192 x 14336 / 64 x 1000", _glu(None)),
     Case("GeGLU (tanh)", "fk.glu", "8192 x 14336 / 64 x 1000", _glu("tanh")),
     Case("RoPE (q and k, GQA)", "fk.rope", "2 x 32/8 x 2048 x 128 / 1 x 4/2 x 33 x 64", _rope),
+    Case("LayerNorm", "fk.norms", "8192 x 4096 / 64 x 1000", _layer_norm),
+    Case("Cross entropy", "fk.flce", "8192 x 32000 / 33 x 1000", _cross_entropy),
+    Case("Linear + cross entropy", "fk.flce", "512 x 1024 x 32000 / 33 x 64 x 1000", _linear_cross_entropy),
 ]
 
 
