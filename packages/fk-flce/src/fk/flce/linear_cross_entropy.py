@@ -350,8 +350,8 @@ def _lce_bwd(
     "mean" and "sum"); scale them by ``grad_loss`` (dW: from the fp32 accumulator in one pass, or
     from the kept ``logits_grad`` as ``logits_grad^T @ (grad_loss * h)``). Otherwise (reduction
     "none") recompute each chunk's logits and scale each row's gradient by its own upstream
-    gradient. ``inplace`` (eager mode only): a weight gradient accumulated in the weight's dtype is
-    scaled in its own buffer instead of a new one.
+    gradient. ``inplace`` (eager mode only): dh, and a weight gradient accumulated in the weight's
+    dtype, are scaled in their own buffers instead of new ones.
     """
     if not precomputed:
         options = LossOptions(ignore_index, label_smoothing, lse_square_scale, softcap)
@@ -368,7 +368,12 @@ def _lce_bwd(
         )  # fmt: skip
         grad_loss = torch.ones((), dtype=torch.float32, device=hidden.device)
     scale = grad_loss.float().reshape(1)
-    dh = (dh_saved * scale).to(hidden.dtype) if need_dh else _nothing(hidden)
+    if not need_dh:
+        dh = _nothing(hidden)
+    elif inplace:
+        dh = dh_saved.mul_(scale)  # our own buffer: scaled where it is, without an fp32 temporary
+    else:
+        dh = (dh_saved * scale).to(hidden.dtype)
     if not need_dw:
         dw = _nothing(hidden)
     elif logits_grad.numel():
