@@ -365,8 +365,9 @@ def class_weight_sum(class_weight: torch.Tensor | None) -> torch.Tensor | None:
     return class_weight.float().sum().reshape(1) if class_weight is not None else None
 
 
-def _rows_out(logits: torch.Tensor) -> torch.Tensor:
-    return torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+def row_values(t: torch.Tensor) -> torch.Tensor:
+    """An uninitialized fp32 buffer with one value per row of ``t`` (loss, lse, accuracy, ...)."""
+    return torch.empty(t.shape[0], dtype=torch.float32, device=t.device)
 
 
 def _cross_entropy_fwd(
@@ -387,8 +388,8 @@ def _cross_entropy_fwd(
     options = LossOptions(ignore_index, label_smoothing, lse_square_scale, softcap)
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
-    lse, loss, z_loss = _rows_out(logits), _rows_out(logits), _rows_out(logits)
-    correct = _rows_out(logits) if store_accuracy else logits.new_empty(0, dtype=torch.float32)
+    lse, loss, z_loss = row_values(logits), row_values(logits), row_values(logits)
+    correct = row_values(logits) if store_accuracy else logits.new_empty(0, dtype=torch.float32)
     launch_cross_entropy(
         logits, target, class_weight, class_weight_sum(class_weight), options,
         lse=lse, loss=loss, z_loss=z_loss if lse_square_scale != 0 else None,
@@ -417,9 +418,9 @@ def _cross_entropy_fwd_fake(
     store_accuracy: bool,
     inplace_backward: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    rows = _rows_out(logits)
+    rows = row_values(logits)
     reduced = rows if reduction == "none" else logits.new_empty((), dtype=torch.float32)
-    correct = _rows_out(logits) if store_accuracy else logits.new_empty(0, dtype=torch.float32)
+    correct = row_values(logits) if store_accuracy else logits.new_empty(0, dtype=torch.float32)
     return (
         reduced,
         torch.empty_like(reduced),

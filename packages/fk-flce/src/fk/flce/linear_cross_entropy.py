@@ -46,6 +46,7 @@ from fk.flce.cross_entropy import (
     cross_entropy_ref,
     launch_cross_entropy,
     mean_denominator,
+    row_values,
 )
 
 DEFAULT_MEMORY_BUDGET = 4 << 30
@@ -233,10 +234,6 @@ def _nothing(like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tens
     return like.new_empty(0, dtype=dtype)
 
 
-def _rows(hidden: torch.Tensor) -> torch.Tensor:
-    return torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
-
-
 def _lce_fwd(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -260,9 +257,9 @@ def _lce_fwd(
     denominator, dh, dw, db). The gradients (_nothing(hidden) when not computed) are those of the loss with
     an upstream gradient of 1; dw is in the accumulation dtype and db in fp32."""
     options = LossOptions(ignore_index, label_smoothing, lse_square_scale, softcap)
-    lse, loss = _rows(hidden), _rows(hidden)
-    z_loss = _rows(hidden) if lse_square_scale != 0 else torch.zeros_like(lse)
-    correct = _rows(hidden) if store_accuracy else _nothing(hidden, torch.float32)
+    lse, loss = row_values(hidden), row_values(hidden)
+    z_loss = row_values(hidden) if lse_square_scale != 0 else torch.zeros_like(lse)
+    correct = row_values(hidden) if store_accuracy else _nothing(hidden, torch.float32)
     denominator = mean_denominator(target, class_weight, ignore_index, num_items)
     grad_scale = (1.0 / denominator if reduction == "mean" else torch.ones_like(denominator)).reshape(1)
     # All tokens in one chunk: keep the gradient of the logits and leave dW = dlogits^T @ h to the
@@ -306,7 +303,7 @@ def _lce_fwd_fake(
     compute_dw: bool,
     compute_db: bool,
 ) -> Outputs:
-    rows = _rows(hidden)
+    rows = row_values(hidden)
     reduced = torch.empty_like(rows) if reduction == "none" else rows.new_empty(())
     accum = torch.float32 if accum_fp32 else weight.dtype
     defer_dw = compute_dw and 0 < hidden.shape[0] <= chunk_tokens
