@@ -24,6 +24,7 @@ custom ops, the functional API :func:`linear_cross_entropy` and the module
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -138,10 +139,20 @@ Outputs = tuple[
 ]
 
 
+@functools.cache
+def _torch_has_out_dtype_matmul() -> bool:
+    """Whether the installed torch has ``torch.addmm(..., out_dtype=...)`` (2.8 and later)."""
+    try:
+        torch.ops.aten.addmm.dtype_out  # noqa: B018 (looked up only to see that it exists)
+    except (AttributeError, RuntimeError):
+        return False
+    return True
+
+
 def _has_out_dtype_matmul(device: torch.device) -> bool:
     """``torch.addmm(..., out_dtype=torch.float32)`` runs bf16/fp16 matmuls with an fp32 output
-    (torch >= 2.8 on CUDA)."""
-    return device.type == "cuda" and "out_dtype" in str(torch.ops.aten.addmm.dtype_out._schema)
+    (torch >= 2.8, on CUDA only)."""
+    return device.type == "cuda" and _torch_has_out_dtype_matmul()
 
 
 def _accumulate_matmul(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool) -> None:
