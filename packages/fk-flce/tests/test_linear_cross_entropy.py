@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from fk.core import testing
 from fk.core.testing import DTYPES, dtype_name
 from fk.flce import LinearCrossEntropyLoss, linear_cross_entropy, linear_cross_entropy_ref
+from fk.flce.linear_cross_entropy import chunk_tokens_for
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
@@ -126,6 +127,17 @@ def test_frozen_weight_forward_allocates_no_weight_buffer(device: str) -> None:
     w.requires_grad_(True)
     sizes = testing.allocation_sizes(lambda: linear_cross_entropy(h, w, target, memory_budget=SMALL_CHUNKS))
     assert testing.count_buffers(sizes, V * H * 4, device) == 1, sizes  # the check can see the accumulator
+
+
+def test_one_logits_buffer_serves_every_chunk(device: str) -> None:
+    """Memory is bounded by one chunk of logits, not two: the chunks share one buffer."""
+    n = 61
+    chunk = chunk_tokens_for(SMALL_CHUNKS, V, 4)
+    assert n > 3 * chunk
+    h, w, _ = _inputs(n, torch.float32, device, seed=40)
+    target = _labels((n,), device, seed=41)
+    sizes = testing.allocation_sizes(lambda: linear_cross_entropy(h, w, target, memory_budget=SMALL_CHUNKS))
+    assert testing.count_buffers(sizes, chunk * V * 4, device) == 1, sizes
 
 
 def test_frozen_hidden(device: str) -> None:

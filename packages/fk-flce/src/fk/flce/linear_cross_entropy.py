@@ -175,8 +175,9 @@ def _accumulate_matmul(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, firs
         acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
 
 
-def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return torch.addmm(bias, h, weight.t()) if bias is not None else torch.mm(h, weight.t())
+def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
+    """``h @ weight.T (+ bias)`` written into ``out``."""
+    return torch.addmm(bias, h, weight.t(), out=out) if bias is not None else torch.mm(h, weight.t(), out=out)
 
 
 def _run_chunks(
@@ -206,10 +207,12 @@ def _run_chunks(
     weight_sum = class_weight_sum(class_weight)
     want_grad = dh is not None or dw is not None or db is not None or keep_logits_grad
     logits = None
+    # One logits buffer for every chunk: a new one per chunk would hold two chunks at a time.
+    buffer = hidden.new_empty((min(chunk_tokens, n_tokens), weight.shape[0]))
     for index, start in enumerate(range(0, n_tokens, chunk_tokens)):
         end = min(start + chunk_tokens, n_tokens)
         h = hidden[start:end]
-        logits = _chunk_logits(h, weight, bias)
+        logits = _chunk_logits(h, weight, bias, out=buffer[: end - start])
         scale = grad_scale[start:end] if grad_scale is not None and grad_scale.numel() > 1 else grad_scale
         launch_cross_entropy(
             logits, target[start:end], class_weight, weight_sum, options,
