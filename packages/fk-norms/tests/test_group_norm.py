@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from typing import Any
 
@@ -131,6 +132,21 @@ def test_frozen_params_allocate_no_partial_buffer(device: str, weight_grad: bool
     assert testing.count_buffers(sizes, dx_bytes, device) == 1, sizes  # the profiler sees the backward's buffers
     assert testing.count_buffers(sizes, partial_bytes, device) == weight_grad + bias_grad, sizes
     assert (w.grad is not None, b.grad is not None) == (weight_grad, bias_grad)
+
+
+def test_bounded_partial_buffers(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Many samples: the backward runs in launches of a few samples each, its partial-sum buffers
+    hold that many rows (not one per sample), and the gradients are unchanged."""
+    n, c, s = 7, 16, 30
+    module = importlib.import_module("fk.norms.group_norm")
+    monkeypatch.setattr(module, "PARTIAL_BYTES", 2 * c * 4)  # two samples per launch: 4 launches
+    assert module.samples_per_launch(c) == 2
+    x, w, b = _inputs((n, c, s), torch.float32, device, seed=15)
+    testing.compare_with_reference(_fk(4), _ref(4), [x, w, b])
+    y = group_norm(x, 4, w, b)
+    sizes = testing.allocation_sizes(lambda: y.backward(torch.ones_like(y)))
+    assert testing.count_buffers(sizes, 2 * c * 4, device) == 2, sizes  # dw and db: 2 rows each
+    assert testing.count_buffers(sizes, n * c * 4, device) == 0, sizes
 
 
 def test_zero_samples(device: str) -> None:

@@ -231,6 +231,15 @@ def _tile(n_group_channels: int, n_spatial: int) -> tuple[int, int, int]:
     return block_c, block_s, num_warps
 
 
+PARTIAL_BYTES = 64 << 20  # bound on each fp32 partial-sum buffer of the backward
+
+
+def samples_per_launch(n_channels: int) -> int:
+    """Samples per backward launch: each launch writes one fp32 partial row of ``n_channels`` per
+    sample, and those rows stay within :data:`PARTIAL_BYTES`."""
+    return max(1, PARTIAL_BYTES // (4 * n_channels))
+
+
 def _as_ncs(t: torch.Tensor) -> torch.Tensor:
     """``t`` as a contiguous ``[N, C, S]`` array (a copy only when ``t`` is not contiguous)."""
     return t.reshape(t.shape[0], t.shape[1], -1).contiguous()
@@ -290,18 +299,32 @@ def _group_norm_bwd(
         db = torch.zeros_like(bias) if compute_db and bias is not None else x.new_empty(0)
         return dx, dw, db
     x3, dy3 = _as_ncs(x), _as_ncs(dy)
-    # A partial buffer that is not needed is never read or written: its COMPUTE_* flag is False.
-    dw_partial = torch.empty((n, c), dtype=torch.float32, device=x.device) if compute_dw else rstd
-    db_partial = torch.empty((n, c), dtype=torch.float32, device=x.device) if compute_db else rstd
+    dx3 = dx.view(x3.shape) if compute_dx else x3
+    mean2, rstd2 = mean.view(n, num_groups), rstd.view(n, num_groups)
+    # The partial buffers hold one row per sample of a launch; launches of at most
+    # samples_per_launch(c) samples keep them bounded, each launch's rows summed into fp32 totals.
+    # A buffer that is not needed is never read or written: its COMPUTE_* flag is False.
+    batch = min(n, samples_per_launch(c))
+    dw_partial = torch.empty((batch, c), dtype=torch.float32, device=x.device) if compute_dw else rstd
+    db_partial = torch.empty((batch, c), dtype=torch.float32, device=x.device) if compute_db else rstd
+    dw_total = torch.zeros(c, dtype=torch.float32, device=x.device) if compute_dw else None
+    db_total = torch.zeros(c, dtype=torch.float32, device=x.device) if compute_db else None
     block_c, block_s, num_warps = _tile(c // num_groups, x3.shape[2])
-    _group_norm_bwd_kernel[(n * num_groups,)](
-        dy3, x3, weight if weight is not None else x3, mean, rstd, dx if compute_dx else x3, dw_partial, db_partial,
-        num_groups, c // num_groups, x3.shape[2],
-        HAS_WEIGHT=weight is not None, COMPUTE_DX=compute_dx, COMPUTE_DW=compute_dw, COMPUTE_DB=compute_db,
-        BLOCK_C=block_c, BLOCK_S=block_s, num_warps=num_warps,
-    )  # fmt: skip
-    dw = dw_partial.sum(0).to(weight.dtype) if compute_dw and weight is not None else x.new_empty(0)
-    db = db_partial.sum(0).to(bias.dtype) if compute_db and bias is not None else x.new_empty(0)
+    for start in range(0, n, batch):
+        end = min(start + batch, n)
+        _group_norm_bwd_kernel[((end - start) * num_groups,)](
+            dy3[start:end], x3[start:end], weight if weight is not None else x3,
+            mean2[start:end], rstd2[start:end], dx3[start:end], dw_partial, db_partial,
+            num_groups, c // num_groups, x3.shape[2],
+            HAS_WEIGHT=weight is not None, COMPUTE_DX=compute_dx, COMPUTE_DW=compute_dw, COMPUTE_DB=compute_db,
+            BLOCK_C=block_c, BLOCK_S=block_s, num_warps=num_warps,
+        )  # fmt: skip
+        if dw_total is not None:
+            dw_total += dw_partial[: end - start].sum(0)
+        if db_total is not None:
+            db_total += db_partial[: end - start].sum(0)
+    dw = dw_total.to(weight.dtype) if dw_total is not None and weight is not None else x.new_empty(0)
+    db = db_total.to(bias.dtype) if db_total is not None and bias is not None else x.new_empty(0)
     return dx, dw, db
 
 
