@@ -268,8 +268,9 @@ def _lce_fwd(
     compute_db: bool,
 ) -> Outputs:
     """Forward launcher on 2-D ``hidden`` ``(N, H)``: returns (loss, z_loss, lse, accuracy,
-    denominator, dh, dw, db). The gradients (_nothing(hidden) when not computed) are those of the loss with
-    an upstream gradient of 1; dw is in the accumulation dtype and db in fp32."""
+    denominator, dh, dw, db, dlogits). The gradients (empty when not computed) are those of the loss
+    for an upstream gradient of 1: dw in the accumulation dtype, db in fp32; dlogits, the logits'
+    gradient, only when all tokens fit one chunk and the backward is to compute dw from it."""
     options = LossOptions(ignore_index, label_smoothing, lse_square_scale, softcap)
     lse, loss = row_values(hidden), row_values(hidden)
     z_loss = row_values(hidden) if lse_square_scale != 0 else torch.zeros_like(lse)
@@ -291,11 +292,10 @@ def _lce_fwd(
         loss, z_loss = loss.sum() / denominator, z_loss.sum() / denominator
     elif reduction == "sum":
         loss, z_loss = loss.sum(), z_loss.sum()
-    # A custom op's outputs may not alias each other: a fresh _nothing(hidden) tensor for each one not computed.
     return (loss, z_loss, lse, correct, denominator,
-            dh if dh is not None else hidden.new_empty(0), dw if dw is not None else hidden.new_empty(0),
+            dh if dh is not None else _nothing(hidden), dw if dw is not None else _nothing(hidden),
             db if db is not None else _nothing(hidden, torch.float32),
-            logits_grad if logits_grad is not None else hidden.new_empty(0))  # fmt: skip
+            logits_grad if logits_grad is not None else _nothing(hidden))  # fmt: skip
 
 
 def _lce_fwd_fake(
@@ -355,7 +355,7 @@ def _lce_bwd(
     precomputed: bool,
     inplace: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Backward launcher: (dh, dw, db), each _nothing(hidden) when not needed.
+    """Backward launcher: (dh, dw, db), each an empty tensor when not needed.
 
     ``precomputed``: the forward computed the gradients for an upstream gradient of 1 (reductions
     "mean" and "sum"); scale them by ``grad_loss`` (dW: from the fp32 accumulator in one pass, or
