@@ -89,6 +89,46 @@ def test_training_steps_match_stock(model_type: str, device: str) -> None:
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
 
 
+def test_tied_embeddings_and_gradient_checkpointing(device: str) -> None:
+    """A head tied to the embedding gets both gradients; recomputed layers give the same gradients."""
+    stock = _model("llama", device, tie_word_embeddings=True)
+    enable = getattr(stock, "activation_checkpointing_enable", None) or stock.gradient_checkpointing_enable
+    enable()
+    assert stock.lm_head.weight is stock.model.embed_tokens.weight
+    patched = copy.deepcopy(stock)
+    fk.hf.apply(patched)
+    ids, labels = _batch(device)
+    want, want_grads = _loss_and_grads(stock, input_ids=ids, labels=labels, use_cache=False)
+    got, got_grads = _loss_and_grads(patched, input_ids=ids, labels=labels, use_cache=False)
+    torch.testing.assert_close(got.loss, want.loss, **TOL)
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(got_grads[name], grad, **TOL, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.float() - want.float()).norm() / want.float().norm().clamp_min(1e-12))
+
+
+@pytest.mark.parametrize("mode", ["bf16", "autocast"])
+def test_bf16_and_autocast_match_stock(mode: str, device: str) -> None:
+    """bf16 weights, or fp32 weights under bf16 autocast (the head's matmul then runs in bf16, as
+    stock's lm_head does): loss and gradients agree with stock to bf16's precision."""
+    stock = _model("llama", device)
+    if mode == "bf16":
+        stock = stock.to(torch.bfloat16)
+    patched = copy.deepcopy(stock)
+    fk.hf.apply(patched)
+    ids, labels = _batch(device)
+    with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=mode == "autocast"):
+        want, want_grads = _loss_and_grads(stock, input_ids=ids, labels=labels)
+        got, got_grads = _loss_and_grads(patched, input_ids=ids, labels=labels)
+    assert got.loss.dtype == torch.float32
+    torch.testing.assert_close(got.loss, want.loss, rtol=1e-2, atol=1e-2)
+    for name, grad in want_grads.items():
+        assert got_grads[name].dtype == grad.dtype, name
+        assert _relative_error(got_grads[name], grad) < 3e-2, name
+
+
 def test_state_dict_unchanged_and_other_models_untouched(device: str) -> None:
     model = _model("llama", device)
     before = model.state_dict()
