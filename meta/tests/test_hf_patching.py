@@ -7,6 +7,8 @@ these compare fk's kernels themselves with the stock PyTorch code, in fp32.
 from __future__ import annotations
 
 import copy
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -45,7 +47,7 @@ def _loss_and_grads(model: Any, **inputs: Any) -> tuple[Any, dict[str, torch.Ten
     model.zero_grad(set_to_none=True)
     out = model(**inputs)
     out.loss.backward()
-    return out, {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    return out, {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
 @pytest.mark.parametrize("model_type", FAMILIES)
@@ -103,6 +105,29 @@ def test_tied_embeddings_and_gradient_checkpointing(device: str) -> None:
     torch.testing.assert_close(got.loss, want.loss, **TOL)
     for name, grad in want_grads.items():
         torch.testing.assert_close(got_grads[name], grad, **TOL, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_peft_lora_model(device: str) -> None:
+    """A PEFT LoRA model: the base model's modules are patched (the LoRA layers themselves stay
+    PEFT's here); the adapters' gradients match stock, and the frozen head gets none."""
+    peft = pytest.importorskip("peft")
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False)
+    stock = peft.get_peft_model(_model("llama", device), lora).train()
+    patched = copy.deepcopy(stock)
+    assert fk.hf.apply(patched) == {"rms_norm": 5, "swiglu": 2, "rope": 2, "flce": 1}
+    ids, labels = _batch(device)
+    want, want_grads = _loss_and_grads(stock, input_ids=ids, labels=labels)
+    got, got_grads = _loss_and_grads(patched, input_ids=ids, labels=labels)
+    assert got.logits is None
+    torch.testing.assert_close(got.loss, want.loss, **TOL)
+    trained = {n for n, p in stock.named_parameters() if p.requires_grad}
+    assert trained and all("lora_" in n for n in trained)
+    for name in trained:
+        torch.testing.assert_close(got_grads[name], want_grads[name], **TOL, msg=lambda m, n=name: f"{n}: {m}")
+    head = patched.get_base_model().lm_head.weight
+    assert head.grad is None
+    assert fk.hf.revert(patched) == 10
 
 
 def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -194,6 +219,9 @@ def test_logits_when_asked_or_without_labels(device: str) -> None:
         torch.testing.assert_close(asked.loss, want.loss, **TOL)
         last = patched(input_ids=ids, logits_to_keep=1).logits
         torch.testing.assert_close(last, want.logits[:, -1:], **TOL)
+        positions = torch.tensor([0, 5], device=device)
+        some = patched(input_ids=ids, logits_to_keep=positions).logits
+        torch.testing.assert_close(some, want.logits[:, positions], **TOL)
         as_tuple = patched(input_ids=ids, labels=labels, return_dict=False)
         assert isinstance(as_tuple, tuple)
         torch.testing.assert_close(as_tuple[0], want.loss, **TOL)
@@ -233,3 +261,8 @@ def test_unsupported_model_type_names_the_supported_ones() -> None:
     with pytest.raises(TypeError, match=r"config\.model_type"):
         fk.hf.apply(torch.nn.Linear(2, 2))
     assert fk.hf.supported_model_types() == FAMILIES
+
+
+def test_importing_fk_hf_imports_no_transformers() -> None:
+    code = "import sys, fk.hf; assert 'transformers' not in sys.modules, 'transformers imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
