@@ -130,6 +130,36 @@ def test_peft_lora_model(device: str) -> None:
     assert fk.hf.revert(patched) == 10
 
 
+def test_head_that_is_not_a_plain_linear_takes_the_stock_path(device: str) -> None:
+    """A LoRA adapter on the head: fusing ``lm_head.weight`` alone would drop the adapter, so the
+    stock loss (with logits) runs instead."""
+    peft = pytest.importorskip("peft")
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["lm_head", "q_proj"], init_lora_weights=False)
+    stock = peft.get_peft_model(_model("llama", device), lora).train()
+    patched = copy.deepcopy(stock)
+    fk.hf.apply(patched)
+    ids, labels = _batch(device)
+    want, want_grads = _loss_and_grads(stock, input_ids=ids, labels=labels)
+    got, got_grads = _loss_and_grads(patched, input_ids=ids, labels=labels)
+    assert got.logits is not None
+    torch.testing.assert_close(got.loss, want.loss, **TOL)
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(got_grads[name], grad, **TOL, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_rms_norm_with_a_weight_of_another_dtype_runs_stock(device: str) -> None:
+    """Stock promotes to the weight's dtype there (fp32 weight, bf16 input: fp32 output); so does
+    the patched norm, by running stock's forward."""
+    model = _model("llama", device)
+    norm = model.model.norm
+    x = torch.randn(2, 3, 64, device=device, dtype=torch.bfloat16)
+    want = norm(x)
+    fk.hf.apply(model)
+    got = norm(x)
+    assert got.dtype == want.dtype == torch.float32
+    assert torch.equal(got, want)
+
+
 def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.float() - want.float()).norm() / want.float().norm().clamp_min(1e-12))
 

@@ -161,6 +161,17 @@ def fused_causal_lm_loss(
     return loss
 
 
+def plain_linear(module: Any) -> bool:
+    """Whether ``module`` computes exactly ``F.linear(x, module.weight, module.bias)``: a
+    ``torch.nn.Linear`` itself (not a subclass, such as a quantized layer, nor a wrapper, such as
+    a LoRA layer), with no hooks and no replaced forward. Only such a head is fused."""
+    return (
+        type(module) is torch.nn.Linear
+        and not (module._forward_hooks or module._forward_pre_hooks)
+        and "forward" not in module.__dict__
+    )
+
+
 def causal_lm_forward(
     self: Any,
     input_ids: torch.LongTensor | None = None,
@@ -182,7 +193,9 @@ def causal_lm_forward(
     exactly when the model is in training mode and ``labels`` are given, so evaluation (and
     ``generate``) get their logits as stock. ``skip_logits=True`` without labels raises.
     ``num_items_in_batch``, ``ignore_index`` and ``shift_labels`` are read from ``kwargs`` as
-    stock's loss reads them; ``return_dict=False`` gives a tuple, as stock.
+    stock's loss reads them; ``return_dict=False`` gives a tuple, as stock. A head that is not a
+    plain ``nn.Linear`` (see :func:`plain_linear`: a LoRA-wrapped or quantized head) always takes
+    the stock path, logits included.
     """
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
@@ -190,6 +203,7 @@ def causal_lm_forward(
         skip_logits = self.training and labels is not None
     if skip_logits and labels is None:
         raise ValueError("skip_logits=True needs labels: without them there is nothing to compute but the logits")
+    skip_logits = skip_logits and plain_linear(self.lm_head)
     outputs = self.model(
         input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, past_key_values=past_key_values,
         inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs,
