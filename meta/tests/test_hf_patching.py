@@ -196,6 +196,23 @@ def test_state_dict_unchanged_and_other_models_untouched(device: str) -> None:
     assert "forward" not in other.model.norm.__dict__
 
 
+def test_save_pretrained_round_trip(device: str, tmp_path: Any) -> None:
+    """A patched model saves the checkpoint stock saves, and it loads into a stock model."""
+    model = _model("llama", device)
+    fk.hf.apply(model)
+    model.save_pretrained(tmp_path / "patched")
+    fk.hf.revert(model)
+    model.save_pretrained(tmp_path / "stock")
+    names = sorted(p.name for p in (tmp_path / "stock").iterdir())
+    assert sorted(p.name for p in (tmp_path / "patched").iterdir()) == names
+    for name in names:
+        if name.endswith(".safetensors"):
+            assert (tmp_path / "patched" / name).read_bytes() == (tmp_path / "stock" / name).read_bytes()
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "patched").to(device)
+    for key, value in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[key], value), key
+
+
 def test_revert_restores_bit_identical_outputs(device: str) -> None:
     model = _model("llama", device)
     ids, labels = _batch(device)
@@ -228,6 +245,9 @@ def test_num_items_in_batch_and_shift_labels(device: str) -> None:
     mean = patched(input_ids=ids, labels=labels).loss
     scored = int((labels[:, 1:] != -100).sum())
     torch.testing.assert_close(got.loss, mean * scored / 40, **TOL)  # the sum over the given count
+    other = labels.masked_fill(labels == -100, -1)  # another ignore_index, passed as stock's loss takes it
+    want = stock(input_ids=ids, labels=other, ignore_index=-1).loss
+    torch.testing.assert_close(patched(input_ids=ids, labels=other, ignore_index=-1).loss, want, **TOL)
     shifted = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100)
     want = stock(input_ids=ids, labels=labels, shift_labels=shifted).loss
     got = patched(input_ids=ids, labels=labels, shift_labels=shifted).loss
