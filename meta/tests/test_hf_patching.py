@@ -297,6 +297,12 @@ def test_switches_and_reapply(device: str) -> None:
     model = _model("llama", device)
     assert fk.hf.apply(model, rms_norm=False, rope=False) == {"rms_norm": 0, "swiglu": 2, "rope": 0, "flce": 1}
     assert fk.hf.apply(model, swiglu=False, flce=False) == {"rms_norm": 5, "swiglu": 0, "rope": 2, "flce": 0}
+    hooked = _model("llama", device)
+    theirs = hooked.model.norm.forward  # an instance forward someone else set (as accelerate's hooks do)
+    hooked.model.norm.forward = theirs
+    assert fk.hf.apply(hooked)["rms_norm"] == 4  # left alone
+    fk.hf.revert(hooked)
+    assert hooked.model.norm.__dict__["forward"] is theirs
     gelu = _model("llama", device, hidden_act="gelu")
     assert fk.hf.apply(gelu)["swiglu"] == 0  # only SiLU-gated MLPs are swapped
     with pytest.raises(TypeError, match="rope must be a bool"):
