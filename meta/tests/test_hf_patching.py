@@ -58,6 +58,13 @@ def test_patched_loss_and_gradients_match_stock(model_type: str, device: str) ->
     layers = 2
     norms = 2 * layers + 1 + (2 * layers if model_type == "qwen3" else 0)  # qwen3: q_norm and k_norm too
     assert counts == {"rms_norm": norms, "swiglu": layers, "rope": layers, "flce": 1}
+    from fk.rope import apply_rotary_pos_emb
+
+    attention = patched.model.layers[0].self_attn
+    assert attention.forward.__func__.__globals__["apply_rotary_pos_emb"] is apply_rotary_pos_emb
+    assert stock.model.layers[0].self_attn.forward.__func__.__globals__["apply_rotary_pos_emb"] is not (
+        apply_rotary_pos_emb
+    )
     ids, labels = _batch(device)
     want, want_grads = _loss_and_grads(stock, input_ids=ids, labels=labels)
     got, got_grads = _loss_and_grads(patched, input_ids=ids, labels=labels)
