@@ -40,7 +40,7 @@ def _install_runtime(session: nox.Session) -> None:
 
 
 def _test_extras(dist: Path) -> list[str]:
-    """The ``testing`` extra of a kernel package other than fk-core (fk-lora: peft, transformers)."""
+    """The ``testing`` extra of a distribution other than fk-core (fk-lora: peft, transformers; fk: transformers)."""
     import tomllib
 
     project = tomllib.loads((dist / "pyproject.toml").read_text())["project"]
@@ -64,7 +64,7 @@ def tests(session: nox.Session) -> None:
     _install_runtime(session)
     core = PACKAGES[0]
     session.install(f"{core}[testing,bench]")
-    _install_test_extras(session, PACKAGES)
+    _install_test_extras(session, ALL_DISTS)
     session.install("--no-deps", *(str(d) for d in ALL_DISTS))
     session.run("pytest", *session.posargs, env=CPU_ENV)
 

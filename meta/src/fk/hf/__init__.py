@@ -1,5 +1,66 @@
 """fk.hf: the fk meta-package's Hugging Face integration.
 
-Model patchers (``fk.hf.apply``) arrive with the meta-package issue; today this package holds the
-demo (``python -m fk.hf.demo``), which runs every installed fk kernel against its reference.
+- :func:`apply` patches a built ``transformers`` model in place with fk's kernels; :func:`revert`
+  undoes it. Supported families: :func:`supported_model_types` (see :mod:`fk.hf.models`).
+- ``python -m fk.hf.demo`` runs every installed fk kernel against its reference.
+
+Importing fk.hf imports neither ``transformers`` nor any kernel: that happens when a model is
+patched (``pip install "fk[hf]"`` brings ``transformers``).
 """
+
+from __future__ import annotations
+
+from typing import Any
+
+from fk.hf.patching import SWITCHES, patched_modules, revert
+
+__all__ = ["SWITCHES", "apply", "patched_modules", "revert", "supported_model_types"]
+
+
+def supported_model_types() -> list[str]:
+    """The ``config.model_type`` values :func:`apply` patches, sorted."""
+    from fk.hf.models import REGISTRY
+
+    return sorted(REGISTRY)
+
+
+def apply(
+    model: Any, *, rms_norm: bool = True, swiglu: bool = True, rope: bool = True, flce: bool = True
+) -> dict[str, int]:
+    """Patch the built Hugging Face model ``model`` in place with fk's kernels.
+
+    Args:
+        model: a ``transformers`` model (``LlamaForCausalLM``, ``LlamaModel``, ...) whose
+            ``config.model_type`` is one of :func:`supported_model_types`.
+        rms_norm: RMSNorm modules run :func:`fk.norms.rms_norm` (same weight and eps).
+        swiglu: gated MLPs with a SiLU activation run :func:`fk.glu.swiglu` between their
+            projections.
+        rope: attention modules apply the rotary embedding with :func:`fk.rope.apply_rotary_pos_emb`.
+        flce: the causal-LM forward computes the loss with :func:`fk.flce.linear_cross_entropy`
+            when labels are given in training mode, and returns ``logits=None`` then; pass
+            ``skip_logits=False`` to the forward to get the logits (and stock's loss) anyway. See
+            :func:`fk.hf.patching.causal_lm_forward`.
+
+    Only modules are patched (an instance-level ``forward`` each): parameters, buffers and the
+    ``state_dict`` are unchanged, and other models of the same classes are not affected. Calling
+    ``apply`` again replaces the previous patch. Returns how many modules each switch patched.
+
+    Raises ``ValueError`` for a model type fk.hf does not support, naming the supported ones.
+    """
+    from fk.hf.models import REGISTRY
+    from fk.hf.patching import apply_patch
+
+    switches = {"rms_norm": rms_norm, "swiglu": swiglu, "rope": rope, "flce": flce}
+    for name, value in switches.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type is None:
+        raise TypeError(f"model must be a Hugging Face model with a config.model_type, got {type(model).__name__}")
+    patch = REGISTRY.get(model_type)
+    if patch is None:
+        raise ValueError(
+            f"fk.hf does not support model type {model_type!r}; supported: {', '.join(supported_model_types())}"
+        )
+    return apply_patch(model, patch, switches)

@@ -1,0 +1,11 @@
+"""The registry of model families fk.hf patches: ``config.model_type`` -> :class:`fk.hf.patching.ModelPatch`.
+
+One file per family. Adding a family: a file defining ``PATCH`` and a line in :data:`REGISTRY`.
+"""
+
+from __future__ import annotations
+
+from fk.hf.models import llama, mistral, qwen2, qwen3
+from fk.hf.patching import ModelPatch
+
+REGISTRY: dict[str, ModelPatch] = {m.PATCH.model_type: m.PATCH for m in (llama, mistral, qwen2, qwen3)}

@@ -1,0 +1,298 @@
+"""Patch a built Hugging Face model in place with fk's kernels, and undo it.
+
+Modules are patched, not source: each patched module gets an instance-level ``forward`` (the
+class and every other model of that class are untouched), so the parameters, buffers and
+``state_dict`` stay exactly as they were. :func:`revert` removes those instance attributes.
+
+What each switch replaces (for the families in :mod:`fk.hf.models`):
+
+- ``rms_norm``: the forward of each RMSNorm module by :func:`fk.norms.rms_norm` (same weight,
+  same ``variance_epsilon``, the family's casting mode and offset).
+- ``swiglu``: the forward of each gated MLP whose activation is SiLU by
+  ``down_proj(fk.glu.swiglu(gate_proj(x), up_proj(x)))``; MLPs with another activation are left
+  alone.
+- ``rope``: the attention's forward runs with :func:`fk.rope.apply_rotary_pos_emb` in place of the
+  modeling file's ``apply_rotary_pos_emb``. The attention's own forward function is reused as it
+  is; only the global name ``apply_rotary_pos_emb`` it looks up resolves to fk's (a copy of the
+  function with that one global rebound, bound to the module).
+- ``flce``: the causal-LM forward computes the loss with :func:`fk.flce.linear_cross_entropy` on
+  the final hidden states, without materializing the logits (see :func:`causal_lm_forward`).
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+SWITCHES = ("rms_norm", "swiglu", "rope", "flce")
+
+_PREVIOUS = "_fk_hf_previous_forward"
+"""Attribute of a patched module: its instance ``forward`` before patching, or :data:`_NONE`."""
+_KIND = "_fk_hf_kind"
+_NONE = object()
+
+
+@dataclass(frozen=True)
+class ModelPatch:
+    """How to patch one model family: where its classes live and what they compute.
+
+    The class names are looked up in ``modeling_module`` when the patch is applied (so importing
+    fk.hf imports no transformers model code).
+    """
+
+    model_type: str
+    """``config.model_type`` of the family (the registry key)."""
+    modeling_module: str
+    """e.g. ``"transformers.models.llama.modeling_llama"``."""
+    rms_norm: tuple[str, ...]
+    mlp: tuple[str, ...]
+    attention: tuple[str, ...]
+    causal_lm: tuple[str, ...]
+    casting_mode: str = "llama"
+    """fk.norms casting mode of the family's RMSNorm."""
+    offset: float = 0.0
+    """Added to the RMSNorm weight (Gemma stores ``w`` and applies ``1 + w``)."""
+
+    def classes(self, names: tuple[str, ...]) -> tuple[type, ...]:
+        import importlib
+
+        module = importlib.import_module(self.modeling_module)
+        return tuple(getattr(module, name) for name in names)
+
+
+# --- forwards -------------------------------------------------------------------------------------
+
+
+def rms_norm_forward(self: Any, hidden_states: torch.Tensor) -> torch.Tensor:
+    """LlamaRMSNorm-style forward through :func:`fk.norms.rms_norm`.
+
+    Where the weight's dtype differs from the input's (stock then returns the weight's dtype, by
+    type promotion), the stock forward runs instead.
+    """
+    from fk.norms import rms_norm
+
+    if self.weight.dtype != hidden_states.dtype:
+        return self._fk_hf_stock_forward(hidden_states)
+    patch: ModelPatch = self._fk_hf_patch
+    out: torch.Tensor = rms_norm(
+        hidden_states, self.weight, self.variance_epsilon, casting_mode=patch.casting_mode, offset=patch.offset
+    )
+    return out
+
+
+def swiglu_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
+    """LlamaMLP-style forward with the SiLU gate through :func:`fk.glu.swiglu`.
+
+    The gradients of the gate and up projections' outputs are written into their own buffers
+    (``inplace_grad=True``): they are intermediate activations nothing else reads.
+    """
+    from fk.glu import swiglu
+
+    return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x), inplace_grad=True))
+
+
+def _is_silu_mlp(module: Any) -> bool:
+    from fk.glu import HF_ACTIVATIONS
+
+    act = getattr(getattr(module, "config", None), "hidden_act", None)
+    has_projections = all(hasattr(module, name) for name in ("gate_proj", "up_proj", "down_proj"))
+    return has_projections and isinstance(act, str) and HF_ACTIVATIONS.get(act) == "silu"
+
+
+def _rope_forward(stock: Callable[..., Any]) -> Callable[..., Any] | None:
+    """A copy of ``stock`` (an attention forward) whose global ``apply_rotary_pos_emb`` is fk's,
+    or None when ``stock`` does not call a global of that name itself (a wrapped function)."""
+    from fk.rope import apply_rotary_pos_emb
+
+    if not isinstance(stock, types.FunctionType) or "apply_rotary_pos_emb" not in stock.__code__.co_names:
+        return None
+    namespace = dict(stock.__globals__)
+    namespace["apply_rotary_pos_emb"] = apply_rotary_pos_emb
+    fn = types.FunctionType(stock.__code__, namespace, stock.__name__, stock.__defaults__, stock.__closure__)
+    fn.__kwdefaults__ = stock.__kwdefaults__
+    fn.__qualname__ = stock.__qualname__
+    fn.__doc__ = stock.__doc__
+    return fn
+
+
+def _keep_last(hidden_states: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
+    if isinstance(logits_to_keep, int):
+        return hidden_states[:, -logits_to_keep:, :] if logits_to_keep else hidden_states
+    from transformers.modeling_utils import slice_logits_to_keep
+
+    return slice_logits_to_keep(hidden_states, logits_to_keep)
+
+
+def fused_causal_lm_loss(
+    hidden_states: torch.Tensor,
+    lm_head: torch.nn.Module,
+    labels: torch.Tensor,
+    *,
+    shift_labels: torch.Tensor | None = None,
+    num_items_in_batch: torch.Tensor | int | None = None,
+    ignore_index: int = -100,
+) -> torch.Tensor:
+    """Hugging Face's ``ForCausalLMLoss`` of ``lm_head(hidden_states)`` without the logits.
+
+    As stock: position t is scored against ``labels[:, t + 1]`` (or against ``shift_labels[:, t]``
+    when given), ``ignore_index`` labels are left out, and with ``num_items_in_batch`` the summed
+    loss is divided by it instead of by the count of scored tokens. Under autocast, the hidden
+    states and head weight are cast to autocast's dtype first, as stock's ``lm_head`` would.
+    """
+    from fk.flce import linear_cross_entropy
+
+    weight: torch.Tensor = lm_head.weight  # type: ignore[assignment]
+    bias: torch.Tensor | None = getattr(lm_head, "bias", None)
+    device_type = hidden_states.device.type
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        hidden_states, weight = hidden_states.to(dtype), weight.to(dtype)
+        bias = bias.to(dtype) if bias is not None else None
+    target, shift = (shift_labels, False) if shift_labels is not None else (labels, True)
+    with torch.autocast(device_type, enabled=False):
+        loss: torch.Tensor = linear_cross_entropy(
+            hidden_states, weight, target.to(hidden_states.device), bias, ignore_index=ignore_index, shift=shift,
+            num_items_in_batch=num_items_in_batch,
+        )  # fmt: skip
+    return loss
+
+
+def plain_linear(module: Any) -> bool:
+    """Whether ``module`` computes exactly ``F.linear(x, module.weight, module.bias)``: a
+    ``torch.nn.Linear`` itself (not a subclass, such as a quantized layer, nor a wrapper, such as
+    a LoRA layer), with no hooks and no replaced forward. Only such a head is fused."""
+    return (
+        type(module) is torch.nn.Linear
+        and not (module._forward_hooks or module._forward_pre_hooks)
+        and "forward" not in module.__dict__
+    )
+
+
+def causal_lm_forward(
+    self: Any,
+    input_ids: torch.LongTensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.LongTensor | None = None,
+    past_key_values: Any = None,
+    inputs_embeds: torch.Tensor | None = None,
+    labels: torch.LongTensor | None = None,
+    use_cache: bool | None = None,
+    logits_to_keep: int | torch.Tensor = 0,
+    skip_logits: bool | None = None,
+    **kwargs: Any,
+) -> Any:
+    """The causal-LM forward of Llama-like models, with the loss from fused linear cross entropy.
+
+    Same arguments and outputs as stock, plus ``skip_logits``: when true, the loss comes from
+    :func:`fused_causal_lm_loss` and ``logits`` is None (never materialized); when false, the
+    logits are computed and the loss (if ``labels`` are given) is stock's. It defaults to true
+    exactly when the model is in training mode and ``labels`` are given, so evaluation (and
+    ``generate``) get their logits as stock. ``skip_logits=True`` without labels raises.
+    ``num_items_in_batch``, ``ignore_index`` and ``shift_labels`` are read from ``kwargs`` as
+    stock's loss reads them; ``return_dict=False`` gives a tuple, as stock. A head that is not a
+    plain ``nn.Linear`` (see :func:`plain_linear`: a LoRA-wrapped or quantized head) always takes
+    the stock path, logits included.
+    """
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    if skip_logits is None:
+        skip_logits = self.training and labels is not None
+    if skip_logits and labels is None:
+        raise ValueError("skip_logits=True needs labels: without them there is nothing to compute but the logits")
+    skip_logits = skip_logits and plain_linear(self.lm_head)
+    outputs = self.model(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, past_key_values=past_key_values,
+        inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs,
+    )  # fmt: skip
+    hidden_states = _keep_last(outputs.last_hidden_state, logits_to_keep)
+    logits = loss = None
+    if skip_logits:
+        assert labels is not None
+        loss = fused_causal_lm_loss(
+            hidden_states, self.lm_head, labels, shift_labels=kwargs.get("shift_labels"),
+            num_items_in_batch=kwargs.get("num_items_in_batch"), ignore_index=kwargs.get("ignore_index", -100),
+        )  # fmt: skip
+    else:
+        logits = self.lm_head(hidden_states)
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+    return CausalLMOutputWithPast(
+        loss=loss, logits=logits, past_key_values=outputs.past_key_values, hidden_states=outputs.hidden_states,
+        attentions=outputs.attentions,
+    )  # fmt: skip
+
+
+# --- apply / revert -------------------------------------------------------------------------------
+
+
+def _set_forward(module: torch.nn.Module, kind: str, fn: Callable[..., Any], patch: ModelPatch) -> None:
+    previous = module.__dict__.get("forward", _NONE)
+    module.__dict__[_PREVIOUS] = previous
+    module.__dict__[_KIND] = kind
+    module.__dict__["_fk_hf_patch"] = patch
+    module.__dict__["_fk_hf_stock_forward"] = module.forward
+    module.__dict__["forward"] = types.MethodType(fn, module)
+
+
+def is_patched(module: torch.nn.Module) -> bool:
+    """Whether ``module`` itself carries an fk.hf patch."""
+    return _KIND in module.__dict__
+
+
+def patched_modules(model: torch.nn.Module) -> dict[str, int]:
+    """How many modules of ``model`` carry each kind of patch (``{"rms_norm": 5, ...}``)."""
+    counts = dict.fromkeys(SWITCHES, 0)
+    for module in model.modules():
+        if is_patched(module):
+            counts[module.__dict__[_KIND]] += 1
+    return counts
+
+
+def revert(model: torch.nn.Module) -> int:
+    """Undo :func:`apply` on ``model`` (every submodule); returns how many modules were restored.
+
+    A model that was never patched is left as it is (returns 0).
+    """
+    restored = 0
+    for module in model.modules():
+        if not is_patched(module):
+            continue
+        previous = module.__dict__.pop(_PREVIOUS)
+        for key in (_KIND, "_fk_hf_patch", "_fk_hf_stock_forward", "forward"):
+            module.__dict__.pop(key, None)
+        if previous is not _NONE:
+            module.__dict__["forward"] = previous
+        restored += 1
+    return restored
+
+
+def apply_patch(model: torch.nn.Module, patch: ModelPatch, switches: dict[str, bool]) -> dict[str, int]:
+    """Patch every module of ``model`` that ``patch`` and ``switches`` cover; see :func:`fk.hf.apply`.
+
+    A model already patched is reverted first, so the switches of the latest call hold. Modules
+    whose ``forward`` was already replaced by someone else (an instance attribute, as accelerate's
+    hooks set) are left alone.
+    """
+    from transformers.utils import can_return_tuple
+
+    revert(model)
+    norms, mlps = patch.classes(patch.rms_norm), patch.classes(patch.mlp)
+    attentions, heads = patch.classes(patch.attention), patch.classes(patch.causal_lm)
+    for module in model.modules():
+        if "forward" in module.__dict__:
+            continue
+        if switches["rms_norm"] and isinstance(module, norms):
+            _set_forward(module, "rms_norm", rms_norm_forward, patch)
+        elif switches["swiglu"] and isinstance(module, mlps) and _is_silu_mlp(module):
+            _set_forward(module, "swiglu", swiglu_forward, patch)
+        elif switches["rope"] and isinstance(module, attentions):
+            fn = _rope_forward(type(module).forward)
+            if fn is not None:
+                _set_forward(module, "rope", fn, patch)
+        elif switches["flce"] and isinstance(module, heads):
+            _set_forward(module, "flce", can_return_tuple(causal_lm_forward), patch)
+    return patched_modules(model)

@@ -1,0 +1,331 @@
+"""fk.hf.apply / revert on tiny random-init Hugging Face models: patched runs match stock ones.
+
+On a CPU the kernels run in Triton's interpreter (fk.core's pytest plugin switches it on), so
+these compare fk's kernels themselves with the stock PyTorch code, in fp32.
+"""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+import torch
+
+import fk.hf
+
+transformers = pytest.importorskip("transformers")
+
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3"]
+VOCAB, BATCH, SEQ = 300, 2, 16
+TOL = {"rtol": 1e-5, "atol": 1e-5}
+
+
+def _model(model_type: str, device: str, **overrides: Any) -> Any:
+    options: dict[str, Any] = {
+        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "vocab_size": VOCAB, "max_position_embeddings": 64,
+    }  # fmt: skip
+    options.update(overrides)
+    config = transformers.CONFIG_MAPPING[model_type](**options)
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config).to(device).train()
+
+
+def _batch(device: str, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
+    labels = ids.clone()
+    labels[0, :5] = -100  # a prompt that is not scored
+    labels[1, -2:] = -100  # padding
+    return ids.to(device), labels.to(device)
+
+
+def _loss_and_grads(model: Any, **inputs: Any) -> tuple[Any, dict[str, torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    out = model(**inputs)
+    out.loss.backward()
+    return out, {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_patched_loss_and_gradients_match_stock(model_type: str, device: str) -> None:
+    stock = _model(model_type, device)
+    patched = copy.deepcopy(stock)
+    counts = fk.hf.apply(patched)
+    layers = 2
+    norms = 2 * layers + 1 + (2 * layers if model_type == "qwen3" else 0)  # qwen3: q_norm and k_norm too
+    assert counts == {"rms_norm": norms, "swiglu": layers, "rope": layers, "flce": 1}
+    from fk.rope import apply_rotary_pos_emb
+
+    attention = patched.model.layers[0].self_attn
+    assert attention.forward.__func__.__globals__["apply_rotary_pos_emb"] is apply_rotary_pos_emb
+    assert stock.model.layers[0].self_attn.forward.__func__.__globals__["apply_rotary_pos_emb"] is not (
+        apply_rotary_pos_emb
+    )
+    ids, labels = _batch(device)
+    want, want_grads = _loss_and_grads(stock, input_ids=ids, labels=labels)
+    got, got_grads = _loss_and_grads(patched, input_ids=ids, labels=labels)
+    assert got.logits is None  # training with labels: the logits are never materialized
+    torch.testing.assert_close(got.loss, want.loss, **TOL)
+    assert got_grads.keys() == want_grads.keys()
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(got_grads[name], grad, **TOL, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_training_steps_match_stock(model_type: str, device: str) -> None:
+    """AdamW from the same seed on one repeated batch: the same loss at every step, and the same
+    weights at the end."""
+    stock = _model(model_type, device)
+    patched = copy.deepcopy(stock)
+    fk.hf.apply(patched)
+    losses: dict[str, list[float]] = {"stock": [], "fk": []}
+    for name, model in (("stock", stock), ("fk", patched)):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        ids, labels = _batch(device)
+        for _ in range(4):
+            opt.zero_grad(set_to_none=True)
+            loss = model(input_ids=ids, labels=labels).loss
+            loss.backward()
+            opt.step()
+            losses[name].append(loss.item())
+    assert losses["fk"] == pytest.approx(losses["stock"], rel=1e-5, abs=1e-5)
+    assert losses["fk"][-1] < losses["fk"][0]
+    for (name, want), got in zip(stock.state_dict().items(), patched.state_dict().values(), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_tied_embeddings_and_gradient_checkpointing(device: str) -> None:
+    """A head tied to the embedding gets both gradients; recomputed layers give the same gradients."""
+    stock = _model("llama", device, tie_word_embeddings=True)
+    enable = getattr(stock, "activation_checkpointing_enable", None) or stock.gradient_checkpointing_enable
+    enable()
+    assert stock.lm_head.weight is stock.model.embed_tokens.weight
+    patched = copy.deepcopy(stock)
+    fk.hf.apply(patched)
+    ids, labels = _batch(device)
+    want, want_grads = _loss_and_grads(stock, input_ids=ids, labels=labels, use_cache=False)
+    got, got_grads = _loss_and_grads(patched, input_ids=ids, labels=labels, use_cache=False)
+    torch.testing.assert_close(got.loss, want.loss, **TOL)
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(got_grads[name], grad, **TOL, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_peft_lora_model(device: str) -> None:
+    """A PEFT LoRA model: the base model's modules are patched (the LoRA layers themselves stay
+    PEFT's here); the adapters' gradients match stock, and the frozen head gets none."""
+    peft = pytest.importorskip("peft")
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False)
+    stock = peft.get_peft_model(_model("llama", device), lora).train()
+    patched = copy.deepcopy(stock)
+    assert fk.hf.apply(patched) == {"rms_norm": 5, "swiglu": 2, "rope": 2, "flce": 1}
+    ids, labels = _batch(device)
+    want, want_grads = _loss_and_grads(stock, input_ids=ids, labels=labels)
+    got, got_grads = _loss_and_grads(patched, input_ids=ids, labels=labels)
+    assert got.logits is None
+    torch.testing.assert_close(got.loss, want.loss, **TOL)
+    trained = {n for n, p in stock.named_parameters() if p.requires_grad}
+    assert trained and all("lora_" in n for n in trained)
+    for name in trained:
+        torch.testing.assert_close(got_grads[name], want_grads[name], **TOL, msg=lambda m, n=name: f"{n}: {m}")
+    head = patched.get_base_model().lm_head.weight
+    assert head.grad is None
+    assert fk.hf.revert(patched) == 10
+
+
+def test_head_that_is_not_a_plain_linear_takes_the_stock_path(device: str) -> None:
+    """A LoRA adapter on the head: fusing ``lm_head.weight`` alone would drop the adapter, so the
+    stock loss (with logits) runs instead."""
+    peft = pytest.importorskip("peft")
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["lm_head", "q_proj"], init_lora_weights=False)
+    stock = peft.get_peft_model(_model("llama", device), lora).train()
+    patched = copy.deepcopy(stock)
+    fk.hf.apply(patched)
+    ids, labels = _batch(device)
+    want, want_grads = _loss_and_grads(stock, input_ids=ids, labels=labels)
+    got, got_grads = _loss_and_grads(patched, input_ids=ids, labels=labels)
+    assert got.logits is not None
+    torch.testing.assert_close(got.loss, want.loss, **TOL)
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(got_grads[name], grad, **TOL, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_rms_norm_with_a_weight_of_another_dtype_runs_stock(device: str) -> None:
+    """Stock promotes to the weight's dtype there (fp32 weight, bf16 input: fp32 output); so does
+    the patched norm, by running stock's forward."""
+    model = _model("llama", device)
+    norm = model.model.norm
+    x = torch.randn(2, 3, 64, device=device, dtype=torch.bfloat16)
+    want = norm(x)
+    fk.hf.apply(model)
+    got = norm(x)
+    assert got.dtype == want.dtype == torch.float32
+    assert torch.equal(got, want)
+
+
+def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.float() - want.float()).norm() / want.float().norm().clamp_min(1e-12))
+
+
+@pytest.mark.parametrize("mode", ["bf16", "autocast"])
+def test_bf16_and_autocast_match_stock(mode: str, device: str) -> None:
+    """bf16 weights, or fp32 weights under bf16 autocast (the head's matmul then runs in bf16, as
+    stock's lm_head does): loss and gradients agree with stock to bf16's precision."""
+    stock = _model("llama", device)
+    if mode == "bf16":
+        stock = stock.to(torch.bfloat16)
+    patched = copy.deepcopy(stock)
+    fk.hf.apply(patched)
+    ids, labels = _batch(device)
+    with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=mode == "autocast"):
+        want, want_grads = _loss_and_grads(stock, input_ids=ids, labels=labels)
+        got, got_grads = _loss_and_grads(patched, input_ids=ids, labels=labels)
+    assert got.loss.dtype == torch.float32
+    torch.testing.assert_close(got.loss, want.loss, rtol=1e-2, atol=1e-2)
+    for name, grad in want_grads.items():
+        assert got_grads[name].dtype == grad.dtype, name
+        assert _relative_error(got_grads[name], grad) < 3e-2, name
+
+
+def test_state_dict_unchanged_and_other_models_untouched(device: str) -> None:
+    model = _model("llama", device)
+    before = model.state_dict()
+    other = _model("llama", device)
+    fk.hf.apply(model)
+    after = model.state_dict()
+    assert list(after) == list(before)
+    assert all(after[k].data_ptr() == before[k].data_ptr() for k in before)  # the very same tensors
+    assert fk.hf.patched_modules(other) == dict.fromkeys(fk.hf.SWITCHES, 0)
+    assert "forward" not in other.model.norm.__dict__
+
+
+def test_save_pretrained_round_trip(device: str, tmp_path: Any) -> None:
+    """A patched model saves the checkpoint stock saves, and it loads into a stock model."""
+    model = _model("llama", device)
+    fk.hf.apply(model)
+    model.save_pretrained(tmp_path / "patched")
+    fk.hf.revert(model)
+    model.save_pretrained(tmp_path / "stock")
+    names = sorted(p.name for p in (tmp_path / "stock").iterdir())
+    assert sorted(p.name for p in (tmp_path / "patched").iterdir()) == names
+    for name in names:
+        if name.endswith(".safetensors"):
+            assert (tmp_path / "patched" / name).read_bytes() == (tmp_path / "stock" / name).read_bytes()
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "patched").to(device)
+    for key, value in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[key], value), key
+
+
+def test_revert_restores_bit_identical_outputs(device: str) -> None:
+    model = _model("llama", device)
+    ids, labels = _batch(device)
+    with torch.no_grad():
+        want = model(input_ids=ids, labels=labels)
+    fk.hf.apply(model)
+    with torch.no_grad():
+        assert model(input_ids=ids, labels=labels).logits is None
+    assert fk.hf.revert(model) == 10  # 5 norms, 2 MLPs, 2 attentions, the causal LM
+    assert fk.hf.patched_modules(model) == dict.fromkeys(fk.hf.SWITCHES, 0)
+    assert not any("forward" in m.__dict__ for m in model.modules())
+    with torch.no_grad():
+        got = model(input_ids=ids, labels=labels)
+    assert torch.equal(got.logits, want.logits) and torch.equal(got.loss, want.loss)
+    assert fk.hf.revert(model) == 0
+
+
+def test_num_items_in_batch_and_shift_labels(device: str) -> None:
+    """Gradient accumulation's denominator and pre-shifted labels, as stock's loss takes them."""
+    stock = _model("llama", device)
+    patched = copy.deepcopy(stock)
+    fk.hf.apply(patched)
+    ids, labels = _batch(device)
+    n_items = torch.tensor(40, device=device)  # e.g. the scored tokens of all micro-batches
+    want, want_grads = _loss_and_grads(stock, input_ids=ids, labels=labels, num_items_in_batch=n_items)
+    got, got_grads = _loss_and_grads(patched, input_ids=ids, labels=labels, num_items_in_batch=n_items)
+    torch.testing.assert_close(got.loss, want.loss, **TOL)
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(got_grads[name], grad, **TOL, msg=lambda m, n=name: f"{n}: {m}")
+    mean = patched(input_ids=ids, labels=labels).loss
+    scored = int((labels[:, 1:] != -100).sum())
+    torch.testing.assert_close(got.loss, mean * scored / 40, **TOL)  # the sum over the given count
+    other = labels.masked_fill(labels == -100, -1)  # another ignore_index, passed as stock's loss takes it
+    want = stock(input_ids=ids, labels=other, ignore_index=-1).loss
+    torch.testing.assert_close(patched(input_ids=ids, labels=other, ignore_index=-1).loss, want, **TOL)
+    shifted = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100)
+    want = stock(input_ids=ids, labels=labels, shift_labels=shifted).loss
+    got = patched(input_ids=ids, labels=labels, shift_labels=shifted).loss
+    torch.testing.assert_close(got, want, **TOL)
+
+
+def test_logits_when_asked_or_without_labels(device: str) -> None:
+    stock = _model("llama", device)
+    patched = copy.deepcopy(stock)
+    fk.hf.apply(patched)
+    ids, labels = _batch(device)
+    with torch.no_grad():
+        want = stock(input_ids=ids, labels=labels)
+        no_labels = patched(input_ids=ids)
+        assert no_labels.loss is None
+        torch.testing.assert_close(no_labels.logits, want.logits, **TOL)
+        asked = patched(input_ids=ids, labels=labels, skip_logits=False)
+        torch.testing.assert_close(asked.logits, want.logits, **TOL)
+        torch.testing.assert_close(asked.loss, want.loss, **TOL)
+        last = patched(input_ids=ids, logits_to_keep=1).logits
+        torch.testing.assert_close(last, want.logits[:, -1:], **TOL)
+        positions = torch.tensor([0, 5], device=device)
+        some = patched(input_ids=ids, logits_to_keep=positions).logits
+        torch.testing.assert_close(some, want.logits[:, positions], **TOL)
+        as_tuple = patched(input_ids=ids, labels=labels, return_dict=False)
+        assert isinstance(as_tuple, tuple)
+        torch.testing.assert_close(as_tuple[0], want.loss, **TOL)
+        stock.eval(), patched.eval()
+        evaluated = patched(input_ids=ids, labels=labels)  # evaluation: logits as stock
+        torch.testing.assert_close(evaluated.logits, want.logits, **TOL)
+        torch.testing.assert_close(evaluated.loss, want.loss, **TOL)
+        with pytest.raises(ValueError, match="skip_logits=True needs labels"):
+            patched(input_ids=ids, skip_logits=True)
+
+
+def test_generation_unchanged(device: str) -> None:
+    """Greedy decoding with a KV cache (the rotary path at one new position) gives stock's tokens."""
+    stock = _model("llama", device).eval()
+    patched = copy.deepcopy(stock)
+    fk.hf.apply(patched)
+    ids, _ = _batch(device)
+    kwargs = {"max_new_tokens": 4, "do_sample": False, "pad_token_id": 0}
+    assert torch.equal(patched.generate(ids, **kwargs), stock.generate(ids, **kwargs))
+
+
+def test_switches_and_reapply(device: str) -> None:
+    model = _model("llama", device)
+    assert fk.hf.apply(model, rms_norm=False, rope=False) == {"rms_norm": 0, "swiglu": 2, "rope": 0, "flce": 1}
+    assert fk.hf.apply(model, swiglu=False, flce=False) == {"rms_norm": 5, "swiglu": 0, "rope": 2, "flce": 0}
+    hooked = _model("llama", device)
+    theirs = hooked.model.norm.forward  # an instance forward someone else set (as accelerate's hooks do)
+    hooked.model.norm.forward = theirs
+    assert fk.hf.apply(hooked)["rms_norm"] == 4  # left alone
+    fk.hf.revert(hooked)
+    assert hooked.model.norm.__dict__["forward"] is theirs
+    gelu = _model("llama", device, hidden_act="gelu")
+    assert fk.hf.apply(gelu)["swiglu"] == 0  # only SiLU-gated MLPs are swapped
+    with pytest.raises(TypeError, match="rope must be a bool"):
+        fk.hf.apply(model, rope=1)  # type: ignore[arg-type]
+
+
+def test_unsupported_model_type_names_the_supported_ones() -> None:
+    config = transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=50, n_positions=16)
+    model = transformers.GPT2LMHeadModel(config)
+    with pytest.raises(ValueError, match=r"'gpt2'.*supported: llama, mistral, qwen2, qwen3"):
+        fk.hf.apply(model)
+    with pytest.raises(TypeError, match=r"config\.model_type"):
+        fk.hf.apply(torch.nn.Linear(2, 2))
+    assert fk.hf.supported_model_types() == FAMILIES
+
+
+def test_importing_fk_hf_imports_no_transformers() -> None:
+    code = "import sys, fk.hf; assert 'transformers' not in sys.modules, 'transformers imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
