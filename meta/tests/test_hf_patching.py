@@ -18,9 +18,26 @@ import fk.hf
 
 transformers = pytest.importorskip("transformers")
 
-FAMILIES = ["llama", "mistral", "qwen2", "qwen3"]
+FAMILIES = ["gemma", "gemma2", "gemma3_text", "llama", "mistral", "qwen2", "qwen3"]
+GEMMAS = ["gemma", "gemma2", "gemma3_text"]
 VOCAB, BATCH, SEQ = 300, 2, 16
 TOL = {"rtol": 1e-5, "atol": 1e-5}
+FAMILY_OPTIONS: dict[str, dict[str, Any]] = {
+    # Both kinds of layer (local with a window shorter than the batch's sequences, and global): in
+    # Gemma 3 each has its own rotary table.
+    "gemma2": {"sliding_window": 8},
+    "gemma3_text": {"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]},
+}
+
+
+def _expected_counts(model_type: str, layers: int = 2) -> dict[str, int]:
+    """What fk.hf.apply patches in a ``layers``-layer model of the family: its norms (two per
+    layer, four with Gemma 2 and 3's sandwich norms, plus per-head q/k norms in Qwen3 and Gemma 3,
+    plus the final norm), one gated MLP and one attention per layer, the causal LM."""
+    per_layer = {"qwen3": 4, "gemma2": 4, "gemma3_text": 6}.get(model_type, 2)
+    mlp = "geglu" if model_type in GEMMAS else "swiglu"
+    return {**dict.fromkeys(fk.hf.SWITCHES, 0), "rms_norm": per_layer * layers + 1, mlp: layers, "rope": layers,
+            "flce": 1}  # fmt: skip
 
 
 def _model(model_type: str, device: str, **overrides: Any) -> Any:
@@ -28,10 +45,16 @@ def _model(model_type: str, device: str, **overrides: Any) -> Any:
         "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2, "head_dim": 16, "vocab_size": VOCAB, "max_position_embeddings": 64,
     }  # fmt: skip
+    options.update(FAMILY_OPTIONS.get(model_type, {}))
     options.update(overrides)
     config = transformers.CONFIG_MAPPING[model_type](**options)
     torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(config).to(device).train()
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # norm weights away from their init (ones, or Gemma's zeros), so they matter
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.add_(0.2 * torch.randn_like(param))
+    return model.to(device).train()
 
 
 def _batch(device: str, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,14 +73,23 @@ def _loss_and_grads(model: Any, **inputs: Any) -> tuple[Any, dict[str, torch.Ten
     return out, {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
+def _assert_same_loss_and_grads(stock: Any, patched: Any, **inputs: Any) -> tuple[Any, Any]:
+    """Run both on ``inputs``; the loss and every parameter's gradient agree in fp32. Returns both
+    outputs (stock's, patched's)."""
+    want, want_grads = _loss_and_grads(stock, **inputs)
+    got, got_grads = _loss_and_grads(patched, **inputs)
+    torch.testing.assert_close(got.loss, want.loss, **TOL)
+    assert got_grads.keys() == want_grads.keys()
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(got_grads[name], grad, **TOL, msg=lambda m, n=name: f"{n}: {m}")
+    return want, got
+
+
 @pytest.mark.parametrize("model_type", FAMILIES)
 def test_patched_loss_and_gradients_match_stock(model_type: str, device: str) -> None:
     stock = _model(model_type, device)
     patched = copy.deepcopy(stock)
-    counts = fk.hf.apply(patched)
-    layers = 2
-    norms = 2 * layers + 1 + (2 * layers if model_type == "qwen3" else 0)  # qwen3: q_norm and k_norm too
-    assert counts == {"rms_norm": norms, "swiglu": layers, "rope": layers, "flce": 1}
+    assert fk.hf.apply(patched) == _expected_counts(model_type)
     from fk.rope import apply_rotary_pos_emb
 
     attention = patched.model.layers[0].self_attn
@@ -66,13 +98,8 @@ def test_patched_loss_and_gradients_match_stock(model_type: str, device: str) ->
         apply_rotary_pos_emb
     )
     ids, labels = _batch(device)
-    want, want_grads = _loss_and_grads(stock, input_ids=ids, labels=labels)
-    got, got_grads = _loss_and_grads(patched, input_ids=ids, labels=labels)
+    _, got = _assert_same_loss_and_grads(stock, patched, input_ids=ids, labels=labels)
     assert got.logits is None  # training with labels: the logits are never materialized
-    torch.testing.assert_close(got.loss, want.loss, **TOL)
-    assert got_grads.keys() == want_grads.keys()
-    for name, grad in want_grads.items():
-        torch.testing.assert_close(got_grads[name], grad, **TOL, msg=lambda m, n=name: f"{n}: {m}")
 
 
 @pytest.mark.parametrize("model_type", FAMILIES)
@@ -96,6 +123,66 @@ def test_training_steps_match_stock(model_type: str, device: str) -> None:
     assert losses["fk"][-1] < losses["fk"][0]
     for (name, want), got in zip(stock.state_dict().items(), patched.state_dict().values(), strict=True):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("model_type", GEMMAS)
+def test_gemma_rms_norm_casting_matches_stock(model_type: str, device: str) -> None:
+    """Gemma's RMSNorm computes ``x * rsqrt(mean(x^2) + eps) * (1 + w)`` in fp32 and rounds once:
+    in bf16 the patched norm is within one bf16 unit in the last place of that fp32 value (one
+    rounding; Triton's interpreter rounds toward zero, so not always to stock's nearest value),
+    and its gradients agree with stock's to bf16's precision. Llama's casting (the normalized row
+    rounded before the product, two roundings) is not: that is checked too, so the test tells the
+    casting modes apart."""
+    from fk.norms import rms_norm_ref
+
+    model = _model(model_type, device)
+    norm = model.model.norm.to(torch.bfloat16)
+    x = (3 * torch.randn(2, 32, 64, device=device)).to(torch.bfloat16).requires_grad_()
+    dy = torch.randn_like(x)
+    want = norm(x)
+    want_dx, want_dw = torch.autograd.grad(want, (x, norm.weight), dy)
+    with torch.no_grad():
+        exact = copy.deepcopy(norm).float()(x.float())  # stock's fp32 value, before its rounding
+    assert fk.hf.apply(model)["rms_norm"] == _expected_counts(model_type)["rms_norm"]
+    got = norm(x)
+    got_dx, got_dw = torch.autograd.grad(got, (x, norm.weight), dy)
+    assert got.dtype == torch.bfloat16
+
+    def ulps(y: torch.Tensor) -> float:  # the largest error, in units in the last place of bf16
+        ulp = torch.exp2(torch.floor(torch.log2(exact.abs().clamp_min(1e-30))) - 7)
+        return float(((y.detach().float() - exact) / ulp).abs().max())
+
+    assert ulps(want) <= 0.5 and ulps(got) < 1
+    assert ulps(rms_norm_ref(x, norm.weight, norm.eps, casting_mode="llama", offset=1.0)) > 1
+    assert _relative_error(got_dx, want_dx) < 1e-2 and _relative_error(got_dw, want_dw) < 1e-2
+
+
+@pytest.mark.parametrize("model_type", ["gemma2", "gemma3_text"])
+def test_final_logit_softcapping_honoured(model_type: str, device: str) -> None:
+    """A softcap small enough to change the loss a lot: the fused loss, its gradients and the
+    logits (when asked for) agree with stock's soft-capped ones."""
+    stock = _model(model_type, device, final_logit_softcapping=0.1)
+    patched = copy.deepcopy(stock)
+    fk.hf.apply(patched)
+    ids, labels = _batch(device)
+    want, got = _assert_same_loss_and_grads(stock, patched, input_ids=ids, labels=labels)
+    assert got.logits is None
+    with torch.no_grad():
+        logits = patched(input_ids=ids, labels=labels, skip_logits=False).logits
+        torch.testing.assert_close(logits, want.logits, **TOL)
+        assert logits.abs().max() <= 0.1
+        stock.config.final_logit_softcapping = None  # the same weights without the cap
+        uncapped = stock(input_ids=ids, labels=labels).loss
+    assert (uncapped - want.loss).abs() > 100 * TOL["atol"]  # dropping the cap would fail the test
+
+
+def test_exact_gelu_mlp_matches_stock(device: str) -> None:
+    """A gated MLP with exact (erf) GELU runs fk.glu.geglu(approximate="none")."""
+    stock = _model("llama", device, hidden_act="gelu")
+    patched = copy.deepcopy(stock)
+    assert fk.hf.apply(patched) == {**_expected_counts("llama"), "swiglu": 0, "geglu": 2}
+    ids, labels = _batch(device)
+    _assert_same_loss_and_grads(stock, patched, input_ids=ids, labels=labels)
 
 
 def test_tied_embeddings_and_gradient_checkpointing(device: str) -> None:
@@ -122,7 +209,7 @@ def test_peft_lora_model(device: str) -> None:
     lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False)
     stock = peft.get_peft_model(_model("llama", device), lora).train()
     patched = copy.deepcopy(stock)
-    assert fk.hf.apply(patched) == {"rms_norm": 5, "swiglu": 2, "rope": 2, "flce": 1}
+    assert fk.hf.apply(patched) == _expected_counts("llama")
     ids, labels = _batch(device)
     want, want_grads = _loss_and_grads(stock, input_ids=ids, labels=labels)
     got, got_grads = _loss_and_grads(patched, input_ids=ids, labels=labels)
@@ -220,15 +307,16 @@ def test_save_pretrained_round_trip(device: str, tmp_path: Any) -> None:
         assert torch.equal(loaded.state_dict()[key], value), key
 
 
-def test_revert_restores_bit_identical_outputs(device: str) -> None:
-    model = _model("llama", device)
+@pytest.mark.parametrize("model_type", ["llama", *GEMMAS])
+def test_revert_restores_bit_identical_outputs(model_type: str, device: str) -> None:
+    model = _model(model_type, device)
     ids, labels = _batch(device)
     with torch.no_grad():
         want = model(input_ids=ids, labels=labels)
     fk.hf.apply(model)
     with torch.no_grad():
         assert model(input_ids=ids, labels=labels).logits is None
-    assert fk.hf.revert(model) == 10  # 5 norms, 2 MLPs, 2 attentions, the causal LM
+    assert fk.hf.revert(model) == sum(_expected_counts(model_type).values())
     assert fk.hf.patched_modules(model) == dict.fromkeys(fk.hf.SWITCHES, 0)
     assert not any("forward" in m.__dict__ for m in model.modules())
     with torch.no_grad():
@@ -302,16 +390,19 @@ def test_generation_unchanged(device: str) -> None:
 
 def test_switches_and_reapply(device: str) -> None:
     model = _model("llama", device)
-    assert fk.hf.apply(model, rms_norm=False, rope=False) == {"rms_norm": 0, "swiglu": 2, "rope": 0, "flce": 1}
-    assert fk.hf.apply(model, swiglu=False, flce=False) == {"rms_norm": 5, "swiglu": 0, "rope": 2, "flce": 0}
+    counts = _expected_counts("llama")
+    assert fk.hf.apply(model, rms_norm=False, rope=False) == {**counts, "rms_norm": 0, "rope": 0}
+    assert fk.hf.apply(model, swiglu=False, flce=False) == {**counts, "swiglu": 0, "flce": 0}
     hooked = _model("llama", device)
     theirs = hooked.model.norm.forward  # an instance forward someone else set (as accelerate's hooks do)
     hooked.model.norm.forward = theirs
     assert fk.hf.apply(hooked)["rms_norm"] == 4  # left alone
     fk.hf.revert(hooked)
     assert hooked.model.norm.__dict__["forward"] is theirs
-    gelu = _model("llama", device, hidden_act="gelu")
-    assert fk.hf.apply(gelu)["swiglu"] == 0  # only SiLU-gated MLPs are swapped
+    relu = _model("llama", device, hidden_act="relu")
+    assert fk.hf.apply(relu) == {**counts, "swiglu": 0}  # an activation fk.glu has no kernel for
+    gemma = _model("gemma", device)
+    assert fk.hf.apply(gemma, geglu=False) == {**_expected_counts("gemma"), "geglu": 0}
     with pytest.raises(TypeError, match="rope must be a bool"):
         fk.hf.apply(model, rope=1)  # type: ignore[arg-type]
 
@@ -319,7 +410,9 @@ def test_switches_and_reapply(device: str) -> None:
 def test_unsupported_model_type_names_the_supported_ones() -> None:
     config = transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=50, n_positions=16)
     model = transformers.GPT2LMHeadModel(config)
-    with pytest.raises(ValueError, match=r"'gpt2'.*supported: llama, mistral, qwen2, qwen3"):
+    with pytest.raises(
+        ValueError, match=r"'gpt2'.*supported: gemma, gemma2, gemma3_text, llama, mistral, qwen2, qwen3"
+    ):
         fk.hf.apply(model)
     with pytest.raises(TypeError, match=r"config\.model_type"):
         fk.hf.apply(torch.nn.Linear(2, 2))

@@ -25,21 +25,31 @@ def supported_model_types() -> list[str]:
 
 
 def apply(
-    model: Any, *, rms_norm: bool = True, swiglu: bool = True, rope: bool = True, flce: bool = True
+    model: Any,
+    *,
+    rms_norm: bool = True,
+    swiglu: bool = True,
+    geglu: bool = True,
+    rope: bool = True,
+    flce: bool = True,
 ) -> dict[str, int]:
     """Patch the built Hugging Face model ``model`` in place with fk's kernels.
 
     Args:
         model: a ``transformers`` model (``LlamaForCausalLM``, ``LlamaModel``, ...) whose
             ``config.model_type`` is one of :func:`supported_model_types`.
-        rms_norm: RMSNorm modules run :func:`fk.norms.rms_norm` (same weight and eps).
+        rms_norm: RMSNorm modules run :func:`fk.norms.rms_norm` (same weight and eps; Gemma's
+            ``1 + weight`` and fp32 casting).
         swiglu: gated MLPs with a SiLU activation run :func:`fk.glu.swiglu` between their
             projections.
+        geglu: gated MLPs with a GELU activation (Gemma's tanh approximation, or exact) run
+            :func:`fk.glu.geglu` between their projections.
         rope: attention modules apply the rotary embedding with :func:`fk.rope.apply_rotary_pos_emb`.
         flce: the causal-LM forward computes the loss with :func:`fk.flce.linear_cross_entropy`
             when labels are given in training mode, and returns ``logits=None`` then; pass
             ``skip_logits=False`` to the forward to get the logits (and stock's loss) anyway. See
-            :func:`fk.hf.patching.causal_lm_forward`.
+            :func:`fk.hf.patching.causal_lm_forward`. Gemma 2 and 3's final logit softcapping is
+            passed to the loss.
 
     Only modules are patched (an instance-level ``forward`` each): parameters, buffers and the
     ``state_dict`` are unchanged, and other models of the same classes are not affected. Calling
@@ -50,7 +60,7 @@ def apply(
     from fk.hf.models import REGISTRY
     from fk.hf.patching import apply_patch
 
-    switches = {"rms_norm": rms_norm, "swiglu": swiglu, "rope": rope, "flce": flce}
+    switches = {"rms_norm": rms_norm, "swiglu": swiglu, "geglu": geglu, "rope": rope, "flce": flce}
     for name, value in switches.items():
         if not isinstance(value, bool):
             raise TypeError(f"{name} must be a bool, got {type(value).__name__}")

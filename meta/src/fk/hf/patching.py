@@ -7,16 +7,20 @@ class and every other model of that class are untouched), so the parameters, buf
 What each switch replaces (for the families in :mod:`fk.hf.models`):
 
 - ``rms_norm``: the forward of each RMSNorm module by :func:`fk.norms.rms_norm` (same weight,
-  same ``variance_epsilon``, the family's casting mode and offset).
+  same epsilon, the family's casting mode and offset).
 - ``swiglu``: the forward of each gated MLP whose activation is SiLU by
-  ``down_proj(fk.glu.swiglu(gate_proj(x), up_proj(x)))``; MLPs with another activation are left
-  alone.
+  ``down_proj(fk.glu.swiglu(gate_proj(x), up_proj(x)))``.
+- ``geglu``: the same for gated MLPs whose activation is GELU (tanh-approximated, as Gemma's
+  ``gelu_pytorch_tanh``, or exact) with :func:`fk.glu.geglu`. MLPs with any other activation are
+  left alone.
 - ``rope``: the attention's forward runs with :func:`fk.rope.apply_rotary_pos_emb` in place of the
   modeling file's ``apply_rotary_pos_emb``. The attention's own forward function is reused as it
   is; only the global name ``apply_rotary_pos_emb`` it looks up resolves to fk's (a copy of the
   function with that one global rebound, bound to the module).
 - ``flce``: the causal-LM forward computes the loss with :func:`fk.flce.linear_cross_entropy` on
-  the final hidden states, without materializing the logits (see :func:`causal_lm_forward`).
+  the final hidden states, without materializing the logits (see :func:`causal_lm_forward`);
+  a family whose logits are soft-capped (Gemma 2 and 3) passes ``config.final_logit_softcapping``
+  as the loss's ``softcap``.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from typing import Any
 
 import torch
 
-SWITCHES = ("rms_norm", "swiglu", "rope", "flce")
+SWITCHES = ("rms_norm", "swiglu", "geglu", "rope", "flce")
 
 _PREVIOUS = "_fk_hf_previous_forward"
 """Attribute of a patched module: its instance ``forward`` before patching, or :data:`_NONE`."""
@@ -56,6 +60,13 @@ class ModelPatch:
     """fk.norms casting mode of the family's RMSNorm."""
     offset: float = 0.0
     """Added to the RMSNorm weight (Gemma stores ``w`` and applies ``1 + w``)."""
+    eps_attr: str = "variance_epsilon"
+    """The RMSNorm module's attribute holding its epsilon (Gemma's is ``eps``)."""
+    activation_attr: str = "hidden_act"
+    """The config attribute naming the MLP's activation (Gemma 2 and 3: ``hidden_activation``)."""
+    logit_softcapping: bool = False
+    """Whether the causal LM soft-caps its logits by ``config.final_logit_softcapping`` (when that
+    is not None): ``c * tanh(logits / c)``, before the loss (Gemma 2 and 3)."""
 
     def classes(self, names: tuple[str, ...]) -> tuple[type, ...]:
         import importlib
@@ -78,9 +89,8 @@ def rms_norm_forward(self: Any, hidden_states: torch.Tensor) -> torch.Tensor:
     if self.weight.dtype != hidden_states.dtype:
         return self._fk_hf_stock_forward(hidden_states)
     patch: ModelPatch = self._fk_hf_patch
-    out: torch.Tensor = rms_norm(
-        hidden_states, self.weight, self.variance_epsilon, casting_mode=patch.casting_mode, offset=patch.offset
-    )
+    eps = getattr(self, patch.eps_attr)
+    out: torch.Tensor = rms_norm(hidden_states, self.weight, eps, casting_mode=patch.casting_mode, offset=patch.offset)
     return out
 
 
@@ -95,12 +105,24 @@ def swiglu_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
     return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x), inplace_grad=True))
 
 
-def _is_silu_mlp(module: Any) -> bool:
+def geglu_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
+    """GemmaMLP-style forward with the GELU gate through :func:`fk.glu.geglu` (tanh-approximated or
+    exact, as the module's activation is), the gradients written in place as in :func:`swiglu_forward`."""
+    from fk.glu import geglu
+
+    approximate = "none" if _mlp_activation(self, self._fk_hf_patch) == "gelu" else "tanh"
+    return self.down_proj(geglu(self.gate_proj(x), self.up_proj(x), approximate, inplace_grad=True))
+
+
+def _mlp_activation(module: Any, patch: ModelPatch) -> str | None:
+    """What the gated MLP ``module`` computes between its projections: ``"silu"``, ``"gelu_tanh"``
+    or ``"gelu"`` (see :data:`fk.glu.HF_ACTIVATIONS`), or None (not a gated MLP, or another
+    activation)."""
     from fk.glu import HF_ACTIVATIONS
 
-    act = getattr(getattr(module, "config", None), "hidden_act", None)
+    act = getattr(getattr(module, "config", None), patch.activation_attr, None)
     has_projections = all(hasattr(module, name) for name in ("gate_proj", "up_proj", "down_proj"))
-    return has_projections and isinstance(act, str) and HF_ACTIVATIONS.get(act) == "silu"
+    return HF_ACTIVATIONS.get(act) if has_projections and isinstance(act, str) else None
 
 
 def _rope_forward(stock: Callable[..., Any]) -> Callable[..., Any] | None:
@@ -135,12 +157,14 @@ def fused_causal_lm_loss(
     shift_labels: torch.Tensor | None = None,
     num_items_in_batch: torch.Tensor | int | None = None,
     ignore_index: int = -100,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Hugging Face's ``ForCausalLMLoss`` of ``lm_head(hidden_states)`` without the logits.
 
     As stock: position t is scored against ``labels[:, t + 1]`` (or against ``shift_labels[:, t]``
     when given), ``ignore_index`` labels are left out, and with ``num_items_in_batch`` the summed
-    loss is divided by it instead of by the count of scored tokens. Under autocast, the hidden
+    loss is divided by it instead of by the count of scored tokens; ``softcap`` soft-caps the logits
+    first (``softcap * tanh(logits / softcap)``). Under autocast, the hidden
     states and head weight are cast to autocast's dtype first, as stock's ``lm_head`` would.
     """
     from fk.flce import linear_cross_entropy
@@ -156,7 +180,7 @@ def fused_causal_lm_loss(
     with torch.autocast(device_type, enabled=False):
         loss: torch.Tensor = linear_cross_entropy(
             hidden_states, weight, target.to(hidden_states.device), bias, ignore_index=ignore_index, shift=shift,
-            num_items_in_batch=num_items_in_batch,
+            num_items_in_batch=num_items_in_batch, softcap=softcap,
         )  # fmt: skip
     return loss
 
@@ -193,7 +217,8 @@ def causal_lm_forward(
     exactly when the model is in training mode and ``labels`` are given, so evaluation (and
     ``generate``) get their logits as stock. ``skip_logits=True`` without labels raises.
     ``num_items_in_batch``, ``ignore_index`` and ``shift_labels`` are read from ``kwargs`` as
-    stock's loss reads them; ``return_dict=False`` gives a tuple, as stock. A head that is not a
+    stock's loss reads them; a family with ``logit_softcapping`` soft-caps the logits by
+    ``config.final_logit_softcapping`` on both paths, as stock; ``return_dict=False`` gives a tuple, as stock. A head that is not a
     plain ``nn.Linear`` (see :func:`plain_linear`: a LoRA-wrapped or quantized head) always takes
     the stock path, logits included.
     """
@@ -209,15 +234,20 @@ def causal_lm_forward(
         inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs,
     )  # fmt: skip
     hidden_states = _keep_last(outputs.last_hidden_state, logits_to_keep)
+    patch: ModelPatch = self._fk_hf_patch
+    softcap = self.config.final_logit_softcapping if patch.logit_softcapping else None
     logits = loss = None
     if skip_logits:
         assert labels is not None
         loss = fused_causal_lm_loss(
             hidden_states, self.lm_head, labels, shift_labels=kwargs.get("shift_labels"),
             num_items_in_batch=kwargs.get("num_items_in_batch"), ignore_index=kwargs.get("ignore_index", -100),
+            softcap=softcap,
         )  # fmt: skip
     else:
         logits = self.lm_head(hidden_states)
+        if softcap is not None:  # as stock computes it
+            logits = torch.tanh(logits / softcap) * softcap
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
     return CausalLMOutputWithPast(
@@ -287,8 +317,11 @@ def apply_patch(model: torch.nn.Module, patch: ModelPatch, switches: dict[str, b
             continue
         if switches["rms_norm"] and isinstance(module, norms):
             _set_forward(module, "rms_norm", rms_norm_forward, patch)
-        elif switches["swiglu"] and isinstance(module, mlps) and _is_silu_mlp(module):
-            _set_forward(module, "swiglu", swiglu_forward, patch)
+        elif isinstance(module, mlps) and (activation := _mlp_activation(module, patch)) is not None:
+            if switches["swiglu"] and activation == "silu":
+                _set_forward(module, "swiglu", swiglu_forward, patch)
+            elif switches["geglu"] and activation in ("gelu_tanh", "gelu"):
+                _set_forward(module, "geglu", geglu_forward, patch)
         elif switches["rope"] and isinstance(module, attentions):
             fn = _rope_forward(type(module).forward)
             if fn is not None:
