@@ -378,9 +378,11 @@ def test_logits_when_asked_or_without_labels(device: str) -> None:
             patched(input_ids=ids, skip_logits=True)
 
 
-def test_generation_unchanged(device: str) -> None:
-    """Greedy decoding with a KV cache (the rotary path at one new position) gives stock's tokens."""
-    stock = _model("llama", device).eval()
+@pytest.mark.parametrize("model_type", ["llama", "gemma2", "gemma3_text"])
+def test_generation_unchanged(model_type: str, device: str) -> None:
+    """Greedy decoding with a KV cache (the rotary path at one new position; Gemma's local and
+    global layers, its soft-capped logits) gives stock's tokens."""
+    stock = _model(model_type, device).eval()
     patched = copy.deepcopy(stock)
     fk.hf.apply(patched)
     ids, _ = _batch(device)
