@@ -164,8 +164,8 @@ def fused_causal_lm_loss(
     As stock: position t is scored against ``labels[:, t + 1]`` (or against ``shift_labels[:, t]``
     when given), ``ignore_index`` labels are left out, and with ``num_items_in_batch`` the summed
     loss is divided by it instead of by the count of scored tokens; ``softcap`` soft-caps the logits
-    first (``softcap * tanh(logits / softcap)``). Under autocast, the hidden
-    states and head weight are cast to autocast's dtype first, as stock's ``lm_head`` would.
+    first (``softcap * tanh(logits / softcap)``). Under autocast, the hidden states and head weight
+    are cast to autocast's dtype first, as stock's ``lm_head`` would.
     """
     from fk.flce import linear_cross_entropy
 
@@ -218,9 +218,9 @@ def causal_lm_forward(
     ``generate``) get their logits as stock. ``skip_logits=True`` without labels raises.
     ``num_items_in_batch``, ``ignore_index`` and ``shift_labels`` are read from ``kwargs`` as
     stock's loss reads them; a family with ``logit_softcapping`` soft-caps the logits by
-    ``config.final_logit_softcapping`` on both paths, as stock; ``return_dict=False`` gives a tuple, as stock. A head that is not a
-    plain ``nn.Linear`` (see :func:`plain_linear`: a LoRA-wrapped or quantized head) always takes
-    the stock path, logits included.
+    ``config.final_logit_softcapping`` on both paths, as stock; ``return_dict=False`` gives a
+    tuple, as stock. A head that is not a plain ``nn.Linear`` (see :func:`plain_linear`: a
+    LoRA-wrapped or quantized head) always takes the stock path, logits included.
     """
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
