@@ -210,18 +210,24 @@ def test_layers_match_peft_under_bf16_autocast(device: str, block: str, case: st
     _compare(model, {"qkv": _qkv, "o": _o, "mlp": _mlp}[block], x, floors=floors, autocast=torch.bfloat16)
 
 
-def test_variants_match_peft_under_bf16_autocast(device: str) -> None:
+@pytest.mark.parametrize("autocast", [torch.bfloat16, torch.float16], ids=dtype_name)
+def test_variants_match_peft_under_autocast(device: str, autocast: torch.dtype) -> None:
     model = _model(device, dropout=0.25, **VARIANTS["rslora_lora_bias_trainable_base_bias"])
     x = testing.random_tensor((2, 5, HIDDEN), torch.float32, device, seed=2)
-    floors = {torch.float32: testing.FLOOR[torch.bfloat16]}
+    floors = {torch.float32: testing.FLOOR[autocast]}
     fn = lambda m, x: [*_qkv(m, x), *_mlp(m, x), *_o(m, x)]  # noqa: E731
-    _compare(model, fn, x, floors=floors, autocast=torch.bfloat16)
+    _compare(model, fn, x, floors=floors, autocast=autocast)
 
 
-def test_autocast_takes_the_fused_path_on_a_model(device: str, caplog: pytest.LogCaptureFixture) -> None:
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "gradient_checkpointing"])
+def test_autocast_takes_the_fused_path_on_a_model(
+    device: str, checkpointing: bool, caplog: pytest.LogCaptureFixture
+) -> None:
     """A whole fp32 model under bf16 autocast (what HF Trainer's ``bf16=True`` does): no fallback,
     and loss and gradients as PEFT's under the same autocast, to bf16's precision."""
     model = _model(device, dropout=0.1, layers=2)
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(0)).to(device)
     autocast = torch.autocast(torch.device(device).type, dtype=torch.bfloat16)
     with autocast:
