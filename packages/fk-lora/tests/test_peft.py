@@ -345,3 +345,22 @@ def test_patch_twice_is_one_patch(device: str, dtype: torch.dtype) -> None:
     assert first == second
     assert fk.lora.unpatch(model) == first.n_patched - len(first.qkv) + sum(len(g) for g in first.qkv)
     assert all("forward" not in m.__dict__ for m in model.modules())
+
+
+def test_float64_lora_weights_under_autocast_fall_back(device: str, caplog: pytest.LogCaptureFixture) -> None:
+    """Autocast leaves float64 operands alone, so PEFT's LoRA branch then runs in float64: fk.lora
+    cannot cast as autocast does and runs PEFT's forward, with a log line."""
+    model = _model(device)
+    o_proj = _layer(model).self_attn.o_proj
+    o_proj.lora_A["default"].double()
+    o_proj.lora_B["default"].double()
+    x = testing.random_tensor((2, 3, HIDDEN), torch.float32, device, seed=8)
+    autocast = torch.autocast(torch.device(device).type, dtype=torch.bfloat16)
+    with autocast, torch.no_grad():
+        want = _o(model, x)[0]
+    fk.lora.patch(model)
+    with caplog.at_level(logging.INFO, logger="fk.lora"), autocast, torch.no_grad():
+        got = _o(model, x)[0]
+    fk.lora.unpatch(model)
+    assert torch.equal(got, want)
+    assert any("lora_A dtype torch.float64 under autocast" in r.getMessage() for r in caplog.records)
