@@ -151,7 +151,40 @@ def test_dropout_uses_the_global_generator_like_peft(device: str) -> None:
     assert not torch.allclose(lora_linear(x, w, b, a, bb, 2.0, 0.4, lb), want)
 
 
-def test_compile_fullgraph_matches_eager(device: str) -> None:
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16], ids=dtype_name)
+def test_autocast_casts_like_autocast(device: str, x_dtype: torch.dtype) -> None:
+    """Under bf16 autocast with fp32 weights, :func:`lora_linear` and :func:`lora_mlp` compute what
+    their references (PEFT's forward in plain PyTorch) compute under the same autocast: bf16
+    outputs, the same dropout masks (drawn on ``x`` cast to fp32), gradients in the leaves' dtypes.
+    """
+    args = _linear_args(torch.float32, device, train_base=True)
+    args[0] = args[0].detach().to(x_dtype).requires_grad_()
+    g = _linear_args(torch.float32, device, n=INTER, seed=10)
+    u = _linear_args(torch.float32, device, n=INTER, seed=20)
+    d = _linear_args(torch.float32, device, n=K, k=INTER, seed=30)
+    mlp_parts = [LoRAWeights(*p[1:5], 0.5, 0.3, p[5]) for p in (g, u, d)]
+    leaves = [t for t in args if t is not None and t.requires_grad]
+    leaves += [t for p in mlp_parts for t in p if isinstance(t, torch.Tensor) and t.requires_grad]
+
+    def run(linear: Any, mlp: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        torch.manual_seed(7)
+        with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
+            outs = [linear(*args[:5], 2.0, 0.3, args[5]), mlp(args[0], *mlp_parts)]
+        dys = [testing.random_tensor(o.shape, torch.float32, device, seed=3 + i).to(o.dtype) for i, o in enumerate(outs)]  # fmt: skip
+        return outs, list(torch.autograd.grad(outs, leaves, dys))
+
+    got, got_grads = run(lora_linear, lora_mlp)
+    want, want_grads = run(lora_linear_ref, lora_mlp_ref)
+    assert got[0].dtype == got[1].dtype == torch.bfloat16
+    for a, w in zip(got + got_grads, want + want_grads, strict=True):
+        a, w = a.detach(), w.detach()
+        assert a.dtype == w.dtype, (a.dtype, w.dtype)
+        # bf16 matmuls on both sides, summed in other orders: a few bf16 rounding steps apart
+        torch.testing.assert_close(a.float(), w.float(), rtol=0.0, atol=0.03 * float(w.abs().max()))
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["plain", "bf16_autocast"])
+def test_compile_fullgraph_matches_eager(device: str, autocast: bool) -> None:
     lin = _linear_args(torch.float32, device, n=48)
     kv = _linear_args(torch.float32, device, n=24, seed=30)
     g = _linear_args(torch.float32, device, n=INTER, seed=0)
@@ -165,9 +198,11 @@ def test_compile_fullgraph_matches_eager(device: str) -> None:
     v_parts = LoRAWeights(kv[1].detach().clone(), None, kv[3].detach().clone(), kv[4].detach().clone(), 0.5)
 
     def loss(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *mlp_lora: torch.Tensor) -> torch.Tensor:
-        q, k, v = lora_qkv(x, q_parts._replace(lora_A=a, lora_B=b), k_parts, v_parts)
-        parts = [LoRAWeights(p[1], p[2], mlp_lora[2 * i], mlp_lora[2 * i + 1], 2.0) for i, p in enumerate((g, u, d))]
-        h = lora_mlp(x, *parts)
+        with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=autocast):
+            q, k, v = lora_qkv(x, q_parts._replace(lora_A=a, lora_B=b), k_parts, v_parts)
+            parts = [LoRAWeights(p[1], p[2], mlp_lora[2 * i], mlp_lora[2 * i + 1], 2.0) for i, p in enumerate((g, u, d))]  # fmt: skip
+            h = lora_mlp(x, *parts)
+        q, k, v, h = (t.float() for t in (q, k, v, h))
         return q.square().sum() + (k * v).sum() + h.square().sum()
 
     testing.assert_compile_matches_eager(loss, leaves)

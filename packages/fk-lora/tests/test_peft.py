@@ -87,8 +87,16 @@ def _compare(
     *,
     seed: int = 5,
     floors: dict[torch.dtype, float] | None = None,
+    autocast: torch.dtype | None = None,
 ) -> None:
-    """fk (patched) and PEFT on ``model``, against float64 PEFT replaying PEFT's dropout masks."""
+    """fk (patched) and PEFT on ``model``, against float64 PEFT replaying PEFT's dropout masks.
+
+    ``autocast``: fk and PEFT run under ``torch.autocast`` with this dtype (the float64 reference
+    without it).
+    """
+    reference_fn = fn
+    if autocast is not None:
+        fn = _under_autocast(fn, autocast)
     reference = copy.deepcopy(model).to(device="cpu", dtype=torch.float64)
     masks: dict[str, torch.Tensor] = {}
     hooks = [
@@ -106,9 +114,11 @@ def _compare(
     assert report.n_patched
     try:
         fk_out, fk_grads = _run(model, fn, x, seed)
+        fallbacks = {n: m.__dict__["_fk_lora_logged"] for n, m in model.named_modules() if m.__dict__.get("_fk_lora_logged")}  # fmt: skip
+        assert not fallbacks, f"fk.lora ran PEFT's forward: {fallbacks}"
     finally:
         fk.lora.unpatch(model)
-    ref_out, ref_grads = _run(reference, fn, x.to("cpu", torch.float64), seed)
+    ref_out, ref_grads = _run(reference, reference_fn, x.to("cpu", torch.float64), seed)
 
     names = [f"output{i}" for i in range(len(fk_out))] + ["grad of x"]
     names += [f"grad of {n}" for n, p in model.named_parameters() if p.requires_grad]
@@ -119,6 +129,16 @@ def _compare(
             continue
         assert r is not None and a.dtype == b.dtype, f"{name}: dtype {a.dtype}, PEFT's {b.dtype}"
         testing.assert_close(a, r, b, name=name, floor=floors.get(a.dtype))
+
+
+def _under_autocast(
+    fn: Callable[[nn.Module, torch.Tensor], Sequence[torch.Tensor]], dtype: torch.dtype
+) -> Callable[[nn.Module, torch.Tensor], Sequence[torch.Tensor]]:
+    def run(model: nn.Module, x: torch.Tensor) -> Sequence[torch.Tensor]:
+        with torch.autocast(x.device.type, dtype=dtype):
+            return fn(model, x)
+
+    return run
 
 
 def _qkv(model: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
@@ -167,6 +187,65 @@ def test_variants_match_peft(device: str, variant: str) -> None:
     model = _model(device, dropout=0.25, **VARIANTS[variant])
     x = testing.random_tensor((2, 5, HIDDEN), torch.float32, device, seed=2)
     _compare(model, lambda m, x: [*_qkv(m, x), *_mlp(m, x), *_o(m, x)], x)
+
+
+AUTOCAST_CASES = {
+    "fp32_model": (torch.float32, False, torch.float32),  # HF Trainer bf16=True: fp32 weights
+    "fp32_model_bf16_input": (torch.float32, False, torch.bfloat16),  # o_proj, down_proj's inputs
+    "bf16_model_lora_fp32": (torch.bfloat16, True, torch.bfloat16),
+}
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.25], ids=["no_dropout", "dropout"])
+@pytest.mark.parametrize("case", list(AUTOCAST_CASES))
+@pytest.mark.parametrize("block", ["qkv", "o", "mlp"])
+def test_layers_match_peft_under_bf16_autocast(device: str, block: str, case: str, dropout: float) -> None:
+    """Under ``torch.autocast(dtype=bf16)`` fk casts as autocast does: every matmul in bf16, the
+    output in bf16, the dropout drawn on the input cast to the LoRA weights' dtype, as PEFT's."""
+    dtype, lora_fp32, x_dtype = AUTOCAST_CASES[case]
+    model = _model(device, dtype, lora_fp32=lora_fp32, dropout=dropout)
+    x = testing.random_tensor((2, 5, HIDDEN), x_dtype, device, seed=1)
+    # fp32 gradients computed by bf16 matmuls (fk sums dx's terms in bf16, PEFT in x's dtype)
+    floors = {torch.float32: testing.FLOOR[torch.bfloat16]}
+    _compare(model, {"qkv": _qkv, "o": _o, "mlp": _mlp}[block], x, floors=floors, autocast=torch.bfloat16)
+
+
+@pytest.mark.parametrize("autocast", [torch.bfloat16, torch.float16], ids=dtype_name)
+def test_variants_match_peft_under_autocast(device: str, autocast: torch.dtype) -> None:
+    model = _model(device, dropout=0.25, **VARIANTS["rslora_lora_bias_trainable_base_bias"])
+    x = testing.random_tensor((2, 5, HIDDEN), torch.float32, device, seed=2)
+    floors = {torch.float32: testing.FLOOR[autocast]}
+    fn = lambda m, x: [*_qkv(m, x), *_mlp(m, x), *_o(m, x)]  # noqa: E731
+    _compare(model, fn, x, floors=floors, autocast=autocast)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "gradient_checkpointing"])
+def test_autocast_takes_the_fused_path_on_a_model(
+    device: str, checkpointing: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A whole fp32 model under bf16 autocast (what HF Trainer's ``bf16=True`` does): no fallback,
+    and loss and gradients as PEFT's under the same autocast, to bf16's precision."""
+    model = _model(device, dropout=0.1, layers=2)
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(0)).to(device)
+    autocast = torch.autocast(torch.device(device).type, dtype=torch.bfloat16)
+    with autocast:
+        want_loss, want_grads = _loss(model, ids, seed=3)
+    report = fk.lora.patch(model)
+    assert report.n_patched == 2 * 3 and not report.skipped
+    try:
+        with caplog.at_level(logging.INFO, logger="fk.lora"), autocast:
+            got_loss, got_grads = _loss(model, ids, seed=3)
+    finally:
+        fk.lora.unpatch(model)
+    # every patched forward either fuses or logs why it ran PEFT's
+    assert not [r.getMessage() for r in caplog.records if "runs PEFT's forward" in r.getMessage()]
+    torch.testing.assert_close(got_loss, want_loss, rtol=2e-2, atol=2e-2)
+    for g, w in zip(got_grads, want_grads, strict=True):
+        assert g.dtype == w.dtype == torch.float32
+        scale = float(w.abs().max())
+        torch.testing.assert_close(g, w, rtol=0.0, atol=0.05 * scale)
 
 
 def _loss(model: nn.Module, ids: torch.Tensor, seed: int) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
@@ -266,3 +345,22 @@ def test_patch_twice_is_one_patch(device: str, dtype: torch.dtype) -> None:
     assert first == second
     assert fk.lora.unpatch(model) == first.n_patched - len(first.qkv) + sum(len(g) for g in first.qkv)
     assert all("forward" not in m.__dict__ for m in model.modules())
+
+
+def test_float64_lora_weights_under_autocast_fall_back(device: str, caplog: pytest.LogCaptureFixture) -> None:
+    """Autocast leaves float64 operands alone, so PEFT's LoRA branch then runs in float64: fk.lora
+    cannot cast as autocast does and runs PEFT's forward, with a log line."""
+    model = _model(device)
+    o_proj = _layer(model).self_attn.o_proj
+    o_proj.lora_A["default"].double()
+    o_proj.lora_B["default"].double()
+    x = testing.random_tensor((2, 3, HIDDEN), torch.float32, device, seed=8)
+    autocast = torch.autocast(torch.device(device).type, dtype=torch.bfloat16)
+    with autocast, torch.no_grad():
+        want = _o(model, x)[0]
+    fk.lora.patch(model)
+    with caplog.at_level(logging.INFO, logger="fk.lora"), autocast, torch.no_grad():
+        got = _o(model, x)[0]
+    fk.lora.unpatch(model)
+    assert torch.equal(got, want)
+    assert any("lora_A dtype torch.float64 under autocast" in r.getMessage() for r in caplog.records)

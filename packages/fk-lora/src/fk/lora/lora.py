@@ -19,6 +19,14 @@ layer's). ``A`` and ``B`` may be kept in another dtype (fp32 LoRA weights with b
 (the rank-sized ``xa`` and ``B`` are cast, never the activations) and the LoRA gradients are
 returned in the LoRA weights' dtype.
 
+Autocast: under ``torch.autocast`` enabled for ``x``'s device, the functions compute what PEFT's
+``lora.Linear`` computes under the same autocast. ``W``, ``b``, ``A``, ``B`` and ``c`` are cast to
+autocast's dtype (autograd carries their gradients back through the casts, as through autocast's
+own), the base matmul runs on ``x`` cast to that dtype, the dropout is drawn on ``x`` cast to the
+LoRA weights' own dtype (PEFT's ``_cast_input_dtype``) and its result is cast to autocast's dtype
+for ``A``. Every matmul then runs in autocast's dtype, the output has that dtype, and ``dx`` is
+returned in ``x``'s. The fused functions themselves run with autocast disabled.
+
 This file holds, in order: the references, the launchers (forward and backward of a group of
 projections that share their input, and of a gated MLP, as ``torch.autograd.Function``\\ s; the
 matmuls are PyTorch's, the MLP's activation is fk.glu's Triton kernel), and the functional API
@@ -27,6 +35,7 @@ matmuls are PyTorch's, the MLP's activation is fk.glu's Triton kernel), and the 
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any, NamedTuple
 
@@ -111,6 +120,9 @@ def lora_mlp_ref(
 #   dW      = dy^T x2                            [N, K]   only when W requires grad
 #   db      = sum_rows(dy)                       [N]      only when b requires grad
 #   dx      = dy W + s (G A) * m / (1 - p)       [M, K]
+# Under autocast, W, b, A, B and c_bias arrive cast to autocast's dtype, which is then c: x2 is cast
+# to c for the base matmul (and recast in the backward for dW), the LoRA branch casts x2 to lora_A's
+# own dtype for the dropout and the result to c, and dx is formed in c and cast to x's dtype.
 # For projections that share x (q, k, v; gate, up), dx is one buffer: the first dy W is an mm,
 # every other term is accumulated into it (addmm_ without dropout; with dropout the masked term
 # G A is formed once per projection and added with its mask).
@@ -170,6 +182,7 @@ def _act_bwd(
 
 def _proj_fwd(
     x2: torch.Tensor,
+    xc: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     lora_A: torch.Tensor,
@@ -177,16 +190,25 @@ def _proj_fwd(
     lora_bias: torch.Tensor | None,
     scaling: float,
     p: float,
+    dd: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """One projection of ``x2`` ``[M, K]``: (y ``[M, N]``, xa ``[M, r]``, dropout mask or None)."""
-    xl = x2 if x2.dtype == lora_A.dtype else x2.to(lora_A.dtype)
+    """One projection of ``x2`` ``[M, K]``: (y ``[M, N]``, xa ``[M, r]``, dropout mask or None).
+
+    ``xc`` is ``x2`` in the weight's dtype (``x2`` itself outside autocast); ``dd`` the dtype the
+    dropout is drawn in (``lora_A``'s own, before any autocast cast).
+    """
+    xl = x2 if x2.dtype == dd else x2.to(dd)
+    if p == 0 and xl is x2 and lora_A.dtype == xc.dtype:
+        xl = xc  # (autocast, no dropout: the base matmul's cast of x serves the LoRA branch too)
     mask = None
     if p > 0:
         xl, mask = torch.native_dropout(xl, p, True)
+    if xl.dtype != lora_A.dtype:
+        xl = xl.to(lora_A.dtype)
     xa = torch.mm(xl, lora_A.t())
     del xl
-    y = torch.mm(x2, weight.t()) if bias is None else torch.addmm(bias, x2, weight.t())
-    c = x2.dtype
+    y = torch.mm(xc, weight.t()) if bias is None else torch.addmm(bias, xc, weight.t())
+    c = xc.dtype
     y.addmm_(xa.to(c), lora_B.to(c).t(), alpha=scaling)
     if lora_bias is not None:
         y.add_(lora_bias.to(c), alpha=scaling)
@@ -201,6 +223,7 @@ def _masked(t: torch.Tensor, mask: torch.Tensor, p: float) -> torch.Tensor:
 def _proj_bwd(
     dy: torch.Tensor,
     x2: torch.Tensor,
+    xc: torch.Tensor | None,
     weight: torch.Tensor,
     lora_A: torch.Tensor,
     lora_B: torch.Tensor,
@@ -208,19 +231,22 @@ def _proj_bwd(
     mask: torch.Tensor | None,
     scaling: float,
     p: float,
+    dd: torch.dtype,
     needs: tuple[bool, bool, bool, bool, bool, bool],
     dx: torch.Tensor | None,
 ) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
     """Backward of :func:`_proj_fwd` (see the math above).
 
-    ``needs`` = (dx, dW, db, dA, dB, dlora_bias). ``dx`` is the accumulation buffer (None: this is
-    the first term). Returns (dx, [dW, db, dA, dB, dlora_bias]).
+    ``needs`` = (dx, dW, db, dA, dB, dlora_bias). ``xc``: ``x2`` in ``dy``'s dtype, needed only for
+    dW (``x2`` itself outside autocast). ``dx`` is the accumulation buffer (None: this is the
+    first term), in ``dy``'s dtype. Returns (dx, [dW, db, dA, dB, dlora_bias]).
     """
     need_dx, need_dw, need_db, need_da, need_dbb, need_dlb = needs
     c = dy.dtype
     grads: list[torch.Tensor | None] = [None] * 5
     if need_dw:
-        grads[0] = torch.mm(dy.t(), x2).to(weight.dtype)
+        assert xc is not None
+        grads[0] = torch.mm(dy.t(), xc).to(weight.dtype)
     if need_db or need_dlb:
         col_sum = dy.sum(0, dtype=torch.float32)
         if need_db:
@@ -232,7 +258,11 @@ def _proj_bwd(
     if need_da or need_dx:
         gs = torch.mm(dy, lora_B.to(c)) * scaling  # s G, [M, r]
         if need_da:
-            xd = x2 if mask is None else _masked(x2, mask, p)
+            if x2.dtype == c:
+                xd = x2 if mask is None else _masked(x2, mask, p)
+            else:  # autocast: the LoRA input as the forward formed it, dropped in dd, then cast to c
+                xd = x2 if x2.dtype == dd else x2.to(dd)
+                xd = (xd if mask is None else _masked(xd, mask, p)).to(c)
             grads[2] = torch.mm(gs.t(), xd).to(lora_A.dtype)
             del xd
         if need_dx:
@@ -245,23 +275,48 @@ def _proj_bwd(
     return dx, grads
 
 
+def _cast_if_needed(x2: torch.Tensor, dtype: torch.dtype, needed: bool) -> torch.Tensor | None:
+    """``x2`` in ``dtype`` (``x2`` itself when it has it; None when not ``needed``)."""
+    if x2.dtype == dtype:
+        return x2
+    return x2.to(dtype) if needed else None
+
+
+def _autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
+    """Autocast's dtype when autocast is enabled for ``x``'s device, else None."""
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return None
+
+
+def _autocast_off(device_type: str) -> Any:
+    """A context that disables autocast for ``device_type`` where it is enabled (else a no-op)."""
+    if torch.is_autocast_enabled(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
+
+
 _SLOTS = 5  # tensors per projection: weight, bias, lora_A, lora_B, lora_bias
 
 
 class _LoRAProjections(torch.autograd.Function):
     """``len(config)`` LoRA projections of one input ``x``: returns one output per projection.
 
-    ``config`` is a tuple of ``(scaling, dropout_p)`` per projection; ``params`` holds, per
-    projection, ``weight, bias, lora_A, lora_B, lora_bias`` (None where absent).
+    ``config`` is a tuple of ``(scaling, dropout_p, dropout dtype)`` per projection; ``params``
+    holds, per projection, ``weight, bias, lora_A, lora_B, lora_bias`` (None where absent). The
+    weights share one dtype, the compute dtype; ``x`` may have another (autocast): it is cast.
     """
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, config: tuple[tuple[float, float], ...], *params: Any) -> Any:
+    def forward(ctx: Any, x: torch.Tensor, config: tuple[tuple[float, float, torch.dtype], ...], *params: Any) -> Any:
         x2 = x.reshape(-1, x.shape[-1])
+        c = params[0].dtype
+        xc = x2 if x2.dtype == c else x2.to(c)
         outs, xas, masks = [], [], []
-        for i, (s, p) in enumerate(config):
+        for i, (s, p, dd) in enumerate(config):
             w, b, a, bb, lb = params[_SLOTS * i : _SLOTS * (i + 1)]
-            y, xa, mask = _proj_fwd(x2, w, b, a, bb, lb, s, p)
+            y, xa, mask = _proj_fwd(x2, xc, w, b, a, bb, lb, s, p, dd)
             outs.append(y.view(*x.shape[:-1], y.shape[-1]))
             xas.append(xa)
             masks.append(mask)
@@ -277,39 +332,44 @@ class _LoRAProjections(torch.autograd.Function):
         saved = ctx.saved_tensors
         x, weights, xas, masks = saved[0], saved[1 : 1 + 3 * n], saved[1 + 3 * n : 1 + 4 * n], saved[1 + 4 * n :]
         x2 = x.reshape(-1, x.shape[-1])
+        c = weights[0].dtype
+        xc = _cast_if_needed(x2, c, any(ctx.needs_input_grad[2::_SLOTS]))
         need_dx = ctx.needs_input_grad[0]
         dx = None
         grads: list[torch.Tensor | None] = []
-        for i, (s, p) in enumerate(ctx.config):
-            needs = ctx.needs_input_grad[2 + _SLOTS * i : 2 + _SLOTS * (i + 1)]
-            if dys[i] is None:
-                grads += [None] * _SLOTS
-                continue
-            dy = dys[i].reshape(-1, dys[i].shape[-1])
-            w, a, b = weights[3 * i : 3 * i + 3]
-            dx, g = _proj_bwd(dy, x2, w, a, b, xas[i], masks[i], s, p, (need_dx, *needs), dx)
-            grads += g
+        with _autocast_off(x.device.type):
+            for i, (s, p, dd) in enumerate(ctx.config):
+                needs = ctx.needs_input_grad[2 + _SLOTS * i : 2 + _SLOTS * (i + 1)]
+                if dys[i] is None:
+                    grads += [None] * _SLOTS
+                    continue
+                dy = dys[i].reshape(-1, dys[i].shape[-1])
+                w, a, b = weights[3 * i : 3 * i + 3]
+                dx, g = _proj_bwd(dy, x2, xc, w, a, b, xas[i], masks[i], s, p, dd, (need_dx, *needs), dx)
+                grads += g
         if dx is not None:
-            dx = dx.view(x.shape)
+            dx = dx.view(x.shape).to(x.dtype)
         return (dx, None, *grads)
 
 
 class _LoRAMLP(torch.autograd.Function):
     """``down(act(gate(x)) * up(x))`` with three LoRA projections; ``act`` is fk.glu's kernel.
 
-    ``config`` = ``(act, (s, p) of gate, (s, p) of up, (s, p) of down)``; ``params`` as in
-    :class:`_LoRAProjections`, gate then up then down.
+    ``config`` = ``(act, (s, p, dd) of gate, (s, p, dd) of up, (s, p, dd) of down)``; ``params``
+    as in :class:`_LoRAProjections`, gate then up then down.
     """
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, config: tuple[Any, ...], *params: Any) -> Any:
-        act, (sg, pg), (su, pu), (sd, pd) = config
+        act, (sg, pg, dg), (su, pu, du), (sd, pd, dd) = config
         x2 = x.reshape(-1, x.shape[-1])
         wg, bg, ag, bbg, lbg, wu, bu, au, bbu, lbu, wd, bd, ad, bbd, lbd = params
-        gate, xa_g, m_g = _proj_fwd(x2, wg, bg, ag, bbg, lbg, sg, pg)
-        up, xa_u, m_u = _proj_fwd(x2, wu, bu, au, bbu, lbu, su, pu)
+        xc = x2 if x2.dtype == wg.dtype else x2.to(wg.dtype)
+        gate, xa_g, m_g = _proj_fwd(x2, xc, wg, bg, ag, bbg, lbg, sg, pg, dg)
+        up, xa_u, m_u = _proj_fwd(x2, xc, wu, bu, au, bbu, lbu, su, pu, du)
+        del xc
         h = _act_fwd(gate, up, act)
-        y, xa_d, m_d = _proj_fwd(h, wd, bd, ad, bbd, lbd, sd, pd)
+        y, xa_d, m_d = _proj_fwd(h, h, wd, bd, ad, bbd, lbd, sd, pd, dd)
         del h  # recomputed in the backward
         ctx.save_for_backward(x, gate, up, wg, ag, bbg, wu, au, bbu, wd, ad, bbd, xa_g, xa_u, xa_d, m_g, m_u, m_d)
         ctx.config = config
@@ -317,14 +377,19 @@ class _LoRAMLP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> Any:
-        act, (sg, pg), (su, pu), (sd, pd) = ctx.config
+        with _autocast_off(dy.device.type):
+            return _LoRAMLP._backward(ctx, dy)
+
+    @staticmethod
+    def _backward(ctx: Any, dy: torch.Tensor) -> Any:
+        act, (sg, pg, dg), (su, pu, du), (sd, pd, dd) = ctx.config
         x, gate, up, wg, ag, bg, wu, au, bu, wd, ad, bd, xa_g, xa_u, xa_d, m_g, m_u, m_d = ctx.saved_tensors
         needs = ctx.needs_input_grad
         need_dx = needs[0]
         need_gu = need_dx or any(needs[2:12])
         dy2 = dy.reshape(-1, dy.shape[-1])
         h = _act_fwd(gate, up, act)
-        dh, grads_d = _proj_bwd(dy2, h, wd, ad, bd, xa_d, m_d, sd, pd, (need_gu, *needs[12:17]), None)
+        dh, grads_d = _proj_bwd(dy2, h, h, wd, ad, bd, xa_d, m_d, sd, pd, dd, (need_gu, *needs[12:17]), None)
         del h
         grads_g: list[torch.Tensor | None] = [None] * _SLOTS
         grads_u: list[torch.Tensor | None] = [None] * _SLOTS
@@ -336,10 +401,11 @@ class _LoRAMLP(torch.autograd.Function):
                 torch.autograd.graph.increment_version(gate)
                 torch.autograd.graph.increment_version(up)
             x2 = x.reshape(-1, x.shape[-1])
-            dx, grads_g = _proj_bwd(dgate, x2, wg, ag, bg, xa_g, m_g, sg, pg, (need_dx, *needs[2:7]), None)
-            dx, grads_u = _proj_bwd(dup, x2, wu, au, bu, xa_u, m_u, su, pu, (need_dx, *needs[7:12]), dx)
+            xc = _cast_if_needed(x2, wg.dtype, needs[2] or needs[7])
+            dx, grads_g = _proj_bwd(dgate, x2, xc, wg, ag, bg, xa_g, m_g, sg, pg, dg, (need_dx, *needs[2:7]), None)
+            dx, grads_u = _proj_bwd(dup, x2, xc, wu, au, bu, xa_u, m_u, su, pu, du, (need_dx, *needs[7:12]), dx)
         if dx is not None:
-            dx = dx.view(x.shape)
+            dx = dx.view(x.shape).to(x.dtype)
         return (dx, None, *grads_g, *grads_u, *grads_d)
 
 
@@ -375,8 +441,12 @@ def _check_optional_vector(name: str, t: object, n: int, like_name: str, like: t
     validate.check_shape(name, t, (n,))
 
 
-def _check_parts(prefix: str, x: torch.Tensor, parts: object) -> tuple[tuple[float, float], list[Any]]:
-    """Validate one projection's parameters against ``x``; returns ((scaling, p), flat params)."""
+def _check_parts(
+    prefix: str, x: torch.Tensor, parts: object, cast: torch.dtype | None = None
+) -> tuple[tuple[float, float, torch.dtype], list[Any]]:
+    """Validate one projection's parameters against ``x``; returns ((scaling, p, dropout dtype),
+    flat params). ``cast``: autocast's dtype, which the base weight need not have; the parameters
+    are returned cast to it (None: outside autocast, the base weight must have ``x``'s dtype)."""
     if not isinstance(parts, tuple) or len(parts) not in (5, 6, 7):
         raise TypeError(f"{prefix or 'parts'} must be a LoRAWeights (or a tuple of its 5 to 7 fields), got {type(parts).__name__}")  # fmt: skip
     w, b, a, bb, s, *rest = parts
@@ -388,7 +458,8 @@ def _check_parts(prefix: str, x: torch.Tensor, parts: object) -> tuple[tuple[flo
         validate.check_dtype(name, t)
         validate.check_same_device(name, t, "x", x)
         validate.check_ndim(name, t, 2)
-    validate.check_same_dtype(names[0], w, "x", x)
+    if cast is None:
+        validate.check_same_dtype(names[0], w, "x", x)
     validate.check_same_dtype(names[3], bb, names[2], a)
     n_out, k = w.shape
     r = a.shape[0]
@@ -399,7 +470,16 @@ def _check_parts(prefix: str, x: torch.Tensor, parts: object) -> tuple[tuple[flo
     _check_optional_vector(names[6], lb, n_out, names[3], bb)
     scaling = _check_scalar(names[4], s)
     p = _check_scalar(names[5], p, low=0.0, high=1.0)
-    return (scaling, p), [w, b, a, bb, lb]
+    params = [w, b, a, bb, lb]
+    if cast is not None:  # as autocast casts each F.linear's operands (autograd sees the casts)
+        params = [t if t is None or t.dtype == cast else t.to(cast) for t in params]
+    return (scaling, p, a.dtype), params
+
+
+def _apply(fn: Any, x: torch.Tensor, config: tuple[Any, ...], params: list[Any]) -> Any:
+    """``fn.apply(x, config, *params)`` with autocast disabled (the operands are already cast)."""
+    with _autocast_off(x.device.type):
+        return fn.apply(x, config, *params)
 
 
 def _check_x(x: object) -> torch.Tensor:
@@ -425,8 +505,8 @@ def lora_linear(
 
     Args:
         x: ``(..., K)``, fp32/fp16/bf16.
-        base_weight: ``[N, K]``, dtype of ``x``; no gradient, buffer or FLOP is spent on it when
-            it does not require grad (the usual frozen base).
+        base_weight: ``[N, K]``, dtype of ``x`` (any float dtype under autocast); no gradient,
+            buffer or FLOP is spent on it when it does not require grad (the usual frozen base).
         base_bias: ``[N]`` or None, dtype of ``base_weight``; frozen or trainable.
         lora_A: ``[r, K]``; ``lora_B``: ``[N, r]``, both of one float dtype (may differ from ``x``'s).
         scaling: ``alpha / r`` (``alpha / sqrt(r)`` for rsLoRA).
@@ -434,11 +514,13 @@ def lora_linear(
             drawn from the global generator as PEFT's ``nn.Dropout`` draws it. Pass 0 in eval mode.
         lora_bias: ``[N]`` or None, dtype of ``lora_B``: ``lora_B``'s bias (PEFT ``lora_bias=True``).
 
-    Returns ``(..., N)`` in ``x``'s dtype.
+    Returns ``(..., N)`` in ``x``'s dtype, or in autocast's dtype under autocast (then
+    ``base_weight`` may have any float dtype; see the module docstring).
     """
     x = _check_x(x)
-    cfg, params = _check_parts("", x, (base_weight, base_bias, lora_A, lora_B, scaling, dropout_p, lora_bias))
-    (y,) = _LoRAProjections.apply(x, (cfg,), *params)
+    cast = _autocast_dtype(x)
+    cfg, params = _check_parts("", x, (base_weight, base_bias, lora_A, lora_B, scaling, dropout_p, lora_bias), cast)
+    (y,) = _apply(_LoRAProjections, x, (cfg,), params)
     return y
 
 
@@ -452,12 +534,13 @@ def lora_projections(x: torch.Tensor, *parts: LoRAWeights) -> tuple[torch.Tensor
     x = _check_x(x)
     if not parts:
         raise ValueError("lora_projections needs at least one LoRAWeights")
+    cast = _autocast_dtype(x)
     configs, flat = [], []
     for i, p in enumerate(parts):
-        cfg, params = _check_parts(f"parts[{i}].", x, p)
+        cfg, params = _check_parts(f"parts[{i}].", x, p, cast)
         configs.append(cfg)
         flat += params
-    return tuple(_LoRAProjections.apply(x, tuple(configs), *flat))
+    return tuple(_apply(_LoRAProjections, x, tuple(configs), flat))
 
 
 def lora_qkv(
@@ -470,12 +553,13 @@ def lora_qkv(
     attention forward calls the three modules.
     """
     x = _check_x(x)
+    cast = _autocast_dtype(x)
     cfgs, flat = [], []
     for name, parts in (("q_parts", q_parts), ("k_parts", k_parts), ("v_parts", v_parts)):
-        cfg, params = _check_parts(f"{name}.", x, parts)
+        cfg, params = _check_parts(f"{name}.", x, parts, cast)
         cfgs.append(cfg)
         flat += params
-    q, k, v = _LoRAProjections.apply(x, tuple(cfgs), *flat)
+    q, k, v = _apply(_LoRAProjections, x, tuple(cfgs), flat)
     return q, k, v
 
 
@@ -495,11 +579,12 @@ def lora_mlp(
     """
     x = _check_x(x)
     act = _resolve_mlp_activation(activation)
-    cfg_g, pg = _check_parts("gate_parts.", x, gate_parts)
-    cfg_u, pu = _check_parts("up_parts.", x, up_parts)
+    cast = _autocast_dtype(x)
+    cfg_g, pg = _check_parts("gate_parts.", x, gate_parts, cast)
+    cfg_u, pu = _check_parts("up_parts.", x, up_parts, cast)
     n_inter = pg[0].shape[0]
     if pu[0].shape[0] != n_inter:
         raise ValueError(f"up_parts.weight must have {n_inter} rows (gate_parts.weight's), got shape {tuple(pu[0].shape)}")  # fmt: skip
-    h_like = x.new_empty((1, n_inter)) if x.ndim else x
-    cfg_d, pd = _check_parts("down_parts.", h_like, down_parts)
-    return _LoRAMLP.apply(x, (act, cfg_g, cfg_u, cfg_d), *pg, *pu, *pd)
+    h_like = x.new_empty((1, n_inter), dtype=pg[0].dtype) if x.ndim else x
+    cfg_d, pd = _check_parts("down_parts.", h_like, down_parts, cast)
+    return _apply(_LoRAMLP, x, (act, cfg_g, cfg_u, cfg_d), [*pg, *pu, *pd])

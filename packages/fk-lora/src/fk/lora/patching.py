@@ -17,7 +17,9 @@ is never rewritten, and :func:`unpatch` removes the attributes again.
 
 At every call the patched forward checks that the module is still plain LoRA: one active adapter,
 not merged, adapters enabled, no LoRA variant (DoRA, ...), a ``torch.nn.Linear`` base layer
-(not a bitsandbytes quantized one), no autocast, the base weight in the input's dtype. Otherwise
+(not a bitsandbytes quantized one), the base weight in the input's dtype (any float dtype under
+autocast, which casts every operand, as fk.lora's functions then do), and PEFT's input dtype
+casting enabled where the LoRA weights' dtype is not the input's. Otherwise
 it runs PEFT's own forward, and says so once per module and reason on the ``fk.lora`` logger.
 Modules that can never take the fused path (quantized, DoRA at patch time) are left alone and
 reported as skipped.
@@ -40,6 +42,7 @@ from fk.lora.lora import LoRAWeights, lora_linear, lora_mlp, lora_projections
 log = logging.getLogger("fk.lora")
 
 _STATE = "_fk_lora_patches"
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 _QKV = ("q_proj", "k_proj", "v_proj")
 _MLP = ("gate_proj", "up_proj", "down_proj")
 
@@ -118,14 +121,16 @@ def _call_parts(module: Any, x: Any) -> LoRAWeights | str:
     else:
         return f"dropout module {type(dropout).__name__}"
     lora_a, lora_b = module.lora_A[name], module.lora_B[name]
-    if not isinstance(x, torch.Tensor) or x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+    if not isinstance(x, torch.Tensor) or x.dtype not in _FLOATS:
         return "input is not a float tensor"
-    if base.weight.dtype != x.dtype:
+    if torch.is_autocast_enabled(x.device.type):  # every operand is cast to autocast's dtype
+        for what, t in (("base weight", base.weight), ("lora_A", lora_a.weight), ("lora_B", lora_b.weight)):
+            if t.dtype not in _FLOATS:
+                return f"{what} dtype {t.dtype} under autocast (autocast casts fp32, fp16 and bf16 only)"
+    elif base.weight.dtype != x.dtype:
         return f"base weight dtype {base.weight.dtype} differs from the input's {x.dtype}"
     if lora_a.weight.dtype != x.dtype and not getattr(module, "cast_input_dtype_enabled", True):
         return "input dtype casting is disabled"
-    if torch.is_autocast_enabled(x.device.type):
-        return "autocast is enabled"
     return LoRAWeights(
         base.weight,
         base.bias,
