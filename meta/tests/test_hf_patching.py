@@ -18,7 +18,7 @@ import fk.hf
 
 transformers = pytest.importorskip("transformers")
 
-FAMILIES = ["gemma", "gemma2", "gemma3_text", "llama", "mistral", "qwen2", "qwen3"]
+FAMILIES = ["gemma", "gemma2", "gemma3_text", "llama", "mistral", "olmo2", "qwen2", "qwen3"]
 GEMMAS = ["gemma", "gemma2", "gemma3_text"]
 VOCAB, BATCH, SEQ = 300, 2, 16
 TOL = {"rtol": 1e-5, "atol": 1e-5}
@@ -33,8 +33,9 @@ FAMILY_OPTIONS: dict[str, dict[str, Any]] = {
 def _expected_counts(model_type: str, layers: int = 2) -> dict[str, int]:
     """What fk.hf.apply patches in a ``layers``-layer model of the family: its norms (two per
     layer, four with Gemma 2 and 3's sandwich norms, plus per-head q/k norms in Qwen3 and Gemma 3,
-    plus the final norm), one gated MLP and one attention per layer, the causal LM."""
-    per_layer = {"qwen3": 4, "gemma2": 4, "gemma3_text": 6}.get(model_type, 2)
+    OLMo 2's two after attention and MLP plus its q/k norms, plus the final norm), one gated MLP
+    and one attention per layer, the causal LM."""
+    per_layer = {"qwen3": 4, "gemma2": 4, "gemma3_text": 6, "olmo2": 4}.get(model_type, 2)
     mlp = "geglu" if model_type in GEMMAS else "swiglu"
     return {**dict.fromkeys(fk.hf.SWITCHES, 0), "rms_norm": per_layer * layers + 1, mlp: layers, "rope": layers,
             "flce": 1}  # fmt: skip
@@ -307,7 +308,7 @@ def test_save_pretrained_round_trip(device: str, tmp_path: Any) -> None:
         assert torch.equal(loaded.state_dict()[key], value), key
 
 
-@pytest.mark.parametrize("model_type", ["llama", *GEMMAS])
+@pytest.mark.parametrize("model_type", ["llama", *GEMMAS, "olmo2"])
 def test_revert_restores_bit_identical_outputs(model_type: str, device: str) -> None:
     model = _model(model_type, device)
     ids, labels = _batch(device)
@@ -413,7 +414,7 @@ def test_unsupported_model_type_names_the_supported_ones() -> None:
     config = transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=50, n_positions=16)
     model = transformers.GPT2LMHeadModel(config)
     with pytest.raises(
-        ValueError, match=r"'gpt2'.*supported: gemma, gemma2, gemma3_text, llama, mistral, qwen2, qwen3"
+        ValueError, match=r"'gpt2'.*supported: gemma, gemma2, gemma3_text, llama, mistral, olmo2, qwen2, qwen3"
     ):
         fk.hf.apply(model)
     with pytest.raises(TypeError, match=r"config\.model_type"):
