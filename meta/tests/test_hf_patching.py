@@ -18,7 +18,7 @@ import fk.hf
 
 transformers = pytest.importorskip("transformers")
 
-FAMILIES = ["gemma", "gemma2", "gemma3_text", "llama", "mistral", "olmo2", "qwen2", "qwen3"]
+FAMILIES = ["gemma", "gemma2", "gemma3_text", "granite", "llama", "mistral", "olmo2", "qwen2", "qwen3"]
 GEMMAS = ["gemma", "gemma2", "gemma3_text"]
 VOCAB, BATCH, SEQ = 300, 2, 16
 TOL = {"rtol": 1e-5, "atol": 1e-5}
@@ -27,6 +27,13 @@ FAMILY_OPTIONS: dict[str, dict[str, Any]] = {
     # Gemma 3 each has its own rotary table.
     "gemma2": {"sliding_window": 8},
     "gemma3_text": {"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]},
+    # Every multiplier away from 1, the logits' divisor included.
+    "granite": {
+        "embedding_multiplier": 2.0,
+        "residual_multiplier": 0.5,
+        "attention_multiplier": 0.2,
+        "logits_scaling": 4.0,
+    },
 }
 
 
@@ -177,6 +184,23 @@ def test_final_logit_softcapping_honoured(model_type: str, device: str) -> None:
     assert (uncapped - want.loss).abs() > 100 * TOL["atol"]  # dropping the cap would fail the test
 
 
+def test_granite_logits_scaling_honoured(device: str) -> None:
+    """Granite divides its logits by ``config.logits_scaling``: the fused loss (on the hidden states
+    divided by it), its gradients and the logits (when asked for) agree with stock's."""
+    stock = _model("granite", device)
+    patched = copy.deepcopy(stock)
+    fk.hf.apply(patched)
+    ids, labels = _batch(device)
+    want, got = _assert_same_loss_and_grads(stock, patched, input_ids=ids, labels=labels)
+    assert got.logits is None
+    with torch.no_grad():
+        logits = patched(input_ids=ids, labels=labels, skip_logits=False).logits
+        torch.testing.assert_close(logits, want.logits, **TOL)
+        stock.config.logits_scaling = 1.0  # the same weights without the divisor
+        unscaled = stock(input_ids=ids, labels=labels).loss
+    assert (unscaled - want.loss).abs() > 100 * TOL["atol"]  # dropping the divisor would fail the test
+
+
 def test_exact_gelu_mlp_matches_stock(device: str) -> None:
     """A gated MLP with exact (erf) GELU runs fk.glu.geglu(approximate="none")."""
     stock = _model("llama", device, hidden_act="gelu")
@@ -308,7 +332,7 @@ def test_save_pretrained_round_trip(device: str, tmp_path: Any) -> None:
         assert torch.equal(loaded.state_dict()[key], value), key
 
 
-@pytest.mark.parametrize("model_type", ["llama", *GEMMAS, "olmo2"])
+@pytest.mark.parametrize("model_type", ["llama", *GEMMAS, "olmo2", "granite"])
 def test_revert_restores_bit_identical_outputs(model_type: str, device: str) -> None:
     model = _model(model_type, device)
     ids, labels = _batch(device)
@@ -413,9 +437,7 @@ def test_switches_and_reapply(device: str) -> None:
 def test_unsupported_model_type_names_the_supported_ones() -> None:
     config = transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=50, n_positions=16)
     model = transformers.GPT2LMHeadModel(config)
-    with pytest.raises(
-        ValueError, match=r"'gpt2'.*supported: gemma, gemma2, gemma3_text, llama, mistral, olmo2, qwen2, qwen3"
-    ):
+    with pytest.raises(ValueError, match=rf"'gpt2'.*supported: {', '.join(FAMILIES)}"):
         fk.hf.apply(model)
     with pytest.raises(TypeError, match=r"config\.model_type"):
         fk.hf.apply(torch.nn.Linear(2, 2))

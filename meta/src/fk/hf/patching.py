@@ -20,7 +20,8 @@ What each switch replaces (for the families in :mod:`fk.hf.models`):
 - ``flce``: the causal-LM forward computes the loss with :func:`fk.flce.linear_cross_entropy` on
   the final hidden states, without materializing the logits (see :func:`causal_lm_forward`);
   a family whose logits are soft-capped (Gemma 2 and 3) passes ``config.final_logit_softcapping``
-  as the loss's ``softcap``.
+  as the loss's ``softcap``; Granite's logits, divided by ``config.logits_scaling``, come from the
+  hidden states divided by it.
 """
 
 from __future__ import annotations
@@ -67,6 +68,9 @@ class ModelPatch:
     logit_softcapping: bool = False
     """Whether the causal LM soft-caps its logits by ``config.final_logit_softcapping`` (when that
     is not None): ``c * tanh(logits / c)``, before the loss (Gemma 2 and 3)."""
+    logits_scaling: bool = False
+    """Whether the causal LM divides its logits by ``config.logits_scaling`` (Granite): the fused
+    loss then takes the hidden states divided by it (``(h / s) W^T = (h W^T) / s``)."""
 
     def classes(self, names: tuple[str, ...]) -> tuple[type, ...]:
         import importlib
@@ -218,7 +222,8 @@ def causal_lm_forward(
     ``generate``) get their logits as stock. ``skip_logits=True`` without labels raises.
     ``num_items_in_batch``, ``ignore_index`` and ``shift_labels`` are read from ``kwargs`` as
     stock's loss reads them; a family with ``logit_softcapping`` soft-caps the logits by
-    ``config.final_logit_softcapping`` on both paths, as stock; ``return_dict=False`` gives a
+    ``config.final_logit_softcapping`` on both paths, as stock, and one with ``logits_scaling``
+    divides them by ``config.logits_scaling``; ``return_dict=False`` gives a
     tuple, as stock. A head that is not a plain ``nn.Linear`` (see :func:`plain_linear`: a
     LoRA-wrapped or quantized head) always takes the stock path, logits included.
     """
@@ -236,16 +241,19 @@ def causal_lm_forward(
     hidden_states = _keep_last(outputs.last_hidden_state, logits_to_keep)
     patch: ModelPatch = self._fk_hf_patch
     softcap = self.config.final_logit_softcapping if patch.logit_softcapping else None
+    scaling = self.config.logits_scaling if patch.logits_scaling else None
     logits = loss = None
     if skip_logits:
         assert labels is not None
         loss = fused_causal_lm_loss(
-            hidden_states, self.lm_head, labels, shift_labels=kwargs.get("shift_labels"),
+            hidden_states if scaling is None else hidden_states / scaling, self.lm_head, labels, shift_labels=kwargs.get("shift_labels"),
             num_items_in_batch=kwargs.get("num_items_in_batch"), ignore_index=kwargs.get("ignore_index", -100),
             softcap=softcap,
         )  # fmt: skip
     else:
         logits = self.lm_head(hidden_states)
+        if scaling is not None:  # as stock computes it
+            logits = logits / scaling
         if softcap is not None:  # as stock computes it
             logits = torch.tanh(logits / softcap) * softcap
         if labels is not None:
