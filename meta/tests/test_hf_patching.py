@@ -18,7 +18,7 @@ import fk.hf
 
 transformers = pytest.importorskip("transformers")
 
-FAMILIES = ["gemma", "gemma2", "gemma3_text", "granite", "llama", "mistral", "olmo2", "qwen2", "qwen3"]
+FAMILIES = ["gemma", "gemma2", "gemma3_text", "granite", "llama", "mistral", "olmo2", "phi3", "qwen2", "qwen3"]
 GEMMAS = ["gemma", "gemma2", "gemma3_text"]
 VOCAB, BATCH, SEQ = 300, 2, 16
 TOL = {"rtol": 1e-5, "atol": 1e-5}
@@ -34,6 +34,8 @@ FAMILY_OPTIONS: dict[str, dict[str, Any]] = {
         "attention_multiplier": 0.2,
         "logits_scaling": 4.0,
     },
+    # A partial rotary embedding (half of each head rotates), as Phi-4-mini's; special ids in the vocabulary.
+    "phi3": {"partial_rotary_factor": 0.5, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},
 }
 
 
@@ -201,11 +203,13 @@ def test_granite_logits_scaling_honoured(device: str) -> None:
     assert (unscaled - want.loss).abs() > 100 * TOL["atol"]  # dropping the divisor would fail the test
 
 
-def test_exact_gelu_mlp_matches_stock(device: str) -> None:
-    """A gated MLP with exact (erf) GELU runs fk.glu.geglu(approximate="none")."""
-    stock = _model("llama", device, hidden_act="gelu")
+@pytest.mark.parametrize("model_type", ["llama", "phi3"])
+def test_exact_gelu_mlp_matches_stock(model_type: str, device: str) -> None:
+    """A gated MLP with exact (erf) GELU runs fk.glu.geglu(approximate="none") (Phi-3's fused
+    ``gate_up_proj``: fk.glu.geglu_fused)."""
+    stock = _model(model_type, device, hidden_act="gelu")
     patched = copy.deepcopy(stock)
-    assert fk.hf.apply(patched) == {**_expected_counts("llama"), "swiglu": 0, "geglu": 2}
+    assert fk.hf.apply(patched) == {**_expected_counts(model_type), "swiglu": 0, "geglu": 2}
     ids, labels = _batch(device)
     _assert_same_loss_and_grads(stock, patched, input_ids=ids, labels=labels)
 
@@ -332,7 +336,7 @@ def test_save_pretrained_round_trip(device: str, tmp_path: Any) -> None:
         assert torch.equal(loaded.state_dict()[key], value), key
 
 
-@pytest.mark.parametrize("model_type", ["llama", *GEMMAS, "olmo2", "granite"])
+@pytest.mark.parametrize("model_type", ["llama", *GEMMAS, "olmo2", "granite", "phi3"])
 def test_revert_restores_bit_identical_outputs(model_type: str, device: str) -> None:
     model = _model(model_type, device)
     ids, labels = _batch(device)
@@ -403,7 +407,7 @@ def test_logits_when_asked_or_without_labels(device: str) -> None:
             patched(input_ids=ids, skip_logits=True)
 
 
-@pytest.mark.parametrize("model_type", ["llama", "gemma2", "gemma3_text"])
+@pytest.mark.parametrize("model_type", ["llama", "gemma2", "gemma3_text", "phi3"])
 def test_generation_unchanged(model_type: str, device: str) -> None:
     """Greedy decoding with a KV cache (the rotary path at one new position; Gemma's local and
     global layers, its soft-capped logits) gives stock's tokens."""

@@ -9,7 +9,8 @@ What each switch replaces (for the families in :mod:`fk.hf.models`):
 - ``rms_norm``: the forward of each RMSNorm module by :func:`fk.norms.rms_norm` (same weight,
   same epsilon, the family's casting mode and offset).
 - ``swiglu``: the forward of each gated MLP whose activation is SiLU by
-  ``down_proj(fk.glu.swiglu(gate_proj(x), up_proj(x)))``.
+  ``down_proj(fk.glu.swiglu(gate_proj(x), up_proj(x)))``, or, with one fused ``gate_up_proj``
+  (Phi-3), ``down_proj(fk.glu.swiglu_fused(gate_up_proj(x)))``.
 - ``geglu``: the same for gated MLPs whose activation is GELU (tanh-approximated, as Gemma's
   ``gelu_pytorch_tanh``, or exact) with :func:`fk.glu.geglu`. MLPs with any other activation are
   left alone.
@@ -104,28 +105,34 @@ def swiglu_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
     The gradients of the gate and up projections' outputs are written into their own buffers
     (``inplace_grad=True``): they are intermediate activations nothing else reads.
     """
-    from fk.glu import swiglu
+    from fk.glu import swiglu, swiglu_fused
 
+    if hasattr(self, "gate_up_proj"):  # one fused projection, gate first (Phi-3)
+        return self.down_proj(swiglu_fused(self.gate_up_proj(x), inplace_grad=True))
     return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x), inplace_grad=True))
 
 
 def geglu_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
     """GemmaMLP-style forward with the GELU gate through :func:`fk.glu.geglu` (tanh-approximated or
     exact, as the module's activation is), the gradients written in place as in :func:`swiglu_forward`."""
-    from fk.glu import geglu
+    from fk.glu import geglu, geglu_fused
 
     approximate = "none" if _mlp_activation(self, self._fk_hf_patch) == "gelu" else "tanh"
+    if hasattr(self, "gate_up_proj"):
+        return self.down_proj(geglu_fused(self.gate_up_proj(x), approximate, inplace_grad=True))
     return self.down_proj(geglu(self.gate_proj(x), self.up_proj(x), approximate, inplace_grad=True))
 
 
 def _mlp_activation(module: Any, patch: ModelPatch) -> str | None:
     """What the gated MLP ``module`` computes between its projections: ``"silu"``, ``"gelu_tanh"``
     or ``"gelu"`` (see :data:`fk.glu.HF_ACTIVATIONS`), or None (not a gated MLP, or another
-    activation)."""
+    activation). Its projections are ``gate_proj``, ``up_proj`` and ``down_proj``, or one fused
+    ``gate_up_proj`` (gate in the first half of its outputs, as Phi-3's) and ``down_proj``."""
     from fk.glu import HF_ACTIVATIONS
 
     act = getattr(getattr(module, "config", None), patch.activation_attr, None)
-    has_projections = all(hasattr(module, name) for name in ("gate_proj", "up_proj", "down_proj"))
+    gate_up = hasattr(module, "gate_up_proj") or all(hasattr(module, name) for name in ("gate_proj", "up_proj"))
+    has_projections = gate_up and hasattr(module, "down_proj")
     return HF_ACTIVATIONS.get(act) if has_projections and isinstance(act, str) else None
 
 
