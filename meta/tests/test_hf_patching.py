@@ -18,7 +18,20 @@ import fk.hf
 
 transformers = pytest.importorskip("transformers")
 
-FAMILIES = ["gemma", "gemma2", "gemma3_text", "granite", "llama", "mistral", "olmo2", "phi3", "qwen2", "qwen3"]
+FAMILIES = [
+    "gemma",
+    "gemma2",
+    "gemma3_text",
+    "granite",
+    "llama",
+    "mistral",
+    "mixtral",
+    "olmo2",
+    "phi3",
+    "qwen2",
+    "qwen3",
+    "qwen3_moe",
+]
 GEMMAS = ["gemma", "gemma2", "gemma3_text"]
 VOCAB, BATCH, SEQ = 300, 2, 16
 TOL = {"rtol": 1e-5, "atol": 1e-5}
@@ -36,6 +49,22 @@ FAMILY_OPTIONS: dict[str, dict[str, Any]] = {
     },
     # A partial rotary embedding (half of each head rotates), as Phi-4-mini's; special ids in the vocabulary.
     "phi3": {"partial_rotary_factor": 0.5, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},
+    # Mixtures of experts: top 2 of 4, the load-balancing loss in the loss with a weight that
+    # matters; Qwen3-MoE's second layer a dense MLP.
+    "mixtral": {
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "output_router_logits": True,
+        "router_aux_loss_coef": 0.1,
+    },
+    "qwen3_moe": {
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "mlp_only_layers": [1],
+        "output_router_logits": True,
+        "router_aux_loss_coef": 0.1,
+    },
 }
 
 
@@ -43,10 +72,12 @@ def _expected_counts(model_type: str, layers: int = 2) -> dict[str, int]:
     """What fk.hf.apply patches in a ``layers``-layer model of the family: its norms (two per
     layer, four with Gemma 2 and 3's sandwich norms, plus per-head q/k norms in Qwen3 and Gemma 3,
     OLMo 2's two after attention and MLP plus its q/k norms, plus the final norm), one gated MLP
-    and one attention per layer, the causal LM."""
-    per_layer = {"qwen3": 4, "gemma2": 4, "gemma3_text": 6, "olmo2": 4}.get(model_type, 2)
+    per layer (none where the experts of a mixture replace it), one attention per layer, the
+    causal LM."""
+    per_layer = {"qwen3": 4, "qwen3_moe": 4, "gemma2": 4, "gemma3_text": 6, "olmo2": 4}.get(model_type, 2)
     mlp = "geglu" if model_type in GEMMAS else "swiglu"
-    return {**dict.fromkeys(fk.hf.SWITCHES, 0), "rms_norm": per_layer * layers + 1, mlp: layers, "rope": layers,
+    mlps = {"mixtral": 0, "qwen3_moe": 1}.get(model_type, layers)  # MoE experts stay stock; dense MLPs do not
+    return {**dict.fromkeys(fk.hf.SWITCHES, 0), "rms_norm": per_layer * layers + 1, mlp: mlps, "rope": layers,
             "flce": 1}  # fmt: skip
 
 
@@ -131,8 +162,12 @@ def test_training_steps_match_stock(model_type: str, device: str) -> None:
             losses[name].append(loss.item())
     assert losses["fk"] == pytest.approx(losses["stock"], rel=1e-5, abs=1e-5)
     assert losses["fk"][-1] < losses["fk"][0]
+    # Adam normalizes each element's step: in Mixtral, a first gradient of -5.0e-9 (stock) vs
+    # -5.5e-9 (fk) on an expert's weight, fp32 noise next to its largest of 8.5e-3, is divided by
+    # about its own size plus eps=1e-8 and moves that one weight 2e-4 apart (a fiftieth of lr).
+    atol = 5e-4 if model_type == "mixtral" else 1e-4
     for (name, want), got in zip(stock.state_dict().items(), patched.state_dict().values(), strict=True):
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
 
 
 @pytest.mark.parametrize("model_type", GEMMAS)
@@ -201,6 +236,32 @@ def test_granite_logits_scaling_honoured(device: str) -> None:
         stock.config.logits_scaling = 1.0  # the same weights without the divisor
         unscaled = stock(input_ids=ids, labels=labels).loss
     assert (unscaled - want.loss).abs() > 100 * TOL["atol"]  # dropping the divisor would fail the test
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe"])
+def test_moe_router_aux_loss_as_stock(model_type: str, device: str) -> None:
+    """The load-balancing loss is returned and added to the fused loss as stock does (its weight
+    large enough that dropping it fails), with the routers' logits; without ``output_router_logits``
+    there is none, as stock."""
+    stock = _model(model_type, device)
+    patched = copy.deepcopy(stock)
+    fk.hf.apply(patched)
+    ids, labels = _batch(device)
+    want, got = _assert_same_loss_and_grads(stock, patched, input_ids=ids, labels=labels)
+    assert got.logits is None and got.aux_loss is not None
+    torch.testing.assert_close(got.aux_loss, want.aux_loss, **TOL)
+    sparse_layers = {"mixtral": 2, "qwen3_moe": 1}[model_type]  # Qwen3-MoE's second layer is dense
+    assert len(got.router_logits) == len(want.router_logits) == sparse_layers
+    assert (stock.router_aux_loss_coef * want.aux_loss).abs() > 100 * TOL["atol"]
+    with torch.no_grad():
+        want = stock(input_ids=ids, labels=labels, output_router_logits=False)
+        got = patched(input_ids=ids, labels=labels, output_router_logits=False)
+        assert got.aux_loss is None and want.aux_loss is None
+        torch.testing.assert_close(got.loss, want.loss, **TOL)
+        asked = patched(input_ids=ids, labels=labels, skip_logits=False)  # the stock path, logits included
+        want = stock(input_ids=ids, labels=labels)
+        torch.testing.assert_close(asked.logits, want.logits, **TOL)
+        torch.testing.assert_close(asked.loss, want.loss, **TOL)
 
 
 @pytest.mark.parametrize("model_type", ["llama", "phi3"])
@@ -336,7 +397,7 @@ def test_save_pretrained_round_trip(device: str, tmp_path: Any) -> None:
         assert torch.equal(loaded.state_dict()[key], value), key
 
 
-@pytest.mark.parametrize("model_type", ["llama", *GEMMAS, "olmo2", "granite", "phi3"])
+@pytest.mark.parametrize("model_type", ["llama", *GEMMAS, "olmo2", "granite", "phi3", "mixtral", "qwen3_moe"])
 def test_revert_restores_bit_identical_outputs(model_type: str, device: str) -> None:
     model = _model(model_type, device)
     ids, labels = _batch(device)
@@ -407,7 +468,7 @@ def test_logits_when_asked_or_without_labels(device: str) -> None:
             patched(input_ids=ids, skip_logits=True)
 
 
-@pytest.mark.parametrize("model_type", ["llama", "gemma2", "gemma3_text", "phi3"])
+@pytest.mark.parametrize("model_type", ["llama", "gemma2", "gemma3_text", "phi3", "mixtral"])
 def test_generation_unchanged(model_type: str, device: str) -> None:
     """Greedy decoding with a KV cache (the rotary path at one new position; Gemma's local and
     global layers, its soft-capped logits) gives stock's tokens."""

@@ -22,7 +22,8 @@ What each switch replaces (for the families in :mod:`fk.hf.models`):
   the final hidden states, without materializing the logits (see :func:`causal_lm_forward`);
   a family whose logits are soft-capped (Gemma 2 and 3) passes ``config.final_logit_softcapping``
   as the loss's ``softcap``; Granite's logits, divided by ``config.logits_scaling``, come from the
-  hidden states divided by it.
+  hidden states divided by it. A mixture of experts' (Mixtral, Qwen3-MoE) load-balancing loss is
+  added as stock adds it.
 """
 
 from __future__ import annotations
@@ -72,6 +73,11 @@ class ModelPatch:
     logits_scaling: bool = False
     """Whether the causal LM divides its logits by ``config.logits_scaling`` (Granite): the fused
     loss then takes the hidden states divided by it (``(h / s) W^T = (h W^T) / s``)."""
+    router_aux_loss: bool = False
+    """Whether the causal LM is a mixture of experts with the router's load-balancing loss (Mixtral,
+    Qwen3-MoE): with ``output_router_logits`` (the argument, else the config's), the modeling
+    module's ``load_balancing_loss_func`` is returned as ``aux_loss`` and, times
+    ``router_aux_loss_coef``, added to the loss, as stock; the output is a ``MoeCausalLMOutputWithPast``."""
 
     def classes(self, names: tuple[str, ...]) -> tuple[type, ...]:
         import importlib
@@ -241,12 +247,16 @@ def causal_lm_forward(
     if skip_logits and labels is None:
         raise ValueError("skip_logits=True needs labels: without them there is nothing to compute but the logits")
     skip_logits = skip_logits and plain_linear(self.lm_head)
+    patch: ModelPatch = self._fk_hf_patch
+    moe: dict[str, Any] = {}
+    if patch.router_aux_loss:
+        router_logits = kwargs.pop("output_router_logits", None)
+        moe["output_router_logits"] = self.config.output_router_logits if router_logits is None else router_logits
     outputs = self.model(
         input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, past_key_values=past_key_values,
-        inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs,
+        inputs_embeds=inputs_embeds, use_cache=use_cache, **moe, **kwargs,
     )  # fmt: skip
     hidden_states = _keep_last(outputs.last_hidden_state, logits_to_keep)
-    patch: ModelPatch = self._fk_hf_patch
     softcap = self.config.final_logit_softcapping if patch.logit_softcapping else None
     scaling = self.config.logits_scaling if patch.logits_scaling else None
     logits = loss = None
@@ -265,9 +275,40 @@ def causal_lm_forward(
             logits = torch.tanh(logits / softcap) * softcap
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+    if moe:
+        return _with_router_aux_loss(self, outputs, loss, logits, attention_mask, moe["output_router_logits"])
     return CausalLMOutputWithPast(
         loss=loss, logits=logits, past_key_values=outputs.past_key_values, hidden_states=outputs.hidden_states,
         attentions=outputs.attentions,
+    )  # fmt: skip
+
+
+def _with_router_aux_loss(
+    self: Any,
+    outputs: Any,
+    loss: torch.Tensor | None,
+    logits: torch.Tensor | None,
+    attention_mask: torch.Tensor | None,
+    output_router_logits: bool,
+) -> Any:
+    """A mixture of experts' causal-LM output: the load-balancing loss of the routers' logits as
+    stock computes it (the modeling module's ``load_balancing_loss_func``), added to ``loss``
+    times ``router_aux_loss_coef`` when there is a loss."""
+    import importlib
+
+    from transformers.modeling_outputs import MoeCausalLMOutputWithPast
+
+    aux_loss = None
+    if output_router_logits:
+        module = importlib.import_module(self._fk_hf_patch.modeling_module)
+        aux_loss = module.load_balancing_loss_func(
+            outputs.router_logits, self.num_experts, self.num_experts_per_tok, attention_mask
+        )
+        if loss is not None:
+            loss = loss + self.router_aux_loss_coef * aux_loss.to(loss.device)
+    return MoeCausalLMOutputWithPast(
+        loss=loss, aux_loss=aux_loss, logits=logits, past_key_values=outputs.past_key_values,
+        hidden_states=outputs.hidden_states, attentions=outputs.attentions, router_logits=outputs.router_logits,
     )  # fmt: skip
 
 
