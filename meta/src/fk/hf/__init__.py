@@ -32,6 +32,7 @@ def apply(
     geglu: bool = True,
     rope: bool = True,
     flce: bool = True,
+    lora: bool = True,
 ) -> dict[str, int]:
     """Patch the built Hugging Face model ``model`` in place with fk's kernels.
 
@@ -50,6 +51,11 @@ def apply(
             ``skip_logits=False`` to the forward to get the logits (and stock's loss) anyway. See
             :func:`fk.hf.patching.causal_lm_forward`. Gemma 2 and 3's final logit softcapping is
             passed to the loss.
+        lora: on a PEFT model (``peft.PeftModel``, or a model with PEFT LoRA layers injected),
+            :func:`fk.lora.patch` fuses its LoRA layers too (a LoRA-wrapped MLP then runs
+            :func:`fk.lora.lora_mlp` instead of the ``swiglu``/``geglu`` patch); no effect on a
+            model without LoRA layers. Frozen base weights (norms, LM head) get no gradient: fk's
+            kernels compute only the gradients that ``requires_grad`` asks for.
 
     Only modules are patched (an instance-level ``forward`` each): parameters, buffers and the
     ``state_dict`` are unchanged, and other models of the same classes are not affected. Calling
@@ -60,7 +66,7 @@ def apply(
     from fk.hf.models import REGISTRY
     from fk.hf.patching import apply_patch
 
-    switches = {"rms_norm": rms_norm, "swiglu": swiglu, "geglu": geglu, "rope": rope, "flce": flce}
+    switches = {"rms_norm": rms_norm, "swiglu": swiglu, "geglu": geglu, "rope": rope, "flce": flce, "lora": lora}
     for name, value in switches.items():
         if not isinstance(value, bool):
             raise TypeError(f"{name} must be a bool, got {type(value).__name__}")

@@ -1,0 +1,82 @@
+"""fk.hf's entry points beyond patching one built model: PEFT models (fk.lora on their LoRA
+layers), class patching before construction, and ``fk.hf.AutoModelForCausalLM``.
+
+Tiny random-init models from test_hf_patching.py's helpers; on a CPU the kernels run in Triton's
+interpreter, compared in fp32 with stock.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import fk.hf
+import fk.lora
+
+transformers = pytest.importorskip("transformers")
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_hf_patching import TOL, _batch, _expected_counts, _loss_and_grads, _model  # noqa: E402
+
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def _peft_model(device: str) -> Any:
+    peft = pytest.importorskip("peft")
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=LORA_TARGETS, init_lora_weights=False)
+    return peft.get_peft_model(_model("llama", device), lora).train()
+
+
+def _train_lora(model: Any, device: str, steps: int = 3) -> tuple[list[float], list[dict[str, torch.Tensor]]]:
+    """AdamW steps on the trainable parameters: each step's loss and gradients."""
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    ids, labels = _batch(device)
+    losses, grads = [], []
+    for _ in range(steps):
+        out, step_grads = _loss_and_grads(model, input_ids=ids, labels=labels)
+        opt.step()
+        losses.append(out.loss.item())
+        grads.append(step_grads)
+    return losses, grads
+
+
+def test_peft_model_gets_fk_lora_and_matches_stock_training(device: str) -> None:
+    """``fk.hf.apply`` on a PEFT model with a frozen base: fk.lora fuses the LoRA layers (MLP,
+    q/k/v group, o_proj per layer; the LoRA MLP is fk.lora's, not the swiglu patch), the base's
+    norms, rotary embedding and loss are fk.hf's. Three AdamW steps give stock PEFT's losses and
+    LoRA gradients; the frozen norms and head get no gradient; revert undoes both patches."""
+    stock = _peft_model(device)
+    patched = copy.deepcopy(stock)
+    counts = fk.hf.apply(patched)
+    assert counts == {**_expected_counts("llama"), "swiglu": 0, "lora": 6}
+    assert fk.hf.patched_modules(patched) == counts
+    assert fk.lora.is_patched(patched)
+    trained = [n for n, p in stock.named_parameters() if p.requires_grad]
+    assert trained and all("lora_" in n for n in trained)
+    want_losses, want_grads = _train_lora(stock, device)
+    got_losses, got_grads = _train_lora(patched, device)
+    assert got_losses == pytest.approx(want_losses, rel=1e-5, abs=1e-5)
+    for step, (want, got) in enumerate(zip(want_grads, got_grads, strict=True)):
+        assert got.keys() == want.keys() == set(trained)
+        for name, grad in want.items():
+            torch.testing.assert_close(got[name], grad, **TOL, msg=lambda m, n=name, s=step: f"step {s} {n}: {m}")
+    base = patched.get_base_model()
+    norms = [m.weight for n, m in base.named_modules() if n.endswith("norm")]
+    assert len(norms) == 5 and all(w.grad is None and not w.requires_grad for w in norms)
+    assert base.lm_head.weight.grad is None
+    assert fk.hf.revert(patched) == 8 + 10  # fk.hf's 8 modules, fk.lora's 10 forwards (5 per layer)
+    assert not fk.lora.is_patched(patched)
+    assert not any("forward" in m.__dict__ for m in patched.modules())
+    assert fk.hf.patched_modules(patched) == dict.fromkeys(fk.hf.SWITCHES, 0)
+
+
+def test_lora_switch_on_a_model_without_lora_layers(device: str) -> None:
+    """No LoRA layers: ``lora`` changes nothing, and fk.lora is not involved."""
+    model = _model("llama", device)
+    assert fk.hf.apply(model) == fk.hf.apply(model, lora=False) == _expected_counts("llama")
+    assert not fk.lora.is_patched(model)
