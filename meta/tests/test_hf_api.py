@@ -16,12 +16,20 @@ import pytest
 import torch
 
 import fk.hf
+import fk.hf.classes
 import fk.lora
 
 transformers = pytest.importorskip("transformers")
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_hf_patching import TOL, _batch, _expected_counts, _loss_and_grads, _model  # noqa: E402
+from test_hf_patching import (  # noqa: E402
+    TOL,
+    _assert_same_loss_and_grads,
+    _batch,
+    _expected_counts,
+    _loss_and_grads,
+    _model,
+)
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -80,3 +88,56 @@ def test_lora_switch_on_a_model_without_lora_layers(device: str) -> None:
     model = _model("llama", device)
     assert fk.hf.apply(model) == fk.hf.apply(model, lora=False) == _expected_counts("llama")
     assert not fk.lora.is_patched(model)
+
+
+@pytest.fixture
+def restore_classes() -> Any:
+    """Restores every family's classes after the test, whatever it left patched."""
+    yield
+    for model_type in fk.hf.patched_classes():
+        fk.hf.revert(model_type)
+
+
+def test_class_patching_before_construction(device: str, restore_classes: Any, monkeypatch: Any) -> None:
+    """``fk.hf.apply("llama")``: Llama models built afterwards come out patched (the causal LM
+    once, its inner LlamaModel by the outer constructor; a bare LlamaModel too), and match a
+    stock model of the same seed; other families are untouched. ``revert("llama")`` restores
+    the classes; a model built before stays patched."""
+    from transformers.models.llama import modeling_llama
+
+    own_inits = {c: c.__dict__.get("__init__") for c in vars(modeling_llama).values() if isinstance(c, type)}
+    names = fk.hf.apply("llama")
+    assert {"LlamaForCausalLM", "LlamaModel", "LlamaPreTrainedModel"} <= set(names)
+    assert fk.hf.patched_classes() == {"llama": names}
+    built: list[str] = []
+    apply_patch = fk.hf.classes.apply_patch
+    monkeypatch.setattr(
+        fk.hf.classes, "apply_patch", lambda m, *a: built.append(type(m).__name__) or apply_patch(m, *a)
+    )
+    patched = _model("llama", device)
+    assert built == ["LlamaForCausalLM"]  # once, by the outermost constructor
+    assert fk.hf.patched_modules(patched) == _expected_counts("llama")
+    inner = modeling_llama.LlamaModel(patched.config)
+    assert fk.hf.patched_modules(inner) == {**_expected_counts("llama"), "flce": 0}
+    assert fk.hf.patched_modules(_model("mistral", device)) == dict.fromkeys(fk.hf.SWITCHES, 0)
+    assert fk.hf.revert("llama") == len(names)
+    assert fk.hf.patched_classes() == {}
+    assert {c: c.__dict__.get("__init__") for c in own_inits} == own_inits
+    stock = _model("llama", device)
+    assert fk.hf.patched_modules(stock) == dict.fromkeys(fk.hf.SWITCHES, 0)
+    _assert_same_loss_and_grads(stock, patched, **dict(zip(("input_ids", "labels"), _batch(device), strict=True)))
+    assert fk.hf.revert("llama") == 0
+
+
+def test_class_patching_switches_and_errors(device: str, restore_classes: Any) -> None:
+    """The switches hold for every model built; a second apply replaces them; a model type fk.hf
+    does not support raises the error apply on a model raises."""
+    fk.hf.apply("llama", flce=False, rope=False)
+    assert fk.hf.patched_modules(_model("llama", device)) == {**_expected_counts("llama"), "flce": 0, "rope": 0}
+    fk.hf.apply("llama", swiglu=False)
+    assert fk.hf.patched_modules(_model("llama", device)) == {**_expected_counts("llama"), "swiglu": 0}
+    for call in (fk.hf.apply, fk.hf.revert):
+        with pytest.raises(ValueError, match=r"'gpt2'.*supported: gemma, gemma2, gemma3_text, llama"):
+            call("gpt2")
+    with pytest.raises(TypeError, match="rope must be a bool"):
+        fk.hf.apply("llama", rope=None)  # type: ignore[arg-type]
