@@ -141,3 +141,49 @@ def test_class_patching_switches_and_errors(device: str, restore_classes: Any) -
             call("gpt2")
     with pytest.raises(TypeError, match="rope must be a bool"):
         fk.hf.apply("llama", rope=None)  # type: ignore[arg-type]
+
+
+def test_auto_model_from_config_and_from_pretrained(device: str, tmp_path: Any) -> None:
+    """``fk.hf.AutoModelForCausalLM``: ``from_config`` builds a patched model (switches from
+    ``fk_options``) with stock's weights for the seed; a ``save_pretrained`` checkpoint loads back
+    patched, with the same weights, and trains as stock does."""
+    stock = _model("llama", device)
+    torch.manual_seed(0)
+    built = fk.hf.AutoModelForCausalLM.from_config(stock.config, fk_options={"flce": False})
+    assert type(built) is type(stock)
+    assert fk.hf.patched_modules(built) == {**_expected_counts("llama"), "flce": 0}
+    torch.manual_seed(0)
+    fresh = transformers.AutoModelForCausalLM.from_config(stock.config)
+    for (name, want), got in zip(fresh.state_dict().items(), built.state_dict().values(), strict=True):
+        assert torch.equal(got, want), name
+    stock.save_pretrained(tmp_path)
+    loaded = fk.hf.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).to(device).train()
+    assert fk.hf.patched_modules(loaded) == _expected_counts("llama")
+    for name, value in stock.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], value), name
+    _, got = _assert_same_loss_and_grads(
+        stock, loaded, **dict(zip(("input_ids", "labels"), _batch(device), strict=True))
+    )
+    assert got.logits is None
+    model, info = fk.hf.AutoModelForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
+    assert not info["missing_keys"] and fk.hf.patched_modules(model) == _expected_counts("llama")
+
+
+def test_auto_model_errors(tmp_path: Any) -> None:
+    config = transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=50, n_positions=16)
+    with pytest.raises(ValueError, match=r"'gpt2'.*supported: gemma"):
+        fk.hf.AutoModelForCausalLM.from_config(config)
+    with pytest.raises(TypeError, match=r"unknown fk\.hf switch.*rms_nrom"):
+        fk.hf.AutoModelForCausalLM.from_pretrained(tmp_path, fk_options={"rms_nrom": False})
+    with pytest.raises(OSError, match="from_pretrained"):
+        fk.hf.AutoModelForCausalLM()
+
+
+def test_class_patching_and_from_pretrained(device: str, tmp_path: Any, restore_classes: Any) -> None:
+    """A checkpoint loaded by stock transformers while the classes are patched comes out patched."""
+    stock = _model("llama", device)
+    stock.save_pretrained(tmp_path)
+    fk.hf.apply("llama", rope=False)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).to(device).train()
+    assert fk.hf.patched_modules(loaded) == {**_expected_counts("llama"), "rope": 0}
+    _assert_same_loss_and_grads(stock, loaded, **dict(zip(("input_ids", "labels"), _batch(device), strict=True)))

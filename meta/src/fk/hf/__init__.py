@@ -4,6 +4,8 @@
   model's LoRA layers with fk.lora), or, given a model type (``"llama"``), the family's classes so
   that models built afterwards come out patched; :func:`revert` undoes either. Supported
   families: :func:`supported_model_types` (see :mod:`fk.hf.models`).
+- :class:`AutoModelForCausalLM`: ``from_pretrained`` / ``from_config`` as transformers', the model
+  returned already patched (switches in ``fk_options``).
 - ``python -m fk.hf.demo`` runs every installed fk kernel against its reference.
 
 Importing fk.hf imports neither ``transformers`` nor any kernel: that happens when a model is
@@ -14,9 +16,19 @@ from __future__ import annotations
 
 from typing import Any, overload
 
+from fk.hf.auto import AutoModelForCausalLM
 from fk.hf.patching import SWITCHES, patched_modules
 
-__all__ = ["SWITCHES", "apply", "patched_classes", "patched_modules", "revert", "supported_model_types"]
+__all__ = [
+    "SWITCHES",
+    "AutoModelForCausalLM",
+    "apply",
+    "check_switches",
+    "patched_classes",
+    "patched_modules",
+    "revert",
+    "supported_model_types",
+]
 
 
 def supported_model_types() -> list[str]:
