@@ -8,6 +8,7 @@ interpreter, compared in fp32 with stock.
 from __future__ import annotations
 
 import copy
+import logging
 import sys
 from pathlib import Path
 from typing import Any
@@ -34,10 +35,14 @@ from test_hf_patching import (  # noqa: E402
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def _peft_model(device: str) -> Any:
+def _peft_model_of(base: Any) -> Any:
     peft = pytest.importorskip("peft")
     lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=LORA_TARGETS, init_lora_weights=False)
-    return peft.get_peft_model(_model("llama", device), lora).train()
+    return peft.get_peft_model(base, lora).train()
+
+
+def _peft_model(device: str) -> Any:
+    return _peft_model_of(_model("llama", device))
 
 
 def _train_lora(model: Any, device: str, steps: int = 3) -> tuple[list[float], list[dict[str, torch.Tensor]]]:
@@ -53,7 +58,7 @@ def _train_lora(model: Any, device: str, steps: int = 3) -> tuple[list[float], l
     return losses, grads
 
 
-def test_peft_model_gets_fk_lora_and_matches_stock_training(device: str) -> None:
+def test_peft_model_gets_fk_lora_and_matches_stock_training(device: str, caplog: Any) -> None:
     """``fk.hf.apply`` on a PEFT model with a frozen base: fk.lora fuses the LoRA layers (MLP,
     q/k/v group, o_proj per layer; the LoRA MLP is fk.lora's, not the swiglu patch), the base's
     norms, rotary embedding and loss are fk.hf's. Three AdamW steps give stock PEFT's losses and
@@ -67,7 +72,9 @@ def test_peft_model_gets_fk_lora_and_matches_stock_training(device: str) -> None
     trained = [n for n, p in stock.named_parameters() if p.requires_grad]
     assert trained and all("lora_" in n for n in trained)
     want_losses, want_grads = _train_lora(stock, device)
-    got_losses, got_grads = _train_lora(patched, device)
+    with caplog.at_level(logging.INFO, logger="fk.lora"):
+        got_losses, got_grads = _train_lora(patched, device)
+    assert "runs PEFT's forward" not in caplog.text  # every LoRA layer took fk.lora's fused path
     assert got_losses == pytest.approx(want_losses, rel=1e-5, abs=1e-5)
     for step, (want, got) in enumerate(zip(want_grads, got_grads, strict=True)):
         assert got.keys() == want.keys() == set(trained)
@@ -81,6 +88,9 @@ def test_peft_model_gets_fk_lora_and_matches_stock_training(device: str) -> None
     assert not fk.lora.is_patched(patched)
     assert not any("forward" in m.__dict__ for m in patched.modules())
     assert fk.hf.patched_modules(patched) == dict.fromkeys(fk.hf.SWITCHES, 0)
+    fk.hf.apply(patched)
+    assert fk.hf.apply(patched, lora=False) == _expected_counts("llama")  # replaces fk.lora's patch too
+    assert not fk.lora.is_patched(patched)
 
 
 def test_lora_switch_on_a_model_without_lora_layers(device: str) -> None:
@@ -187,3 +197,26 @@ def test_class_patching_and_from_pretrained(device: str, tmp_path: Any, restore_
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).to(device).train()
     assert fk.hf.patched_modules(loaded) == {**_expected_counts("llama"), "rope": 0}
     _assert_same_loss_and_grads(stock, loaded, **dict(zip(("input_ids", "labels"), _batch(device), strict=True)))
+
+
+def test_auto_model_loads_a_peft_adapter_fused(device: str, tmp_path: Any) -> None:
+    """A saved PEFT adapter directory, which transformers loads onto its base model: the LoRA
+    layers it injects are fused by fk.lora too, with PEFT's loss and LoRA gradients."""
+    base = _model("llama", device)
+    base.save_pretrained(tmp_path / "base")
+    base.name_or_path = str(tmp_path / "base")  # what the adapter's config points at
+    stock = _peft_model_of(base)
+    stock.save_pretrained(tmp_path / "adapter")
+    loaded = fk.hf.AutoModelForCausalLM.from_pretrained(tmp_path / "adapter").to(device).train()
+    for name, param in loaded.named_parameters():  # transformers loads an adapter frozen, for inference
+        param.requires_grad_("lora_" in name)
+    assert fk.hf.patched_modules(loaded) == {**_expected_counts("llama"), "swiglu": 0, "lora": 6}
+    ids, labels = _batch(device)
+    want, want_grads = _loss_and_grads(stock, input_ids=ids, labels=labels)
+    got, got_grads = _loss_and_grads(loaded, input_ids=ids, labels=labels)
+    torch.testing.assert_close(got.loss, want.loss, **TOL)
+    lora_grads = {n.removeprefix("base_model.model.").replace(".default", ""): g for n, g in want_grads.items()}
+    got_lora = {n.replace(".default", ""): g for n, g in got_grads.items() if "lora_" in n}
+    assert got_lora.keys() == lora_grads.keys()
+    for name, grad in lora_grads.items():
+        torch.testing.assert_close(got_lora[name], grad, **TOL, msg=lambda m, n=name: f"{n}: {m}")
