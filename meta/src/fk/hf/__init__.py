@@ -23,7 +23,6 @@ __all__ = [
     "SWITCHES",
     "AutoModelForCausalLM",
     "apply",
-    "check_switches",
     "patched_classes",
     "patched_modules",
     "revert",
@@ -50,7 +49,7 @@ def _patch_for(model_type: str) -> Any:
     return patch
 
 
-def check_switches(switches: dict[str, Any]) -> dict[str, bool]:
+def _check_switches(switches: dict[str, Any]) -> dict[str, bool]:
     """``switches`` with every one of :data:`SWITCHES` (true unless given); ``TypeError`` for an
     unknown name or a value that is not a bool."""
     unknown = sorted(set(switches) - set(SWITCHES))
@@ -119,7 +118,7 @@ def apply(
     """
     from fk.hf.patching import apply_patch
 
-    switches = check_switches(
+    switches = _check_switches(
         {"rms_norm": rms_norm, "swiglu": swiglu, "geglu": geglu, "rope": rope, "flce": flce, "lora": lora}
     )
     if isinstance(model, str):

@@ -34,9 +34,9 @@ class AutoModelForCausalLM:
         With ``output_loading_info=True`` the returned model (first of the pair) is patched."""
         import transformers
 
-        from fk.hf import apply, check_switches
+        from fk.hf import _check_switches, apply
 
-        switches = check_switches(dict(fk_options or {}))
+        switches = _check_switches(dict(fk_options or {}))
         loaded = transformers.AutoModelForCausalLM.from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
         apply(loaded[0] if isinstance(loaded, tuple) else loaded, **switches)
         return loaded
@@ -46,9 +46,9 @@ class AutoModelForCausalLM:
         """``transformers.AutoModelForCausalLM.from_config(config, ...)``, patched with ``fk_options``."""
         import transformers
 
-        from fk.hf import _patch_for, apply, check_switches
+        from fk.hf import _check_switches, _patch_for, apply
 
-        switches = check_switches(dict(fk_options or {}))
+        switches = _check_switches(dict(fk_options or {}))
         _patch_for(config.model_type)
         model = transformers.AutoModelForCausalLM.from_config(config, **kwargs)
         apply(model, **switches)
