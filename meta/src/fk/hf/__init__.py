@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any, overload
 
 from fk.hf.auto import AutoModelForCausalLM
-from fk.hf.patching import SWITCHES, patched_modules
+from fk.hf.patching import SWITCHES, ModelPatch, patched_modules
 
 __all__ = [
     "SWITCHES",
@@ -37,7 +37,7 @@ def supported_model_types() -> list[str]:
     return sorted(REGISTRY)
 
 
-def _patch_for(model_type: str) -> Any:
+def _patch_for(model_type: str) -> ModelPatch:
     """The family's :class:`~fk.hf.patching.ModelPatch`; ``ValueError`` naming the supported ones."""
     from fk.hf.models import REGISTRY
 
@@ -112,7 +112,8 @@ def apply(
 
     Only modules are patched (an instance-level ``forward`` each): parameters, buffers and the
     ``state_dict`` are unchanged, and other models of the same classes are not affected. Calling
-    ``apply`` again replaces the previous patch. Returns how many modules each switch patched.
+    ``apply`` again replaces the previous patch. Returns how many modules each switch patched
+    (``lora``: how many fused LoRA units, see :mod:`fk.hf.patching`).
 
     Raises ``ValueError`` for a model type fk.hf does not support, naming the supported ones.
     """
