@@ -292,14 +292,15 @@ def test_tied_embeddings_and_gradient_checkpointing(device: str) -> None:
 
 
 def test_peft_lora_model(device: str) -> None:
-    """A PEFT LoRA model: the base model's modules are patched (the LoRA layers themselves stay
-    PEFT's here); the adapters' gradients match stock, and the frozen head gets none."""
+    """A PEFT LoRA model with ``lora=False``: the base model's modules are patched (the LoRA
+    layers themselves stay PEFT's); the adapters' gradients match stock, and the frozen head gets
+    none. ``lora=True`` (the default) is tested in test_hf_api.py."""
     peft = pytest.importorskip("peft")
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False)
     stock = peft.get_peft_model(_model("llama", device), lora).train()
     patched = copy.deepcopy(stock)
-    assert fk.hf.apply(patched) == _expected_counts("llama")
+    assert fk.hf.apply(patched, lora=False) == _expected_counts("llama")
     ids, labels = _batch(device)
     want, want_grads = _loss_and_grads(stock, input_ids=ids, labels=labels)
     got, got_grads = _loss_and_grads(patched, input_ids=ids, labels=labels)

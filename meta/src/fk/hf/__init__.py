@@ -1,7 +1,11 @@
 """fk.hf: the fk meta-package's Hugging Face integration.
 
-- :func:`apply` patches a built ``transformers`` model in place with fk's kernels; :func:`revert`
-  undoes it. Supported families: :func:`supported_model_types` (see :mod:`fk.hf.models`).
+- :func:`apply` patches a built ``transformers`` model in place with fk's kernels (and a PEFT
+  model's LoRA layers with fk.lora), or, given a model type (``"llama"``), the family's classes so
+  that models built afterwards come out patched; :func:`revert` undoes either. Supported
+  families: :func:`supported_model_types` (see :mod:`fk.hf.models`).
+- :class:`AutoModelForCausalLM`: ``from_pretrained`` / ``from_config`` as transformers', the model
+  returned already patched (switches in ``fk_options``).
 - ``python -m fk.hf.demo`` runs every installed fk kernel against its reference.
 
 Importing fk.hf imports neither ``transformers`` nor any kernel: that happens when a model is
@@ -10,11 +14,20 @@ patched (``pip install "fk[hf]"`` brings ``transformers``).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, overload
 
-from fk.hf.patching import SWITCHES, patched_modules, revert
+from fk.hf.auto import AutoModelForCausalLM
+from fk.hf.patching import SWITCHES, ModelPatch, patched_modules
 
-__all__ = ["SWITCHES", "apply", "patched_modules", "revert", "supported_model_types"]
+__all__ = [
+    "SWITCHES",
+    "AutoModelForCausalLM",
+    "apply",
+    "patched_classes",
+    "patched_modules",
+    "revert",
+    "supported_model_types",
+]
 
 
 def supported_model_types() -> list[str]:
@@ -24,6 +37,40 @@ def supported_model_types() -> list[str]:
     return sorted(REGISTRY)
 
 
+def _patch_for(model_type: str) -> ModelPatch:
+    """The family's :class:`~fk.hf.patching.ModelPatch`; ``ValueError`` naming the supported ones."""
+    from fk.hf.models import REGISTRY
+
+    patch = REGISTRY.get(model_type)
+    if patch is None:
+        raise ValueError(
+            f"fk.hf does not support model type {model_type!r}; supported: {', '.join(supported_model_types())}"
+        )
+    return patch
+
+
+def _check_switches(switches: dict[str, Any]) -> dict[str, bool]:
+    """``switches`` with every one of :data:`SWITCHES` (true unless given); ``TypeError`` for an
+    unknown name or a value that is not a bool."""
+    unknown = sorted(set(switches) - set(SWITCHES))
+    if unknown:
+        raise TypeError(f"unknown fk.hf switch(es) {', '.join(unknown)}; the switches are {', '.join(SWITCHES)}")
+    for name, value in switches.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    return {name: switches.get(name, True) for name in SWITCHES}
+
+
+@overload
+def apply(
+    model: str, *, rms_norm: bool = ..., swiglu: bool = ..., geglu: bool = ..., rope: bool = ..., flce: bool = ...,
+    lora: bool = ...,
+) -> list[str]: ...  # fmt: skip
+@overload
+def apply(
+    model: Any, *, rms_norm: bool = ..., swiglu: bool = ..., geglu: bool = ..., rope: bool = ..., flce: bool = ...,
+    lora: bool = ...,
+) -> dict[str, int]: ...  # fmt: skip
 def apply(
     model: Any,
     *,
@@ -32,12 +79,19 @@ def apply(
     geglu: bool = True,
     rope: bool = True,
     flce: bool = True,
-) -> dict[str, int]:
-    """Patch the built Hugging Face model ``model`` in place with fk's kernels.
+    lora: bool = True,
+) -> dict[str, int] | list[str]:
+    """Patch the built Hugging Face model ``model`` in place with fk's kernels, or (``model`` a
+    model type) the family's classes.
 
     Args:
-        model: a ``transformers`` model (``LlamaForCausalLM``, ``LlamaModel``, ...) whose
-            ``config.model_type`` is one of :func:`supported_model_types`.
+        model: a ``transformers`` model (``LlamaForCausalLM``, ``LlamaModel``, a ``PeftModel``
+            around one, ...) whose ``config.model_type`` is one of :func:`supported_model_types`;
+            or one of those model types as a string (``"llama"``): every ``PreTrainedModel``
+            class of that family's modeling module is patched so that each model built
+            afterwards (constructor, ``from_config``, ``from_pretrained``) is patched with these
+            switches as it is built (see :mod:`fk.hf.classes`); returns the class names then.
+            :func:`revert` with the same string restores the classes.
         rms_norm: RMSNorm modules run :func:`fk.norms.rms_norm` (same weight and eps; Gemma's
             ``1 + weight`` and fp32 casting).
         swiglu: gated MLPs with a SiLU activation run :func:`fk.glu.swiglu` between their
@@ -50,27 +104,53 @@ def apply(
             ``skip_logits=False`` to the forward to get the logits (and stock's loss) anyway. See
             :func:`fk.hf.patching.causal_lm_forward`. Gemma 2 and 3's final logit softcapping is
             passed to the loss.
+        lora: on a PEFT model (``peft.PeftModel``, or a model with PEFT LoRA layers injected),
+            :func:`fk.lora.patch` fuses its LoRA layers too (a LoRA-wrapped MLP then runs
+            :func:`fk.lora.lora_mlp` instead of the ``swiglu``/``geglu`` patch); no effect on a
+            model without LoRA layers. Frozen base weights (norms, LM head) get no gradient: fk's
+            kernels compute only the gradients that ``requires_grad`` asks for.
 
     Only modules are patched (an instance-level ``forward`` each): parameters, buffers and the
     ``state_dict`` are unchanged, and other models of the same classes are not affected. Calling
-    ``apply`` again replaces the previous patch. Returns how many modules each switch patched.
+    ``apply`` again replaces the previous patch. Returns how many modules each switch patched
+    (``lora``: how many fused LoRA units, see :mod:`fk.hf.patching`).
 
     Raises ``ValueError`` for a model type fk.hf does not support, naming the supported ones.
     """
-    from fk.hf.models import REGISTRY
     from fk.hf.patching import apply_patch
 
-    switches = {"rms_norm": rms_norm, "swiglu": swiglu, "geglu": geglu, "rope": rope, "flce": flce}
-    for name, value in switches.items():
-        if not isinstance(value, bool):
-            raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    switches = _check_switches(
+        {"rms_norm": rms_norm, "swiglu": swiglu, "geglu": geglu, "rope": rope, "flce": flce, "lora": lora}
+    )
+    if isinstance(model, str):
+        from fk.hf.classes import patch_classes
+
+        return patch_classes(_patch_for(model), switches)
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
     if model_type is None:
         raise TypeError(f"model must be a Hugging Face model with a config.model_type, got {type(model).__name__}")
-    patch = REGISTRY.get(model_type)
-    if patch is None:
-        raise ValueError(
-            f"fk.hf does not support model type {model_type!r}; supported: {', '.join(supported_model_types())}"
-        )
-    return apply_patch(model, patch, switches)
+    return apply_patch(model, _patch_for(model_type), switches)
+
+
+def revert(model: Any) -> int:
+    """Undo :func:`apply`: on a built model (every submodule, fk.lora's patch of its LoRA layers
+    included), returning how many modules were restored (0 for a model never patched); or, given
+    a model type (``"llama"``), restore the family's classes, returning how many (0 when they were
+    not patched). Models built while the classes were patched stay patched until reverted
+    themselves. An unsupported model type raises the same ``ValueError`` as :func:`apply`."""
+    from fk.hf.patching import revert as revert_model
+
+    if isinstance(model, str):
+        from fk.hf.classes import unpatch_classes
+
+        return unpatch_classes(_patch_for(model).model_type)
+    return revert_model(model)
+
+
+def patched_classes() -> dict[str, list[str]]:
+    """The model types whose classes :func:`apply` patched (and :func:`revert` has not restored),
+    each with its class names."""
+    from fk.hf.classes import patched_classes as classes
+
+    return classes()

@@ -24,6 +24,11 @@ What each switch replaces (for the families in :mod:`fk.hf.models`):
   as the loss's ``softcap``; Granite's logits, divided by ``config.logits_scaling``, come from the
   hidden states divided by it. A mixture of experts' (Mixtral, Qwen3-MoE) load-balancing loss is
   added as stock adds it.
+- ``lora``: on a model with PEFT LoRA layers (a ``peft.PeftModel``, or adapters injected into a
+  ``transformers`` model), :func:`fk.lora.patch` swaps their forwards for fk.lora's fused ones
+  first (an MLP whose three projections are LoRA layers then runs :func:`fk.lora.lora_mlp`, and
+  is left to fk.lora rather than the ``swiglu``/``geglu`` patch). Its count is the number of
+  fused LoRA units (MLPs, q/k/v groups, single linears).
 """
 
 from __future__ import annotations
@@ -35,11 +40,13 @@ from typing import Any
 
 import torch
 
-SWITCHES = ("rms_norm", "swiglu", "geglu", "rope", "flce")
+SWITCHES = ("rms_norm", "swiglu", "geglu", "rope", "flce", "lora")
 
 _PREVIOUS = "_fk_hf_previous_forward"
 """Attribute of a patched module: its instance ``forward`` before patching, or :data:`_NONE`."""
 _KIND = "_fk_hf_kind"
+_LORA = "_fk_hf_lora_report"
+"""Attribute of a model :func:`apply_patch` ran :func:`fk.lora.patch` on: its ``PatchReport``."""
 _NONE = object()
 
 
@@ -335,16 +342,24 @@ def patched_modules(model: torch.nn.Module) -> dict[str, int]:
     for module in model.modules():
         if is_patched(module):
             counts[module.__dict__[_KIND]] += 1
+        report = module.__dict__.get(_LORA)
+        if report is not None:
+            counts["lora"] += report.n_patched
     return counts
 
 
 def revert(model: torch.nn.Module) -> int:
-    """Undo :func:`apply` on ``model`` (every submodule); returns how many modules were restored.
+    """Undo :func:`apply` on ``model`` (every submodule); returns how many modules were restored
+    (each LoRA module whose forward fk.lora had swapped counts as one).
 
     A model that was never patched is left as it is (returns 0).
     """
     restored = 0
     for module in model.modules():
+        if module.__dict__.pop(_LORA, None) is not None:
+            import fk.lora
+
+            restored += fk.lora.unpatch(module)
         if not is_patched(module):
             continue
         previous = module.__dict__.pop(_PREVIOUS)
@@ -356,16 +371,32 @@ def revert(model: torch.nn.Module) -> int:
     return restored
 
 
+def has_lora_layers(model: torch.nn.Module) -> bool:
+    """Whether ``model`` holds PEFT LoRA layers (``peft`` is not imported to find out: a model
+    with PEFT layers has imported it already)."""
+    import sys
+
+    peft_lora = sys.modules.get("peft.tuners.lora.layer")
+    layer = getattr(peft_lora, "LoraLayer", None)
+    return layer is not None and any(isinstance(m, layer) for m in model.modules())
+
+
 def apply_patch(model: torch.nn.Module, patch: ModelPatch, switches: dict[str, bool]) -> dict[str, int]:
     """Patch every module of ``model`` that ``patch`` and ``switches`` cover; see :func:`fk.hf.apply`.
 
     A model already patched is reverted first, so the switches of the latest call hold. Modules
     whose ``forward`` was already replaced by someone else (an instance attribute, as accelerate's
-    hooks set) are left alone.
+    hooks set) are left alone. With ``switches["lora"]``, :func:`fk.lora.patch` runs first on a
+    model that has PEFT LoRA layers (see :func:`has_lora_layers`), so the modules it fuses (a
+    LoRA MLP) carry its forward and are skipped here.
     """
     from transformers.utils import can_return_tuple
 
     revert(model)
+    if switches.get("lora", False) and has_lora_layers(model):
+        import fk.lora
+
+        model.__dict__[_LORA] = fk.lora.patch(model)
     norms, mlps = patch.classes(patch.rms_norm), patch.classes(patch.mlp)
     attentions, heads = patch.classes(patch.attention), patch.classes(patch.causal_lm)
     for module in model.modules():

@@ -1,0 +1,88 @@
+"""Patch a model family's classes before construction: :func:`patch_classes` / :func:`unpatch_classes`.
+
+Every ``transformers.PreTrainedModel`` subclass defined in the family's modeling module
+(``LlamaModel``, ``LlamaForCausalLM``, ``LlamaForSequenceClassification``, ...) gets a class-level
+``__init__`` that runs the original one and then :func:`fk.hf.patching.apply_patch` on the new
+instance, so every model of the family built afterwards (``from_config``, ``from_pretrained``,
+direct construction) comes out patched. A model built inside another one of the same family
+(``LlamaModel`` in ``LlamaForCausalLM``) is patched once, by the outermost constructor.
+:func:`unpatch_classes` restores the classes; models already built stay patched (revert them one by
+one with :func:`fk.hf.revert`).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from fk.hf.patching import ModelPatch, apply_patch
+
+_SAVED: dict[str, list[tuple[type, Any]]] = {}
+"""model type -> (class, its own ``__init__`` before patching or :data:`_INHERITED`), per class."""
+_INHERITED = object()
+_BUILDING = threading.local()
+"""``depth``: model type -> how many constructors of that family are running in this thread."""
+
+
+def family_classes(patch: ModelPatch) -> list[type]:
+    """The ``PreTrainedModel`` subclasses defined in ``patch``'s modeling module, by name."""
+    from transformers import PreTrainedModel
+
+    module = importlib.import_module(patch.modeling_module)
+    found = [
+        obj
+        for obj in vars(module).values()
+        if isinstance(obj, type) and issubclass(obj, PreTrainedModel) and obj.__module__ == module.__name__
+    ]
+    return sorted(found, key=lambda c: c.__name__)
+
+
+def _patched_init(original: Callable[..., None], patch: ModelPatch, switches: dict[str, bool]) -> Callable[..., None]:
+    @functools.wraps(original)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        depth: dict[str, int] = _BUILDING.__dict__.setdefault("depth", {})
+        outer = depth.get(patch.model_type, 0)
+        depth[patch.model_type] = outer + 1
+        try:
+            original(self, *args, **kwargs)
+        finally:
+            depth[patch.model_type] = outer
+        if outer == 0:
+            apply_patch(self, patch, switches)
+
+    return __init__
+
+
+def patch_classes(patch: ModelPatch, switches: dict[str, bool]) -> list[str]:
+    """Make every model of ``patch``'s family built from now on come out patched with ``switches``.
+
+    Patching a family already patched replaces the previous switches. Returns the names of the
+    classes patched.
+    """
+    unpatch_classes(patch.model_type)
+    classes = family_classes(patch)
+    originals = [(cls, cls.__init__) for cls in classes]  # type: ignore[misc]  # before any is replaced
+    saved = _SAVED.setdefault(patch.model_type, [])
+    for cls, original in originals:
+        saved.append((cls, cls.__dict__.get("__init__", _INHERITED)))
+        cls.__init__ = _patched_init(original, patch, dict(switches))  # type: ignore[misc]
+    return [cls.__name__ for cls in classes]
+
+
+def unpatch_classes(model_type: str) -> int:
+    """Restore the classes :func:`patch_classes` patched for ``model_type``; returns how many."""
+    saved = _SAVED.pop(model_type, [])
+    for cls, previous in saved:
+        if previous is _INHERITED:
+            del cls.__init__  # type: ignore[misc]
+        else:
+            cls.__init__ = previous  # type: ignore[misc]
+    return len(saved)
+
+
+def patched_classes() -> dict[str, list[str]]:
+    """The families whose classes are patched now, each with its class names."""
+    return {model_type: [cls.__name__ for cls, _ in saved] for model_type, saved in sorted(_SAVED.items())}

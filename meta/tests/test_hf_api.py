@@ -1,0 +1,222 @@
+"""fk.hf's entry points beyond patching one built model: PEFT models (fk.lora on their LoRA
+layers), class patching before construction, and ``fk.hf.AutoModelForCausalLM``.
+
+Tiny random-init models from test_hf_patching.py's helpers; on a CPU the kernels run in Triton's
+interpreter, compared in fp32 with stock.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import fk.hf
+import fk.hf.classes
+import fk.lora
+
+transformers = pytest.importorskip("transformers")
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_hf_patching import (  # noqa: E402
+    TOL,
+    _assert_same_loss_and_grads,
+    _batch,
+    _expected_counts,
+    _loss_and_grads,
+    _model,
+)
+
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def _peft_model_of(base: Any) -> Any:
+    peft = pytest.importorskip("peft")
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=LORA_TARGETS, init_lora_weights=False)
+    return peft.get_peft_model(base, lora).train()
+
+
+def _peft_model(device: str) -> Any:
+    return _peft_model_of(_model("llama", device))
+
+
+def _train_lora(model: Any, device: str, steps: int = 3) -> tuple[list[float], list[dict[str, torch.Tensor]]]:
+    """AdamW steps on the trainable parameters: each step's loss and gradients."""
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    ids, labels = _batch(device)
+    losses, grads = [], []
+    for _ in range(steps):
+        out, step_grads = _loss_and_grads(model, input_ids=ids, labels=labels)
+        opt.step()
+        losses.append(out.loss.item())
+        grads.append(step_grads)
+    return losses, grads
+
+
+def test_peft_model_gets_fk_lora_and_matches_stock_training(device: str, caplog: Any) -> None:
+    """``fk.hf.apply`` on a PEFT model with a frozen base: fk.lora fuses the LoRA layers (MLP,
+    q/k/v group, o_proj per layer; the LoRA MLP is fk.lora's, not the swiglu patch), the base's
+    norms, rotary embedding and loss are fk.hf's. Three AdamW steps give stock PEFT's losses and
+    LoRA gradients; the frozen norms and head get no gradient; revert undoes both patches."""
+    stock = _peft_model(device)
+    patched = copy.deepcopy(stock)
+    counts = fk.hf.apply(patched)
+    assert counts == {**_expected_counts("llama"), "swiglu": 0, "lora": 6}
+    assert fk.hf.patched_modules(patched) == counts
+    assert fk.lora.is_patched(patched)
+    trained = [n for n, p in stock.named_parameters() if p.requires_grad]
+    assert trained and all("lora_" in n for n in trained)
+    want_losses, want_grads = _train_lora(stock, device)
+    with caplog.at_level(logging.INFO, logger="fk.lora"):
+        got_losses, got_grads = _train_lora(patched, device)
+    assert "runs PEFT's forward" not in caplog.text  # every LoRA layer took fk.lora's fused path
+    assert got_losses == pytest.approx(want_losses, rel=1e-5, abs=1e-5)
+    for step, (want, got) in enumerate(zip(want_grads, got_grads, strict=True)):
+        assert got.keys() == want.keys() == set(trained)
+        for name, grad in want.items():
+            torch.testing.assert_close(got[name], grad, **TOL, msg=lambda m, n=name, s=step: f"step {s} {n}: {m}")
+    base = patched.get_base_model()
+    norms = [m.weight for n, m in base.named_modules() if n.endswith("norm")]
+    assert len(norms) == 5 and all(w.grad is None and not w.requires_grad for w in norms)
+    assert base.lm_head.weight.grad is None
+    assert fk.hf.revert(patched) == 8 + 10  # fk.hf's 8 modules, fk.lora's 10 forwards (5 per layer)
+    assert not fk.lora.is_patched(patched)
+    assert not any("forward" in m.__dict__ for m in patched.modules())
+    assert fk.hf.patched_modules(patched) == dict.fromkeys(fk.hf.SWITCHES, 0)
+    fk.hf.apply(patched)
+    assert fk.hf.apply(patched, lora=False) == _expected_counts("llama")  # replaces fk.lora's patch too
+    assert not fk.lora.is_patched(patched)
+
+
+def test_lora_switch_on_a_model_without_lora_layers(device: str) -> None:
+    """No LoRA layers: ``lora`` changes nothing, and fk.lora is not involved."""
+    model = _model("llama", device)
+    assert fk.hf.apply(model) == fk.hf.apply(model, lora=False) == _expected_counts("llama")
+    assert not fk.lora.is_patched(model)
+
+
+@pytest.fixture
+def restore_classes() -> Any:
+    """Restores every family's classes after the test, whatever it left patched."""
+    yield
+    for model_type in fk.hf.patched_classes():
+        fk.hf.revert(model_type)
+
+
+def test_class_patching_before_construction(device: str, restore_classes: Any, monkeypatch: Any) -> None:
+    """``fk.hf.apply("llama")``: Llama models built afterwards come out patched (the causal LM
+    once, its inner LlamaModel by the outer constructor; a bare LlamaModel too), and match a
+    stock model of the same seed; other families are untouched. ``revert("llama")`` restores
+    the classes; a model built before stays patched."""
+    from transformers.models.llama import modeling_llama
+
+    own_inits = {c: c.__dict__.get("__init__") for c in vars(modeling_llama).values() if isinstance(c, type)}
+    names = fk.hf.apply("llama")
+    assert {"LlamaForCausalLM", "LlamaModel", "LlamaPreTrainedModel"} <= set(names)
+    assert fk.hf.patched_classes() == {"llama": names}
+    built: list[str] = []
+    apply_patch = fk.hf.classes.apply_patch
+    monkeypatch.setattr(
+        fk.hf.classes, "apply_patch", lambda m, *a: built.append(type(m).__name__) or apply_patch(m, *a)
+    )
+    patched = _model("llama", device)
+    assert built == ["LlamaForCausalLM"]  # once, by the outermost constructor
+    assert fk.hf.patched_modules(patched) == _expected_counts("llama")
+    inner = modeling_llama.LlamaModel(patched.config)
+    assert fk.hf.patched_modules(inner) == {**_expected_counts("llama"), "flce": 0}
+    assert fk.hf.patched_modules(_model("mistral", device)) == dict.fromkeys(fk.hf.SWITCHES, 0)
+    assert fk.hf.revert("llama") == len(names)
+    assert fk.hf.patched_classes() == {}
+    assert {c: c.__dict__.get("__init__") for c in own_inits} == own_inits
+    stock = _model("llama", device)
+    assert fk.hf.patched_modules(stock) == dict.fromkeys(fk.hf.SWITCHES, 0)
+    _assert_same_loss_and_grads(stock, patched, **dict(zip(("input_ids", "labels"), _batch(device), strict=True)))
+    assert fk.hf.revert("llama") == 0
+
+
+def test_class_patching_switches_and_errors(device: str, restore_classes: Any) -> None:
+    """The switches hold for every model built; a second apply replaces them; a model type fk.hf
+    does not support raises the error apply on a model raises."""
+    fk.hf.apply("llama", flce=False, rope=False)
+    assert fk.hf.patched_modules(_model("llama", device)) == {**_expected_counts("llama"), "flce": 0, "rope": 0}
+    fk.hf.apply("llama", swiglu=False)
+    assert fk.hf.patched_modules(_model("llama", device)) == {**_expected_counts("llama"), "swiglu": 0}
+    for call in (fk.hf.apply, fk.hf.revert):
+        with pytest.raises(ValueError, match=r"'gpt2'.*supported: gemma, gemma2, gemma3_text, llama"):
+            call("gpt2")
+    with pytest.raises(TypeError, match="rope must be a bool"):
+        fk.hf.apply("llama", rope=None)  # type: ignore[arg-type]
+
+
+def test_auto_model_from_config_and_from_pretrained(device: str, tmp_path: Any) -> None:
+    """``fk.hf.AutoModelForCausalLM``: ``from_config`` builds a patched model (switches from
+    ``fk_options``) with stock's weights for the seed; a ``save_pretrained`` checkpoint loads back
+    patched, with the same weights, and trains as stock does."""
+    stock = _model("llama", device)
+    torch.manual_seed(0)
+    built = fk.hf.AutoModelForCausalLM.from_config(stock.config, fk_options={"flce": False})
+    assert type(built) is type(stock)
+    assert fk.hf.patched_modules(built) == {**_expected_counts("llama"), "flce": 0}
+    torch.manual_seed(0)
+    fresh = transformers.AutoModelForCausalLM.from_config(stock.config)
+    for (name, want), got in zip(fresh.state_dict().items(), built.state_dict().values(), strict=True):
+        assert torch.equal(got, want), name
+    stock.save_pretrained(tmp_path)
+    loaded = fk.hf.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).to(device).train()
+    assert fk.hf.patched_modules(loaded) == _expected_counts("llama")
+    for name, value in stock.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], value), name
+    _, got = _assert_same_loss_and_grads(
+        stock, loaded, **dict(zip(("input_ids", "labels"), _batch(device), strict=True))
+    )
+    assert got.logits is None
+    model, info = fk.hf.AutoModelForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
+    assert not info["missing_keys"] and fk.hf.patched_modules(model) == _expected_counts("llama")
+
+
+def test_auto_model_errors(tmp_path: Any) -> None:
+    config = transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=50, n_positions=16)
+    with pytest.raises(ValueError, match=r"'gpt2'.*supported: gemma"):
+        fk.hf.AutoModelForCausalLM.from_config(config)
+    with pytest.raises(TypeError, match=r"unknown fk\.hf switch.*rms_nrom"):
+        fk.hf.AutoModelForCausalLM.from_pretrained(tmp_path, fk_options={"rms_nrom": False})
+    with pytest.raises(OSError, match="from_pretrained"):
+        fk.hf.AutoModelForCausalLM()
+
+
+def test_class_patching_and_from_pretrained(device: str, tmp_path: Any, restore_classes: Any) -> None:
+    """A checkpoint loaded by stock transformers while the classes are patched comes out patched."""
+    stock = _model("llama", device)
+    stock.save_pretrained(tmp_path)
+    fk.hf.apply("llama", rope=False)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).to(device).train()
+    assert fk.hf.patched_modules(loaded) == {**_expected_counts("llama"), "rope": 0}
+    _assert_same_loss_and_grads(stock, loaded, **dict(zip(("input_ids", "labels"), _batch(device), strict=True)))
+
+
+def test_auto_model_loads_a_peft_adapter_fused(device: str, tmp_path: Any) -> None:
+    """A saved PEFT adapter directory, which transformers loads onto its base model: the LoRA
+    layers it injects are fused by fk.lora too, with PEFT's loss and LoRA gradients."""
+    base = _model("llama", device)
+    base.save_pretrained(tmp_path / "base")
+    base.name_or_path = str(tmp_path / "base")  # what the adapter's config points at
+    stock = _peft_model_of(base)
+    stock.save_pretrained(tmp_path / "adapter")
+    loaded = fk.hf.AutoModelForCausalLM.from_pretrained(tmp_path / "adapter").to(device).train()
+    for name, param in loaded.named_parameters():  # transformers loads an adapter frozen, for inference
+        param.requires_grad_("lora_" in name)
+    assert fk.hf.patched_modules(loaded) == {**_expected_counts("llama"), "swiglu": 0, "lora": 6}
+    ids, labels = _batch(device)
+    want, want_grads = _loss_and_grads(stock, input_ids=ids, labels=labels)
+    got, got_grads = _loss_and_grads(loaded, input_ids=ids, labels=labels)
+    torch.testing.assert_close(got.loss, want.loss, **TOL)
+    lora_grads = {n.removeprefix("base_model.model.").replace(".default", ""): g for n, g in want_grads.items()}
+    got_lora = {n.replace(".default", ""): g for n, g in got_grads.items() if "lora_" in n}
+    assert got_lora.keys() == lora_grads.keys()
+    for name, grad in lora_grads.items():
+        torch.testing.assert_close(got_lora[name], grad, **TOL, msg=lambda m, n=name: f"{n}: {m}")
