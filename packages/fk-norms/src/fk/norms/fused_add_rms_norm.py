@@ -32,6 +32,7 @@ from fk.norms.rms_norm import (
     check_rms_norm_args,
     launch_backward,
     launch_forward,
+    module_eps,
     rms_norm_ref,
 )
 
@@ -303,9 +304,7 @@ class FusedAddRMSNorm(torch.nn.RMSNorm):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
         shape = tuple(self.normalized_shape)
-        if tuple(x.shape[x.ndim - len(shape) :]) != shape:
-            raise ValueError(f"x must end with the dimensions {shape}, got shape {tuple(x.shape)}")
-        eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
+        eps = module_eps(self, x)
         kwargs: dict[str, Any] = {"casting_mode": self.casting_mode, "offset": self.offset, "in_place": self.in_place}
         if len(shape) == 1:
             return fused_add_rms_norm(x, residual, self.weight, eps, **kwargs)

@@ -532,6 +532,16 @@ def rms_norm(
 # --- 5. Module ------------------------------------------------------------------------------------
 
 
+def module_eps(norm: torch.nn.RMSNorm, x: torch.Tensor) -> float:
+    """The eps a ``torch.nn.RMSNorm``-style module applies to ``x`` (None means
+    ``torch.finfo(x.dtype).eps``, as in PyTorch), once ``x`` is checked to end with the module's
+    ``normalized_shape``. Shared by :class:`RMSNorm` and ``FusedAddRMSNorm``."""
+    shape = tuple(norm.normalized_shape)
+    if tuple(x.shape[x.ndim - len(shape) :]) != shape:
+        raise ValueError(f"x must end with the dimensions {shape}, got shape {tuple(x.shape)}")
+    return norm.eps if norm.eps is not None else torch.finfo(x.dtype).eps
+
+
 class RMSNorm(torch.nn.RMSNorm):
     """Drop-in for ``torch.nn.RMSNorm`` (same constructor and state_dict) running fk's kernels.
 
@@ -560,9 +570,7 @@ class RMSNorm(torch.nn.RMSNorm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = tuple(self.normalized_shape)
-        if tuple(x.shape[x.ndim - len(shape) :]) != shape:
-            raise ValueError(f"x must end with the dimensions {shape}, got shape {tuple(x.shape)}")
-        eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
+        eps = module_eps(self, x)
         weight = self.weight
         if len(shape) != 1:
             x_flat = x.reshape(*x.shape[: x.ndim - len(shape)], -1)
