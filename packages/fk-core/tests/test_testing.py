@@ -135,3 +135,22 @@ def test_assert_compile_matches_eager() -> None:
     unused = testing.random_tensor((3,), torch.float32, "cpu", seed=12, requires_grad=True)
     with pytest.raises(AssertionError, match="input 1 got no gradient"):
         testing.assert_compile_matches_eager(lambda t, u: (t * 2).sum(), [x, unused])
+
+
+def test_allocation_sizes_sees_each_buffer() -> None:
+    sizes = testing.allocation_sizes(lambda: (torch.empty(1000), torch.empty(1000)))
+    assert testing.count_buffers(sizes, 4000, "cpu") == 2, sizes
+    assert testing.count_buffers(sizes, 4004, "cpu") == 0, sizes
+
+
+def test_count_buffers_models_the_cuda_caching_allocator() -> None:
+    """Small requests (at most 1 MiB) show up at their size rounded to 512 bytes, large ones as a
+    block up to 1 MiB larger; sizes are only compared, so no GPU is needed."""
+    mib = 1 << 20
+    small = [512, 1024, 1536]
+    assert testing.count_buffers(small, 1000, "cuda") == 1  # 1000 rounds to 1024 only
+    assert testing.count_buffers(small, 100, "cuda") == 1
+    assert testing.count_buffers(small, 2000, "cuda") == 0
+    large = [3 * mib, 3 * mib + mib // 2, 4 * mib + 512]
+    assert testing.count_buffers(large, 3 * mib, "cuda") == 2  # exact, or handed over whole
+    assert testing.count_buffers(large, 4 * mib + 512, "cuda") == 1

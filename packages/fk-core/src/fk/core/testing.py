@@ -300,8 +300,10 @@ CUDA_ALLOCATION_GRANULE = 512
 """CUDA's caching allocator rounds every block up to a multiple of 512 bytes."""
 
 CUDA_UNSPLIT_SLACK = 1 << 20
-"""The caching allocator hands over a cached block whole (without splitting it) when less than
-1 MiB would remain, so a buffer may show up as a block up to this many bytes larger."""
+"""The caching allocator hands over a cached block of its large pool whole (without splitting it)
+when less than 1 MiB would remain, so a large buffer may show up as a block up to this many bytes
+larger. Requests of at most this size come from the small pool, whose blocks are always split, so
+they show up at exactly their rounded size."""
 
 
 def allocation_sizes(fn: Callable[[], Any]) -> list[int]:
@@ -326,11 +328,15 @@ def allocation_sizes(fn: Callable[[], Any]) -> list[int]:
 
 def count_buffers(sizes: Sequence[int], n_bytes: int, device: str | torch.device) -> int:
     """How many of the allocations ``sizes`` (from :func:`allocation_sizes`) hold a buffer of
-    ``n_bytes`` bytes: exactly that size on the CPU; on CUDA, rounded up to the allocator's granule,
-    or a cached block up to :data:`CUDA_UNSPLIT_SLACK` larger."""
+    ``n_bytes`` bytes: exactly that size on the CPU; on CUDA, rounded up to the allocator's granule
+    (small-pool requests of at most 1 MiB), or a cached block up to :data:`CUDA_UNSPLIT_SLACK`
+    larger (large-pool requests). On CUDA, small sizes less than 512 bytes apart are told apart only
+    if they round to different granules: tests choose sizes that do."""
     if torch.device(device).type != "cuda":
         return sum(s == n_bytes for s in sizes)
     low = -(-n_bytes // CUDA_ALLOCATION_GRANULE) * CUDA_ALLOCATION_GRANULE
+    if low <= CUDA_UNSPLIT_SLACK:
+        return sum(s == low for s in sizes)
     return sum(low <= s < low + CUDA_UNSPLIT_SLACK for s in sizes)
 
 

@@ -279,10 +279,23 @@ def _cross_entropy_kernel(
 
 # --- 3. Launchers, registered as custom ops -------------------------------------------------------
 
-# Launch parameters (benchmarks/tune_flce.py sweeps them on a GPU).
-MAX_BLOCK = 2048  # columns per load
-PROGRAMS_PER_SM = 8
-NUM_WARPS = 8  # for rows of 4096 columns or more
+
+class LaunchParams(NamedTuple):
+    programs_per_sm: int
+    max_block: int  # columns per load
+    num_warps: int  # for rows of 4096 columns or more (4 below)
+
+
+# Launch parameters per use of the kernel (benchmarks/tune_flce.py sweeps each on a GPU): the
+# forward reads the logits once, the backward (lse given) reads them and writes the gradient, and
+# the fused pass of linear cross entropy reads each row twice and writes it once. On an H100 the
+# fused pass gains most from wide loads (65% -> 72% of copy at 8192 x 128256); fewer rows in flight
+# (one program per SM) did not pay: the SM then idles at each row's reductions.
+LAUNCH = {
+    "forward": LaunchParams(programs_per_sm=8, max_block=2048, num_warps=8),
+    "backward": LaunchParams(programs_per_sm=8, max_block=2048, num_warps=8),
+    "fused": LaunchParams(programs_per_sm=8, max_block=8192, num_warps=32),
+}
 
 
 class LossOptions(NamedTuple):
@@ -292,10 +305,6 @@ class LossOptions(NamedTuple):
     label_smoothing: float
     lse_square_scale: float
     softcap: float  # 0.0: no softcap
-
-
-def _block(n_cols: int) -> int:
-    return min(MAX_BLOCK, next_power_of_2(n_cols))
 
 
 def launch_cross_entropy(
@@ -321,7 +330,8 @@ def launch_cross_entropy(
     if n_rows == 0:
         return
     dummy = lse
-    grid = (min(n_rows, multiprocessor_count(logits.device) * PROGRAMS_PER_SM),)
+    params = LAUNCH["backward" if lse_given else "fused" if grad is not None else "forward"]
+    grid = (min(n_rows, multiprocessor_count(logits.device) * params.programs_per_sm),)
     _cross_entropy_kernel[grid](
         logits, target,
         class_weight if class_weight is not None else dummy,
@@ -339,7 +349,7 @@ def launch_cross_entropy(
         LSE_GIVEN=lse_given, COMPUTE_LOSS=loss is not None, STORE_Z_LOSS=z_loss is not None,
         STORE_ACCURACY=correct is not None, COMPUTE_GRAD=grad is not None,
         ROW_SCALE=grad_scale is not None and grad_scale.numel() == n_rows and n_rows != 1,
-        BLOCK=_block(n_cols), num_warps=NUM_WARPS if n_cols >= 4096 else 4,
+        BLOCK=min(params.max_block, next_power_of_2(n_cols)), num_warps=params.num_warps if n_cols >= 4096 else 4,
     )  # fmt: skip
 
 
