@@ -155,7 +155,8 @@ def _tokenizer() -> Any:
 def _sft_dataset() -> Any:
     """Tokenized rows of 10 to 16 tokens (padded in a batch) whose first 0 to 3 tokens are a prompt
     (``completion_mask`` 0: not scored)."""
-    datasets = pytest.importorskip("datasets", reason="TRL's SFTTrainer needs `datasets` (fk[testing] brings it)")
+    import datasets
+
     gen = torch.Generator().manual_seed(3)
     rows: dict[str, list[list[int]]] = {"input_ids": [], "completion_mask": []}
     for i in range(8):
@@ -172,6 +173,7 @@ def test_sft_trainer_with_peft_config(
     sees that model and fk.lora fuses its LoRA layers (they run in training), the base's norms and
     rotary embedding are fk's. The training loss stays TRL's own fused LM head's (with its entropy
     and accuracy metrics), which fk leaves in place: the logged losses are stock SFTTrainer's."""
+    pytest.importorskip("datasets", reason="TRL's SFTTrainer needs `datasets` (fk[testing] brings it)")
     trl = pytest.importorskip("trl", reason="needs TRL (`pip install trl`; fk[testing] brings it)")
     peft = pytest.importorskip("peft")
     fused_mlp = fk.lora.patching.lora_mlp
