@@ -6,23 +6,33 @@
   families: :func:`supported_model_types` (see :mod:`fk.hf.models`).
 - :class:`AutoModelForCausalLM`: ``from_pretrained`` / ``from_config`` as transformers', the model
   returned already patched (switches in ``fk_options``).
+- With the ``transformers`` Trainer or TRL's ``SFTTrainer``: ``callbacks=[fk.hf.FkCallback()]``
+  (see :mod:`fk.hf.trainer`), or ``model_init=fk.hf.model_init(make_model)``.
 - ``python -m fk.hf.demo`` runs every installed fk kernel against its reference.
 
 Importing fk.hf imports neither ``transformers`` nor any kernel: that happens when a model is
-patched (``pip install "fk[hf]"`` brings ``transformers``).
+patched (``pip install "fk[hf]"`` brings ``transformers``), or when ``fk.hf.FkCallback`` is
+first used.
 """
 
 from __future__ import annotations
 
-from typing import Any, overload
+import functools
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, overload
 
 from fk.hf.auto import AutoModelForCausalLM
 from fk.hf.patching import SWITCHES, ModelPatch, patched_modules
 
+if TYPE_CHECKING:
+    from fk.hf.trainer import FkCallback
+
 __all__ = [
     "SWITCHES",
     "AutoModelForCausalLM",
+    "FkCallback",
     "apply",
+    "model_init",
     "patched_classes",
     "patched_modules",
     "revert",
@@ -154,3 +164,28 @@ def patched_classes() -> dict[str, list[str]]:
     from fk.hf.classes import patched_classes as classes
 
     return classes()
+
+
+def model_init(make_model: Callable[..., Any], **switches: bool) -> Callable[..., Any]:
+    """``make_model`` (a ``Trainer``'s ``model_init``: no argument, or the hyperparameter-search
+    trial) wrapped so that the model it returns comes out patched by :func:`apply` with
+    ``switches``: ``Trainer(model_init=fk.hf.model_init(make_model), ...)``. The wrapper takes the
+    arguments ``make_model`` takes (its signature is ``make_model``'s, which the Trainer inspects).
+    An unknown switch raises ``TypeError`` here; an unsupported model, ``ValueError`` when built."""
+    checked = _check_switches(switches)
+
+    @functools.wraps(make_model)
+    def init(*args: Any) -> Any:
+        model = make_model(*args)
+        apply(model, **checked)
+        return model
+
+    return init
+
+
+def __getattr__(name: str) -> Any:
+    if name == "FkCallback":  # a transformers.TrainerCallback: imports transformers on first use
+        from fk.hf.trainer import FkCallback
+
+        return FkCallback
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
