@@ -416,6 +416,31 @@ def test_revert_restores_bit_identical_outputs(model_type: str, device: str) -> 
     assert fk.hf.revert(model) == 0
 
 
+def test_revert_keeps_a_wrapper_added_after_patching(device: str) -> None:
+    """Someone wraps a patched forward (as accelerate's autocast wrapper does): revert keeps their
+    wrapper and switches fk's forward off inside it, so the stock code runs again."""
+    model = _model("llama", device)
+    ids, labels = _batch(device)
+    with torch.no_grad():
+        want = model(input_ids=ids, labels=labels)
+    fk.hf.apply(model)
+    inner = model.forward
+    calls = []
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return inner(*args, **kwargs)
+
+    model.forward = wrapper
+    assert fk.hf.revert(model) == sum(_expected_counts("llama").values())
+    assert model.forward is wrapper
+    assert fk.hf.patched_modules(model) == dict.fromkeys(fk.hf.SWITCHES, 0)
+    with torch.no_grad():
+        got = model(input_ids=ids, labels=labels)  # fk's would return no logits here
+    assert calls and torch.equal(got.logits, want.logits) and torch.equal(got.loss, want.loss)
+    assert fk.hf.apply(model)["flce"] == 0  # a wrapped forward is left alone
+
+
 def test_num_items_in_batch_and_shift_labels(device: str) -> None:
     """Gradient accumulation's denominator and pre-shifted labels, as stock's loss takes them."""
     stock = _model("llama", device)

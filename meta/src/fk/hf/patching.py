@@ -33,6 +33,7 @@ What each switch replaces (for the families in :mod:`fk.hf.models`):
 
 from __future__ import annotations
 
+import functools
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -46,6 +47,10 @@ _PREVIOUS = "_fk_hf_previous_forward"
 """Attribute of a patched module: its instance ``forward`` before patching, or :data:`_NONE`."""
 _KIND = "_fk_hf_kind"
 _LORA = "_fk_hf_lora_report"
+_OURS = "_fk_hf_forward"
+"""Attribute of a patched module: the forward fk set (to tell whether another wrapped it since)."""
+_SWITCHED_OFF = "_fk_hf_switched_off"
+"""Attribute of a reverted module whose fk forward stays inside another's wrapper, switched off."""
 """Attribute of a model :func:`apply_patch` ran :func:`fk.lora.patch` on: its ``PatchReport``."""
 _NONE = object()
 
@@ -322,13 +327,27 @@ def _with_router_aux_loss(
 # --- apply / revert -------------------------------------------------------------------------------
 
 
+def _revertible(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` (an fk forward), which calls the stock forward instead once :func:`revert` has switched
+    it off: revert does that when someone else's forward has wrapped fk's since (accelerate's
+    autocast wrapper, TRL's fused head), since removing fk's would remove theirs too."""
+
+    @functools.wraps(fn)  # the signature stays fn's: the Trainer inspects it
+    def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if _SWITCHED_OFF in self.__dict__:
+            return self._fk_hf_stock_forward(*args, **kwargs)
+        return fn(self, *args, **kwargs)
+
+    return forward
+
+
 def _set_forward(module: torch.nn.Module, kind: str, fn: Callable[..., Any], patch: ModelPatch) -> None:
     previous = module.__dict__.get("forward", _NONE)
     module.__dict__[_PREVIOUS] = previous
     module.__dict__[_KIND] = kind
     module.__dict__["_fk_hf_patch"] = patch
     module.__dict__["_fk_hf_stock_forward"] = module.forward
-    module.__dict__["forward"] = types.MethodType(fn, module)
+    module.__dict__["forward"] = module.__dict__[_OURS] = types.MethodType(_revertible(fn), module)
 
 
 def is_patched(module: torch.nn.Module) -> bool:
@@ -363,6 +382,13 @@ def revert(model: torch.nn.Module) -> int:
         if not is_patched(module):
             continue
         previous = module.__dict__.pop(_PREVIOUS)
+        if module.__dict__.get("forward") is not module.__dict__.pop(_OURS):
+            # Wrapped since by someone else's forward: keep theirs, and switch fk's off inside it.
+            module.__dict__[_SWITCHED_OFF] = True
+            for key in (_KIND, "_fk_hf_patch"):
+                module.__dict__.pop(key, None)
+            restored += 1
+            continue
         for key in (_KIND, "_fk_hf_patch", "_fk_hf_stock_forward", "forward"):
             module.__dict__.pop(key, None)
         if previous is not _NONE:
