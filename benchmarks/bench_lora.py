@@ -1,8 +1,9 @@
 """LoRA MLP, QKV and O forward+backward side by side: fk.lora against PEFT eager, on the same modules.
 
 Llama-3.1-8B layer shapes (hidden 4096, intermediate 14336, 32 query / 8 key-value heads of 128),
-r=16, alpha=32, bf16 base and LoRA weights (the base frozen), inputs that require grad, at 4096
-and 16384 tokens, LoRA dropout 0 and 0.05. PEFT's LoRA layers are injected into plain modules
+r=16, alpha=32, bf16 base weights (frozen), inputs that require grad, at 4096 and 16384 tokens,
+LoRA dropout 0 and 0.05, LoRA weights in bf16 and in fp32 (fp32 is what ``peft.get_peft_model``
+gives a bf16 model by default: ``autocast_adapter_dtype=True``). PEFT's LoRA layers are injected into plain modules
 that compute as Hugging Face's LlamaMLP / LlamaAttention projections
 (``peft.inject_adapter_in_model``); the ``fk`` rows run the same modules after ``fk.lora.patch``.
 Forward+backward time, FLOP rate against the bf16 matmul ceiling measured in the same run, and
@@ -27,6 +28,7 @@ from fk.core import bench
 NAME = "lora"
 HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM = 4096, 14336, 32, 8, 128
 BLOCKS = ("mlp", "qkv", "o")
+ADAPTER_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 class _MLP(nn.Module):
@@ -54,7 +56,7 @@ class _Attention(nn.Module):
         self.o_proj = nn.Linear(HEADS * HEAD_DIM, HIDDEN, bias=False)
 
 
-def _lora_model(block: str, dropout: float, rank: int, alpha: int) -> nn.Module:
+def _lora_model(block: str, dropout: float, rank: int, alpha: int, adapter_dtype: torch.dtype) -> nn.Module:
     import peft
 
     torch.manual_seed(0)
@@ -66,6 +68,8 @@ def _lora_model(block: str, dropout: float, rank: int, alpha: int) -> nn.Module:
     model = model.to(device="cuda", dtype=torch.bfloat16).train()
     for name, p in model.named_parameters():
         p.requires_grad_("lora_" in name)
+        if "lora_" in name:
+            p.data = p.data.to(adapter_dtype)
     return model
 
 
@@ -85,10 +89,10 @@ def _flops(block: str, tokens: int) -> float:
 
 
 def measure(record: bench.BenchRecord, matmul_tflops: float, block: str, tokens: int, dropout: float,
-            rank: int, alpha: int, rep: int) -> None:  # fmt: skip
+            rank: int, alpha: int, rep: int, adapter: str) -> None:  # fmt: skip
     import fk.lora
 
-    model = _lora_model(block, dropout, rank, alpha)
+    model = _lora_model(block, dropout, rank, alpha, ADAPTER_DTYPES[adapter])
     fn = _call(model, block)
     gen = torch.Generator(device="cuda").manual_seed(tokens)
     x = torch.randn(tokens, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
@@ -122,24 +126,26 @@ def measure(record: bench.BenchRecord, matmul_tflops: float, block: str, tokens:
             t.grad = None
         achieved = bench.tflops(_flops(block, tokens), ms)
         record.add(
-            provider=provider, block=block, tokens=tokens, dropout=dropout, mode="fwd+bwd", ms=ms,
+            provider=provider, block=block, tokens=tokens, dropout=dropout, adapter=adapter, mode="fwd+bwd", ms=ms,
             tflops=achieved, matmul_fraction=bench.fraction(achieved, matmul_tflops), peak_mb=peak / 2**20,
         )  # fmt: skip
     fk.lora.unpatch(model)
 
 
-def run(tokens: list[int], dropouts: list[float], out: Path, rep: int, rank: int, alpha: int) -> bench.BenchRecord:
+def run(tokens: list[int], dropouts: list[float], adapters: list[str], out: Path, rep: int, rank: int,
+        alpha: int) -> bench.BenchRecord:  # fmt: skip
     record = bench.BenchRecord(
         NAME,
-        notes=(f"Llama-3.1-8B layer shapes, r={rank}, alpha={alpha}, bf16 base and LoRA weights, frozen base; "
+        notes=(f"Llama-3.1-8B layer shapes, r={rank}, alpha={alpha}, bf16 base (frozen), LoRA weights "
+               f"in {' and '.join(adapters)}; "
                "FLOPs: base matmuls of forward and input gradient"),
     )  # fmt: skip
     ceilings = bench.measure_ceilings()
     record.ceilings = ceilings.as_dict()
     print(f"ceilings: copy {ceilings.copy_tbps:.2f} TB/s, bf16 matmul {ceilings.matmul_tflops:.0f} TFLOP/s")
-    cases = [(b, t, d) for b in BLOCKS for t in tokens for d in dropouts]
-    for block, t, d in bench.progress(cases, desc=NAME):
-        measure(record, ceilings.matmul_tflops, block, t, d, rank, alpha, rep)
+    cases = [(b, t, d, a) for a in adapters for b in BLOCKS for t in tokens for d in dropouts]
+    for block, t, d, a in bench.progress(cases, desc=NAME):
+        measure(record, ceilings.matmul_tflops, block, t, d, rank, alpha, rep, a)
         torch.cuda.empty_cache()
     out.parent.mkdir(parents=True, exist_ok=True)
     record.to_json(out)
@@ -147,14 +153,20 @@ def run(tokens: list[int], dropouts: list[float], out: Path, rep: int, rank: int
 
 
 def speedups(record: bench.BenchRecord) -> list[dict[str, object]]:
-    """fk against PEFT eager per (block, tokens, dropout): speed (PEFT ms / fk ms) and memory ratio."""
+    """fk against PEFT eager per (adapter dtype, block, tokens, dropout): speed (PEFT ms / fk ms) and
+    memory ratio. Records from before the adapter axis had bf16 adapters."""
     table = []
-    keys = sorted({(r["block"], r["tokens"], r["dropout"]) for r in record.rows}, key=lambda k: (BLOCKS.index(k[0]), k[1], k[2]))  # fmt: skip
-    for block, tokens, dropout in keys:
-        rows = {r["provider"]: r for r in record.rows if (r["block"], r["tokens"], r["dropout"]) == (block, tokens, dropout)}  # fmt: skip
+
+    def key(r: dict[str, Any]) -> tuple[str, str, int, float]:
+        return (r.get("adapter", "bf16"), r["block"], r["tokens"], r["dropout"])
+
+    keys = sorted({key(r) for r in record.rows}, key=lambda k: (k[0], BLOCKS.index(k[1]), k[2], k[3]))
+    for adapter, block, tokens, dropout in keys:
+        rows = {r["provider"]: r for r in record.rows if key(r) == (adapter, block, tokens, dropout)}
         fk, peft = rows["fk"], rows["peft"]
         table.append({
-            "block": block, "tokens": tokens, "dropout": dropout, "fk ms": fk["ms"], "peft ms": peft["ms"],
+            "adapter": adapter, "block": block, "tokens": tokens, "dropout": dropout, "fk ms": fk["ms"],
+            "peft ms": peft["ms"],
             "x peft": peft["ms"] / fk["ms"], "fk matmul%": 100 * fk["matmul_fraction"],
             "fk MB": fk["peak_mb"], "peft MB": peft["peak_mb"], "memory / peft": fk["peak_mb"] / peft["peak_mb"],
         })  # fmt: skip
@@ -162,6 +174,7 @@ def speedups(record: bench.BenchRecord) -> list[dict[str, object]]:
 
 
 COLUMNS = [
+    "adapter",
     "block",
     "tokens",
     "dropout",
@@ -186,6 +199,8 @@ def main() -> None:
                         help="the JSON record to write (a directory gets lora.json inside)")  # fmt: skip
     parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384])
     parser.add_argument("--dropout", type=float, nargs="+", default=[0.0, 0.05])
+    parser.add_argument("--adapters", nargs="+", default=list(ADAPTER_DTYPES), choices=list(ADAPTER_DTYPES),
+                        help="dtypes of the LoRA weights")  # fmt: skip
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--alpha", type=int, default=32)
     parser.add_argument("--rep", type=int, default=20)
@@ -195,7 +210,7 @@ def main() -> None:
         record = bench.BenchRecord.from_json(args.summary)
     else:
         out = args.out / f"{NAME}.json" if args.out.is_dir() or not args.out.suffix else args.out
-        record = run(args.tokens, args.dropout, out, args.rep, args.rank, args.alpha)
+        record = run(args.tokens, args.dropout, args.adapters, out, args.rep, args.rank, args.alpha)
     print(f"bf16 matmul ceiling {record.ceilings['matmul_tflops']:.0f} TFLOP/s ({record.environment.get('gpu')})")
     print(summary(record))
 

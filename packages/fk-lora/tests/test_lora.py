@@ -3,6 +3,7 @@ GPU where there is one, else on CPU (the MLP's activation in Triton's interprete
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 import pytest
@@ -93,9 +94,14 @@ def test_lora_qkv_matches_three_linears(device: str, dtype: torch.dtype) -> None
     assert result.names[:4] == ["output0", "output1", "output2", "grad of x"]
 
 
+@pytest.mark.parametrize("chunked", [False, True], ids=["whole", "row_chunks"])
 @pytest.mark.parametrize("activation", ["swiglu", "geglu"])
 @pytest.mark.parametrize("dtype", testing.DTYPES, ids=dtype_name)
-def test_lora_mlp_matches_reference(device: str, dtype: torch.dtype, activation: str) -> None:
+def test_lora_mlp_matches_reference(
+    device: str, dtype: torch.dtype, activation: str, chunked: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if chunked:  # h formed 4 rows (bf16/fp16) or 2 rows (fp32) at a time, of 15
+        monkeypatch.setattr(importlib.import_module("fk.lora.lora"), "MLP_CHUNK_BYTES", 4 * INTER * 2)
     g = _linear_args(dtype, device, n=INTER, seed=0, train_base=dtype == torch.float32)
     u = _linear_args(dtype, device, n=INTER, seed=10, lora_bias=False)
     d = _linear_args(dtype, device, n=K, k=INTER, seed=20, bias=False)
@@ -121,6 +127,32 @@ def test_lora_mlp_backward_keeps_no_intermediate_sized_activation(device: str) -
     inter = x.numel() // K * INTER
     saved = [t for t in out.grad_fn.saved_tensors if isinstance(t, torch.Tensor)]  # type: ignore[union-attr]
     assert sum(t.numel() == inter for t in saved) == 2  # gate and up only
+
+
+def test_lora_mlp_in_row_chunks_forms_no_intermediate_sized_buffer(
+    device: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With h formed a few rows at a time, neither the forward nor the backward allocates an
+    [M, I] buffer beyond gate and up (whose gradients are written over them)."""
+    monkeypatch.setattr(importlib.import_module("fk.lora.lora"), "MLP_CHUNK_BYTES", 4 * INTER * 4)
+    g, u, d = (
+        _linear_args(torch.float32, device, n=n, k=k, seed=seed, bias=False, lora_bias=False)
+        for n, k, seed in ((INTER, K, 0), (INTER, K, 10), (K, INTER, 20))
+    )
+    x = g[0]
+    weights = [LoRAWeights(*p[1:5], 2.0) for p in (g, u, d)]
+    inter_bytes = x.numel() // K * INTER * 4
+    sizes = testing.allocation_sizes(lambda: lora_mlp(x, *weights))
+    assert testing.count_buffers(sizes, inter_bytes, device) == 2, sizes  # gate and up
+    out = lora_mlp(x, *weights)
+    sizes = testing.allocation_sizes(lambda: out.backward(torch.ones_like(out)))
+    assert testing.count_buffers(sizes, inter_bytes, device) == 0, sizes
+    assert testing.count_buffers(sizes, 4 * INTER * 4, device) >= 1, sizes  # the chunks are seen
+    testing.compare_with_reference(
+        lambda *a: lora_mlp(a[0], *(LoRAWeights(*a[1 + 4 * i : 5 + 4 * i], 2.0) for i in range(3))),
+        lambda *a: lora_mlp_ref(a[0], *(LoRAWeights(*a[1 + 4 * i : 5 + 4 * i], 2.0) for i in range(3))),
+        [x, *g[1:5], *u[1:5], *d[1:5]],
+    )
 
 
 def test_frozen_base_weight_gets_no_gradient_and_no_buffer(device: str) -> None:

@@ -132,6 +132,9 @@ def lora_mlp_ref(
 # the backward (one more elementwise pass instead of an [M, I] buffer kept from forward to
 # backward). Backward: dh from proj_down's backward (using the recomputed h), then
 # (dg, du) = glu_backward(dh, g, u), written into g's and u's buffers in eager mode, then dx.
+# Without dropout on the down projection, h and dh are formed MLP_CHUNK_BYTES of rows at a time
+# (forward and eager backward), so g and u are the only [M, I] buffers: the down projection's
+# parameter gradients are then sums over the chunks, in fp32.
 
 
 def _use_kernel_launchers() -> bool:
@@ -352,6 +355,87 @@ class _LoRAProjections(torch.autograd.Function):
         return (dx, None, *grads)
 
 
+MLP_CHUNK_BYTES = 64 << 20
+"""Bound on the ``[rows, I]`` intermediate (``act(gate) * up`` and its gradient) the MLP forms at a
+time when it has no down-projection dropout: the forward and the backward then walk the rows in
+chunks, so the only ``[M, I]`` buffers are the saved gate and up (the backward writes their
+gradients over them). With dropout on the down projection, the mask is drawn over the whole ``h``
+in one call, as PEFT draws it, so ``h`` is formed whole."""
+
+
+def _mlp_chunk_rows(gate: torch.Tensor, p_down: float) -> int:
+    """Rows of ``h`` formed at a time (all of them with down-projection dropout)."""
+    if p_down > 0:
+        return gate.shape[0]
+    return max(1, MLP_CHUNK_BYTES // max(1, gate.shape[1] * gate.element_size()))
+
+
+def _down_forward_in_chunks(
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    act: str,
+    rows: int,
+    wd: torch.Tensor,
+    bd: torch.Tensor | None,
+    ad: torch.Tensor,
+    bbd: torch.Tensor,
+    lbd: torch.Tensor | None,
+    sd: float,
+    dd: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The down projection of ``h = act(gate) * up`` (no dropout), ``rows`` rows at a time:
+    returns (y, xa) as :func:`_proj_fwd` would for the whole ``h``."""
+    y: torch.Tensor | None = None
+    xas = []
+    for start in range(0, gate.shape[0], rows):
+        part = slice(start, start + rows)
+        h = _act_fwd(gate[part], up[part], act)
+        y_part, xa_part, _ = _proj_fwd(h, h, wd, bd, ad, bbd, lbd, sd, 0.0, dd)
+        del h
+        if y is None:
+            y = y_part.new_empty((gate.shape[0], y_part.shape[1]))
+        y[part] = y_part
+        xas.append(xa_part)
+    assert y is not None
+    return y, torch.cat(xas)
+
+
+def _down_backward_in_chunks(
+    dy2: torch.Tensor,
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    act: str,
+    rows: int,
+    wd: torch.Tensor,
+    ad: torch.Tensor,
+    bd: torch.Tensor,
+    xa_d: torch.Tensor,
+    sd: float,
+    dd: torch.dtype,
+    needs: tuple[bool, bool, bool, bool, bool, bool],
+) -> list[torch.Tensor | None]:
+    """The down projection's backward (no dropout), ``rows`` rows at a time: per chunk, h is
+    recomputed, dh formed, and (when ``needs[0]``) (d gate, d up) written over the chunk's gate and
+    up rows. Returns the down projection's parameter gradients, summed over the chunks in fp32."""
+    totals: list[torch.Tensor | None] = [None] * _SLOTS
+    for start in range(0, gate.shape[0], rows):
+        part = slice(start, start + rows)
+        h = _act_fwd(gate[part], up[part], act)
+        dh, grads = _proj_bwd(dy2[part], h, h, wd, ad, bd, xa_d[part], None, sd, 0.0, dd, needs, None)
+        del h
+        for i, g in enumerate(grads):
+            if g is not None:
+                totals[i] = g.float() if totals[i] is None else totals[i].add_(g)  # type: ignore[union-attr]
+        if needs[0] and dh is not None:
+            dg, du, _ = _act_bwd(dh, gate[part], up[part], act)
+            if dg.data_ptr() != gate[part].data_ptr():
+                gate[part] = dg
+                up[part] = du
+        del dh
+    like = (wd, wd, ad, bd, bd)  # the dtype of each gradient: weight, bias, lora_A, lora_B, lora_bias
+    return [t if t is None else t.to(like[i].dtype) for i, t in enumerate(totals)]
+
+
 class _LoRAMLP(torch.autograd.Function):
     """``down(act(gate(x)) * up(x))`` with three LoRA projections; ``act`` is fk.glu's kernel.
 
@@ -368,9 +452,14 @@ class _LoRAMLP(torch.autograd.Function):
         gate, xa_g, m_g = _proj_fwd(x2, xc, wg, bg, ag, bbg, lbg, sg, pg, dg)
         up, xa_u, m_u = _proj_fwd(x2, xc, wu, bu, au, bbu, lbu, su, pu, du)
         del xc
-        h = _act_fwd(gate, up, act)
-        y, xa_d, m_d = _proj_fwd(h, h, wd, bd, ad, bbd, lbd, sd, pd, dd)
-        del h  # recomputed in the backward
+        rows = _mlp_chunk_rows(gate, pd)
+        if rows >= gate.shape[0]:
+            h = _act_fwd(gate, up, act)
+            y, xa_d, m_d = _proj_fwd(h, h, wd, bd, ad, bbd, lbd, sd, pd, dd)
+            del h  # recomputed in the backward
+        else:  # h a chunk of rows at a time: never [M, I] at once
+            y, xa_d = _down_forward_in_chunks(gate, up, act, rows, wd, bd, ad, bbd, lbd, sd, dd)
+            m_d = None
         ctx.save_for_backward(x, gate, up, wg, ag, bbg, wu, au, bbu, wd, ad, bbd, xa_g, xa_u, xa_d, m_g, m_u, m_d)
         ctx.config = config
         return y.view(*x.shape[:-1], y.shape[-1])
@@ -388,14 +477,24 @@ class _LoRAMLP(torch.autograd.Function):
         need_dx = needs[0]
         need_gu = need_dx or any(needs[2:12])
         dy2 = dy.reshape(-1, dy.shape[-1])
-        h = _act_fwd(gate, up, act)
-        dh, grads_d = _proj_bwd(dy2, h, h, wd, ad, bd, xa_d, m_d, sd, pd, dd, (need_gu, *needs[12:17]), None)
-        del h
+        down_needs = (need_gu, *needs[12:17])
+        rows = _mlp_chunk_rows(gate, pd)
+        chunked = rows < gate.shape[0] and uses_kernel(gate) and _use_kernel_launchers()
+        if chunked:  # eager: (dg, du) of each chunk of rows written over its gate and up rows
+            grads_d = _down_backward_in_chunks(dy2, gate, up, act, rows, wd, ad, bd, xa_d, sd, dd, down_needs)
+            dh, written = None, True
+        else:
+            h = _act_fwd(gate, up, act)
+            dh, grads_d = _proj_bwd(dy2, h, h, wd, ad, bd, xa_d, m_d, sd, pd, dd, down_needs, None)
+            del h
         grads_g: list[torch.Tensor | None] = [None] * _SLOTS
         grads_u: list[torch.Tensor | None] = [None] * _SLOTS
         dx = None
-        if need_gu and dh is not None:
-            dgate, dup, written = _act_bwd(dh, gate, up, act)
+        if need_gu and (dh is not None or chunked):
+            if dh is None:  # chunked: the gradients are in gate's and up's buffers already
+                dgate, dup = gate, up
+            else:
+                dgate, dup, written = _act_bwd(dh, gate, up, act)
             del dh
             if written:  # the gradients overwrote gate and up: a second backward must fail loudly
                 torch.autograd.graph.increment_version(gate)
