@@ -272,6 +272,11 @@ BWD_MIN_TILE = 2048
 BWD_PROGRAMS_PER_SM = 2  # rows that fit one tile
 BWD_LOOPED_PROGRAMS_PER_SM = 1  # wider rows: few programs, so the rows they re-read stay in L2
 BWD_ELEMENTS_PER_WARP = 256
+# Wide rows: the backward keeps one fp32 partial row per program for dw and one for db, updated
+# for every row it processes; with both, those rows and the rows in flight outgrow L2 and every
+# update goes to memory. So for wide rows db = sum of dy over the rows is left to one column sum
+# (one more read of dy), and the kernel keeps dw's partial rows only.
+LOOPED_DB_BY_COLUMN_SUM = True
 
 
 @functools.lru_cache(maxsize=256)
@@ -351,19 +356,25 @@ def _layer_norm_bwd(
     tiling = _bwd_tiling(n_cols)
     n_programs = partial_rows(n_rows, n_cols, x.device)
     alloc = torch.zeros if tiling.looped else torch.empty
+    db_in_kernel = compute_db and not (tiling.looped and LOOPED_DB_BY_COLUMN_SUM)
     # A partial buffer that is not needed is never read or written: its COMPUTE_* flag is False.
     dw_partial = alloc((n_programs, n_cols), dtype=torch.float32, device=x.device) if compute_dw else rstd
-    db_partial = alloc((n_programs, n_cols), dtype=torch.float32, device=x.device) if compute_db else rstd
+    db_partial = alloc((n_programs, n_cols), dtype=torch.float32, device=x.device) if db_in_kernel else rstd
     _layer_norm_bwd_kernel[(n_programs,)](
         dy_rows, x_rows, weight if weight is not None else x_rows, mean, rstd,
         dx if compute_dx else x_rows, dw_partial, db_partial,
         n_rows, n_cols, dy_rows.stride(0), x_rows.stride(0),
-        HAS_WEIGHT=weight is not None, COMPUTE_DX=compute_dx, COMPUTE_DW=compute_dw, COMPUTE_DB=compute_db,
+        HAS_WEIGHT=weight is not None, COMPUTE_DX=compute_dx, COMPUTE_DW=compute_dw, COMPUTE_DB=db_in_kernel,
         BLOCK_COLS=tiling.block_cols, ROWS=tiling.rows_per_tile, LOOPED=tiling.looped,
         num_warps=tiling.num_warps,
     )  # fmt: skip
     dw = dw_partial.sum(0).to(weight.dtype) if compute_dw and weight is not None else x.new_empty(0)
-    db = db_partial.sum(0).to(bias.dtype) if compute_db and bias is not None else x.new_empty(0)
+    if not compute_db or bias is None:
+        db = x.new_empty(0)
+    elif db_in_kernel:
+        db = db_partial.sum(0).to(bias.dtype)
+    else:
+        db = dy_rows.sum(0, dtype=torch.float32).to(bias.dtype)
     return dx, dw, db
 
 
