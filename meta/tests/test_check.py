@@ -4,19 +4,19 @@ from pathlib import Path
 
 import tomllib
 
-from fk.hf import demo
+from fk.hf import check
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_demo_runs_every_installed_kernel_and_passes() -> None:
-    rows = demo.run([demo.torch.float32])
-    assert {r["kernel"] for r in rows} == {c.name for c in demo.available_cases()}
+def test_check_runs_every_installed_kernel_and_passes() -> None:
+    rows = check.run([check.torch.float32])
+    assert {r["kernel"] for r in rows} == {c.name for c in check.available_cases()}
     assert rows and all(r["check"] == "ok" for r in rows), rows
 
 
-def test_demo_main_exit_code() -> None:
-    assert demo.main(["--dtypes", "bfloat16"]) == 0
+def test_check_main_exit_code() -> None:
+    assert check.main(["--dtypes", "bfloat16"]) == 0
 
 
 def test_versions_move_in_lockstep() -> None:

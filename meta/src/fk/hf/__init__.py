@@ -6,7 +6,9 @@
   families: :func:`supported_model_types` (see :mod:`fk.hf.models`).
 - :class:`AutoModelForCausalLM`: ``from_pretrained`` / ``from_config`` as transformers', the model
   returned already patched (switches in ``fk_options``).
-- ``python -m fk.hf.demo`` runs every installed fk kernel against its reference.
+- ``python -m fk.hf.demo`` trains a small Llama stock and patched, side by side (:mod:`fk.hf.demo`,
+  on the helpers of :mod:`fk.hf.training`); ``python -m fk.hf.check`` runs every installed fk
+  kernel against its reference.
 
 Importing fk.hf imports neither ``transformers`` nor any kernel: that happens when a model is
 patched (``pip install "fk[hf]"`` brings ``transformers``).

@@ -1,6 +1,6 @@
-"""The fk demo: every installed fk kernel on a small problem, checked against its reference.
+"""The fk kernel check: every installed fk kernel on a small problem, checked against its reference.
 
-    python -m fk.hf.demo            (or: nox -s demo)
+    python -m fk.hf.check            (or: nox -s check)
 
 On a machine without a GPU the kernels run in Triton's interpreter (switched on here, before
 Triton is imported); on a GPU they run compiled, and each is also timed (forward+backward)
@@ -28,7 +28,7 @@ if not torch.cuda.is_available():  # must happen before anything imports triton
 
 @dataclass(frozen=True)
 class Case:
-    """One demo row: a kernel, the inputs it is shown on, and the code it replaces."""
+    """One row of the check: a kernel, the inputs it is shown on, and the code it replaces."""
 
     name: str
     module: str  # the fk module that must be importable for this row
@@ -155,7 +155,7 @@ CASES: list[Case] = [
 
 
 def available_cases() -> list[Case]:
-    """The demo rows whose fk package is installed."""
+    """The rows whose fk package is installed."""
     return [c for c in CASES if importlib.util.find_spec(c.module) is not None]
 
 
@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     dtypes = [getattr(torch, d) for d in args.dtypes]
     where = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU (Triton interpreter)"
-    print(f"fk demo on {where}: each kernel's outputs and gradients against a float64 reference")
+    print(f"fk kernel check on {where}: each kernel's outputs and gradients against a float64 reference")
     rows = run(dtypes)
     if not rows:
         print("no fk kernel package is installed")
