@@ -81,7 +81,8 @@ def run_one(provider: str, settings: Settings) -> training.RunResult:
     s = settings
     model = training.build_model(s.shape, dtype=s.dtype, device=s.device, seed=0, lora=s.lora, max_positions=s.seq)
     if provider == "fk":
-        fk.hf.apply(model)
+        counts = fk.hf.apply(model)
+        print("fk.hf.apply patched " + ", ".join(f"{n} {k}" for k, n in counts.items() if n), flush=True)
     corpus = training.MarkovCorpus(s.shape.vocab, active=s.active, branching=s.branching)
     result = training.train(
         model, corpus, steps=s.steps, batch=s.batch, seq=s.seq, lr=s.lr, warmup=s.warmup,
