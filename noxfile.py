@@ -39,12 +39,18 @@ def _install_runtime(session: nox.Session) -> None:
     session.install(TORCH, TRITON)
 
 
-def _test_extras(dist: Path) -> list[str]:
-    """The ``testing`` extra of a distribution other than fk-core (fk-lora: peft, transformers; fk: transformers)."""
+def _extra(dist: Path, name: str) -> list[str]:
+    """The requirements of the extra ``name`` of a distribution (``[]`` when it has none)."""
     import tomllib
 
     project = tomllib.loads((dist / "pyproject.toml").read_text())["project"]
-    return [] if dist.name == "fk-core" else project.get("optional-dependencies", {}).get("testing", [])
+    requirements: list[str] = project.get("optional-dependencies", {}).get(name, [])
+    return requirements
+
+
+def _test_extras(dist: Path) -> list[str]:
+    """The ``testing`` extra of a distribution other than fk-core (fk-lora: peft, transformers; fk: transformers)."""
+    return [] if dist.name == "fk-core" else _extra(dist, "testing")
 
 
 def _install_test_extras(session: nox.Session, dists: list[Path]) -> None:
@@ -135,11 +141,20 @@ def docs(session: nox.Session) -> None:
 
 @nox.session
 def demo(session: nox.Session) -> None:
-    """The demo: every fk kernel against its reference (and timed against eager PyTorch on a GPU)."""
+    """The demo: a small Llama trained stock and patched by fk.hf, side by side (``-- --lora``: PEFT LoRA)."""
+    _install_runtime(session)
+    session.install(*_extra(META, "demo"), TORCH, "numpy<2.4")  # transformers, peft, matplotlib
+    session.install("--no-deps", *(str(d) for d in ALL_DISTS))
+    session.run("python", "-m", "fk.hf.demo", *session.posargs)
+
+
+@nox.session
+def check(session: nox.Session) -> None:
+    """Every fk kernel against its reference (and timed against eager PyTorch on a GPU)."""
     _install_runtime(session)
     session.install("numpy<2.4")
     session.install("--no-deps", *(str(d) for d in ALL_DISTS))
-    session.run("python", "-m", "fk.hf.demo", *session.posargs)
+    session.run("python", "-m", "fk.hf.check", *session.posargs)
 
 
 @nox.session(venv_backend="none")

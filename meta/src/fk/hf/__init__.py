@@ -8,7 +8,9 @@
   returned already patched (switches in ``fk_options``).
 - With the ``transformers`` Trainer or TRL's ``SFTTrainer``: ``callbacks=[fk.hf.FkCallback()]``
   (see :mod:`fk.hf.trainer`), or ``model_init=fk.hf.model_init(make_model)``.
-- ``python -m fk.hf.demo`` runs every installed fk kernel against its reference.
+- ``python -m fk.hf.demo`` trains a small Llama stock and patched, side by side (:mod:`fk.hf.demo`,
+  on the helpers of :mod:`fk.hf.training`); ``python -m fk.hf.check`` runs every installed fk
+  kernel against its reference.
 
 Importing fk.hf imports neither ``transformers`` nor any kernel: that happens when a model is
 patched (``pip install "fk[hf]"`` brings ``transformers``), or when ``fk.hf.FkCallback`` is

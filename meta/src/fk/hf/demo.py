@@ -1,23 +1,32 @@
-"""The fk demo: every installed fk kernel on a small problem, checked against its reference.
+"""The fk demo: a small Llama trained from random init, stock and patched by fk.hf, side by side.
 
     python -m fk.hf.demo            (or: nox -s demo)
+    python -m fk.hf.demo --lora     (a PEFT LoRA model: fk.hf.apply fuses its LoRA layers too)
 
-On a machine without a GPU the kernels run in Triton's interpreter (switched on here, before
-Triton is imported); on a GPU they run compiled, and each is also timed (forward+backward)
-against the eager PyTorch code it replaces. Each row compares fk's outputs and gradients with a
-float64 evaluation of the reference, next to the error PyTorch itself makes at that dtype.
+Builds a Llama-architecture model (transformers' ``LlamaForCausalLM``) from one seed and trains it
+on a generated corpus (a random sparse Markov chain: see ``fk.hf.training.MarkovCorpus``; nothing
+is downloaded) twice: once stock, once after ``fk.hf.apply(model)``. Same weights, same batches,
+same AdamW. It prints the loss of every step of both runs and their largest difference, then
+tokens/s and memory of each, draws the two loss curves into a PNG (with matplotlib installed), and
+exits with status 1 when the losses differ by more than the dtype's tolerance.
+
+On a GPU: bf16, Llama-3.2-1B's layers and 128256-token vocabulary with 4 layers, 8 x 2048 tokens a
+step; memory is CUDA's peak (``torch.cuda.max_memory_allocated``). Without one: a tiny model in
+fp32 whose fk kernels run in Triton's interpreter (switched on here, before Triton is imported),
+about half a minute; the interpreter is a correctness tool, so its tokens/s say nothing about
+speed, and memory is the bytes autograd holds for the backward pass (``saved for backward``).
+
+``python -m fk.hf.check`` (``nox -s check``) checks each kernel alone against its reference.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.util
+import gc
 import os
 import sys
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -25,206 +34,204 @@ import torch
 if not torch.cuda.is_available():  # must happen before anything imports triton
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from fk.hf import training
+
+PROVIDERS = ("stock", "fk")
+TOLERANCE: dict[torch.dtype, float] = {torch.float32: 5e-3, torch.float16: 1e-2, torch.bfloat16: 2e-2}
+"""Largest relative difference between stock's and fk's loss, at any step, that counts as agreeing.
+
+Both runs do the same arithmetic in a different order (fused kernels, fp32 accumulation where stock
+rounds to the dtype): each step's loss differs by about one rounding of the dtype, and training
+carries the difference on to the next steps' weights. On a GPU fp32 matmuls in Triton may use TF32.
+"""
+
 
 @dataclass(frozen=True)
-class Case:
-    """One demo row: a kernel, the inputs it is shown on, and the code it replaces."""
+class Settings:
+    """One demo run's sizes (the defaults of :func:`default_settings`, or the command line's)."""
 
-    name: str
-    module: str  # the fk module that must be importable for this row
-    shape: str
-    make: Callable[[str, torch.dtype], tuple[Callable[..., Any], Callable[..., Any], list[Any]]]
-    """(device, dtype) -> (fk function, eager reference function, inputs)."""
-
-
-def _rms_norm(
-    casting_mode: str,
-) -> Callable[[str, torch.dtype], tuple[Callable[..., Any], Callable[..., Any], list[Any]]]:
-    def make(device: str, dtype: torch.dtype) -> tuple[Callable[..., Any], Callable[..., Any], list[Any]]:
-        from fk.core.testing import random_tensor
-        from fk.norms import rms_norm, rms_norm_ref
-
-        rows, width = (8192, 4096) if device == "cuda" else (64, 1000)
-        x = random_tensor((rows, width), dtype, device, seed=0, requires_grad=True)
-        w = random_tensor((width,), dtype, device, seed=1, offset=1.0, scale=0.1, requires_grad=True)
-        return (
-            lambda x, w: rms_norm(x, w, 1e-6, casting_mode=casting_mode),
-            lambda x, w: rms_norm_ref(x, w, 1e-6, casting_mode),
-            [x, w],
-        )
-
-    return make
+    shape: training.ModelShape
+    dtype: torch.dtype
+    device: str
+    batch: int
+    seq: int
+    steps: int
+    warmup: int
+    lr: float
+    lora: bool
+    active: int
+    """How many distinct tokens the corpus uses (see ``MarkovCorpus``)."""
+    branching: int
 
 
-def _rope(device: str, dtype: torch.dtype) -> tuple[Callable[..., Any], Callable[..., Any], list[Any]]:
-    from fk.core.testing import random_tensor
-    from fk.rope import rope, rope_ref
-
-    batch, seq, q_heads, k_heads, dim = (2, 2048, 32, 8, 128) if device == "cuda" else (1, 33, 4, 2, 64)
-    q = random_tensor((batch, q_heads, seq, dim), dtype, device, seed=2, requires_grad=True)
-    k = random_tensor((batch, k_heads, seq, dim), dtype, device, seed=3, requires_grad=True)
-    angles = torch.outer(torch.arange(seq, dtype=torch.float32), 1e4 ** (-torch.arange(0, dim, 2) / dim))
-    angles = torch.cat((angles, angles), dim=-1)[None]
-    cos, sin = angles.cos().to(device=device, dtype=dtype), angles.sin().to(device=device, dtype=dtype)
-    return (
-        lambda q, k: torch.cat([t.flatten() for t in rope(q, k, cos, sin)]),
-        # The reference also runs on float64 CPU copies of q and k: bring cos and sin along.
-        lambda q, k: torch.cat(
-            [t.flatten() for t in rope_ref(q, k, cos.to(q.device, q.dtype), sin.to(q.device, q.dtype))]
-        ),
-        [q, k],
-    )
+def default_settings(cuda: bool, lora: bool = False) -> Settings:
+    """GPU: bf16, the ``demo`` shape, 8 x 2048 tokens, 50 steps; CPU: fp32, ``tiny``, 2 x 32, 20 steps."""
+    if cuda:
+        return Settings(training.SHAPES["demo"], torch.bfloat16, "cuda", batch=8, seq=2048, steps=50, warmup=5,
+                        lr=5e-4, lora=lora, active=1024, branching=4)  # fmt: skip
+    return Settings(training.SHAPES["tiny"], torch.float32, "cpu", batch=2, seq=32, steps=20, warmup=2,
+                    lr=3e-3, lora=lora, active=32, branching=2)  # fmt: skip
 
 
-def _glu(
-    approximate: str | None,
-) -> Callable[[str, torch.dtype], tuple[Callable[..., Any], Callable[..., Any], list[Any]]]:
-    def make(device: str, dtype: torch.dtype) -> tuple[Callable[..., Any], Callable[..., Any], list[Any]]:
-        from fk.core.testing import random_tensor
-        from fk.glu import geglu, geglu_ref, swiglu, swiglu_ref
-
-        rows, width = (8192, 14336) if device == "cuda" else (64, 1000)
-        gate = random_tensor((rows, width), dtype, device, seed=4, requires_grad=True)
-        up = random_tensor((rows, width), dtype, device, seed=5, requires_grad=True)
-        if approximate is None:
-            return swiglu, swiglu_ref, [gate, up]
-        return (lambda a, b: geglu(a, b, approximate)), (lambda a, b: geglu_ref(a, b, approximate)), [gate, up]
-
-    return make
-
-
-def _layer_norm(device: str, dtype: torch.dtype) -> tuple[Callable[..., Any], Callable[..., Any], list[Any]]:
-    from fk.core.testing import random_tensor
-    from fk.norms import layer_norm, layer_norm_ref
-
-    rows, width = (8192, 4096) if device == "cuda" else (64, 1000)
-    x = random_tensor((rows, width), dtype, device, seed=6, requires_grad=True)
-    w = random_tensor((width,), dtype, device, seed=7, offset=1.0, scale=0.1, requires_grad=True)
-    b = random_tensor((width,), dtype, device, seed=8, scale=0.1, requires_grad=True)
-    return (lambda x, w, b: layer_norm(x, w, b, 1e-5)), (lambda x, w, b: layer_norm_ref(x, w, b, 1e-5)), [x, w, b]
-
-
-def _labels(n: int, vocab: int, device: str) -> torch.Tensor:
-    labels = torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(9))
-    labels[::7] = -100
-    return labels.to(device)
-
-
-def _cross_entropy(device: str, dtype: torch.dtype) -> tuple[Callable[..., Any], Callable[..., Any], list[Any]]:
-    from fk.core.testing import random_tensor
-    from fk.flce import cross_entropy, cross_entropy_ref
-
-    rows, vocab = (8192, 32000) if device == "cuda" else (33, 1000)
-    logits = random_tensor((rows, vocab), dtype, device, seed=10, scale=2.0, requires_grad=True)
-    labels = _labels(rows, vocab, device)
-    return (
-        lambda x: cross_entropy(x, labels.to(x.device), label_smoothing=0.1),
-        lambda x: cross_entropy_ref(x, labels.to(x.device), label_smoothing=0.1).loss,
-        [logits],
-    )
-
-
-def _linear_cross_entropy(device: str, dtype: torch.dtype) -> tuple[Callable[..., Any], Callable[..., Any], list[Any]]:
-    from fk.core.testing import random_tensor
-    from fk.flce import linear_cross_entropy, linear_cross_entropy_ref
-
-    tokens, hidden, vocab = (512, 1024, 32000) if device == "cuda" else (33, 64, 1000)
-    h = random_tensor((tokens, hidden), dtype, device, seed=11, requires_grad=True)
-    w = random_tensor((vocab, hidden), dtype, device, seed=12, scale=hidden**-0.5, requires_grad=True)
-    labels = _labels(tokens, vocab, device)
-    return (
-        lambda h, w: linear_cross_entropy(h, w, labels.to(h.device)),
-        # fk's loss is fp32 whatever the input dtype: compare at that precision.
-        lambda h, w: linear_cross_entropy_ref(h, w, labels.to(h.device)).loss.to(
-            torch.promote_types(h.dtype, torch.float32)
-        ),
-        [h, w],
-    )
-
-
-CASES: list[Case] = [
-    Case("RMSNorm (llama)", "fk.norms", "rows x 4096 / 64 x 1000", _rms_norm("llama")),
-    Case("RMSNorm (gemma)", "fk.norms", "rows x 4096 / 64 x 1000", _rms_norm("gemma")),
-    Case("SwiGLU", "fk.glu", "8192 x 14336 / 64 x 1000", _glu(None)),
-    Case("GeGLU (tanh)", "fk.glu", "8192 x 14336 / 64 x 1000", _glu("tanh")),
-    Case("RoPE (q and k, GQA)", "fk.rope", "2 x 32/8 x 2048 x 128 / 1 x 4/2 x 33 x 64", _rope),
-    Case("LayerNorm", "fk.norms", "8192 x 4096 / 64 x 1000", _layer_norm),
-    Case("Cross entropy", "fk.flce", "8192 x 32000 / 33 x 1000", _cross_entropy),
-    Case("Linear + cross entropy", "fk.flce", "512 x 1024 x 32000 / 33 x 64 x 1000", _linear_cross_entropy),
-]
-
-
-def available_cases() -> list[Case]:
-    """The demo rows whose fk package is installed."""
-    return [c for c in CASES if importlib.util.find_spec(c.module) is not None]
-
-
-def _time_ms(fn: Callable[..., Any], args: list[Any]) -> float:
+def run_one(provider: str, settings: Settings) -> training.RunResult:
+    """Build the model (one seed), patch it for ``provider == "fk"``, train it; frees it afterwards."""
+    import fk.hf
     from fk.core import bench
 
-    leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
-
-    def step() -> None:
-        out = fn(*args)
-        out.backward(torch.ones_like(out))
-
-    return bench.time_ms(step, warmup=10, rep=50, grad_to_none=leaves)
-
-
-def run(dtypes: list[torch.dtype]) -> list[dict[str, Any]]:
-    from fk.core.backend import kernel_path
-    from fk.core.testing import compare_with_reference, dtype_name
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    rows: list[dict[str, Any]] = []
-    for case in available_cases():
-        for dtype in dtypes:
-            fk_fn, ref_fn, args = case.make(device, dtype)
-            start = time.perf_counter()
-            row: dict[str, Any] = {"kernel": case.name, "dtype": dtype_name(dtype), "path": kernel_path(args[0]).value}
-            try:
-                result = compare_with_reference(fk_fn, ref_fn, args)
-                row["max abs error"] = max(result.errors)
-                row["check"] = "ok"
-            except AssertionError as exc:
-                row["max abs error"] = float("nan")
-                row["check"] = f"FAILED: {exc}"
-            row["seconds"] = time.perf_counter() - start
-            if device == "cuda":
-                fk_ms, eager_ms = _time_ms(fk_fn, args), _time_ms(ref_fn, args)
-                row.update({"fk ms": fk_ms, "eager ms": eager_ms, "speedup": eager_ms / fk_ms})
-            rows.append(row)
-    return rows
+    s = settings
+    model = training.build_model(s.shape, dtype=s.dtype, device=s.device, seed=0, lora=s.lora, max_positions=s.seq)
+    if provider == "fk":
+        counts = fk.hf.apply(model)
+        print("fk.hf.apply patched " + ", ".join(f"{n} {k}" for k, n in counts.items() if n), flush=True)
+    corpus = training.MarkovCorpus(s.shape.vocab, active=s.active, branching=s.branching)
+    result = training.train(
+        model, corpus, steps=s.steps, batch=s.batch, seq=s.seq, lr=s.lr, warmup=s.warmup,
+        measure_saved=s.device != "cuda", steps_iter=lambda steps: bench.progress(steps, desc=provider),
+    )  # fmt: skip
+    del model
+    gc.collect()
+    if s.device == "cuda":
+        torch.cuda.empty_cache()
+    return result
 
 
-def _table(rows: list[dict[str, Any]]) -> str:
-    columns = list(dict.fromkeys(k for r in rows for k in r))
+@dataclass(frozen=True)
+class Agreement:
+    max_abs: float
+    max_rel: float
+    tolerance: float
 
-    def cell(v: Any) -> str:
-        return f"{v:.3g}" if isinstance(v, float) else str(v)
+    @property
+    def ok(self) -> bool:
+        return self.max_rel <= self.tolerance
 
-    lines = [" | ".join(columns), " | ".join("---" for _ in columns)]
-    lines += [" | ".join(cell(r.get(c, "")) for c in columns) for r in rows]
-    return "\n".join(lines)
+
+def compare(stock: list[float], fk: list[float], dtype: torch.dtype) -> Agreement:
+    """The largest absolute and relative (to stock's) difference of the per-step losses.
+
+    A loss that is not finite in either run, or runs of different length, never agree.
+    """
+    import math
+
+    if len(stock) != len(fk) or not all(math.isfinite(x) for x in (*stock, *fk)):
+        return Agreement(math.inf, math.inf, TOLERANCE[dtype])
+    diffs = [abs(a - b) for a, b in zip(stock, fk, strict=True)]
+    rel = [d / max(abs(a), 1e-6) for d, a in zip(diffs, stock, strict=True)]
+    return Agreement(max(diffs, default=0.0), max(rel, default=0.0), TOLERANCE[dtype])
+
+
+def loss_table(results: dict[str, training.RunResult], max_rows: int = 30) -> str:
+    """Markdown table of the per-step losses (every step up to ``max_rows``, else evenly spaced, last included)."""
+    from fk.core import bench
+
+    stock, fk = results["stock"].losses, results["fk"].losses
+    n = len(stock)
+    every = max(1, -(-n // max_rows))
+    steps = sorted({*range(0, n, every), n - 1})
+    rows = [{"step": i + 1, "stock loss": stock[i], "fk loss": fk[i], "|fk - stock|": abs(fk[i] - stock[i])}
+            for i in steps]  # fmt: skip
+    return bench.markdown_table(rows, ["step", "stock loss", "fk loss", "|fk - stock|"])
+
+
+def summary_table(results: dict[str, training.RunResult], cuda: bool) -> str:
+    """Markdown table of tokens/s, memory and final loss of both runs, with fk's over stock's."""
+    from fk.core import bench
+
+    stock, fk = results["stock"], results["fk"]
+    if cuda:
+        assert stock.peak_bytes is not None and fk.peak_bytes is not None
+        memory = ("peak memory (GiB, CUDA max allocated)", stock.peak_bytes / 2**30, fk.peak_bytes / 2**30)
+    else:
+        assert stock.saved_bytes is not None and fk.saved_bytes is not None
+        memory = ("saved for backward (MiB; CPU: no CUDA peak)", stock.saved_bytes / 2**20, fk.saved_bytes / 2**20)
+    measures = [
+        ("tokens/s (median step)", stock.tokens_per_s, fk.tokens_per_s),
+        memory,
+        ("final loss", stock.losses[-1], fk.losses[-1]),
+    ]
+    rows = [{"": name, "stock": a, "fk": b, "fk / stock": b / a if a else None} for name, a, b in measures]
+    return bench.markdown_table(rows, ["", "stock", "fk", "fk / stock"])
+
+
+def plot(results: dict[str, training.RunResult], path: Path, title: str) -> Path | None:
+    """The two loss curves in one PNG at ``path`` (fk.core.bench's plot); None without matplotlib."""
+    from fk.core import bench
+
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return None
+    record = bench.BenchRecord("demo", environment={})
+    for provider, result in results.items():
+        for step, loss in enumerate(result.losses, start=1):
+            record.add(provider=provider, step=step, loss=loss)
+    return bench.plot(record, x="step", y="loss", path=path, title=title, ylabel="training loss")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--lora", action="store_true", help="a PEFT LoRA model (r=16 on all linear layers)")
+    parser.add_argument("--steps", type=int, help="training steps (GPU 50, CPU 20)")
+    parser.add_argument("--batch", type=int, help="sequences per step (GPU 8, CPU 2)")
+    parser.add_argument("--seq", type=int, help="tokens per sequence (GPU 2048, CPU 32)")
+    parser.add_argument("--lr", type=float, help="AdamW learning rate (GPU 5e-4, CPU 3e-3)")
+    parser.add_argument("--shape", choices=sorted(training.SHAPES), help="model size (GPU demo, CPU tiny)")
+    parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="GPU bfloat16, CPU float32")
+    parser.add_argument("--plot", type=Path, help="PNG of the loss curves (default fk-demo[-lora].png here)")
+    parser.add_argument("--no-plot", action="store_true", help="draw no plot")
+    return parser
+
+
+def settings_from(args: argparse.Namespace, cuda: bool) -> Settings:
+    s = default_settings(cuda, args.lora)
+    changes: dict[str, Any] = {k: getattr(args, k) for k in ("steps", "batch", "seq", "lr") if getattr(args, k)}
+    if args.shape:
+        changes["shape"] = training.SHAPES[args.shape]
+    if args.dtype:
+        changes["dtype"] = getattr(torch, args.dtype)
+    from dataclasses import replace
+
+    return replace(s, **changes)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument(
-        "--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "float16", "bfloat16"]
-    )
-    args = parser.parse_args(argv)
-    dtypes = [getattr(torch, d) for d in args.dtypes]
-    where = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU (Triton interpreter)"
-    print(f"fk demo on {where}: each kernel's outputs and gradients against a float64 reference")
-    rows = run(dtypes)
-    if not rows:
-        print("no fk kernel package is installed")
-        return 1
-    print(_table(rows))
-    failed = [r for r in rows if r["check"] != "ok"]
-    print(f"{len(rows) - len(failed)} passed, {len(failed)} failed")
-    return 1 if failed else 0
+    args = _parser().parse_args(argv)
+    cuda = torch.cuda.is_available()
+    s = settings_from(args, cuda)
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        print('the demo trains a transformers model: pip install "fk[hf]" (or transformers)', file=sys.stderr)
+        return 2
+    if s.lora:
+        try:
+            training._import_peft()
+        except ImportError as exc:
+            print(f"--lora: {exc}", file=sys.stderr)
+            return 2
+    device = torch.cuda.get_device_name() if cuda else "CPU"
+    where = device if cuda else "CPU (fk's kernels in Triton's interpreter)"
+    kind = "PEFT LoRA (r=16, all linear layers) on " if s.lora else ""
+    dtype = str(s.dtype).removeprefix("torch.")
+    print(f"fk demo on {where}: {kind}a Llama ({s.shape.describe()}), {dtype}, random init, trained "
+          f"{s.steps} steps of {s.batch} x {s.seq} tokens (AdamW, lr {s.lr:g}), stock and with fk.hf.apply", flush=True)  # fmt: skip
+    results = {provider: run_one(provider, s) for provider in PROVIDERS}
+    print(loss_table(results))
+    print()
+    print(summary_table(results, cuda))
+    if not cuda:
+        print(
+            "(CPU: fk's kernels ran in Triton's interpreter, a correctness tool; its tokens/s say nothing about speed)"
+        )
+    agreement = compare(results["stock"].losses, results["fk"].losses, s.dtype)
+    if not args.no_plot:
+        path = args.plot or Path("fk-demo-lora.png" if s.lora else "fk-demo.png")
+        drawn = plot(results, path, f"{'LoRA ' if s.lora else ''}training loss, stock vs fk ({device}, {dtype})")
+        print(f"loss curves: {drawn}" if drawn else "matplotlib is not installed: no plot")
+    verdict = "agree" if agreement.ok else "DISAGREE"
+    print(f"losses {verdict}: max |fk - stock| = {agreement.max_abs:.3g} (relative {agreement.max_rel:.3g}; "
+          f"{dtype} tolerance {agreement.tolerance:g})")  # fmt: skip
+    return 0 if agreement.ok else 1
 
 
 if __name__ == "__main__":

@@ -1,0 +1,347 @@
+"""End-to-end training: a Llama-3.2-1B-shaped model, stock Hugging Face, Liger Kernel and fk.
+
+The model: ``transformers.LlamaForCausalLM`` shaped like Llama-3.2-1B (hidden 2048, intermediate
+8192, 16 layers, 32 query / 8 key-value heads of 64, vocabulary 128256, tied embeddings), random
+init (one seed), bf16 weights, SDPA attention, trained on a synthetic Markov-chain corpus
+(``fk.hf.training``, shared with the demo) with AdamW (``fused=True``), 4 x 2048 tokens a step.
+Two modes: ``full`` (every weight trained) and ``lora`` (``peft.get_peft_model``, r=16, alpha=32,
+no dropout, on q, k, v, o, gate, up and down projections; PEFT's default fp32 adapters; the base
+frozen). Providers, each in its own subprocess (Liger patches transformers' classes globally):
+
+- ``stock``: the model as transformers builds it;
+- ``liger``: ``liger_kernel.transformers.apply_liger_kernel_to_llama()`` before the model is built
+  (RMSNorm, RoPE, SwiGLU, fused linear cross entropy: its defaults);
+- ``fk``: ``fk.hf.apply(model)`` on the built model (on the PEFT model in ``lora`` mode, which
+  fuses the LoRA layers with fk.lora too).
+
+Measured per (mode, provider): tokens/s from the median wall-clock time of ``--steps`` steps after
+``--warmup`` steps (each step between two ``torch.cuda.synchronize()``: forward, backward,
+optimizer step, ``zero_grad``; host overhead counts, as in training), and peak memory:
+``torch.cuda.max_memory_allocated()`` over those steps (weights, gradients, optimizer states and
+activations). Then, in the same process, the largest batch of 2048-token sequences that fits:
+batch sizes from ``BATCHES`` (above 4) are tried in increasing order, one warm-up and one timed
+step each, until one runs out of memory (``torch.OutOfMemoryError``), the list ends, or
+``--search-seconds`` have passed (then the result is a lower bound, marked ``>=``); the
+allocator's cache is emptied between sizes. The per-step losses of each provider are compared
+with stock's (same weights and batches): they must agree to bf16's tolerance (the demo's).
+
+Run on a GPU:  python benchmarks/bench_e2e.py --out benchmarks/results     (about 4 minutes on an H100)
+Redraw plots:  python benchmarks/bench_e2e.py --plot benchmarks/results/e2e.json
+Try on a CPU:  python benchmarks/bench_e2e.py --tiny --out /tmp/e2e       (tiny model, Triton's interpreter)
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+if not torch.cuda.is_available():  # the --tiny CPU run: fk's kernels in Triton's interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from fk.core import bench
+from fk.hf import training
+
+NAME = "e2e"
+PROVIDERS = ("stock", "liger", "fk")
+MODES = ("full", "lora")
+BATCHES = (4, 6, 8, 12, 16, 20, 24, 32, 40, 48, 64, 80, 96)
+"""Batch sizes (sequences of ``--seq`` tokens) the largest-batch search tries, in this order."""
+LOSS_TOLERANCE = 2e-2
+"""Largest relative difference from stock's per-step loss that counts as agreeing (bf16; see fk.hf.demo)."""
+WORKER_TIMEOUT_S = 420
+
+
+# ---------------------------------------------------------------------------------------- the worker
+
+
+def _patch_before_build(provider: str) -> None:
+    if provider == "liger":
+        from liger_kernel.transformers import apply_liger_kernel_to_llama
+
+        apply_liger_kernel_to_llama()
+
+
+def _patch_after_build(provider: str, model: torch.nn.Module) -> dict[str, int]:
+    if provider != "fk":
+        return {}
+    import fk.hf
+
+    counts: dict[str, int] = fk.hf.apply(model)
+    return counts
+
+
+def _fallback_log() -> list[str]:
+    """Messages fk.lora logs when a LoRA module takes PEFT's path instead of the fused one."""
+    import logging
+
+    messages: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            messages.append(record.getMessage())
+
+    logging.getLogger("fk.lora").addHandler(Collect())
+    return messages
+
+
+def _is_oom(exc: BaseException) -> bool:
+    """Whether ``exc`` is running out of GPU memory (the allocator's error, or cuBLAS failing to allocate)."""
+    text = str(exc)
+    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in text.lower() or "ALLOC_FAILED" in text
+
+
+def search_max_batch(
+    model: torch.nn.Module, corpus: training.MarkovCorpus, opt: torch.optim.Optimizer, job: dict[str, Any]
+) -> tuple[list[dict[str, Any]], str]:
+    """Try the batch sizes of :data:`BATCHES` above ``job["batch"]`` in order; the rows of those that
+    fit (tokens/s of the second step, peak memory), and why the search stopped: ``"oom"``,
+    ``"list"`` (every size fitted) or ``"time"``."""
+    rows: list[dict[str, Any]] = []
+    start = time.perf_counter()
+    for batch in (b for b in BATCHES if b > job["batch"]):
+        if time.perf_counter() - start > job["search_seconds"]:
+            return rows, "time"
+        torch.cuda.empty_cache()
+        try:
+            r = training.train(model, corpus, steps=2, warmup=1, batch=batch, seq=job["seq"], lr=job["lr"],
+                               optimizer=opt, first_step=1000)  # fmt: skip
+        except (torch.OutOfMemoryError, RuntimeError) as exc:
+            if not _is_oom(exc):
+                raise
+            opt.zero_grad(set_to_none=True)
+            return rows, "oom"
+        rows.append({"batch": batch, "tokens_per_s": r.tokens_per_s, "peak_gib": (r.peak_bytes or 0) / 2**30})
+    return rows, "list"
+
+
+def worker(job: dict[str, Any]) -> dict[str, Any]:
+    """One (mode, provider): build, patch, train ``warmup + steps`` steps, then search the largest batch."""
+    provider, lora = job["provider"], job["mode"] == "lora"
+    shape = training.SHAPES[job["shape"]]
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    fallbacks = _fallback_log()
+    _patch_before_build(provider)
+    model = training.build_model(shape, dtype=torch.bfloat16, device=device, seed=0, lora=lora,
+                                 max_positions=job["seq"])  # fmt: skip
+    patched = _patch_after_build(provider, model)
+    corpus = training.MarkovCorpus(shape.vocab, active=1024 if shape.vocab >= 4096 else 32, branching=4)
+    opt = training.make_optimizer(model, job["lr"])
+    r = training.train(model, corpus, steps=job["warmup"] + job["steps"], warmup=job["warmup"], batch=job["batch"],
+                       seq=job["seq"], lr=job["lr"], optimizer=opt)  # fmt: skip
+    out: dict[str, Any] = {
+        "losses": r.losses, "tokens_per_s": r.tokens_per_s, "median_step_ms": 1e3 * r.median_step_s,
+        "peak_gib": None if r.peak_bytes is None else r.peak_bytes / 2**30, "logits_returned": r.logits_returned,
+        "patched": patched, "fallbacks": sorted(set(fallbacks)),
+        "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
+    }  # fmt: skip
+    if device == "cuda" and job["search_seconds"] > 0:
+        rows, stopped = search_max_batch(model, corpus, opt, job)
+        out["search"], out["search_stopped"] = rows, stopped
+    return out
+
+
+def _worker_main(job_json: str, result: Path) -> None:
+    job = json.loads(job_json)
+    try:
+        out = worker(job)
+    except ImportError as exc:
+        out = {"skipped": f"{type(exc).__name__}: {exc}"}
+    result.write_text(json.dumps(out))
+
+
+# ---------------------------------------------------------------------------------------- the parent
+
+
+def _available(provider: str, mode: str) -> str | None:
+    """Why ``provider`` cannot run ``mode`` here (a missing package), or None."""
+    if provider == "liger" and importlib.util.find_spec("liger_kernel") is None:
+        return "liger-kernel is not installed (pip install liger-kernel==0.8.5)"
+    if mode == "lora" and importlib.util.find_spec("peft") is None:
+        return "peft is not installed (pip install peft)"
+    return None
+
+
+def run_case(job: dict[str, Any]) -> dict[str, Any]:
+    """Run :func:`worker` for ``job`` in a fresh interpreter; its result, or why it failed."""
+    with tempfile.TemporaryDirectory() as tmp:
+        result = Path(tmp) / "result.json"
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(job), "--result", str(result)]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=WORKER_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            return {"failed": f"timed out after {WORKER_TIMEOUT_S} s"}
+        if proc.returncode != 0 or not result.exists():
+            tail = (proc.stdout + proc.stderr).strip().splitlines()[-15:]
+            return {"failed": f"exit status {proc.returncode}: " + "\n".join(tail)}
+        out: dict[str, Any] = json.loads(result.read_text())
+        return out
+
+
+def _loss_diff(losses: list[float], stock: list[float] | None) -> float | None:
+    if not stock or len(stock) != len(losses):
+        return None
+    return max(abs(a - b) / max(abs(b), 1e-6) for a, b in zip(losses, stock, strict=True))
+
+
+def _status(out: dict[str, Any]) -> str:
+    return f"skipped: {out['skipped']}" if "skipped" in out else f"failed: {out['failed']}"
+
+
+def run(args: argparse.Namespace) -> bench.BenchRecord:
+    shape_name = "tiny" if args.tiny else "llama-3.2-1b"
+    shape = training.SHAPES[shape_name]
+    base = {"shape": shape_name, "batch": args.batch, "seq": args.seq, "steps": args.steps, "warmup": args.warmup,
+            "lr": args.lr, "search_seconds": args.search_seconds}  # fmt: skip
+    cases = [(mode, provider) for mode in args.modes for provider in args.providers]
+    results: dict[tuple[str, str], dict[str, Any]] = {}
+    for mode, provider in bench.progress(cases, desc=NAME):
+        why = _available(provider, mode)
+        out: dict[str, Any] = {"skipped": why} if why else run_case({**base, "mode": mode, "provider": provider})
+        results[mode, provider] = out
+        if "skipped" in out or "failed" in out:
+            print(f"{mode} {provider}: {_status(out)}", file=sys.stderr)
+    # The parent touches the GPU only now, so the workers had all of its memory.
+    record = bench.BenchRecord(
+        NAME,
+        notes=(f"LlamaForCausalLM {shape_name} ({shape.describe()}), random init, bf16 weights, SDPA attention, "
+               f"AdamW (fused on CUDA), {args.batch} x {args.seq} tokens a step, median of {args.steps} steps after "
+               f"{args.warmup}; lora: PEFT r=16, alpha=32, q/k/v/o/gate/up/down, fp32 adapters; "
+               f"peak memory: torch.cuda.max_memory_allocated; max batch: sizes {', '.join(map(str, BATCHES))} "
+               f"of {args.seq} tokens tried in order in the same process"),
+    )  # fmt: skip
+    if torch.cuda.is_available() and not args.tiny:
+        record.ceilings = bench.measure_ceilings().as_dict()
+    for (mode, provider), out in results.items():
+        common = {"mode": mode, "provider": provider, "model": shape_name, "seq": args.seq}
+        if "skipped" in out or "failed" in out:
+            record.add(kind="run", **common, batch=args.batch, status=_status(out))
+            continue
+        stock = results.get((mode, "stock"), {}).get("losses")
+        largest = max(out.get("search", []), key=lambda row: row["batch"], default=None)
+        record.add(
+            kind="run", **common, batch=args.batch, status="ok", tokens_per_s=out["tokens_per_s"],
+            median_step_ms=out["median_step_ms"], peak_gib=out["peak_gib"], losses=out["losses"],
+            loss_rel_diff=_loss_diff(out["losses"], stock), logits_returned=out["logits_returned"],
+            patched=out["patched"], fallbacks=out["fallbacks"], trainable_params=out["trainable_params"],
+            max_batch=(largest or {"batch": args.batch})["batch"] if "search" in out else None,
+            max_batch_tokens_per_s=(largest or out)["tokens_per_s"] if "search" in out else None,
+            search_stopped=out.get("search_stopped"),
+        )  # fmt: skip
+        record.add(kind="batch", **common, batch=args.batch, tokens_per_s=out["tokens_per_s"], peak_gib=out["peak_gib"])
+        for row in out.get("search", []):
+            record.add(kind="batch", **common, **row)
+    return record
+
+
+# ------------------------------------------------------------------------------------------- output
+
+
+def table(record: bench.BenchRecord) -> list[dict[str, Any]]:
+    """One line per (mode, provider): speed and memory, against stock and Liger of the same mode."""
+    runs = {(r["mode"], r["provider"]): r for r in record.rows if r.get("kind") == "run"}
+    lines = []
+    for (mode, provider), r in runs.items():
+        line: dict[str, Any] = {"mode": mode, "provider": provider}
+        if r.get("status") != "ok":
+            line["status"] = str(r.get("status", "")).splitlines()[0][:80]
+            lines.append(line)
+            continue
+        line.update({"tokens/s": r["tokens_per_s"], "peak GiB": r["peak_gib"]})
+        for peer in ("stock", "liger"):
+            p = runs.get((mode, peer))
+            if peer != provider and p is not None and p.get("status") == "ok":
+                line[f"x {peer}"] = r["tokens_per_s"] / p["tokens_per_s"]
+                if r["peak_gib"] and p["peak_gib"]:
+                    line[f"memory / {peer}"] = r["peak_gib"] / p["peak_gib"]
+        if r.get("max_batch") is not None:
+            bound = ">=" if r.get("search_stopped") in ("time", "list") else ""
+            line["max batch"] = f"{bound}{r['max_batch']}"
+            line["tokens/s at max batch"] = r.get("max_batch_tokens_per_s")
+        diff = r.get("loss_rel_diff")
+        line["loss vs stock"] = None if provider == "stock" else diff
+        line["status"] = "ok" if diff is None or diff <= LOSS_TOLERANCE else "LOSS DIFFERS"
+        lines.append(line)
+    return lines
+
+
+COLUMNS = ["mode", "provider", "tokens/s", "x stock", "x liger", "peak GiB", "memory / stock", "memory / liger",
+           "max batch", "tokens/s at max batch", "loss vs stock", "status"]  # fmt: skip
+
+
+def summary(record: bench.BenchRecord) -> str:
+    """Markdown for docs/benchmarks.md ("x peer": tokens/s over the peer's; "loss vs stock": the
+    largest relative difference of a step's loss)."""
+    return bench.markdown_table(table(record), COLUMNS)
+
+
+def plots(record: bench.BenchRecord, out: Path) -> list[Path]:
+    """Tokens/s and peak memory against the batch size, per provider, one panel per mode: each line
+    ends at the largest batch that fitted."""
+    batches = record.subset(kind="batch")
+    if not batches.rows:
+        return []
+    gpu = record.environment.get("gpu")
+    drawn = [bench.plot(batches, x="batch", y="tokens_per_s", facet="mode", path=out / f"{NAME}_tokens_per_s.png",
+                        title=f"Llama-3.2-1B shape, training tokens/s by batch ({gpu})", ylabel="tokens/s")]  # fmt: skip
+    if any(r.get("peak_gib") is not None for r in batches.rows):  # CUDA only
+        drawn.append(bench.plot(batches, x="batch", y="peak_gib", facet="mode", path=out / f"{NAME}_memory.png",
+                                title=f"Llama-3.2-1B shape, peak memory by batch ({gpu})", ylabel="GiB (max allocated)"))  # fmt: skip
+    return drawn
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument("--plot", type=Path, help="only redraw the plots (and print the table) from this JSON record")
+    parser.add_argument("--plot-dir", type=Path, default=Path("docs/assets/benchmarks"))
+    parser.add_argument("--tiny", action="store_true", help="the tiny model, 2 x 32 tokens, 2 steps (CPU allowed)")
+    parser.add_argument("--providers", nargs="+", choices=PROVIDERS, default=list(PROVIDERS))
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    parser.add_argument("--batch", type=int, help="sequences per step (default 4; --tiny 2)")
+    parser.add_argument("--seq", type=int, help="tokens per sequence (default 2048; --tiny 32)")
+    parser.add_argument("--steps", type=int, help="timed steps (default 10; --tiny 2)")
+    parser.add_argument("--warmup", type=int, help="steps before timing (default 3; --tiny 1)")
+    parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--search-seconds", type=float, default=45.0,
+                        help="time for the largest-batch search per provider and mode (0: no search)")  # fmt: skip
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        _worker_main(args.worker, args.result)
+        return 0
+    if args.plot:
+        record = bench.BenchRecord.from_json(args.plot)
+        plots(record, args.plot_dir)
+        print(summary(record))
+        return 0
+    for name, default, tiny in (("batch", 4, 2), ("seq", 2048, 32), ("steps", 10, 2), ("warmup", 3, 1)):
+        if getattr(args, name) is None:
+            setattr(args, name, tiny if args.tiny else default)
+    if not torch.cuda.is_available() and not args.tiny:
+        parser.error("the benchmark needs a CUDA GPU; on a CPU run it with --tiny")
+    record = run(args)
+    path = record.to_json(args.out / f"{NAME}.json")
+    print(f"record: {path}")
+    try:
+        drawn = plots(record, args.plot_dir if not args.tiny else args.out)
+        print("plots: " + ", ".join(map(str, drawn)) if drawn else "no plots: nothing was measured")
+    except ImportError:
+        print("matplotlib is not installed: no plots")
+    print(summary(record))
+    bad = [r for r in table(record) if r["status"] == "LOSS DIFFERS" or r["status"].startswith("failed")]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

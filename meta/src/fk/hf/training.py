@@ -1,0 +1,290 @@
+"""Train a Llama-architecture model from random init on a synthetic corpus, and measure it.
+
+Shared by the training demo (``python -m fk.hf.demo``) and the end-to-end benchmark
+(``benchmarks/bench_e2e.py``), so both build, feed and step the model the same way:
+
+- :class:`ModelShape` and :data:`SHAPES`: the model sizes used (``tiny`` for a CPU run through
+  Triton's interpreter, ``demo`` for the GPU demo, ``llama-3.2-1b`` for the benchmark);
+- :func:`build_model`: a ``LlamaForCausalLM`` from random init (one seed, one set of weights),
+  optionally wrapped as a PEFT LoRA model (r=16, alpha=32, all seven linear projections);
+- :class:`MarkovCorpus`: a deterministic token stream with structure a model can learn, so the
+  loss visibly falls (nothing is downloaded);
+- :func:`train`: AdamW steps (fused where available), each one timed, with CUDA's peak memory on a
+  GPU and the bytes held for backward on CPU.
+
+Importing this module imports torch only; ``transformers`` (and ``peft`` for LoRA) when a model is
+built.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import statistics
+import time
+import warnings
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""Every linear projection of a Llama layer: the LoRA adapters go on all seven."""
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes of a Llama-architecture model (``transformers.LlamaConfig``'s fields)."""
+
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tie_word_embeddings: bool = True
+
+    def config(self, max_positions: int = 8192) -> Any:
+        """The ``LlamaConfig`` (Llama 3's RMSNorm epsilon and rope theta; default rope scaling)."""
+        from transformers import LlamaConfig
+
+        return LlamaConfig(
+            vocab_size=self.vocab, hidden_size=self.hidden, intermediate_size=self.intermediate,
+            num_hidden_layers=self.layers, num_attention_heads=self.heads, num_key_value_heads=self.kv_heads,
+            head_dim=self.head_dim, tie_word_embeddings=self.tie_word_embeddings, rms_norm_eps=1e-5,
+            max_position_embeddings=max_positions, rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+            bos_token_id=None, eos_token_id=None, pad_token_id=None,
+        )  # fmt: skip
+
+    def parameters(self) -> int:
+        """How many parameters the model has (the tied head counted once), without building it."""
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        layer = self.hidden * (2 * q + 2 * kv) + 3 * self.hidden * self.intermediate + 2 * self.hidden
+        head = 0 if self.tie_word_embeddings else self.vocab * self.hidden
+        return self.vocab * self.hidden + self.layers * layer + self.hidden + head
+
+    def describe(self) -> str:
+        return (
+            f"hidden {self.hidden}, intermediate {self.intermediate}, {self.layers} layers, "
+            f"{self.heads}/{self.kv_heads} heads of {self.head_dim}, vocab {self.vocab}, "
+            f"{'tied' if self.tie_word_embeddings else 'untied'} embeddings, {_millions(self.parameters())} parameters"
+        )
+
+
+def _millions(n: int) -> str:
+    return f"{n / 1e6:.0f}M" if n >= 10**7 else f"{n / 1e6:.2g}M"
+
+
+SHAPES: dict[str, ModelShape] = {
+    # Small enough that a few dozen steps run in seconds in Triton's interpreter on a CPU.
+    "tiny": ModelShape(hidden=64, intermediate=176, layers=2, heads=4, kv_heads=2, head_dim=16, vocab=512),
+    # Llama-3.2-1B's layer and vocabulary with 4 layers: the logits dominate memory.
+    "demo": ModelShape(hidden=2048, intermediate=8192, layers=4, heads=32, kv_heads=8, head_dim=64, vocab=128256),
+    # Llama-3.2-1B (tied embeddings, as released).
+    "llama-3.2-1b": ModelShape(
+        hidden=2048, intermediate=8192, layers=16, heads=32, kv_heads=8, head_dim=64, vocab=128256
+    ),
+}
+
+
+def build_model(
+    shape: ModelShape,
+    *,
+    dtype: torch.dtype,
+    device: str | torch.device,
+    seed: int = 0,
+    lora: bool = False,
+    max_positions: int = 8192,
+) -> torch.nn.Module:
+    """A ``LlamaForCausalLM`` of ``shape`` from random init (transformers' own initialization),
+    built directly on ``device`` in ``dtype``, in training mode.
+
+    The same ``seed`` gives the same weights. With ``lora``, it is wrapped by
+    ``peft.get_peft_model`` with r=16, alpha=32, no dropout, on all seven linear projections of
+    every layer (:data:`LORA_TARGETS`); the base (embedding, norms, head) is frozen, and the
+    adapters are kept in PEFT's default dtype (fp32 next to a bf16 base). Raises ``ImportError``
+    with an install hint when ``lora`` is asked for and peft is missing.
+    """
+    from transformers import LlamaForCausalLM
+
+    peft = _import_peft() if lora else None
+    torch.manual_seed(seed)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model: torch.nn.Module = LlamaForCausalLM(shape.config(max_positions))
+    finally:
+        torch.set_default_dtype(previous)
+    if peft is not None:
+        config = peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=list(LORA_TARGETS))
+        with warnings.catch_warnings():  # peft 0.21 calls a transformers 5 method that warns of its rename
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+            model = peft.get_peft_model(model, config)
+    return model.train()
+
+
+def _import_peft() -> Any:
+    try:
+        import peft
+    except ImportError as exc:
+        raise ImportError(
+            "LoRA needs peft, which is not installed: pip install peft (fk.lora is tested with peft 0.21)"
+        ) from exc
+    return peft
+
+
+def make_optimizer(model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
+    """AdamW over the trainable parameters; ``fused=True`` on CUDA (one kernel for all of them)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    fused = bool(params) and params[0].is_cuda
+    return torch.optim.AdamW(params, lr=lr, weight_decay=0.0, fused=fused)
+
+
+class MarkovCorpus:
+    """A deterministic token stream a language model can learn: a random sparse Markov chain.
+
+    Only the first ``active`` token ids occur. Each has ``branching`` successors, drawn once from
+    ``seed``; each next token is one of its current token's successors, uniformly. A model first
+    learns which tokens occur (loss from ``ln(vocab)`` towards ``ln(active)``), then the
+    transitions, down to the chain's entropy ``ln(branching)`` (:attr:`floor`). :meth:`batch`
+    depends only on the seed and the step, so every run sees the same tokens.
+    """
+
+    def __init__(self, vocab: int, active: int = 1024, branching: int = 4, seed: int = 0) -> None:
+        if not 0 < active <= vocab or branching < 1:
+            raise ValueError(f"need 0 < active <= vocab and branching >= 1, got {active}, {vocab}, {branching}")
+        self.active, self.branching, self.seed = active, branching, seed
+        gen = torch.Generator().manual_seed(seed)
+        self.successors = torch.randint(0, active, (active, branching), generator=gen)
+
+    @property
+    def floor(self) -> float:
+        """The chain's entropy per token: the lowest loss a model can reach (nats)."""
+        return math.log(self.branching)
+
+    def batch(self, step: int, batch: int, seq: int) -> torch.Tensor:
+        """``[batch, seq]`` token ids for training step ``step`` (int64, on CPU)."""
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step + 1)
+        choices = torch.randint(0, self.branching, (seq, batch), generator=gen)
+        tokens = torch.empty(seq, batch, dtype=torch.long)
+        tokens[0] = torch.randint(0, self.active, (batch,), generator=gen)
+        for t in range(1, seq):
+            tokens[t] = self.successors[tokens[t - 1], choices[t]]
+        return tokens.t().contiguous()
+
+
+@contextlib.contextmanager
+def saved_for_backward(model: torch.nn.Module) -> Iterator[list[int]]:
+    """Count the bytes of the tensors autograd keeps for the backward pass while the block runs.
+
+    Yields a one-element list that holds the count: each distinct storage is counted once, and the
+    model's parameters (saved by reference, they cost nothing extra) are not counted. This is the
+    activation memory of a training step on any device (on CPU, where CUDA's peak is not available);
+    it leaves out transient buffers that live within one operation (stock's fp32 logits in the
+    loss's backward, for instance).
+    """
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: set[int] = set()
+    total = [0]
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr not in params and ptr not in seen:
+            seen.add(ptr)
+            total[0] += storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield total
+
+
+@dataclass
+class RunResult:
+    """What :func:`train` measured: one entry per step."""
+
+    losses: list[float] = field(default_factory=list)
+    step_seconds: list[float] = field(default_factory=list)
+    tokens_per_step: int = 0
+    warmup: int = 0
+    """Leading steps left out of :attr:`tokens_per_s` (compilation, autotuning, first allocations)."""
+    peak_bytes: int | None = None
+    """``torch.cuda.max_memory_allocated()`` over the steps after the warm-up (weights, gradients,
+    optimizer states and activations); None on CPU."""
+    saved_bytes: int | None = None
+    """The most bytes held for backward in one step (see :func:`saved_for_backward`), when measured."""
+    logits_returned: bool = True
+    """Whether the forward returned logits (a fused loss, as fk.hf's or Liger's, returns none)."""
+
+    @property
+    def median_step_s(self) -> float:
+        timed = self.step_seconds[self.warmup :] or self.step_seconds
+        return statistics.median(timed)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_per_step / self.median_step_s
+
+
+def train(
+    model: torch.nn.Module,
+    corpus: MarkovCorpus,
+    *,
+    steps: int,
+    batch: int,
+    seq: int,
+    lr: float,
+    warmup: int = 0,
+    measure_saved: bool = False,
+    optimizer: torch.optim.Optimizer | None = None,
+    first_step: int = 0,
+    steps_iter: Callable[[Iterable[int]], Iterable[int]] | None = None,
+) -> RunResult:
+    """Run ``steps`` training steps of ``model`` on ``corpus`` and measure each.
+
+    A step: forward with ``labels=input_ids`` (the model shifts them), backward, AdamW step
+    (:func:`make_optimizer`, unless ``optimizer`` is given), gradients set to None. Each step is
+    timed wall-clock between two device synchronizations (so host overhead counts, as it does in
+    training); :attr:`RunResult.tokens_per_s` is from the median of the steps after ``warmup``.
+    On CUDA the peak-memory counter is reset after the warm-up steps. ``measure_saved`` also counts
+    the bytes held for backward (:func:`saved_for_backward`). ``steps_iter`` wraps the step range
+    (a progress bar); ``first_step`` picks the corpus batches (step ``first_step + i``).
+    """
+    device = next(model.parameters()).device
+    cuda = device.type == "cuda"
+    opt = optimizer if optimizer is not None else make_optimizer(model, lr)
+    result = RunResult(tokens_per_step=batch * seq, warmup=min(warmup, max(steps - 1, 0)))
+    saved = 0
+    indices: Iterable[int] = range(steps)
+    for i in steps_iter(indices) if steps_iter is not None else indices:
+        if cuda and i == result.warmup:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        tokens = corpus.batch(first_step + i, batch, seq).to(device, non_blocking=True)
+        _sync(device)
+        start = time.perf_counter()
+        with saved_for_backward(model) if measure_saved else contextlib.nullcontext([0]) as held:
+            out = model(input_ids=tokens, labels=tokens)
+        loss, result.logits_returned = out.loss, out.logits is not None
+        del out
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        value = loss.item()  # synchronizes
+        _sync(device)
+        result.step_seconds.append(time.perf_counter() - start)
+        result.losses.append(value)
+        saved = max(saved, held[0])
+    if cuda:
+        result.peak_bytes = torch.cuda.max_memory_allocated()
+    if measure_saved:
+        result.saved_bytes = saved
+    return result
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
