@@ -7,6 +7,7 @@ these compare fk's kernels themselves with the stock PyTorch code, in fp32.
 from __future__ import annotations
 
 import copy
+import inspect
 import subprocess
 import sys
 from typing import Any
@@ -134,8 +135,8 @@ def test_patched_loss_and_gradients_match_stock(model_type: str, device: str) ->
     from fk.rope import apply_rotary_pos_emb
 
     attention = patched.model.layers[0].self_attn
-    assert attention.forward.__func__.__globals__["apply_rotary_pos_emb"] is apply_rotary_pos_emb
-    assert stock.model.layers[0].self_attn.forward.__func__.__globals__["apply_rotary_pos_emb"] is not (
+    assert inspect.unwrap(attention.forward.__func__).__globals__["apply_rotary_pos_emb"] is apply_rotary_pos_emb
+    assert inspect.unwrap(stock.model.layers[0].self_attn.forward.__func__).__globals__["apply_rotary_pos_emb"] is not (
         apply_rotary_pos_emb
     )
     ids, labels = _batch(device)
