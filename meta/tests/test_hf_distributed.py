@@ -25,12 +25,12 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
 VOCAB, BATCH, SEQ, STEPS, WORLD = 128, 4, 16, 2, 2
-TOL = {"rtol": 1e-5, "atol": 1e-5}
+TOL: dict[str, Any] = {"rtol": 1e-5, "atol": 1e-5}
 
 # name -> how the case is built: wrapper ("ddp"/"fsdp"), fk patched or stock, the head sharded on
 # its own, tied embeddings, bf16 mixed precision, PEFT LoRA.
 CASES: dict[str, dict[str, Any]] = {}
-for _wrap, _extra in [
+for _wrapper, _extra in [
     ("ddp", {}),
     ("fsdp", {}),
     ("fsdp", {"separate_head": True}),
@@ -38,9 +38,9 @@ for _wrap, _extra in [
     ("fsdp", {"separate_head": True, "mixed": True}),
     ("fsdp", {"lora": True}),
 ]:
-    _name = "_".join([_wrap, *_extra]) if _extra else _wrap
+    _name = "_".join([_wrapper, *_extra]) if _extra else _wrapper
     for _fk in (False, True):
-        CASES[f"{_name}_{'fk' if _fk else 'stock'}"] = {"wrap": _wrap, "fk": _fk, **_extra}
+        CASES[f"{_name}_{'fk' if _fk else 'stock'}"] = {"wrap": _wrapper, "fk": _fk, **_extra}
 
 
 def _model(case: dict[str, Any]) -> Any:
@@ -127,7 +127,7 @@ def test_fk_matches_stock_and_one_process(ranks: list[dict[str, Any]], single: d
     stock_losses, stock_skipped, stock_head_grad = ranks[0][name.replace("_fk", "_stock")]
     assert skipped, "the fused loss did not run (the patched forward fell back to the logits)"
     assert not stock_skipped
-    tol = {"rtol": 2e-2, "atol": 2e-2} if case.get("mixed") else TOL
+    tol: dict[str, Any] = {"rtol": 2e-2, "atol": 2e-2} if case.get("mixed") else TOL
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(stock_losses), **tol)
     one_losses, _, one_head_grad = single[(case.get("tied", False), case.get("lora", False))]
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(one_losses), **tol)
@@ -136,7 +136,7 @@ def test_fk_matches_stock_and_one_process(ranks: list[dict[str, Any]], single: d
         assert head_grad is None and stock_head_grad is None  # the frozen head gets no gradient
         return
     assert head_grad is not None and stock_head_grad is not None and one_head_grad is not None
-    grad_tol = {"rtol": 2e-2, "atol": 1e-3} if case.get("mixed") else TOL
+    grad_tol: dict[str, Any] = {"rtol": 2e-2, "atol": 1e-3} if case.get("mixed") else TOL
     torch.testing.assert_close(head_grad, stock_head_grad, **grad_tol)
     torch.testing.assert_close(head_grad, one_head_grad, **grad_tol)
 

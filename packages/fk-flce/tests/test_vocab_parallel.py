@@ -97,7 +97,7 @@ def _checks(rank: int) -> dict[str, Any]:
     rows = _rows(96, "equal", rank)
     h.requires_grad_()
     wr = w[rows].clone().requires_grad_()
-    opts = {"label_smoothing": 0.1, "lse_square_scale": 1e-2, "softcap": 3.0}
+    opts: dict[str, Any] = {"label_smoothing": 0.1, "lse_square_scale": 1e-2, "softcap": 3.0}
     loss = vocab_parallel_linear_cross_entropy_ref(h, wr, y, **opts).loss
     loss.backward()
     out["reference"] = {"loss": loss.detach(), "dh": h.grad, "dw": wr.grad}
@@ -165,7 +165,7 @@ def test_matches_single_process(ranks: list[dict[str, Any]], name: str) -> None:
             if (key == "dw" and kw.get("frozen")) or (key == "db" and not kw.get("bias")):
                 assert got[key] is None, f"rank {rank}: {key} should not be computed"
                 continue
-            assert got[key] is not None and single is not None, f"rank {rank}: no {key}"
+            assert got[key] is not None and want is not None and single is not None, f"rank {rank}: no {key}"
             scale = max(1.0, float(want.abs().max()))
             torch.testing.assert_close(got[key].double(), want, rtol=tol["rtol"], atol=tol["atol"] * scale,
                                        msg=lambda m, k=key, r=rank: f"rank {r} {k} vs fp64: {m}")  # fmt: skip
