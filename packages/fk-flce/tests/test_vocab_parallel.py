@@ -1,11 +1,15 @@
 """Vocabulary-parallel fused linear cross entropy on 2 gloo processes (CPU, Triton's interpreter),
-against the single-process loss on the full head: float64 reference and fk's own fused loss.
+and on 2 GPUs with NCCL (``gpu``: this file run under ``torchrun --nproc-per-node 2``), against the
+single-process loss on the full head: float64 reference and fk's own fused loss.
 
 The two processes run every case once (one process group for the whole module: starting them is
-the expensive part) and save what they computed; the tests compare it here."""
+the expensive part) and save what they computed; the tests compare it here, on the CPU."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -65,8 +69,8 @@ def _loss_kwargs(kw: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in kw.items() if k not in TEST_OPTIONS}
 
 
-def _run_case(rank: int, vocab: int, layout: str, kw: dict[str, Any]) -> dict[str, torch.Tensor | None]:
-    h, w, b, y = _data(vocab, kw.get("dtype", torch.float32), kw.get("shift", False))
+def _run_case(rank: int, vocab: int, layout: str, kw: dict[str, Any], device: str) -> dict[str, torch.Tensor | None]:
+    h, w, b, y = (t.to(device) for t in _data(vocab, kw.get("dtype", torch.float32), kw.get("shift", False)))
     rows = _rows(vocab, layout, rank)
     h.requires_grad_()
     weight: Any = w[rows].clone().requires_grad_(not kw.get("frozen", False))
@@ -77,7 +81,7 @@ def _run_case(rank: int, vocab: int, layout: str, kw: dict[str, Any]) -> dict[st
     elif layout == "dtensor":
         from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
 
-        mesh = init_device_mesh("cpu", (WORLD,))
+        mesh = init_device_mesh(torch.device(device).type, (WORLD,))
         weight = torch.nn.Parameter(distribute_tensor(w, mesh, [Shard(0)]))
         bias = torch.nn.Parameter(distribute_tensor(b, mesh, [Shard(0)])) if bias is not None else None
     loss = vocab_parallel_linear_cross_entropy(h, weight, y, bias, **_loss_kwargs(kw), **extra)
@@ -86,14 +90,14 @@ def _run_case(rank: int, vocab: int, layout: str, kw: dict[str, Any]) -> dict[st
     def local(t: Any) -> torch.Tensor | None:
         return None if t is None or t.grad is None else (t.grad.to_local() if hasattr(t.grad, "to_local") else t.grad)
 
-    return {"loss": loss.detach(), "dh": h.grad, "dw": local(weight), "db": local(bias)}
+    return {"loss": loss.detach().cpu(), "dh": h.grad, "dw": local(weight), "db": local(bias)}
 
 
-def _checks(rank: int) -> dict[str, Any]:
+def _checks(rank: int, device: str) -> dict[str, Any]:
     """The cases that are not loss-and-gradient comparisons."""
     out: dict[str, Any] = {}
     # The reference itself (fp64, differentiable collectives) against the single-process reference.
-    h, w, _, y = _data(96, torch.float64, False)
+    h, w, _, y = (t.to(device) for t in _data(96, torch.float64, False))
     rows = _rows(96, "equal", rank)
     h.requires_grad_()
     wr = w[rows].clone().requires_grad_()
@@ -110,7 +114,9 @@ def _checks(rank: int) -> dict[str, Any]:
     for call in (
         lambda: vocab_parallel_linear_cross_entropy(h.float(), wr.float(), y, vocab_size=96),
         lambda: vocab_parallel_linear_cross_entropy(h.float(), wr.float(), y, vocab_start_index=90, vocab_size=96),
-        lambda: vocab_parallel_linear_cross_entropy(h.float(), wr.float(), y, class_weight=torch.ones(48)),
+        lambda: vocab_parallel_linear_cross_entropy(
+            h.float(), wr.float(), y, class_weight=torch.ones(48, device=device)
+        ),
         lambda: vocab_parallel_linear_cross_entropy(h.float(), wr.float(), y, return_accuracy=True),
     ):
         try:
@@ -122,17 +128,34 @@ def _checks(rank: int) -> dict[str, Any]:
     return out
 
 
-def _worker(rank: int, world: int, out_dir: Path) -> None:
-    results = {name: _run_case(rank, vocab, layout, kw) for name, (vocab, layout, kw) in CASES.items()}
-    results.update(_checks(rank))
+def _worker(rank: int, world: int, out_dir: Path, device: str = "cpu") -> None:
+    results = {name: _run_case(rank, vocab, layout, kw, device) for name, (vocab, layout, kw) in CASES.items()}
+    results.update(_checks(rank, device))
     torch.save(results, out_dir / f"rank{rank}.pt")
 
 
-@pytest.fixture(scope="module")
-def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+@pytest.fixture(scope="module", params=["gloo", pytest.param("nccl", marks=pytest.mark.gpu)])
+def ranks(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """What each rank computed: 2 forked gloo processes on the CPU, or 2 GPUs under torchrun (NCCL)."""
     out_dir = tmp_path_factory.mktemp("vocab_parallel")
-    testing.run_distributed(_worker, out_dir, world_size=WORLD)
-    return [torch.load(out_dir / f"rank{r}.pt") for r in range(WORLD)]
+    if request.param == "gloo":
+        testing.run_distributed(_worker, out_dir, world_size=WORLD)
+    else:
+        if torch.cuda.device_count() < WORLD:
+            pytest.skip(f"needs {WORLD} GPUs")
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            str(WORLD),
+            __file__,
+            str(out_dir),
+        ]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+        out = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, check=False)
+        assert out.returncode == 0, f"stdout:\n{out.stdout}\nstderr:\n{out.stderr[-5000:]}"
+    return [torch.load(out_dir / f"rank{r}.pt", map_location="cpu") for r in range(WORLD)]
 
 
 def _expected(vocab: int, kw: dict[str, Any], fn: Any, dtype: torch.dtype) -> dict[str, torch.Tensor | None]:
@@ -205,3 +228,15 @@ def test_needs_an_initialized_process_group() -> None:
     assert not dist.is_initialized()
     with pytest.raises(RuntimeError, match=r"torch\.distributed initialized"):
         vocab_parallel_linear_cross_entropy(torch.randn(4, H), torch.randn(8, H), torch.zeros(4, dtype=torch.long))
+
+
+if __name__ == "__main__":  # under torchrun: on GPUs with NCCL (see the ``ranks`` fixture), else gloo on the CPU
+    gpus = torch.cuda.is_available()
+    where = f"cuda:{os.environ['LOCAL_RANK']}" if gpus else "cpu"
+    if gpus:
+        torch.cuda.set_device(where)
+    dist.init_process_group("nccl" if gpus else "gloo")
+    try:
+        _worker(dist.get_rank(), dist.get_world_size(), Path(sys.argv[1]), where)
+    finally:
+        dist.destroy_process_group()
