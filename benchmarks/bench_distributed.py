@@ -7,11 +7,15 @@ per GPU). Runs, each from the same initial weights:
 
 - ``fsdp2 stock`` / ``fsdp2 fk``: ``fully_shard`` on every layer and the root (fk.hf's
   ``fully_shard_causal_lm``), ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``;
+- ``fsdp2-head stock`` / ``fsdp2-head fk``: the same, with the tied embedding and head sharded as
+  one group of their own (``fully_shard([embed_tokens, lm_head])``: fk's loss runs inside that
+  group's hooks);
 - ``ddp stock`` / ``ddp fk``: ``DistributedDataParallel``, bf16 autocast;
 - ``1 gpu fk``: rank 0 alone on the whole batch (both ranks' sequences), bf16 autocast.
 
 Each records tokens/s (whole batch over the median step time after ``--warmup`` steps), peak
-memory per GPU (the largest over the ranks) and the loss of every step (averaged over the ranks).
+memory per GPU (the largest over the ranks), the loss of every step (averaged over the ranks)
+and whether the fused loss ran (``fused_loss``: the patched forward skipped the logits).
 The summary compares fk with stock under the same wrapper (losses within bf16 tolerance, speed,
 memory) and fk on 2 GPUs with fk on 1 (DDP: the same arithmetic up to summation order; FSDP2:
 bf16 parameters instead of autocast, so within bf16 tolerance).
@@ -56,6 +60,7 @@ TINY = {
     "vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4,
     "num_key_value_heads": 2, "max_position_embeddings": 64, "tie_word_embeddings": True,
 }  # fmt: skip
+KINDS = ("fsdp2", "fsdp2-head", "ddp")  # the wrappers of the training runs
 VOCAB_SHAPE = (8192, 2048, 128256)  # tokens, hidden, vocabulary of the vocabulary-parallel timing
 TINY_VOCAB_SHAPE = (64, 16, 96)
 
@@ -111,7 +116,7 @@ def _train(model: Any, ids: torch.Tensor, rows: slice, device: torch.device, aut
     """AdamW steps on ``rows`` of each batch: per-step losses (averaged over the ranks when
     ``reduce_losses``), the median step time after ``warmup``, the peak memory."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
-    losses, times = [], []
+    losses, times, fused = [], [], True
     _reset_peak(device)
     for step in range(ids.shape[0]):
         batch = ids[step, rows].to(device)
@@ -119,7 +124,9 @@ def _train(model: Any, ids: torch.Tensor, rows: slice, device: torch.device, aut
             _sync(device)
         start = time.perf_counter()
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-            loss = model(input_ids=batch, labels=batch).loss
+            out = model(input_ids=batch, labels=batch)
+        loss = out.loss
+        fused = fused and out.logits is None
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -134,18 +141,18 @@ def _train(model: Any, ids: torch.Tensor, rows: slice, device: torch.device, aut
             loss /= dist.get_world_size()
         losses.append(float(loss))
     timed = times[warmup:] or times
-    return {"losses": losses, "step_s": statistics.median(timed), "peak_mb": _peak_mb(device)}
+    return {"losses": losses, "step_s": statistics.median(timed), "peak_mb": _peak_mb(device), "fused": fused}
 
 
 def _setup(kind: str, model: Any, device: torch.device) -> tuple[Any, bool]:
     """The model wrapped for ``kind`` and whether it trains under bf16 autocast."""
     from fk.hf.distributed import fully_shard_causal_lm
 
-    if kind == "fsdp2":
+    if kind.startswith("fsdp2"):
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        return fully_shard_causal_lm(model, mp_policy=policy), False
+        return fully_shard_causal_lm(model, mp_policy=policy, separate_head=kind == "fsdp2-head"), False
     ids = [device.index] if device.type == "cuda" else None
     return torch.nn.parallel.DistributedDataParallel(model, device_ids=ids), True
 
@@ -159,7 +166,7 @@ def run_training(record: bench.BenchRecord, config: dict[str, Any], device: torc
     rows = slice(rank * args.batch, (rank + 1) * args.batch)
     initial = _initial_model(config, device)
     tokens = world * args.batch * args.seq  # per step, all ranks
-    for kind in ("fsdp2", "ddp"):
+    for kind in KINDS:
         for provider in ("stock", "fk"):
             model = copy.deepcopy(initial).to(device)
             if provider == "fk":
@@ -169,7 +176,7 @@ def run_training(record: bench.BenchRecord, config: dict[str, Any], device: torc
             peak = _max_over_ranks(out["peak_mb"], device)
             record.add(kind="train", provider=f"{kind} {provider}", gpus=world, tokens_per_step=tokens,
                        step_ms=1e3 * out["step_s"], tokens_per_s=tokens / out["step_s"], peak_mb=peak,
-                       losses=out["losses"])  # fmt: skip
+                       losses=out["losses"], fused_loss=out["fused"])  # fmt: skip
             if rank == 0:
                 print(
                     f"{kind} {provider}: {tokens / out['step_s']:.0f} tokens/s, {peak:.0f} MB, losses {out['losses']}"
@@ -182,7 +189,8 @@ def run_training(record: bench.BenchRecord, config: dict[str, Any], device: torc
         fk.hf.apply(model)
         out = _train(model, ids, slice(None), device, True, args.warmup, reduce_losses=False)
         record.add(kind="train", provider="1 gpu fk", gpus=1, tokens_per_step=tokens, step_ms=1e3 * out["step_s"],
-                   tokens_per_s=tokens / out["step_s"], peak_mb=out["peak_mb"], losses=out["losses"])  # fmt: skip
+                   tokens_per_s=tokens / out["step_s"], peak_mb=out["peak_mb"], losses=out["losses"],
+                   fused_loss=out["fused"])  # fmt: skip
         print(f"1 gpu fk: {tokens / out['step_s']:.0f} tokens/s, {out['peak_mb']:.0f} MB, losses {out['losses']}")
         del model
         _reset_peak(device)
@@ -280,7 +288,7 @@ def train_table(record: bench.BenchRecord) -> list[dict[str, object]]:
     rows = {r["provider"]: r for r in record.rows if r["kind"] == "train"}
     one = rows.get("1 gpu fk")
     table = []
-    for kind in ("fsdp2", "ddp"):
+    for kind in KINDS:
         stock, fk = rows.get(f"{kind} stock"), rows.get(f"{kind} fk")
         if stock is None or fk is None:
             continue

@@ -26,13 +26,19 @@ def test_tiny_run_under_torchrun(tmp_path: Path) -> None:
     assert out.returncode == 0, f"stdout:\n{out.stdout}\nstderr:\n{out.stderr[-5000:]}"
     record = bench.BenchRecord.from_json(tmp_path / "distributed-tiny.json")
     rows = {r["provider"]: r for r in record.rows}
-    assert set(rows) == {"fsdp2 stock", "fsdp2 fk", "ddp stock", "ddp fk", "1 gpu fk", "fk 1 gpu", "fk vocab-parallel"}
-    for kind in ("fsdp2", "ddp"):
+    kinds = ("fsdp2", "fsdp2-head", "ddp")
+    assert set(rows) == {f"{k} {p}" for k in kinds for p in ("stock", "fk")} | {
+        "1 gpu fk",
+        "fk 1 gpu",
+        "fk vocab-parallel",
+    }
+    for kind in kinds:
         stock, fk = rows[f"{kind} stock"]["losses"], rows[f"{kind} fk"]["losses"]
         assert len(fk) == len(stock) == 1
+        assert rows[f"{kind} fk"]["fused_loss"] and not rows[f"{kind} stock"]["fused_loss"]
         assert abs(fk[0] - stock[0]) < 1e-3 and abs(fk[0] - rows["1 gpu fk"]["losses"][0]) < 1e-3
     parallel = rows["fk vocab-parallel"]
     assert parallel["loss_err"] < 1e-2 and parallel["dh_err"] < 1e-2 * max(1.0, parallel["dh_scale"])
     assert parallel["dw_err"] < 1e-2 * max(1.0, parallel["dw_scale"])
     summary = out.stdout
-    assert "| wrapper |" in summary and "fk vocab-parallel" in summary
+    assert "| wrapper" in summary and "| fsdp2-head" in summary and "fk vocab-parallel" in summary

@@ -33,6 +33,7 @@ CASES: dict[str, dict[str, Any]] = {}
 for _wrapper, _extra in [
     ("ddp", {}),
     ("fsdp", {}),
+    ("fsdp", {"tied": True}),
     ("fsdp", {"separate_head": True}),
     ("fsdp", {"separate_head": True, "tied": True}),
     ("fsdp", {"separate_head": True, "mixed": True}),

@@ -334,14 +334,32 @@ def _lce_fwd_fake(
 ) -> Outputs:
     rows = row_values(hidden)
     reduced = torch.empty_like(rows) if reduction == "none" else rows.new_empty(())
-    accum = torch.float32 if accum_fp32 else weight.dtype
-    defer_dw = compute_dw and 0 < hidden.shape[0] <= chunk_tokens
     return (
         reduced, torch.empty_like(reduced), torch.empty_like(rows),
         torch.empty_like(rows) if store_accuracy else _nothing(hidden, torch.float32), rows.new_empty(()),
+        *forward_grad_fakes(hidden, weight, bias, chunk_tokens, accum_fp32, compute_dh, compute_dw, compute_db),
+    )  # fmt: skip
+
+
+def forward_grad_fakes(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    chunk_tokens: int,
+    accum_fp32: bool,
+    compute_dh: bool,
+    compute_dw: bool,
+    compute_db: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Fake (dh, dw, db, dlogits) of a forward launcher that computes the gradients (see
+    :func:`_lce_fwd`): dw in the accumulation dtype unless dlogits is kept for the backward."""
+    accum = torch.float32 if accum_fp32 else weight.dtype
+    defer_dw = compute_dw and 0 < hidden.shape[0] <= chunk_tokens
+    return (
         torch.empty_like(hidden) if compute_dh else _nothing(hidden),
         weight.new_empty(weight.shape, dtype=accum) if compute_dw and not defer_dw else _nothing(hidden),
-        rows.new_empty(weight.shape[0]) if compute_db and bias is not None else _nothing(hidden, torch.float32),
+        hidden.new_empty(weight.shape[0], dtype=torch.float32) if compute_db and bias is not None
+        else _nothing(hidden, torch.float32),
         hidden.new_empty((hidden.shape[0], weight.shape[0])) if defer_dw else _nothing(hidden),
     )  # fmt: skip
 
@@ -436,6 +454,13 @@ def _lce_bwd_fake(
     precomputed: bool,
     inplace: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return backward_fakes(hidden, weight, bias, need_dh, need_dw, need_db)
+
+
+def backward_fakes(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, need_dh: bool, need_dw: bool, need_db: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Fake (dh, dw, db) of a backward launcher, each an empty tensor when not needed."""
     return (
         torch.empty_like(hidden) if need_dh else _nothing(hidden),
         torch.empty_like(weight) if need_dw else _nothing(hidden),

@@ -50,9 +50,11 @@ from fk.flce.linear_cross_entropy import (
     _chunk_logits,
     _lce_bwd,
     _nothing,
+    backward_fakes,
     check_inputs,
     chunk_grads,
     chunk_tokens_for,
+    forward_grad_fakes,
 )
 
 # Shard-local label codes the kernel sees (a label in the shard is its row in [0, V_r)).
@@ -306,15 +308,8 @@ def _vp_fwd_fake(
 ) -> Outputs:
     rows = row_values(hidden)
     reduced = torch.empty_like(rows) if reduction == "none" else rows.new_empty(())
-    accum = torch.float32 if accum_fp32 else weight.dtype
-    defer_dw = compute_dw and 0 < hidden.shape[0] <= chunk_tokens
-    return (
-        reduced, torch.empty_like(reduced), torch.empty_like(rows),
-        torch.empty_like(hidden) if compute_dh else _nothing(hidden),
-        weight.new_empty(weight.shape, dtype=accum) if compute_dw and not defer_dw else _nothing(hidden),
-        rows.new_empty(weight.shape[0]) if compute_db and bias is not None else _nothing(hidden, torch.float32),
-        hidden.new_empty((hidden.shape[0], weight.shape[0])) if defer_dw else _nothing(hidden),
-    )  # fmt: skip
+    return (reduced, torch.empty_like(reduced), torch.empty_like(rows),
+            *forward_grad_fakes(hidden, weight, bias, chunk_tokens, accum_fp32, compute_dh, compute_dw, compute_db))  # fmt: skip
 
 
 def _vp_bwd(
@@ -385,11 +380,7 @@ def _vp_bwd_fake(
     precomputed: bool,
     inplace: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return (
-        torch.empty_like(hidden) if need_dh else _nothing(hidden),
-        torch.empty_like(weight) if need_dw else _nothing(hidden),
-        torch.empty_like(bias) if need_db and bias is not None else _nothing(hidden),
-    )
+    return backward_fakes(hidden, weight, bias, need_dh, need_dw, need_db)
 
 
 _N_INPUTS = 16
