@@ -149,10 +149,12 @@ def _setup(kind: str, model: Any, device: torch.device) -> tuple[Any, bool]:
     from fk.hf.distributed import fully_shard_causal_lm
 
     if kind.startswith("fsdp2"):
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        return fully_shard_causal_lm(model, mp_policy=policy, separate_head=kind == "fsdp2-head"), False
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),))  # the CPU's with --tiny, even beside a GPU
+        return fully_shard_causal_lm(model, mp_policy=policy, separate_head=kind == "fsdp2-head", mesh=mesh), False
     ids = [device.index] if device.type == "cuda" else None
     return torch.nn.parallel.DistributedDataParallel(model, device_ids=ids), True
 

@@ -93,10 +93,12 @@ def _train(model: Any, rows: slice) -> tuple[list[float], bool, torch.Tensor | N
 def _wrap(model: Any, case: dict[str, Any]) -> Any:
     if case["wrap"] == "ddp":
         return torch.nn.parallel.DistributedDataParallel(model)
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     mixed = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if case.get("mixed") else None
-    return fully_shard_causal_lm(model, separate_head=case.get("separate_head", False), mp_policy=mixed)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))  # not FSDP2's default: a GPU's, where there is one
+    return fully_shard_causal_lm(model, separate_head=case.get("separate_head", False), mp_policy=mixed, mesh=mesh)
 
 
 def _worker(rank: int, world: int, out_dir: Path) -> None:
