@@ -292,6 +292,41 @@ def test_tied_embeddings_and_gradient_checkpointing(device: str) -> None:
         torch.testing.assert_close(got_grads[name], grad, **TOL, msg=lambda m, n=name: f"{n}: {m}")
 
 
+@pytest.mark.parametrize("model_type", ["gemma2", "phi3"])
+def test_non_reentrant_activation_checkpointing_of_the_layers(model_type: str, device: str) -> None:
+    """torch.utils.checkpoint without reentrancy on every decoder layer (transformers' switch; llama
+    is above): Gemma's norms, GeGLU and the softcapped fused loss, Phi-3's fused gate_up SwiGLU and
+    partial rotary embedding recompute in the backward, and the gradients equal stock's without it."""
+    stock = _model(model_type, device)
+    patched = copy.deepcopy(stock)
+    fk.hf.apply(patched)
+    patched.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    ids, labels = _batch(device)
+    want, want_grads = _loss_and_grads(stock, input_ids=ids, labels=labels, use_cache=False)
+    got, got_grads = _loss_and_grads(patched, input_ids=ids, labels=labels, use_cache=False)
+    assert got.logits is None
+    torch.testing.assert_close(got.loss, want.loss, **TOL)
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(got_grads[name], grad, **TOL, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_fused_loss_inside_a_non_reentrant_checkpoint(device: str) -> None:
+    """The whole patched forward, fused loss included, inside one non-reentrant checkpoint: the
+    loss's forward (which computes its gradients) runs again in the backward, with the same result."""
+    from torch.utils.checkpoint import checkpoint
+
+    stock = _model("llama", device)
+    patched = copy.deepcopy(stock)
+    fk.hf.apply(patched)
+    ids, labels = _batch(device)
+    want, want_grads = _loss_and_grads(stock, input_ids=ids, labels=labels)
+    loss = checkpoint(lambda i, y: patched(input_ids=i, labels=y).loss, ids, labels, use_reentrant=False)
+    loss.backward()
+    torch.testing.assert_close(loss, want.loss, **TOL)
+    for name, param in patched.named_parameters():
+        torch.testing.assert_close(param.grad, want_grads[name], **TOL, msg=lambda m, n=name: f"{n}: {m}")
+
+
 def test_peft_lora_model(device: str) -> None:
     """A PEFT LoRA model with ``lora=False``: the base model's modules are patched (the LoRA
     layers themselves stay PEFT's); the adapters' gradients match stock, and the frozen head gets

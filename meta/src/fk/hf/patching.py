@@ -23,7 +23,10 @@ What each switch replaces (for the families in :mod:`fk.hf.models`):
   a family whose logits are soft-capped (Gemma 2 and 3) passes ``config.final_logit_softcapping``
   as the loss's ``softcap``; Granite's logits, divided by ``config.logits_scaling``, come from the
   hidden states divided by it. A mixture of experts' (Mixtral, Qwen3-MoE) load-balancing loss is
-  added as stock adds it.
+  added as stock adds it. Under FSDP2 with the head sharded on its own (``fully_shard(lm_head)``,
+  or ``fully_shard([embed_tokens, lm_head])`` for a tied head), the loss runs as the head's forward
+  for one call (see :func:`run_as_forward`), so FSDP2's hooks unshard the weight before it, reshard
+  it after, and reduce-scatter its gradient: the loss never reads a shard.
 - ``lora``: on a model with PEFT LoRA layers (a ``peft.PeftModel``, or adapters injected into a
   ``transformers`` model), :func:`fk.lora.patch` swaps their forwards for fk.lora's fused ones
   first (an MLP whose three projections are LoRA layers then runs :func:`fk.lora.lora_mlp`, and
@@ -198,31 +201,90 @@ def fused_causal_lm_loss(
     """
     from fk.flce import linear_cross_entropy
 
-    weight: torch.Tensor = lm_head.weight  # type: ignore[assignment]
-    bias: torch.Tensor | None = getattr(lm_head, "bias", None)
-    device_type = hidden_states.device.type
-    if torch.is_autocast_enabled(device_type):
-        dtype = torch.get_autocast_dtype(device_type)
-        hidden_states, weight = hidden_states.to(dtype), weight.to(dtype)
-        bias = bias.to(dtype) if bias is not None else None
     target, shift = (shift_labels, False) if shift_labels is not None else (labels, True)
-    with torch.autocast(device_type, enabled=False):
-        loss: torch.Tensor = linear_cross_entropy(
-            hidden_states, weight, target.to(hidden_states.device), bias, ignore_index=ignore_index, shift=shift,
-            num_items_in_batch=num_items_in_batch, softcap=softcap,
-        )  # fmt: skip
-    return loss
+
+    def loss_forward(head: Any, hidden: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        weight: torch.Tensor = head.weight
+        bias: torch.Tensor | None = getattr(head, "bias", None)
+        if _is_dtensor(weight):
+            raise TypeError(
+                "lm_head.weight is a sharded DTensor where fk's fused loss reads it: FSDP2 unshards a "
+                "parameter only around the forward of the module fully_shard was given. Shard a tied head "
+                "with its embedding as one group, fully_shard([model.model.embed_tokens, model.lm_head]), or leave "
+                "the head to the root's fully_shard(model)"
+            )
+        device_type = hidden.device.type
+        if torch.is_autocast_enabled(device_type):
+            dtype = torch.get_autocast_dtype(device_type)
+            hidden, weight = hidden.to(dtype), weight.to(dtype)
+            bias = bias.to(dtype) if bias is not None else None
+        with torch.autocast(device_type, enabled=False):
+            loss: torch.Tensor = linear_cross_entropy(
+                hidden, weight, target, bias, ignore_index=ignore_index, shift=shift,
+                num_items_in_batch=num_items_in_batch, softcap=softcap,
+            )  # fmt: skip
+        return loss
+
+    target = target.to(hidden_states.device)
+    if lm_head._forward_pre_hooks or lm_head._forward_hooks:  # FSDP2's (see plain_linear): run them
+        return run_as_forward(lm_head, loss_forward, hidden_states, target)
+    return loss_forward(lm_head, hidden_states, target)
+
+
+def run_as_forward(module: torch.nn.Module, fn: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
+    """``fn(module, *args)``, called as ``module``'s forward for this one call, so that the module's
+    own hooks run around it as around its forward. For a head FSDP2 shards on its own, they
+    all-gather the full weight before ``fn`` reads it, free it after, and reduce-scatter the
+    gradient that reaches it in the backward (and, with a mixed-precision policy, cast the
+    floating inputs to its ``param_dtype``)."""
+    module.__dict__["forward"] = types.MethodType(fn, module)
+    try:
+        out: torch.Tensor = module(*args)
+    finally:
+        del module.__dict__["forward"]
+    return out
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch built without distributed
+        return False
+    return isinstance(t, DTensor)
+
+
+def _fsdp_hook(hook: Any) -> bool:
+    """Whether ``hook`` is one of those FSDP2's ``fully_shard`` registers on a module (unshard
+    before its forward; reshard and backward hooks after)."""
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+    except ImportError:
+        return False
+    for _ in range(8):  # a bound method of FSDPState, possibly under functools.wraps wrappers (grouped modules)
+        if isinstance(getattr(hook, "__self__", None), FSDPState):
+            return True
+        hook = getattr(hook, "__wrapped__", None)
+    return False
+
+
+def _linear_class(cls: type) -> bool:
+    """``torch.nn.Linear`` itself, or the class FSDP2's ``fully_shard`` makes of it (``FSDPLinear``)."""
+    if cls is torch.nn.Linear:
+        return True
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return False
+    return cls.__bases__ == (FSDPModule, torch.nn.Linear)
 
 
 def plain_linear(module: Any) -> bool:
     """Whether ``module`` computes exactly ``F.linear(x, module.weight, module.bias)``: a
     ``torch.nn.Linear`` itself (not a subclass, such as a quantized layer, nor a wrapper, such as
-    a LoRA layer), with no hooks and no replaced forward. Only such a head is fused."""
-    return (
-        type(module) is torch.nn.Linear
-        and not (module._forward_hooks or module._forward_pre_hooks)
-        and "forward" not in module.__dict__
-    )
+    a LoRA layer), with no replaced forward and no hooks, or only FSDP2's (``fully_shard(lm_head)``:
+    the loss then runs inside them, see :func:`fused_causal_lm_loss`). Only such a head is fused."""
+    hooks = [*module._forward_hooks.values(), *module._forward_pre_hooks.values()]
+    return _linear_class(type(module)) and all(_fsdp_hook(h) for h in hooks) and "forward" not in module.__dict__
 
 
 def causal_lm_forward(

@@ -294,6 +294,48 @@ def run_on_reference_path(code: str) -> None:
         raise AssertionError(f"reference-path run failed:\nstdout:\n{out.stdout}\nstderr:\n{out.stderr}")
 
 
+# --- several processes ------------------------------------------------------------------------
+
+
+def run_distributed(fn: Callable[..., None], *args: Any, world_size: int = 2, timeout_s: float = 120.0) -> None:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` processes joined in a gloo process
+    group (the default group), as CPU CI tests multi-GPU logic; returns when every process has
+    finished and re-raises the first error (with its traceback) as an exception here.
+
+    On Linux the processes are forked from this one (no second import of torch and Triton, and
+    ``fn`` may be any function); elsewhere they are spawned and ``fn`` must be importable. Each
+    runs torch with one thread (the CI has two cores). A collective that does not pair up across
+    the ranks fails after ``timeout_s`` instead of hanging. ``fn`` passes results back through
+    files (e.g. ``torch.save`` into a test's ``tmp_path``).
+    """
+    import sys
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        store = f"file://{tmp}/store"
+        method = "fork" if sys.platform == "linux" else "spawn"
+        mp.start_processes(_distributed_worker, args=(fn, args, world_size, store, timeout_s), nprocs=world_size,
+                           start_method=method)  # fmt: skip
+
+
+def _distributed_worker(
+    rank: int, fn: Callable[..., None], args: tuple[Any, ...], world_size: int, store: str, timeout_s: float
+) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    dist.init_process_group("gloo", init_method=store, rank=rank, world_size=world_size, timeout=timeout)
+    try:
+        fn(rank, world_size, *args)
+    finally:
+        dist.destroy_process_group()
+
+
 # --- allocations ------------------------------------------------------------------------------
 
 CUDA_ALLOCATION_GRANULE = 512

@@ -4,6 +4,8 @@
   logits, with z-loss, logit softcapping, ``num_items_in_batch`` and per-token extras.
 - :func:`linear_cross_entropy` / :class:`LinearCrossEntropyLoss`: the loss of
   ``hidden @ weight.T (+ bias)`` without ever materializing the ``[tokens, vocab]`` logits.
+- :func:`vocab_parallel_linear_cross_entropy`: the same with the LM head sharded along the
+  vocabulary over a process group (tensor parallelism), two small all-reduces per chunk.
 """
 
 from fk.flce.cross_entropy import CrossEntropyLoss, CrossEntropyOutput, cross_entropy, cross_entropy_ref
@@ -14,6 +16,7 @@ from fk.flce.linear_cross_entropy import (
     linear_cross_entropy_ref,
     shift_labels,
 )
+from fk.flce.vocab_parallel import vocab_parallel_linear_cross_entropy, vocab_parallel_linear_cross_entropy_ref
 
 __all__ = [
     "DEFAULT_MEMORY_BUDGET",
@@ -25,4 +28,6 @@ __all__ = [
     "linear_cross_entropy",
     "linear_cross_entropy_ref",
     "shift_labels",
+    "vocab_parallel_linear_cross_entropy",
+    "vocab_parallel_linear_cross_entropy_ref",
 ]

@@ -119,6 +119,13 @@ def cross_entropy_ref(
 # kernel reads that factor from ``grad_scale_ptr`` (one value, or one per row for "none"), so
 # nothing waits for the host.
 #
+# Vocabulary-parallel mode (SHARDED, for fk.flce.vocab_parallel): the logits are one shard of the
+# vocabulary and the labels are shard-local (a label outside [0, V_shard) belongs to another shard
+# and is not an error). Pass 1 stores the shard's own lse, the label's logit z_y (0 when another
+# shard holds it) in ``loss_ptr`` and sum_v z_v in ``z_loss_ptr``, for the caller to combine across
+# shards; pass 2 reads the combined lse (LSE_GIVEN). ``weight_sum_ptr`` then holds the size of the
+# whole vocabulary (the sum of all-one class weights over every shard), which smoothing divides by.
+#
 # One program handles rows pid, pid + P, ... (P a few per SM). Pass 1 streams the row once with an
 # online softmax (running max m and sum s of exp(z - m), per lane); pass 2 streams it again to
 # write the gradient. With few programs in flight, a row read by pass 1 is still in L2 for pass 2.
@@ -162,6 +169,7 @@ def _cross_entropy_kernel(
     STORE_ACCURACY: tl.constexpr,
     COMPUTE_GRAD: tl.constexpr,
     ROW_SCALE: tl.constexpr,
+    SHARDED: tl.constexpr,  # vocabulary-parallel mode (see above); never with HAS_WEIGHT or STORE_ACCURACY
     BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -169,8 +177,10 @@ def _cross_entropy_kernel(
     cols = tl.arange(0, BLOCK)
     inv_classes = 1.0 / n_cols
     weight_sum = n_cols * 1.0
-    if HAS_WEIGHT:
+    if HAS_WEIGHT or SHARDED:
         weight_sum = tl.load(weight_sum_ptr)
+    if SHARDED:
+        inv_classes = 1.0 / weight_sum
     for row in range(pid, n_rows, n_programs):
         row64 = tl.cast(row, tl.int64)
         x_row = logits_ptr + row64 * logits_row_stride
@@ -228,7 +238,12 @@ def _cross_entropy_kernel(
             z_y = _softcapped(x_y, softcap, HAS_SOFTCAP)
             sum_wz = tl.sum(sum_wz, axis=0)
             tl.store(lse_ptr + row, lse)
-            if COMPUTE_LOSS:
+            if SHARDED:
+                # The parts the caller combines across shards (z_y is 0 for a label outside the shard).
+                tl.store(loss_ptr + row, z_y)
+                if HAS_SMOOTHING:
+                    tl.store(z_loss_ptr + row, sum_wz)
+            elif COMPUTE_LOSS:
                 loss = (1.0 - label_smoothing) * w_y * (lse - z_y)
                 if HAS_SMOOTHING:
                     loss += label_smoothing * inv_classes * (weight_sum * lse - sum_wz)
@@ -250,7 +265,8 @@ def _cross_entropy_kernel(
             g_row = grad_ptr + row64 * grad_row_stride
             scale = tl.load(grad_scale_ptr + row) if ROW_SCALE else tl.load(grad_scale_ptr)
             scale = tl.where(ignored, 0.0, scale)
-            scale = tl.where(bad_label, float("nan"), scale)
+            if not SHARDED:
+                scale = tl.where(bad_label, float("nan"), scale)
             nll_coef = (1.0 - label_smoothing) * w_y
             a = nll_coef
             if HAS_SMOOTHING:
@@ -321,11 +337,13 @@ def launch_cross_entropy(
     grad: torch.Tensor | None = None,
     grad_scale: torch.Tensor | None = None,
     lse_given: bool = False,
+    sharded: bool = False,
 ) -> None:
     """Run the kernel on 2-D ``logits`` (unit column stride): fills ``lse`` (or reads it when
     ``lse_given``), and each of ``loss``, ``z_loss``, ``correct`` and ``grad`` that is given.
     ``grad`` may be ``logits`` itself (the gradient overwrites the logits); ``grad_scale`` (fp32,
-    one value or one per row) multiplies the gradient."""
+    one value or one per row) multiplies the gradient. ``sharded``: the vocabulary-parallel mode
+    described above the kernel (``weight_sum`` then holds the whole vocabulary's size)."""
     n_rows, n_cols = logits.shape
     if n_rows == 0:
         return
@@ -348,7 +366,7 @@ def launch_cross_entropy(
         HAS_SOFTCAP=options.softcap > 0, HAS_Z_LOSS=options.lse_square_scale != 0,
         LSE_GIVEN=lse_given, COMPUTE_LOSS=loss is not None, STORE_Z_LOSS=z_loss is not None,
         STORE_ACCURACY=correct is not None, COMPUTE_GRAD=grad is not None,
-        ROW_SCALE=grad_scale is not None and grad_scale.numel() == n_rows and n_rows != 1,
+        ROW_SCALE=grad_scale is not None and grad_scale.numel() == n_rows and n_rows != 1, SHARDED=sharded,
         BLOCK=min(params.max_block, next_power_of_2(n_cols)), num_warps=params.num_warps if n_cols >= 4096 else 4,
     )  # fmt: skip
 

@@ -222,13 +222,28 @@ def _run_chunks(
             correct=correct[start:end] if correct is not None else None,
             grad=logits if want_grad else None, grad_scale=scale,
         )  # fmt: skip
-        if dh is not None:
-            torch.mm(logits, weight, out=dh[start:end])
-        if dw is not None:
-            _accumulate_matmul(dw, logits.t(), h, first=index == 0)
-        if db is not None:
-            db += logits.sum(0, dtype=torch.float32)
+        chunk_grads(logits, h, weight, dh[start:end] if dh is not None else None, dw, db, first=index == 0)
     return logits if keep_logits_grad else None
+
+
+def chunk_grads(
+    logits_grad: torch.Tensor,
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    dh_rows: torch.Tensor | None,
+    dw: torch.Tensor | None,
+    db: torch.Tensor | None,
+    *,
+    first: bool,
+) -> None:
+    """One chunk's share of the gradients, from its logits' gradient: ``dh_rows = dlogits @ W``,
+    ``dw (=|+=) dlogits^T @ h`` (``first``: the first chunk overwrites) and ``db += sum(dlogits)``."""
+    if dh_rows is not None:
+        torch.mm(logits_grad, weight, out=dh_rows)
+    if dw is not None:
+        _accumulate_matmul(dw, logits_grad.t(), h, first=first)
+    if db is not None:
+        db += logits_grad.sum(0, dtype=torch.float32)
 
 
 def _accum_buffers(
@@ -319,14 +334,32 @@ def _lce_fwd_fake(
 ) -> Outputs:
     rows = row_values(hidden)
     reduced = torch.empty_like(rows) if reduction == "none" else rows.new_empty(())
-    accum = torch.float32 if accum_fp32 else weight.dtype
-    defer_dw = compute_dw and 0 < hidden.shape[0] <= chunk_tokens
     return (
         reduced, torch.empty_like(reduced), torch.empty_like(rows),
         torch.empty_like(rows) if store_accuracy else _nothing(hidden, torch.float32), rows.new_empty(()),
+        *forward_grad_fakes(hidden, weight, bias, chunk_tokens, accum_fp32, compute_dh, compute_dw, compute_db),
+    )  # fmt: skip
+
+
+def forward_grad_fakes(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    chunk_tokens: int,
+    accum_fp32: bool,
+    compute_dh: bool,
+    compute_dw: bool,
+    compute_db: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Fake (dh, dw, db, dlogits) of a forward launcher that computes the gradients (see
+    :func:`_lce_fwd`): dw in the accumulation dtype unless dlogits is kept for the backward."""
+    accum = torch.float32 if accum_fp32 else weight.dtype
+    defer_dw = compute_dw and 0 < hidden.shape[0] <= chunk_tokens
+    return (
         torch.empty_like(hidden) if compute_dh else _nothing(hidden),
         weight.new_empty(weight.shape, dtype=accum) if compute_dw and not defer_dw else _nothing(hidden),
-        rows.new_empty(weight.shape[0]) if compute_db and bias is not None else _nothing(hidden, torch.float32),
+        hidden.new_empty(weight.shape[0], dtype=torch.float32) if compute_db and bias is not None
+        else _nothing(hidden, torch.float32),
         hidden.new_empty((hidden.shape[0], weight.shape[0])) if defer_dw else _nothing(hidden),
     )  # fmt: skip
 
@@ -421,6 +454,13 @@ def _lce_bwd_fake(
     precomputed: bool,
     inplace: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return backward_fakes(hidden, weight, bias, need_dh, need_dw, need_db)
+
+
+def backward_fakes(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, need_dh: bool, need_dw: bool, need_db: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Fake (dh, dw, db) of a backward launcher, each an empty tensor when not needed."""
     return (
         torch.empty_like(hidden) if need_dh else _nothing(hidden),
         torch.empty_like(weight) if need_dw else _nothing(hidden),
@@ -481,6 +521,57 @@ def chunk_tokens_for(memory_budget: int, n_classes: int, itemsize: int) -> int:
     return tokens - tokens % 8 if tokens > 8 else tokens
 
 
+def check_inputs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None,
+    class_weight: torch.Tensor | None,
+    ignore_index: int,
+    reduction: str,
+    label_smoothing: float,
+    lse_square_scale: float,
+    softcap: float | None,
+    shift: bool,
+    num_items_in_batch: torch.Tensor | float | None,
+    accum_dtype: torch.dtype | None,
+    memory_budget: int,
+) -> tuple[LossOptions, torch.Tensor, torch.Tensor | None]:
+    """Validate the arguments of :func:`linear_cross_entropy` (and of its vocabulary-parallel
+    sibling, whose ``weight`` is a shard): returns the options, the labels (shifted when ``shift``)
+    and ``num_items_in_batch`` as an fp32 0-dim tensor (or None)."""
+    validate.check_tensor("hidden", hidden)
+    validate.check_dtype("hidden", hidden)
+    validate.check_min_ndim("hidden", hidden, 1)
+    validate.check_tensor("weight", weight)
+    validate.check_ndim("weight", weight, 2)
+    validate.check_same_dtype("weight", weight, "hidden", hidden)
+    validate.check_same_device("weight", weight, "hidden", hidden)
+    if weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"weight must have shape (V, {hidden.shape[-1]}) to match hidden, got {tuple(weight.shape)}")
+    n_classes = weight.shape[0]
+    if n_classes == 0:
+        raise ValueError("weight must have at least one row (class)")
+    if bias is not None:
+        validate.check_tensor("bias", bias)
+        validate.check_same_dtype("bias", bias, "hidden", hidden)
+        validate.check_shape("bias", bias, (n_classes,))
+        validate.check_same_device("bias", bias, "hidden", hidden)
+    options = check_loss_options(ignore_index, reduction, label_smoothing, lse_square_scale, softcap)
+    target = check_target(target, tuple(hidden.shape[:-1]), hidden.device)
+    check_class_weight(class_weight, n_classes, "class_weight", hidden.device)
+    num_items = check_num_items(num_items_in_batch, reduction, hidden.device)
+    if accum_dtype is not None and accum_dtype not in (torch.float32, weight.dtype):
+        raise ValueError(f"accum_dtype must be torch.float32 or weight's dtype ({weight.dtype}), got {accum_dtype}")
+    if isinstance(memory_budget, bool) or not isinstance(memory_budget, int) or memory_budget <= 0:
+        raise ValueError(f"memory_budget must be a positive number of bytes, got {memory_budget!r}")
+    if shift:
+        if hidden.ndim < 2:
+            raise ValueError(f"shift=True needs hidden of shape (..., T, H), got {tuple(hidden.shape)}")
+        target = shift_labels(target, ignore_index)
+    return options, target, num_items
+
+
 def linear_cross_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -523,35 +614,11 @@ def linear_cross_entropy(
     Returns the loss (fp32 for reduction "mean"/"sum"; one value per token for "none", shaped like
     ``target``), or a :class:`fk.flce.CrossEntropyOutput` when any ``return_*`` is set.
     """
-    validate.check_tensor("hidden", hidden)
-    validate.check_dtype("hidden", hidden)
-    validate.check_min_ndim("hidden", hidden, 1)
-    validate.check_tensor("weight", weight)
-    validate.check_ndim("weight", weight, 2)
-    validate.check_same_dtype("weight", weight, "hidden", hidden)
-    validate.check_same_device("weight", weight, "hidden", hidden)
-    if weight.shape[1] != hidden.shape[-1]:
-        raise ValueError(f"weight must have shape (V, {hidden.shape[-1]}) to match hidden, got {tuple(weight.shape)}")
+    options, target, num_items = check_inputs(
+        hidden, weight, target, bias, class_weight, ignore_index, reduction, label_smoothing, lse_square_scale,
+        softcap, shift, num_items_in_batch, accum_dtype, memory_budget,
+    )  # fmt: skip
     n_classes = weight.shape[0]
-    if n_classes == 0:
-        raise ValueError("weight must have at least one row (class)")
-    if bias is not None:
-        validate.check_tensor("bias", bias)
-        validate.check_same_dtype("bias", bias, "hidden", hidden)
-        validate.check_shape("bias", bias, (n_classes,))
-        validate.check_same_device("bias", bias, "hidden", hidden)
-    options = check_loss_options(ignore_index, reduction, label_smoothing, lse_square_scale, softcap)
-    target = check_target(target, tuple(hidden.shape[:-1]), hidden.device)
-    check_class_weight(class_weight, n_classes, "class_weight", hidden.device)
-    num_items = check_num_items(num_items_in_batch, reduction, hidden.device)
-    if accum_dtype is not None and accum_dtype not in (torch.float32, weight.dtype):
-        raise ValueError(f"accum_dtype must be torch.float32 or weight's dtype ({weight.dtype}), got {accum_dtype}")
-    if isinstance(memory_budget, bool) or not isinstance(memory_budget, int) or memory_budget <= 0:
-        raise ValueError(f"memory_budget must be a positive number of bytes, got {memory_budget!r}")
-    if shift:
-        if hidden.ndim < 2:
-            raise ValueError(f"shift=True needs hidden of shape (..., T, H), got {tuple(hidden.shape)}")
-        target = shift_labels(target, ignore_index)
     if not uses_kernel(hidden):
         out = linear_cross_entropy_ref(hidden, weight, target, bias, class_weight=class_weight,
                                        ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
