@@ -220,3 +220,30 @@ def test_auto_model_loads_a_peft_adapter_fused(device: str, tmp_path: Any) -> No
     assert got_lora.keys() == lora_grads.keys()
     for name, grad in lora_grads.items():
         torch.testing.assert_close(got_lora[name], grad, **TOL, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_loss_options_reach_the_fused_loss(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """fk.hf.loss_options: the fused loss passes memory_budget and accum_dtype on, and computes
+    stock's loss and gradients with them (small chunks: several per batch)."""
+    import fk.flce
+
+    stock = _model("llama", device)
+    patched = copy.deepcopy(stock)
+    fk.hf.apply(patched)
+    assert fk.hf.loss_options(patched, memory_budget=4 * 1024 * 4, accum_dtype=torch.float32) == 1
+    seen: list[dict[str, Any]] = []
+    original = fk.flce.linear_cross_entropy
+
+    def spy(*args: Any, **kwargs: Any) -> torch.Tensor:
+        seen.append(kwargs)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(fk.flce, "linear_cross_entropy", spy)
+    ids, labels = _batch(device)
+    _assert_same_loss_and_grads(stock, patched, input_ids=ids, labels=labels)
+    assert seen and seen[-1]["memory_budget"] == 4 * 1024 * 4 and seen[-1]["accum_dtype"] is torch.float32
+    assert fk.hf.loss_options(patched) == 1  # the defaults again
+    _loss_and_grads(patched, input_ids=ids, labels=labels)
+    assert "memory_budget" not in seen[-1]
+    with pytest.raises(TypeError, match="unknown loss option"):
+        fk.hf.loss_options(patched, budget=1)

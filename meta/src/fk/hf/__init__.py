@@ -34,6 +34,7 @@ __all__ = [
     "AutoModelForCausalLM",
     "FkCallback",
     "apply",
+    "loss_options",
     "model_init",
     "patched_classes",
     "patched_modules",
@@ -166,6 +167,30 @@ def patched_classes() -> dict[str, list[str]]:
     from fk.hf.classes import patched_classes as classes
 
     return classes()
+
+
+LOSS_OPTION_NAMES = ("memory_budget", "accum_dtype")
+
+
+def loss_options(model: Any, **options: Any) -> int:
+    """Set keyword arguments of :func:`fk.flce.linear_cross_entropy` that the fused loss of
+    ``model`` passes on: ``memory_budget`` (bytes of logits per chunk) and ``accum_dtype`` (of the
+    weight gradient across chunks). For example ``fk.hf.loss_options(model, memory_budget=256 << 20,
+    accum_dtype=torch.bfloat16)`` trades some speed for memory (see the fk-flce docs for the
+    measured cost); with no options, the defaults come back. Returns how many causal-LM modules of
+    ``model`` took them (every module of a ``model`` whose forward :func:`apply` may patch, patched
+    now or later; 0 when it has none). An unknown option raises ``TypeError``."""
+    unknown = sorted(set(options) - set(LOSS_OPTION_NAMES))
+    if unknown:
+        raise TypeError(f"unknown loss option(s) {', '.join(unknown)}; the options are {', '.join(LOSS_OPTION_NAMES)}")
+    from fk.hf.patching import LOSS_OPTIONS
+
+    count = 0
+    for module in model.modules():
+        if hasattr(module, "lm_head") and hasattr(module, "config"):
+            module.__dict__[LOSS_OPTIONS] = dict(options)
+            count += 1
+    return count
 
 
 def model_init(make_model: Callable[..., Any], **switches: bool) -> Callable[..., Any]:

@@ -50,6 +50,8 @@ _PREVIOUS = "_fk_hf_previous_forward"
 """Attribute of a patched module: its instance ``forward`` before patching, or :data:`_NONE`."""
 _KIND = "_fk_hf_kind"
 _LORA = "_fk_hf_lora_report"
+LOSS_OPTIONS = "_fk_hf_loss_options"
+"""Attribute of a causal LM: keyword arguments its fused loss passes on (see fk.hf.loss_options)."""
 _OURS = "_fk_hf_forward"
 """Attribute of a patched module: the forward fk set (to tell whether another wrapped it since)."""
 _SWITCHED_OFF = "_fk_hf_switched_off"
@@ -176,8 +178,10 @@ def _rope_forward(stock: Callable[..., Any]) -> Callable[..., Any] | None:
 def _keep_last(hidden_states: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
     if isinstance(logits_to_keep, int):
         return hidden_states[:, -logits_to_keep:, :] if logits_to_keep else hidden_states
-    from transformers.modeling_utils import slice_logits_to_keep
-
+    try:
+        from transformers.modeling_utils import slice_logits_to_keep
+    except ImportError:  # transformers before 5.20: positions as one 1-D index, as its stock forwards
+        return hidden_states[:, logits_to_keep, :]
     return slice_logits_to_keep(hidden_states, logits_to_keep)
 
 
@@ -190,6 +194,7 @@ def fused_causal_lm_loss(
     num_items_in_batch: torch.Tensor | int | None = None,
     ignore_index: int = -100,
     softcap: float | None = None,
+    options: dict[str, Any] | None = None,
 ) -> torch.Tensor:
     """Hugging Face's ``ForCausalLMLoss`` of ``lm_head(hidden_states)`` without the logits.
 
@@ -197,7 +202,9 @@ def fused_causal_lm_loss(
     when given), ``ignore_index`` labels are left out, and with ``num_items_in_batch`` the summed
     loss is divided by it instead of by the count of scored tokens; ``softcap`` soft-caps the logits
     first (``softcap * tanh(logits / softcap)``). Under autocast, the hidden states and head weight
-    are cast to autocast's dtype first, as stock's ``lm_head`` would.
+    are cast to autocast's dtype first, as stock's ``lm_head`` would. ``options`` are more keyword
+    arguments of :func:`fk.flce.linear_cross_entropy` (``memory_budget``, ``accum_dtype``; see
+    :func:`fk.hf.loss_options`).
     """
     from fk.flce import linear_cross_entropy
 
@@ -221,7 +228,7 @@ def fused_causal_lm_loss(
         with torch.autocast(device_type, enabled=False):
             loss: torch.Tensor = linear_cross_entropy(
                 hidden, weight, target, bias, ignore_index=ignore_index, shift=shift,
-                num_items_in_batch=num_items_in_batch, softcap=softcap,
+                num_items_in_batch=num_items_in_batch, softcap=softcap, **(options or {}),
             )  # fmt: skip
         return loss
 
@@ -339,7 +346,7 @@ def causal_lm_forward(
         loss = fused_causal_lm_loss(
             hidden_states if scaling is None else hidden_states / scaling, self.lm_head, labels, shift_labels=kwargs.get("shift_labels"),
             num_items_in_batch=kwargs.get("num_items_in_batch"), ignore_index=kwargs.get("ignore_index", -100),
-            softcap=softcap,
+            softcap=softcap, options=self.__dict__.get(LOSS_OPTIONS),
         )  # fmt: skip
     else:
         logits = self.lm_head(hidden_states)
