@@ -302,8 +302,10 @@ def run_distributed(fn: Callable[..., None], *args: Any, world_size: int = 2, ti
     group (the default group), as CPU CI tests multi-GPU logic; returns when every process has
     finished and re-raises the first error (with its traceback) as an exception here.
 
-    On Linux the processes are forked from this one (no second import of torch and Triton, and
-    ``fn`` may be any function); elsewhere they are spawned and ``fn`` must be importable. Each
+    On a Linux machine without CUDA the processes are forked from this one (no second import of
+    torch and Triton, and ``fn`` may be any function); elsewhere they are spawned and ``fn`` must be
+    importable (a module-level function of a test module is). A CUDA machine spawns because a
+    process whose autograd engine has run on a GPU (an earlier test) cannot fork safely. Each
     runs torch with one thread (the CI has two cores). A collective that does not pair up across
     the ranks fails after ``timeout_s`` instead of hanging. ``fn`` passes results back through
     files (e.g. ``torch.save`` into a test's ``tmp_path``).
@@ -315,7 +317,7 @@ def run_distributed(fn: Callable[..., None], *args: Any, world_size: int = 2, ti
 
     with tempfile.TemporaryDirectory() as tmp:
         store = f"file://{tmp}/store"
-        method = "fork" if sys.platform == "linux" else "spawn"
+        method = "fork" if sys.platform == "linux" and not torch.cuda.is_available() else "spawn"
         mp.start_processes(_distributed_worker, args=(fn, args, world_size, store, timeout_s), nprocs=world_size,
                            start_method=method)  # fmt: skip
 
