@@ -9,11 +9,14 @@ What each switch replaces (for the families in :mod:`fk.hf.models`):
 - ``rms_norm``: the forward of each RMSNorm module by :func:`fk.norms.rms_norm` (same weight,
   same epsilon, the family's casting mode and offset).
 - ``swiglu``: the forward of each gated MLP whose activation is SiLU by
+  ``fk.glu.gated_mlp(x, gate_proj.weight, up_proj.weight, down_proj.weight)``, which does not keep
+  ``act(gate) * up`` for the backward, where the projections are plain ``nn.Linear`` layers
+  without bias or hooks, autocast is off and ``x`` has the weights' dtype; else by
   ``down_proj(fk.glu.swiglu(gate_proj(x), up_proj(x)))``, or, with one fused ``gate_up_proj``
   (Phi-3), ``down_proj(fk.glu.swiglu_fused(gate_up_proj(x)))``.
 - ``geglu``: the same for gated MLPs whose activation is GELU (tanh-approximated, as Gemma's
-  ``gelu_pytorch_tanh``, or exact) with :func:`fk.glu.geglu`. MLPs with any other activation are
-  left alone.
+  ``gelu_pytorch_tanh``, or exact) with :func:`fk.glu.gated_mlp` or :func:`fk.glu.geglu`. MLPs
+  with any other activation are left alone.
 - ``rope``: the attention's forward runs with :func:`fk.rope.apply_rotary_pos_emb` in place of the
   modeling file's ``apply_rotary_pos_emb``. The attention's own forward function is reused as it
   is; only the global name ``apply_rotary_pos_emb`` it looks up resolves to fk's (a copy of the
@@ -123,27 +126,57 @@ def rms_norm_forward(self: Any, hidden_states: torch.Tensor) -> torch.Tensor:
 
 
 def swiglu_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
-    """LlamaMLP-style forward with the SiLU gate through :func:`fk.glu.swiglu`.
+    """LlamaMLP-style forward with the SiLU gate.
 
-    The gradients of the gate and up projections' outputs are written into their own buffers
-    (``inplace_grad=True``): they are intermediate activations nothing else reads.
+    Where :func:`_whole_mlp` allows it, the whole MLP is :func:`fk.glu.gated_mlp`, which does not
+    keep ``act(gate) * up`` for the backward. Otherwise ``down_proj(fk.glu.swiglu(gate_proj(x),
+    up_proj(x)))``, with the gradients of the gate and up projections' outputs written into their
+    own buffers (``inplace_grad=True``): they are intermediate activations nothing else reads.
     """
-    from fk.glu import swiglu, swiglu_fused
+    from fk.glu import gated_mlp, swiglu, swiglu_fused
 
     if hasattr(self, "gate_up_proj"):  # one fused projection, gate first (Phi-3)
         return self.down_proj(swiglu_fused(self.gate_up_proj(x), inplace_grad=True))
+    if _whole_mlp(self, x):
+        return gated_mlp(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight, "silu")
     return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x), inplace_grad=True))
 
 
 def geglu_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
-    """GemmaMLP-style forward with the GELU gate through :func:`fk.glu.geglu` (tanh-approximated or
-    exact, as the module's activation is), the gradients written in place as in :func:`swiglu_forward`."""
-    from fk.glu import geglu, geglu_fused
+    """GemmaMLP-style forward with the GELU gate (tanh-approximated or exact, as the module's
+    activation is): :func:`fk.glu.gated_mlp` or :func:`fk.glu.geglu`, as in :func:`swiglu_forward`."""
+    from fk.glu import gated_mlp, geglu, geglu_fused
 
-    approximate = "none" if _mlp_activation(self, self._fk_hf_patch) == "gelu" else "tanh"
+    exact = _mlp_activation(self, self._fk_hf_patch) == "gelu"
+    approximate = "none" if exact else "tanh"
     if hasattr(self, "gate_up_proj"):
         return self.down_proj(geglu_fused(self.gate_up_proj(x), approximate, inplace_grad=True))
+    if _whole_mlp(self, x):
+        weights = (self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
+        return gated_mlp(x, *weights, "gelu" if exact else "gelu_tanh")
     return self.down_proj(geglu(self.gate_proj(x), self.up_proj(x), approximate, inplace_grad=True))
+
+
+def _whole_mlp(module: Any, x: torch.Tensor) -> bool:
+    """Whether the gated MLP ``module`` can run as one :func:`fk.glu.gated_mlp` on ``x``: its three
+    projections are plain ``nn.Linear`` layers without a bias (see :func:`plain_linear`, and no
+    hooks at all, not even FSDP2's, whose unsharding only a module call runs; not LoRA or
+    quantized layers), autocast is off for ``x``'s device, and ``x`` has the weights' dtype."""
+    if torch.is_autocast_enabled(x.device.type):
+        return False
+    for proj in (module.gate_proj, module.up_proj, module.down_proj):
+        if not (plain_linear(proj) and proj.bias is None and not _has_hooks(proj)):
+            return False
+        if proj.weight.dtype != x.dtype or _is_dtensor(proj.weight):
+            return False
+    return True
+
+
+def _has_hooks(module: torch.nn.Module) -> bool:
+    """Whether ``module`` has hooks of its own that a module call would run (forward or backward)."""
+    return bool(
+        module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or module._backward_pre_hooks
+    )
 
 
 def _mlp_activation(module: Any, patch: ModelPatch) -> str | None:

@@ -15,7 +15,9 @@ The backward recomputes the activation from ``gate`` (nothing is saved beyond ``
 
 This file holds, in order: the references, the Triton kernels, the launchers registered as custom
 ops, the functional API (:func:`swiglu`, :func:`geglu`, :func:`gated_act` and their ``_fused``
-forms) and the module :class:`GatedMLP`.
+forms), the building blocks without autograd (:func:`gated_act_forward`,
+:func:`gated_act_backward`, shared with fk.lora) and the gated MLP that does not keep
+``act(gate) * up`` for its backward (:func:`gated_mlp`), and the module :class:`GatedMLP`.
 """
 
 from __future__ import annotations
@@ -570,7 +572,235 @@ def geglu_fused(gate_up: torch.Tensor, approximate: str = "tanh", *, inplace_gra
     return gated_act_fused(gate_up, _geglu_activation(approximate), inplace_grad=inplace_grad)
 
 
-# --- 5. Module ------------------------------------------------------------------------------------
+# --- 5. Building blocks without autograd, and the gated MLP ----------------------------------------
+#
+# gated_act_forward / gated_act_backward compute act(gate) * up and its gradients for code that runs
+# inside its own torch.autograd.Function (the gated MLP below, fk.lora's LoRA MLP): no autograd
+# node of their own. Each picks the launcher itself in eager mode, the custom op while
+# torch.compile traces (a custom op may not return its inputs' buffers, so nothing is written in
+# place there), and the plain PyTorch reference where no kernel runs (CPU without the interpreter).
+#
+# Gated MLP, for x2 = x as [M, K], Wg and Wu [I, K], Wd [N, I]:
+#   forward:  g = x2 Wg^T, u = x2 Wu^T (saved), h = act(g) * u (not saved), y = h Wd^T
+#   backward, with upstream gradient dy [M, N]:
+#     dWd = dy^T h                      h recomputed from g and u, freed before dh is formed
+#     dh  = dy Wd                       [M, I]
+#     dg  = dh * u * act'(g)            written over g's buffer (eager)
+#     du  = dh * act(g)                 written over u's buffer (eager)
+#     dWg = dg^T x2,  dWu = du^T x2
+#     dx  = dg Wg + du Wu               one buffer: mm, then addmm_
+# So the [M, I] tensors kept from forward to backward are g and u only (nn.Linear's down
+# projection would keep h too); the backward adds at most one transient [M, I] tensor at a time
+# (h, then dh). Each gradient is formed only when its input requires one: a frozen weight costs
+# neither a matmul nor a buffer, and a frozen Wd spares the recomputation of h.
+
+
+def gated_act_backward_ref(
+    dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, activation: str = "silu"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d gate, d up) of ``act(gate) * up`` for upstream gradient ``dh``, in plain PyTorch.
+
+    The kernels' formulas (section 2), computed in fp32 (fp64 for fp64 inputs) and rounded once:
+    the path :func:`gated_act_backward` takes where no kernel runs.
+    """
+    activation = resolve_activation(activation)
+    compute = torch.promote_types(gate.dtype, torch.float32)
+    a, b, dy = gate.to(compute), up.to(compute), dh.to(compute)
+    if activation == "gelu":
+        cdf = 0.5 * (1.0 + torch.erf(a * _INV_SQRT2.value))
+        value = a * cdf
+        grad = cdf + a * _INV_SQRT_2PI.value * torch.exp(-0.5 * a * a)
+    else:  # a * sigmoid(k(a))
+        k1, k3 = _K1.value, _K3.value
+        k, dk = (a, 1.0) if activation == "silu" else (a * (k1 + k3 * a * a), k1 + 3.0 * k3 * a * a)
+        s = torch.sigmoid(k)
+        value = a * s
+        grad = s + value * (1.0 - s) * dk
+    return (dy * b * grad).to(gate.dtype), (dy * value).to(up.dtype)
+
+
+def gated_act_forward(gate: torch.Tensor, up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    """``act(gate) * up`` with no autograd node: for use inside another ``torch.autograd.Function``.
+
+    Takes the launcher in eager mode, the custom op while ``torch.compile`` traces, and
+    :func:`gated_act_ref` where no kernel runs. The inputs are not validated (the caller's job):
+    same shape, dtype and device, unit last stride not required.
+    """
+    activation = resolve_activation(activation)
+    if not uses_kernel(gate):
+        return gated_act_ref(gate, up, activation)
+    if torch.compiler.is_compiling():
+        y: torch.Tensor = _glu.fwd_op(gate, up, _CODES[activation], False)  # type: ignore[attr-defined]
+        return y
+    return _glu_fwd(gate, up, _CODES[activation], False)
+
+
+def gated_act_backward(
+    dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, activation: str = "silu", inplace: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """(d gate, d up, written) of ``act(gate) * up`` with no autograd node (see :func:`gated_act_forward`).
+
+    With ``inplace``, in eager mode and where their layout allows it, the gradients are written
+    over ``gate``'s and ``up``'s own buffers, and ``written`` is True: the caller must then bump
+    both tensors' versions (``torch.autograd.graph.increment_version``) when they are saved for a
+    backward, so that a second backward through them fails loudly instead of reading gradients
+    as activations. Under ``torch.compile`` and on the reference path, new tensors are returned
+    and ``written`` is False.
+    """
+    activation = resolve_activation(activation)
+    if not uses_kernel(gate):
+        dgate, dup = gated_act_backward_ref(dh, gate, up, activation)
+        return dgate, dup, False
+    code = _CODES[activation]
+    if torch.compiler.is_compiling():
+        dgate, dup = _glu.bwd_op(dh, gate, up, code, False, True, True)  # type: ignore[attr-defined]
+        return dgate, dup, False
+    dgate, dup = _glu_bwd(dh, gate, up, code, inplace, True, True)
+    written = gate.numel() > 0 and (dgate.data_ptr() == gate.data_ptr() or dup.data_ptr() == up.data_ptr())
+    return dgate, dup, written
+
+
+def gated_mlp_ref(
+    x: torch.Tensor,
+    gate_weight: torch.Tensor,
+    up_weight: torch.Tensor,
+    down_weight: torch.Tensor,
+    activation: str = "silu",
+) -> torch.Tensor:
+    """``F.linear(act(F.linear(x, Wg)) * F.linear(x, Wu), Wd)`` in plain PyTorch (autograd through
+    every op), with the activation as :func:`gated_act_ref` computes it: the definition tests use."""
+    h = gated_act_ref(F.linear(x, gate_weight), F.linear(x, up_weight), activation)
+    return F.linear(h, down_weight)
+
+
+class _GatedMLPFunction(torch.autograd.Function):
+    """``act(x Wg^T) * (x Wu^T)`` times ``Wd^T``, saving x, gate, up and the weights (see the math above)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor, wd: torch.Tensor, activation: str
+    ) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1])
+        gate = torch.mm(x2, wg.t())
+        up = torch.mm(x2, wu.t())
+        del x2
+        h = gated_act_forward(gate, up, activation)
+        y = torch.mm(h, wd.t())
+        del h  # recomputed in the backward
+        ctx.save_for_backward(x, gate, up, wg, wu, wd)
+        ctx.activation = activation
+        ctx.set_materialize_grads(False)
+        return y.view(*x.shape[:-1], wd.shape[0])
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor | None) -> Any:
+        x, gate, up, wg, wu, wd = ctx.saved_tensors
+        need_dx, need_dwg, need_dwu, need_dwd = ctx.needs_input_grad[:4]
+        if dy is None:
+            return None, None, None, None, None
+        act = ctx.activation
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        dx = dwg = dwu = dwd = None
+        if need_dwd:
+            h = gated_act_forward(gate, up, act)
+            dwd = torch.mm(dy2.t(), h)
+            del h
+        if need_dx or need_dwg or need_dwu:
+            dh = torch.mm(dy2, wd)
+            dgate, dup, written = gated_act_backward(dh, gate, up, act, inplace=True)
+            del dh
+            if written:  # gate and up now hold their gradients: a second backward must fail loudly
+                torch.autograd.graph.increment_version(gate)
+                torch.autograd.graph.increment_version(up)
+            x2 = x.reshape(-1, x.shape[-1])
+            if need_dwg:
+                dwg = torch.mm(dgate.t(), x2)
+            if need_dwu:
+                dwu = torch.mm(dup.t(), x2)
+            if need_dx:
+                dx = torch.mm(dgate, wg).addmm_(dup, wu).view(x.shape)
+        return dx, dwg, dwu, dwd, None
+
+
+def _check_gated_mlp_inputs(
+    x: object, gate_weight: object, up_weight: object, down_weight: object, same_dtype: bool
+) -> None:
+    names = ("x", "gate_weight", "up_weight", "down_weight")
+    tensors = (x, gate_weight, up_weight, down_weight)
+    for name, t in zip(names, tensors, strict=True):
+        validate.check_tensor(name, t)
+        assert isinstance(t, torch.Tensor)
+        validate.check_dtype(name, t)
+        if name != "x":
+            validate.check_same_device(name, t, "x", x)  # type: ignore[arg-type]
+            if same_dtype:
+                validate.check_same_dtype(name, t, "x", x)  # type: ignore[arg-type]
+            validate.check_ndim(name, t, 2)
+    assert isinstance(x, torch.Tensor) and isinstance(gate_weight, torch.Tensor)
+    assert isinstance(up_weight, torch.Tensor) and isinstance(down_weight, torch.Tensor)
+    validate.check_min_ndim("x", x, 1)
+    n_inter, hidden = gate_weight.shape[0], x.shape[-1]
+    validate.check_shape("gate_weight", gate_weight, (n_inter, hidden))
+    validate.check_shape("up_weight", up_weight, (n_inter, hidden))
+    validate.check_shape("down_weight", down_weight, (down_weight.shape[0], n_inter))
+
+
+def gated_mlp(
+    x: torch.Tensor,
+    gate_weight: torch.Tensor,
+    up_weight: torch.Tensor,
+    down_weight: torch.Tensor,
+    activation: str = "silu",
+) -> torch.Tensor:
+    """``F.linear(act(F.linear(x, gate_weight)) * F.linear(x, up_weight), down_weight)``, keeping
+    only ``x``, the gate and up projections and the weights from forward to backward.
+
+    A gated MLP (Llama's, Gemma's) written with ``nn.Linear`` layers keeps ``h = act(gate) * up`` for
+    the down projection's weight gradient: one more ``(..., intermediate)`` tensor per layer. This
+    one recomputes ``h`` in the backward (one elementwise pass) and frees it before forming
+    ``dh``; the activation's gradients are written over the gate and up buffers (internal tensors
+    nobody else sees), so a second backward through the same graph raises.
+
+    Args:
+        x: ``(..., hidden)``, fp32/fp16/bf16, any strides.
+        gate_weight, up_weight: ``[intermediate, hidden]``; down_weight: ``[out, intermediate]``.
+            Same dtype and device as ``x`` (under ``torch.autocast`` enabled for ``x``'s device,
+            any float dtype: every operand is cast to autocast's dtype first, as ``F.linear``
+            would cast it, and the result has that dtype).
+        activation: ``"silu"`` (SwiGLU), ``"gelu_tanh"`` or ``"gelu"`` (GeGLU), or a Hugging Face
+            ``hidden_act`` name (``"swish"``, ``"gelu_pytorch_tanh"``, ...).
+
+    No biases: a caller whose projections have one uses ``nn.Linear`` layers with :func:`gated_act`.
+    A gradient is computed only for the inputs that require one (a frozen weight costs neither a
+    matmul nor a buffer). Works on the reference path (CPU without Triton's interpreter), in the
+    interpreter, on the GPU and under ``torch.compile(fullgraph=True)``.
+    """
+    device_type = x.device.type if isinstance(x, torch.Tensor) else "cpu"
+    cast = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+    _check_gated_mlp_inputs(x, gate_weight, up_weight, down_weight, same_dtype=cast is None)
+    activation = resolve_activation(activation)
+    if cast is None:
+        y: torch.Tensor = _GatedMLPFunction.apply(x, gate_weight, up_weight, down_weight, activation)
+        return y
+    operands = [t if t.dtype == cast else t.to(cast) for t in (x, gate_weight, up_weight, down_weight)]
+    with torch.autocast(device_type, enabled=False):
+        y = _GatedMLPFunction.apply(*operands, activation)
+    return y
+
+
+# --- 6. Module ------------------------------------------------------------------------------------
+
+
+def _bare_linear(module: torch.nn.Module) -> bool:
+    """Whether ``module`` computes exactly ``F.linear(x, module.weight)``: a ``torch.nn.Linear``
+    itself (no subclass or wrapper), without a bias, a replaced forward or hooks of its own."""
+    return (
+        type(module) is torch.nn.Linear
+        and module.bias is None
+        and "forward" not in module.__dict__
+        and not (module._forward_hooks or module._forward_pre_hooks)
+        and not (module._backward_hooks or module._backward_pre_hooks)
+    )
 
 
 class GatedMLP(torch.nn.Module):
@@ -579,8 +809,14 @@ class GatedMLP(torch.nn.Module):
     The state_dict keys are those of the Hugging Face modules (``gate_proj.weight``,
     ``up_proj.weight``, ``down_proj.weight``, plus ``.bias`` with ``bias=True``), so weights load
     either way. ``hidden_act`` takes the Hugging Face names (``"silu"``, ``"gelu_pytorch_tanh"``,
-    ``"gelu"``, ...). The activation gradients are written into the projections' output buffers
-    (``inplace_grad=True``, see :func:`gated_act`): they are intermediate tensors nothing else reads.
+    ``"gelu"``, ...).
+
+    Without biases (and while the projections are plain ``nn.Linear`` layers, with no hooks), the
+    forward is :func:`gated_mlp`: ``act(gate) * up`` is not kept for the backward, and the
+    activation gradients always overwrite its internal gate and up buffers (which nothing else
+    sees). Otherwise the projections run as modules around :func:`gated_act`, and
+    ``inplace_grad`` (default True) says whether the gradients are written into the projections'
+    output buffers.
     """
 
     def __init__(
@@ -614,6 +850,9 @@ class GatedMLP(torch.nn.Module):
         return cls(config.hidden_size, config.intermediate_size, act, bias, **kwargs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        projections = (self.gate_proj, self.up_proj, self.down_proj)
+        if all(_bare_linear(p) for p in projections):
+            return gated_mlp(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight, self.activation)
         h = gated_act(self.gate_proj(x), self.up_proj(x), self.activation, inplace_grad=self.inplace_grad)
         return self.down_proj(h)
 

@@ -44,8 +44,7 @@ import torch.nn.functional as F
 
 from fk.core import validate
 from fk.core.backend import uses_kernel
-from fk.glu import ACTIVATIONS, gated_act_ref, resolve_activation
-from fk.glu import glu as _glu_impl
+from fk.glu import gated_act_backward, gated_act_forward, gated_act_ref, resolve_activation
 
 MLP_ACTIVATIONS: dict[str, str] = {"swiglu": "silu", "geglu": "gelu_tanh"}
 """Short names accepted by :func:`lora_mlp` (Hugging Face ``hidden_act`` names are accepted too)."""
@@ -131,56 +130,10 @@ def lora_mlp_ref(
 # Saved: x, g, u, the rank-sized xa's and the masks; h is not saved but recomputed from g and u in
 # the backward (one more elementwise pass instead of an [M, I] buffer kept from forward to
 # backward). Backward: dh from proj_down's backward (using the recomputed h), then
-# (dg, du) = glu_backward(dh, g, u), written into g's and u's buffers in eager mode, then dx.
+# (dg, du) = fk.glu.gated_act_backward(dh, g, u), written into g's and u's buffers in eager mode, then dx.
 # Without dropout on the down projection, h and dh are formed MLP_CHUNK_BYTES of rows at a time
 # (forward and eager backward), so g and u are the only [M, I] buffers: the down projection's
 # parameter gradients are then sums over the chunks, in fp32.
-
-
-def _use_kernel_launchers() -> bool:
-    return not torch.compiler.is_compiling()
-
-
-def _act_fwd(gate: torch.Tensor, up: torch.Tensor, act: str) -> torch.Tensor:
-    if not uses_kernel(gate):
-        return gated_act_ref(gate, up, act)
-    code = ACTIVATIONS.index(act)
-    if _use_kernel_launchers():
-        return _glu_impl._glu_fwd(gate, up, code, False)
-    return _glu_impl._glu.fwd_op(gate, up, code, False)  # type: ignore[attr-defined]
-
-
-def _gated_act_grad_ref(
-    dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, act: str
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(d gate, d up) of ``act(gate) * up`` in plain PyTorch (fp32 math), for the reference path."""
-    a, b, dy = gate.float(), up.float(), dh.float()
-    if act == "gelu":
-        cdf = 0.5 * (1.0 + torch.erf(a * 0.7071067811865476))
-        value = a * cdf
-        grad = cdf + a * 0.3989422804014327 * torch.exp(-0.5 * a * a)
-    else:  # a * sigmoid(k(a)), as in fk.glu's kernels
-        k1, k3 = 1.5957691216057308, 0.07135481627159279
-        k, dk = (a, 1.0) if act == "silu" else (a * (k1 + k3 * a * a), k1 + 3.0 * k3 * a * a)
-        s = torch.sigmoid(k)
-        value = a * s
-        grad = s + value * (1.0 - s) * dk
-    return (dy * b * grad).to(gate.dtype), (dy * value).to(up.dtype)
-
-
-def _act_bwd(
-    dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, act: str
-) -> tuple[torch.Tensor, torch.Tensor, bool]:
-    """(d gate, d up, written into gate's and up's buffers)."""
-    if not uses_kernel(gate):
-        dg, du = _gated_act_grad_ref(dh, gate, up, act)
-        return dg, du, False
-    code = ACTIVATIONS.index(act)
-    if _use_kernel_launchers():
-        dg, du = _glu_impl._glu_bwd(dh, gate, up, code, True, True, True)
-        return dg, du, dg.data_ptr() == gate.data_ptr()
-    dg, du = _glu_impl._glu.bwd_op(dh, gate, up, code, False, True, True)  # type: ignore[attr-defined]
-    return dg, du, False
 
 
 def _proj_fwd(
@@ -389,7 +342,7 @@ def _down_forward_in_chunks(
     xas = []
     for start in range(0, gate.shape[0], rows):
         part = slice(start, start + rows)
-        h = _act_fwd(gate[part], up[part], act)
+        h = gated_act_forward(gate[part], up[part], act)
         y_part, xa_part, _ = _proj_fwd(h, h, wd, bd, ad, bbd, lbd, sd, 0.0, dd)
         del h
         if y is None:
@@ -420,14 +373,14 @@ def _down_backward_in_chunks(
     totals: list[torch.Tensor | None] = [None] * _SLOTS
     for start in range(0, gate.shape[0], rows):
         part = slice(start, start + rows)
-        h = _act_fwd(gate[part], up[part], act)
+        h = gated_act_forward(gate[part], up[part], act)
         dh, grads = _proj_bwd(dy2[part], h, h, wd, ad, bd, xa_d[part], None, sd, 0.0, dd, needs, None)
         del h
         for i, g in enumerate(grads):
             if g is not None:
                 totals[i] = g.float() if totals[i] is None else totals[i].add_(g)  # type: ignore[union-attr]
         if needs[0] and dh is not None:
-            dg, du, _ = _act_bwd(dh, gate[part], up[part], act)
+            dg, du, _ = gated_act_backward(dh, gate[part], up[part], act, inplace=True)
             if dg.data_ptr() != gate[part].data_ptr():
                 gate[part] = dg
                 up[part] = du
@@ -454,7 +407,7 @@ class _LoRAMLP(torch.autograd.Function):
         del xc
         rows = _mlp_chunk_rows(gate, pd)
         if rows >= gate.shape[0]:
-            h = _act_fwd(gate, up, act)
+            h = gated_act_forward(gate, up, act)
             y, xa_d, m_d = _proj_fwd(h, h, wd, bd, ad, bbd, lbd, sd, pd, dd)
             del h  # recomputed in the backward
         else:  # h a chunk of rows at a time: never [M, I] at once
@@ -479,12 +432,12 @@ class _LoRAMLP(torch.autograd.Function):
         dy2 = dy.reshape(-1, dy.shape[-1])
         down_needs = (need_gu, *needs[12:17])
         rows = _mlp_chunk_rows(gate, pd)
-        chunked = rows < gate.shape[0] and uses_kernel(gate) and _use_kernel_launchers()
+        chunked = rows < gate.shape[0] and uses_kernel(gate) and not torch.compiler.is_compiling()
         if chunked:  # eager: (dg, du) of each chunk of rows written over its gate and up rows
             grads_d = _down_backward_in_chunks(dy2, gate, up, act, rows, wd, ad, bd, xa_d, sd, dd, down_needs)
             dh, written = None, True
         else:
-            h = _act_fwd(gate, up, act)
+            h = gated_act_forward(gate, up, act)
             dh, grads_d = _proj_bwd(dy2, h, h, wd, ad, bd, xa_d, m_d, sd, pd, dd, down_needs, None)
             del h
         grads_g: list[torch.Tensor | None] = [None] * _SLOTS
@@ -494,7 +447,7 @@ class _LoRAMLP(torch.autograd.Function):
             if dh is None:  # chunked: the gradients are in gate's and up's buffers already
                 dgate, dup = gate, up
             else:
-                dgate, dup, written = _act_bwd(dh, gate, up, act)
+                dgate, dup, written = gated_act_backward(dh, gate, up, act, inplace=True)
             del dh
             if written:  # the gradients overwrote gate and up: a second backward must fail loudly
                 torch.autograd.graph.increment_version(gate)
