@@ -37,12 +37,16 @@ if not torch.cuda.is_available():  # must happen before anything imports triton
 from fk.hf import training
 
 PROVIDERS = ("stock", "fk")
-TOLERANCE: dict[torch.dtype, float] = {torch.float32: 5e-3, torch.float16: 1e-2, torch.bfloat16: 2e-2}
+TOLERANCE: dict[torch.dtype, float] = {torch.float32: 5e-3, torch.float16: 2.5e-2, torch.bfloat16: 5e-2}
 """Largest relative difference between stock's and fk's loss, at any step, that counts as agreeing.
 
 Both runs do the same arithmetic in a different order (fused kernels, fp32 accumulation where stock
 rounds to the dtype): each step's loss differs by about one rounding of the dtype, and training
 carries the difference on to the next steps' weights. On a GPU fp32 matmuls in Triton may use TF32.
+In bf16 the two runs drift apart as the steps go on: on an H200 (the GPU defaults, 50 steps) the
+first 40 steps agreed within 3e-4 relative and the last ten within 1.8e-2, the optimizer having
+amplified one-rounding differences; hence 5e-2, which a wrong kernel (a loss off by a few percent
+from the first step, or a curve that stops falling) still exceeds.
 """
 
 
