@@ -440,12 +440,17 @@ def test_revert_restores_bit_identical_outputs(model_type: str, device: str) -> 
     ids, labels = _batch(device)
     with torch.no_grad():
         want = model(input_ids=ids, labels=labels)
+    classes = [type(m) for m in model.modules()]
     fk.hf.apply(model)
+    assert [type(m).__qualname__ for m in model.modules()] == [c.__qualname__ for c in classes]
+    assert all(isinstance(m, c) for m, c in zip(model.modules(), classes, strict=True))
     with torch.no_grad():
         assert model(input_ids=ids, labels=labels).logits is None
     assert fk.hf.revert(model) == sum(_expected_counts(model_type).values())
     assert fk.hf.patched_modules(model) == dict.fromkeys(fk.hf.SWITCHES, 0)
     assert not any("forward" in m.__dict__ for m in model.modules())
+    assert [type(m) for m in model.modules()] == classes
+    assert not any(k.startswith("_fk_hf") for m in model.modules() for k in m.__dict__)
     with torch.no_grad():
         got = model(input_ids=ids, labels=labels)
     assert torch.equal(got.logits, want.logits) and torch.equal(got.loss, want.loss)
@@ -475,6 +480,73 @@ def test_revert_keeps_a_wrapper_added_after_patching(device: str) -> None:
         got = model(input_ids=ids, labels=labels)  # fk's would return no logits here
     assert calls and torch.equal(got.logits, want.logits) and torch.equal(got.loss, want.loss)
     assert fk.hf.apply(model)["flce"] == 0  # a wrapped forward is left alone
+
+
+def test_revert_keeps_a_subclass_added_after_patching(device: str) -> None:
+    """Someone swaps a patched module's class for a subclass of it (as FSDP2's ``fully_shard`` makes
+    ``FSDP<Name>``): revert keeps their class and switches fk's forward off under it."""
+    model = _model("llama", device)
+    ids, labels = _batch(device)
+    with torch.no_grad():
+        want = model(input_ids=ids, labels=labels)
+    fk.hf.apply(model)
+    theirs = type("Wrapped" + type(model).__name__, (type(model),), {})
+    model.__class__ = theirs
+    assert fk.hf.revert(model) == sum(_expected_counts("llama").values())
+    assert type(model) is theirs and fk.hf.patched_modules(model) == dict.fromkeys(fk.hf.SWITCHES, 0)
+    with torch.no_grad():
+        got = model(input_ids=ids, labels=labels)  # fk's would return no logits here
+    assert torch.equal(got.logits, want.logits) and torch.equal(got.loss, want.loss)
+    assert fk.hf.apply(model)["flce"] == 0  # a switched-off fk forward is left alone
+    assert type(model) is theirs
+
+
+def _replicate(model: torch.nn.Module, scale: float) -> Any:
+    """What ``torch.nn.parallel.replicate`` (``torch.nn.DataParallel``) does to ``model`` for one
+    device, on the CPU: every module copied by ``_replicate_for_data_parallel`` (a shallow copy of
+    its ``__dict__``), children linked to the copies, and each parameter replaced by a new tensor
+    (here ``scale`` times it, so that computing with the original's parameters shows)."""
+    copies = {id(m): m._replicate_for_data_parallel() for m in model.modules()}
+    params: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        replica = copies[id(module)]
+        for name, child in module._modules.items():
+            replica._modules[name] = None if child is None else copies[id(child)]
+        for name, p in module._parameters.items():
+            if p is not None and id(p) not in params:
+                params[id(p)] = p * scale
+            replica._parameters[name] = None if p is None else params[id(p)]
+    return copies[id(model)]
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_data_parallel_replicas_compute_with_their_own_parameters(lora: bool, device: str) -> None:
+    """``torch.nn.DataParallel`` (which the Trainer uses alone when a process sees several GPUs)
+    replicates the patched model with ``_replicate_for_data_parallel``: each replica's patched
+    forwards (fk.hf's, and fk.lora's with ``lora``) run with the replica's parameters, not the
+    original module's (which, on another GPU, failed with a device mismatch)."""
+    stock = _model("llama", device)
+    if lora:
+        peft = pytest.importorskip("peft")
+        targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets, init_lora_weights=False)
+        stock = peft.get_peft_model(stock, config).train()
+    patched = copy.deepcopy(stock)
+    counts = fk.hf.apply(patched)
+    assert counts["flce"] == 1 and counts["rms_norm"] > 0 and (counts["lora"] > 0) == lora
+    ids, labels = _batch(device)
+    with torch.no_grad():
+        want = _replicate(stock, 1.5)(input_ids=ids, labels=labels, skip_logits=False)
+        unscaled = patched(input_ids=ids, labels=labels, skip_logits=False)
+        replica = _replicate(patched, 1.5)
+        got = replica(input_ids=ids, labels=labels, skip_logits=False)
+        fused = replica(input_ids=ids, labels=labels)
+    assert not torch.allclose(unscaled.logits, want.logits, **TOL)
+    torch.testing.assert_close(got.logits, want.logits, **TOL)
+    torch.testing.assert_close(fused.loss, want.loss, **TOL)
+    assert fused.logits is None
+    fk.hf.revert(patched)
+    assert fk.hf.patched_modules(patched) == dict.fromkeys(fk.hf.SWITCHES, 0)
 
 
 def test_num_items_in_batch_and_shift_labels(device: str) -> None:

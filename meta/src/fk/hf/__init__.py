@@ -123,7 +123,8 @@ def apply(
             model without LoRA layers. Frozen base weights (norms, LM head) get no gradient: fk's
             kernels compute only the gradients that ``requires_grad`` asks for.
 
-    Only modules are patched (an instance-level ``forward`` each): parameters, buffers and the
+    Only modules are patched (each one's class swapped for a subclass with fk's ``forward``, see
+    :mod:`fk.hf.patching`): parameters, buffers and the
     ``state_dict`` are unchanged, and other models of the same classes are not affected. Calling
     ``apply`` again replaces the previous patch. Returns how many modules each switch patched
     (``lora``: how many fused LoRA units, see :mod:`fk.hf.patching`).

@@ -1,8 +1,10 @@
 """Patch a built Hugging Face model in place with fk's kernels, and undo it.
 
-Modules are patched, not source: each patched module gets an instance-level ``forward`` (the
-class and every other model of that class are untouched), so the parameters, buffers and
-``state_dict`` stay exactly as they were. :func:`revert` removes those instance attributes.
+Modules are patched, not source: each patched module's class is swapped for a subclass that
+differs only by its ``forward`` and keeps the class's name (see :mod:`fk.core.forward`; the class
+itself and every other model of that class are untouched), so the parameters, buffers and
+``state_dict`` stay exactly as they were, and a copy of the module (``torch.nn.DataParallel``'s
+replicas) runs fk's forward with its own parameters. :func:`revert` gives back the original classes.
 
 What each switch replaces (for the families in :mod:`fk.hf.models`):
 
@@ -20,7 +22,7 @@ What each switch replaces (for the families in :mod:`fk.hf.models`):
 - ``rope``: the attention's forward runs with :func:`fk.rope.apply_rotary_pos_emb` in place of the
   modeling file's ``apply_rotary_pos_emb``. The attention's own forward function is reused as it
   is; only the global name ``apply_rotary_pos_emb`` it looks up resolves to fk's (a copy of the
-  function with that one global rebound, bound to the module).
+  function with that one global rebound).
 - ``flce``: the causal-LM forward computes the loss with :func:`fk.flce.linear_cross_entropy` on
   the final hidden states, without materializing the logits (see :func:`causal_lm_forward`);
   a family whose logits are soft-capped (Gemma 2 and 3) passes ``config.final_logit_softcapping``
@@ -47,20 +49,20 @@ from typing import Any
 
 import torch
 
+from fk.core.forward import restore_class, stock_forward, swap_forward, swapped
+
 SWITCHES = ("rms_norm", "swiglu", "geglu", "rope", "flce", "lora")
 
-_PREVIOUS = "_fk_hf_previous_forward"
-"""Attribute of a patched module: its instance ``forward`` before patching, or :data:`_NONE`."""
 _KIND = "_fk_hf_kind"
 _LORA = "_fk_hf_lora_report"
+"""Attribute of a model :func:`apply_patch` ran :func:`fk.lora.patch` on: its ``PatchReport``."""
 LOSS_OPTIONS = "_fk_hf_loss_options"
 """Attribute of a causal LM: keyword arguments its fused loss passes on (see fk.hf.loss_options)."""
-_OURS = "_fk_hf_forward"
-"""Attribute of a patched module: the forward fk set (to tell whether another wrapped it since)."""
+_STOCK = "_fk_hf_stock_forward"
+"""Attribute of a patched module: its class's forward function before patching (unbound: called
+with the running module, see :func:`fk.core.forward.stock_forward`)."""
 _SWITCHED_OFF = "_fk_hf_switched_off"
-"""Attribute of a reverted module whose fk forward stays inside another's wrapper, switched off."""
-"""Attribute of a model :func:`apply_patch` ran :func:`fk.lora.patch` on: its ``PatchReport``."""
-_NONE = object()
+"""Attribute of a reverted module whose fk forward stays under another's wrapper, switched off."""
 
 
 @dataclass(frozen=True)
@@ -118,7 +120,7 @@ def rms_norm_forward(self: Any, hidden_states: torch.Tensor) -> torch.Tensor:
     from fk.norms import rms_norm
 
     if self.weight.dtype != hidden_states.dtype:
-        return self._fk_hf_stock_forward(hidden_states)
+        return stock_forward(self, _STOCK, hidden_states)
     patch: ModelPatch = self._fk_hf_patch
     eps = getattr(self, patch.eps_attr)
     out: torch.Tensor = rms_norm(hidden_states, self.weight, eps, casting_mode=patch.casting_mode, offset=patch.offset)
@@ -192,9 +194,11 @@ def _mlp_activation(module: Any, patch: ModelPatch) -> str | None:
     return HF_ACTIVATIONS.get(act) if has_projections and isinstance(act, str) else None
 
 
+@functools.cache
 def _rope_forward(stock: Callable[..., Any]) -> Callable[..., Any] | None:
     """A copy of ``stock`` (an attention forward) whose global ``apply_rotary_pos_emb`` is fk's,
-    or None when ``stock`` does not call a global of that name itself (a wrapped function)."""
+    or None when ``stock`` does not call a global of that name itself (a wrapped function). One
+    copy per ``stock`` (so the patched class is made once per attention class)."""
     from fk.rope import apply_rotary_pos_emb
 
     if not isinstance(stock, types.FunctionType) or "apply_rotary_pos_emb" not in stock.__code__.co_names:
@@ -429,27 +433,34 @@ def _with_router_aux_loss(
 # --- apply / revert -------------------------------------------------------------------------------
 
 
+@functools.cache
 def _revertible(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn`` (an fk forward), which calls the stock forward instead once :func:`revert` has switched
-    it off: revert does that when someone else's forward has wrapped fk's since (accelerate's
-    autocast wrapper, TRL's fused head), since removing fk's would remove theirs too."""
+    it off: revert does that when someone else has wrapped fk's forward since (accelerate's
+    autocast wrapper and TRL's fused head as an instance ``forward``, FSDP2's ``fully_shard`` as a
+    subclass), since removing fk's would remove theirs too. A module fk did not patch (one built by
+    calling a patched class) runs the stock forward too. One wrapper per ``fn``."""
 
     @functools.wraps(fn)  # the signature stays fn's: the Trainer inspects it
     def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if _SWITCHED_OFF in self.__dict__:
-            return self._fk_hf_stock_forward(*args, **kwargs)
+        if _SWITCHED_OFF in self.__dict__ or _KIND not in self.__dict__:  # or built by type(module)(...)
+            return stock_forward(self, _STOCK, *args, **kwargs)
         return fn(self, *args, **kwargs)
 
     return forward
 
 
+@functools.cache
+def _flce_forward() -> Callable[..., Any]:
+    from transformers.utils import can_return_tuple
+
+    return can_return_tuple(causal_lm_forward)
+
+
 def _set_forward(module: torch.nn.Module, kind: str, fn: Callable[..., Any], patch: ModelPatch) -> None:
-    previous = module.__dict__.get("forward", _NONE)
-    module.__dict__[_PREVIOUS] = previous
     module.__dict__[_KIND] = kind
     module.__dict__["_fk_hf_patch"] = patch
-    module.__dict__["_fk_hf_stock_forward"] = module.forward
-    module.__dict__["forward"] = module.__dict__[_OURS] = types.MethodType(_revertible(fn), module)
+    swap_forward(module, _revertible(fn), _STOCK)
 
 
 def is_patched(module: torch.nn.Module) -> bool:
@@ -483,18 +494,12 @@ def revert(model: torch.nn.Module) -> int:
             restored += fk.lora.unpatch(module)
         if not is_patched(module):
             continue
-        previous = module.__dict__.pop(_PREVIOUS)
-        if module.__dict__.get("forward") is not module.__dict__.pop(_OURS):
-            # Wrapped since by someone else's forward: keep theirs, and switch fk's off inside it.
-            module.__dict__[_SWITCHED_OFF] = True
-            for key in (_KIND, "_fk_hf_patch"):
-                module.__dict__.pop(key, None)
-            restored += 1
-            continue
-        for key in (_KIND, "_fk_hf_patch", "_fk_hf_stock_forward", "forward"):
+        for key in (_KIND, "_fk_hf_patch"):
             module.__dict__.pop(key, None)
-        if previous is not _NONE:
-            module.__dict__["forward"] = previous
+        if restore_class(module):
+            module.__dict__.pop(_STOCK, None)
+        else:  # wrapped since by someone else (their subclass, or an instance forward): switch fk's off
+            module.__dict__[_SWITCHED_OFF] = True
         restored += 1
     return restored
 
@@ -513,13 +518,12 @@ def apply_patch(model: torch.nn.Module, patch: ModelPatch, switches: dict[str, b
     """Patch every module of ``model`` that ``patch`` and ``switches`` cover; see :func:`fk.hf.apply`.
 
     A model already patched is reverted first, so the switches of the latest call hold. Modules
-    whose ``forward`` was already replaced by someone else (an instance attribute, as accelerate's
-    hooks set) are left alone. With ``switches["lora"]``, :func:`fk.lora.patch` runs first on a
+    whose ``forward`` was already replaced on the instance by someone else (as accelerate's hooks
+    do: it would shadow fk's), and modules whose class fk already swapped (fk.lora's, or an fk.hf
+    forward that :func:`revert` switched off under another's wrapper), are left alone. With ``switches["lora"]``, :func:`fk.lora.patch` runs first on a
     model that has PEFT LoRA layers (see :func:`has_lora_layers`), so the modules it fuses (a
     LoRA MLP) carry its forward and are skipped here.
     """
-    from transformers.utils import can_return_tuple
-
     revert(model)
     if switches.get("lora", False) and has_lora_layers(model):
         import fk.lora
@@ -528,7 +532,7 @@ def apply_patch(model: torch.nn.Module, patch: ModelPatch, switches: dict[str, b
     norms, mlps = patch.classes(patch.rms_norm), patch.classes(patch.mlp)
     attentions, heads = patch.classes(patch.attention), patch.classes(patch.causal_lm)
     for module in model.modules():
-        if "forward" in module.__dict__:
+        if "forward" in module.__dict__ or swapped(module):
             continue
         if switches["rms_norm"] and isinstance(module, norms):
             _set_forward(module, "rms_norm", rms_norm_forward, patch)
@@ -542,5 +546,5 @@ def apply_patch(model: torch.nn.Module, patch: ModelPatch, switches: dict[str, b
             if fn is not None:
                 _set_forward(module, "rope", fn, patch)
         elif switches["flce"] and isinstance(module, heads):
-            _set_forward(module, "flce", can_return_tuple(causal_lm_forward), patch)
+            _set_forward(module, "flce", _flce_forward(), patch)
     return patched_modules(model)

@@ -12,8 +12,13 @@ The modules are found by structure, not by model class:
   PEFT draws them) and hands its result to the others when they are called with the same tensor;
 - every other ``lora.Linear`` (``o_proj``, ...) uses :func:`fk.lora.lora_linear`.
 
-Only forward methods are swapped (an instance attribute over the class's method); model source
-is never rewritten, and :func:`unpatch` removes the attributes again.
+Only forwards are swapped: each patched module's class becomes a subclass that differs only by its
+``forward`` and keeps the class's name (see :mod:`fk.core.forward`), so a copy of the module
+(``torch.nn.DataParallel``'s replicas) runs the fused forward with its own parameters; a copy of a
+q/k/v projection computes its own projection alone (the group fuses the modules it was built
+from). Model source is never rewritten, and :func:`unpatch` gives back the original classes. A
+module whose ``forward`` was replaced on the instance (by accelerate's hooks, say) is left alone:
+that forward would shadow fk.lora's.
 
 At every call the patched forward checks that the module is still plain LoRA: one active adapter,
 not merged, adapters enabled, no LoRA variant (DoRA, ...), a ``torch.nn.Linear`` base layer
@@ -29,7 +34,6 @@ This module imports ``peft`` (only when :func:`patch` is called); the rest of fk
 
 from __future__ import annotations
 
-import functools
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,11 +41,18 @@ from typing import Any
 import torch
 from torch import nn
 
+from fk.core.forward import restore_class, stock_forward, swap_forward, swapped
 from fk.lora.lora import LoRAWeights, lora_linear, lora_mlp, lora_projections
 
 log = logging.getLogger("fk.lora")
 
 _STATE = "_fk_lora_patches"
+"""Attribute of the model :func:`patch` ran on: the modules whose class it swapped."""
+_CALL = "_fk_lora_call"
+"""Attribute of a patched module: ``(function, *arguments)`` its forward runs as
+``function(module, *arguments, x, ...)``; absent once :func:`unpatch` has switched it off."""
+_STOCK = "_fk_lora_stock_forward"
+"""Attribute of a patched module: its class's forward function before patching (unbound)."""
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 _QKV = ("q_proj", "k_proj", "v_proj")
 _MLP = ("gate_proj", "up_proj", "down_proj")
@@ -149,11 +160,20 @@ def _fallback(module: nn.Module, label: str, reason: str) -> None:
         log.info("fk.lora: %s runs PEFT's forward: %s", label, reason)
 
 
-def _linear_forward(module: nn.Module, original: Any, label: str, x: Any, *args: Any, **kwargs: Any) -> Any:
+def _patched_forward(self: nn.Module, x: Any, *args: Any, **kwargs: Any) -> Any:
+    """The forward of every module :func:`patch` swapped: its own ``_CALL``, or the stock forward
+    once :func:`unpatch` has switched it off (or for a module built by calling a patched class)."""
+    call = self.__dict__.get(_CALL)
+    if call is None:
+        return stock_forward(self, _STOCK, x, *args, **kwargs)
+    return call[0](self, *call[1:], x, *args, **kwargs)
+
+
+def _linear_forward(module: nn.Module, label: str, x: Any, *args: Any, **kwargs: Any) -> Any:
     parts = _call_parts(module, x) if not (args or kwargs) else "extra forward arguments"
     if isinstance(parts, str):
         _fallback(module, label, parts)
-        return original(x, *args, **kwargs)
+        return stock_forward(module, _STOCK, x, *args, **kwargs)
     return lora_linear(x, *parts)
 
 
@@ -161,25 +181,27 @@ def _linear_forward(module: nn.Module, original: Any, label: str, x: Any, *args:
 class _SharedInput:
     """q/k/v of one attention block: the first call computes all, the others pick up their result."""
 
-    members: list[tuple[nn.Module, Any, str]]  # (module, original forward, label), in call order
+    members: list[tuple[nn.Module, str]]  # (module, label), in call order
     pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     split: bool = False  # a member was called with another input: stop fusing this group
 
 
-def _shared_forward(group: _SharedInput, index: int, x: Any, *args: Any, **kwargs: Any) -> Any:
-    module, original, label = group.members[index]
+def _shared_forward(module: nn.Module, group: _SharedInput, index: int, x: Any, *args: Any, **kwargs: Any) -> Any:
+    member, label = group.members[index]
+    if module is not member:  # a copy (a DataParallel replica): its siblings are other copies
+        return _linear_forward(module, label, x, *args, **kwargs)
     if index == 0:
         group.pending.clear()
         if not group.split and not (args or kwargs):
-            parts = [_call_parts(m, x) for m, _, _ in group.members]
-            reasons = [f"{lbl}: {p}" for (_, _, lbl), p in zip(group.members, parts, strict=True) if isinstance(p, str)]
+            parts = [_call_parts(m, x) for m, _ in group.members]
+            reasons = [f"{lbl}: {p}" for (_, lbl), p in zip(group.members, parts, strict=True) if isinstance(p, str)]
             if not reasons:
                 outs = lora_projections(x, *parts)  # type: ignore[arg-type]
-                for (m, _, _), out in zip(group.members[1:], outs[1:], strict=True):
+                for (m, _), out in zip(group.members[1:], outs[1:], strict=True):
                     group.pending[id(m)] = (x, out)
                 return outs[0]
             _fallback(module, label + " (QKV group)", "; ".join(reasons))
-        return _linear_forward(module, original, label, x, *args, **kwargs)
+        return _linear_forward(module, label, x, *args, **kwargs)
     entry = group.pending.pop(id(module), None)
     if entry is not None:
         if entry[0] is x and not (args or kwargs):
@@ -188,9 +210,9 @@ def _shared_forward(group: _SharedInput, index: int, x: Any, *args: Any, **kwarg
         group.pending.clear()
         log.warning(
             "fk.lora: %s was called with another input than %s; its group is no longer fused "
-            "(this call's dropout mask was drawn in fused order)", label, group.members[0][2],
+            "(this call's dropout mask was drawn in fused order)", label, group.members[0][1],
         )  # fmt: skip
-    return _linear_forward(module, original, label, x, *args, **kwargs)
+    return _linear_forward(module, label, x, *args, **kwargs)
 
 
 def _activation_of(act_fn: Any) -> str | None:
@@ -207,22 +229,32 @@ def _activation_of(act_fn: Any) -> str | None:
     return None
 
 
-def _mlp_forward(mlp: nn.Module, original: Any, label: str, act: str, x: Any, *args: Any, **kwargs: Any) -> Any:
+def _mlp_forward(mlp: nn.Module, label: str, act: str, x: Any, *args: Any, **kwargs: Any) -> Any:
     if args or kwargs:
         _fallback(mlp, label, "extra forward arguments")
-        return original(x, *args, **kwargs)
+        return stock_forward(mlp, _STOCK, x, *args, **kwargs)
     parts = [_call_parts(getattr(mlp, n), x) for n in _MLP]
     reasons = [f"{n}: {p}" for n, p in zip(_MLP, parts, strict=True) if isinstance(p, str)]
     if reasons:
         _fallback(mlp, label, "; ".join(reasons))
-        return original(x)
+        return stock_forward(mlp, _STOCK, x)
     gate, up, down = parts
     return lora_mlp(x, gate, up, down, activation=act)  # type: ignore[arg-type]
 
 
-def _swap(module: nn.Module, forward: Any, saved: list[tuple[nn.Module, Any]]) -> None:
-    saved.append((module, module.__dict__.get("forward")))
-    module.forward = forward
+def _swap(module: nn.Module, call: tuple[Any, ...], saved: list[nn.Module]) -> None:
+    module.__dict__[_CALL] = call
+    swap_forward(module, _patched_forward, _STOCK)
+    saved.append(module)
+
+
+def _replaced(module: nn.Module) -> str | None:
+    """Why fk.lora's forward could not run on ``module`` (None: it can)."""
+    if "forward" in module.__dict__:
+        return "its forward was replaced on the instance (it would shadow fk.lora's)"
+    if swapped(module):
+        return "its class carries an fk forward already (switched off under another's wrapper)"
+    return None
 
 
 def patch(peft_model: nn.Module) -> PatchReport:
@@ -234,14 +266,14 @@ def patch(peft_model: nn.Module) -> PatchReport:
     unpatch(peft_model)
     lora_linear_cls, lora_layer_cls = _lora_linear_class(), _lora_layer_class()
     report = PatchReport()
-    saved: list[tuple[nn.Module, Any]] = []
+    saved: list[nn.Module] = []
     names = {id(m): n for n, m in peft_model.named_modules()}
     taken: set[int] = set()
 
     def eligible(module: nn.Module | None) -> bool:
         if module is None or id(module) in taken or not isinstance(module, lora_layer_cls):
             return False
-        reason = _static_reason(module, lora_linear_cls)
+        reason = _replaced(module) or _static_reason(module, lora_linear_cls)
         if reason is not None:
             report.skipped[names[id(module)]] = reason
             return False
@@ -251,24 +283,23 @@ def patch(peft_model: nn.Module) -> PatchReport:
         children = dict(parent.named_children())
         mlp = [children.get(n) for n in _MLP]
         act = _activation_of(children.get("act_fn"))
-        if act is not None and all(eligible(m) for m in mlp):
+        if act is not None and _replaced(parent) is None and all(eligible(m) for m in mlp):
             label = qualname or type(parent).__name__
-            forward = functools.partial(_mlp_forward, parent, parent.forward, label, act)
-            _swap(parent, forward, saved)
+            _swap(parent, (_mlp_forward, label, act), saved)
             taken.update(id(m) for m in mlp if m is not None)
             report.mlp.append(qualname)
             continue
         qkv = [(n, children[n]) for n in _QKV if n in children and eligible(children[n])]
         if len(qkv) >= 2:
-            group = _SharedInput([(m, m.forward, names[id(m)]) for _, m in qkv])
+            group = _SharedInput([(m, names[id(m)]) for _, m in qkv])
             for i, (_, m) in enumerate(qkv):
-                _swap(m, functools.partial(_shared_forward, group, i), saved)
+                _swap(m, (_shared_forward, group, i), saved)
                 taken.add(id(m))
             report.qkv.append([names[id(m)] for _, m in qkv])
     for qualname, module in peft_model.named_modules():
         if id(module) in taken or not eligible(module):
             continue
-        _swap(module, functools.partial(_linear_forward, module, module.forward, qualname), saved)
+        _swap(module, (_linear_forward, qualname), saved)
         taken.add(id(module))
         report.linear.append(qualname)
     for qualname, reason in report.skipped.items():
@@ -279,13 +310,16 @@ def patch(peft_model: nn.Module) -> PatchReport:
 
 
 def unpatch(peft_model: nn.Module) -> int:
-    """Restore every forward that :func:`patch` swapped on ``peft_model``; returns how many."""
+    """Restore every forward that :func:`patch` swapped on ``peft_model``; returns how many.
+
+    A module that another library has wrapped since (a subclass of its class, as FSDP2's
+    ``fully_shard`` makes, or an instance ``forward``) keeps their wrapper; fk.lora's forward
+    under it is switched off and runs PEFT's."""
     saved = peft_model.__dict__.pop(_STATE, [])
-    for module, previous in reversed(saved):
-        if previous is None:
-            module.__dict__.pop("forward", None)
-        else:
-            module.forward = previous
+    for module in reversed(saved):
+        module.__dict__.pop(_CALL, None)
+        if restore_class(module):
+            module.__dict__.pop(_STOCK, None)
         module.__dict__.pop("_fk_lora_logged", None)
     return len(saved)
 
