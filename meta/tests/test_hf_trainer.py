@@ -55,6 +55,12 @@ def _args(output_dir: Path, device: str, **overrides: Any) -> Any:
     return transformers.TrainingArguments(output_dir=str(output_dir), **options)
 
 
+def _replicas(trainer: Any) -> int:
+    """Model replicas per step: the Trainer wraps the model in ``nn.DataParallel`` when one process
+    sees several GPUs (each replica then calls the loss on its slice of the batch)."""
+    return max(1, trainer.args.n_gpu)
+
+
 def _losses(trainer: Any) -> list[float]:
     return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
 
@@ -99,11 +105,12 @@ def test_trainer_with_callback_matches_stock(
         _model("llama", device), tmp_path / "fk", device, [callback], gradient_accumulation_steps=accumulation
     )
     assert callback.patched == fk.hf.patched_modules(patched.model) == _expected_counts("llama")
-    assert len(fused_calls) == STEPS * accumulation
+    calls = accumulation * _replicas(patched)  # fused-loss calls per optimizer step
+    assert len(fused_calls) == STEPS * calls
     for step in range(STEPS):
-        window = fused_calls[step * accumulation : (step + 1) * accumulation]
+        window = fused_calls[step * calls : (step + 1) * calls]
         scored = sum(int((call["labels"][:, 1:] != -100).sum()) for call in window)
-        assert [int(call["num_items_in_batch"]) for call in window] == [scored] * accumulation
+        assert [int(call["num_items_in_batch"]) for call in window] == [scored] * calls
     assert _losses(patched) == pytest.approx(_losses(stock), **LOSS_TOL)
     for (name, want), got in zip(stock.model.state_dict().items(), patched.model.state_dict().values(), strict=True):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
@@ -118,7 +125,7 @@ def test_trainer_with_callback_under_mixed_precision(
     stock = _train(_model("llama", device), tmp_path / "stock", device, bf16=True)
     patched = _train(_model("llama", device), tmp_path / "fk", device, [fk.hf.FkCallback()], bf16=True)
     assert fk.hf.patched_modules(patched.model) == _expected_counts("llama")
-    assert len(fused_calls) == STEPS and all(call["autocast"] for call in fused_calls)
+    assert len(fused_calls) == STEPS * _replicas(patched) and all(call["autocast"] for call in fused_calls)
     assert _losses(patched) == pytest.approx(_losses(stock), rel=1e-2)
 
 
@@ -220,7 +227,7 @@ def test_model_init_hook(device: str, tmp_path: Path, fused_calls: list[dict[str
         trainer.train()
         losses[name] = _losses(trainer)
     assert fk.hf.patched_modules(trainer.model) == _expected_counts("llama")
-    assert len(fused_calls) == STEPS
+    assert len(fused_calls) == STEPS * _replicas(trainer)
     assert losses["fk"] == pytest.approx(losses["stock"], **LOSS_TOL)
     with_trial = fk.hf.model_init(lambda trial: _model("llama", device), flce=False)
     assert list(inspect.signature(with_trial).parameters) == ["trial"]
