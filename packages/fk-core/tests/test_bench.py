@@ -99,6 +99,9 @@ def test_environment_keys() -> None:
     assert set(env["fk"]) == {"fk-core", "fk-norms", "fk-rope", "fk-glu", "fk-flce", "fk-lora", "fk"}
     assert all(v is None or isinstance(v, str) for v in [*env["peers"].values(), *env["fk"].values()])
     assert env["date_utc"].endswith("+00:00")
+    here = Path(bench.__file__).resolve().parents
+    in_checkout = here[3].name == "fk-core" and (here[5] / "VERSION").exists()
+    assert env["fk_source"] == ((here[5] / "VERSION").read_text().strip() if in_checkout else None)
     if not torch.cuda.is_available():
         assert env["gpu"] == "cpu"
         assert env["gpu_count"] == 0

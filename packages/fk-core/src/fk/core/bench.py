@@ -327,10 +327,27 @@ def _dist_version(name: str) -> str | None:
         return None
 
 
+def _source_version() -> str | None:
+    """The ``VERSION`` of the checkout fk.core runs from (packages/fk-core/src/fk/core/ under the
+    checkout's root), or None when it is installed rather than run from a checkout."""
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parents
+    if here[2].name != "src" or here[3].name != "fk-core":  # installed, not a checkout
+        return None
+    version_file = here[5] / "VERSION"
+    try:
+        return version_file.read_text().strip() or None
+    except OSError:
+        return None
+
+
 def environment() -> dict[str, Any]:
     """What a result depends on: GPU, versions of Python, torch, Triton, the peers and fk; UTC time.
 
-    Holds no host name. Packages that are not installed map to ``None``.
+    Holds no host name. Packages that are not installed map to ``None``; ``fk_source`` is the
+    checkout's ``VERSION`` when fk runs from one (e.g. on ``PYTHONPATH``, as on the GPU machines),
+    else None.
     """
     try:
         import triton
@@ -348,6 +365,7 @@ def environment() -> dict[str, Any]:
         "python": platform.python_version(),
         "peers": {name: _dist_version(name) for name in PEER_PACKAGES},
         "fk": {name: _dist_version(name) for name in FK_PACKAGES},
+        "fk_source": _source_version(),
         "date_utc": time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime()),
     }
 
