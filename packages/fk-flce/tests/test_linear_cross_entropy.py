@@ -322,5 +322,12 @@ def test_reference_path_without_triton() -> None:
         "want = torch.nn.functional.cross_entropy(h @ w.t(), t)\n"
         "assert torch.allclose(got, want), (got, want)\n"
         "got.backward()\n"
+        "# bf16 inputs: the loss in fp32 (as the kernel path returns it), not rounded to bf16\n"
+        "hb, wb = h.detach().bfloat16(), w.detach().bfloat16()\n"
+        "out = linear_cross_entropy(hb, wb, t, reduction='none', return_z_loss=True)\n"
+        "assert out.loss.dtype == out.z_loss.dtype == torch.float32, out\n"
+        "got = linear_cross_entropy(hb, wb, t)\n"
+        "want = torch.nn.functional.cross_entropy((hb @ wb.t()).float(), t)\n"
+        "assert got.dtype == torch.float32 and torch.allclose(got, want), (got, want)\n"
         "print('ok')\n"
     )

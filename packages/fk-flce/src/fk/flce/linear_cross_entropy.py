@@ -81,13 +81,16 @@ def linear_cross_entropy_ref(
     shift: bool = False,
     num_items_in_batch: torch.Tensor | float | None = None,
 ) -> CrossEntropyOutput:
-    """Plain PyTorch: the full logits in the dtype of ``hidden``, then :func:`cross_entropy_ref`.
+    """Plain PyTorch: the full logits in the dtype of ``hidden``, then :func:`cross_entropy_ref` on
+    them in fp32 (fp64 for fp64 inputs), so the loss comes back in fp32 as the kernel path's does.
 
-    This is the definition the kernels are tested against (and what eager training code does).
+    This is the definition the kernels are tested against (and what eager training code does), and
+    the path of CPU tensors without Triton's interpreter.
     """
     if shift:
         target = shift_labels(target, ignore_index)
     logits = F.linear(hidden, weight, bias).reshape(-1, weight.shape[0])
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     out = cross_entropy_ref(logits, target.reshape(-1), class_weight, ignore_index, reduction, label_smoothing,
                             lse_square_scale=lse_square_scale, softcap=softcap,
                             num_items=num_items_in_batch)  # fmt: skip

@@ -114,7 +114,8 @@ def vocab_parallel_linear_cross_entropy_ref(
     shift: bool = False,
     num_items_in_batch: torch.Tensor | float | None = None,
 ) -> CrossEntropyOutput:
-    """Plain PyTorch on each rank's shard (fp32, or fp64 for fp64 inputs), combined with
+    """Plain PyTorch on each rank's shard (fp32, or fp64 for fp64 inputs, and the losses returned in
+    that dtype, as the kernel path's are), combined with
     differentiable collectives: the definition the kernel path is tested against, and the path of
     CPU tensors without Triton's interpreter. Arguments as :func:`vocab_parallel_linear_cross_entropy`
     (plain tensors only)."""
@@ -142,8 +143,7 @@ def vocab_parallel_linear_cross_entropy_ref(
     z_loss = lse_square_scale * lse.square() * valid
     loss = torch.where(valid, loss + z_loss, 0.0)
     if reduction == "none":
-        return CrossEntropyOutput(loss.to(hidden.dtype).reshape(rows), lse.float().reshape(rows),
-                                  z_loss.to(hidden.dtype).reshape(rows))  # fmt: skip
+        return CrossEntropyOutput(loss.reshape(rows), lse.float().reshape(rows), z_loss.reshape(rows))
     if reduction == "sum":
         denominator = torch.ones((), dtype=compute, device=z.device)
     elif num_items_in_batch is not None:
@@ -151,8 +151,7 @@ def vocab_parallel_linear_cross_entropy_ref(
     else:
         denominator = valid.sum().to(compute)
     denominator = torch.where(denominator != 0, denominator, 1)
-    return CrossEntropyOutput((loss.sum() / denominator).to(hidden.dtype), lse.float().reshape(rows),
-                              (z_loss.sum() / denominator).to(hidden.dtype))  # fmt: skip
+    return CrossEntropyOutput(loss.sum() / denominator, lse.float().reshape(rows), z_loss.sum() / denominator)
 
 
 # --- 2. Launchers, registered as custom ops -------------------------------------------------------
