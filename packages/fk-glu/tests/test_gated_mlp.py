@@ -14,7 +14,15 @@ import torch.nn.functional as F
 from fk.core import testing
 from fk.core.backend import uses_kernel
 from fk.core.testing import DTYPES, dtype_name
-from fk.glu import ACTIVATIONS, GatedMLP, gated_mlp, gated_mlp_ref
+from fk.glu import (
+    ACTIVATIONS,
+    GatedMLP,
+    gated_act_backward_ref,
+    gated_act_backward_with_value,
+    gated_act_ref,
+    gated_mlp,
+    gated_mlp_ref,
+)
 
 # Triton's interpreter evaluates exp(-k) of large |k| in numpy, which warns about the (intended) inf.
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
@@ -108,9 +116,9 @@ def test_frozen_weights_allocate_no_gradient_buffer(device: str) -> None:
     assert args[0].grad is not None
     for size in sizes.values():
         assert testing.count_buffers(frozen, size, device) == 0
-    if uses_kernel(args[0]):  # h is not recomputed for a frozen down weight; dgate and dup overwrite gate and up
+    if uses_kernel(args[0]):  # dgate and dup overwrite gate and up; h (when Wd trains) overwrites dh
         assert testing.count_buffers(frozen, rows * inter * item, device) == 1  # dh
-        assert testing.count_buffers(trained, rows * inter * item, device) == 2  # h, then dh
+        assert testing.count_buffers(trained, rows * inter * item, device) == 1  # dh, then h
 
 
 def _saved_shapes(fn: Callable[[], Any]) -> list[tuple[int, ...]]:
@@ -134,6 +142,30 @@ def test_saves_gate_and_up_but_not_their_product(device: str) -> None:
     assert sum(s in ((rows, inter), (2, 5, inter)) for s in stock) > 2  # the test tells them apart
     mlp = GatedMLP(24, inter, device=device)
     assert sum(s[-1] == inter and s[0] != 24 for s in _saved_shapes(lambda: mlp(args[0]))) == 2
+
+
+@pytest.mark.parametrize("in_place", [False, True], ids=["new-buffers", "in-place"])
+@pytest.mark.parametrize("act", ACTIVATIONS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
+def test_backward_with_value(device: str, dtype: torch.dtype, act: str, in_place: bool) -> None:
+    """The pass the MLP's backward runs: d gate, d up and the recomputed h = act(gate) * up, each
+    within the dtype's tolerance of the float64 reference; in place, they are written over gate's,
+    up's and dh's buffers (where a kernel runs). Gate and up are the halves of one wider tensor."""
+    rows, inter = 33, 100
+    wide = testing.random_tensor((rows, 2 * inter), dtype, device, seed=11, scale=3.0)
+    gate, up = wide[:, :inter], wide[:, inter:]
+    dh = testing.random_tensor((rows, inter), dtype, device, seed=12)
+    want_dgate, want_dup = gated_act_backward_ref(dh.double(), gate.double(), up.double(), act)
+    want_h = gated_act_ref(gate.double(), up.double(), act)
+    pointers = (gate.data_ptr(), up.data_ptr(), dh.data_ptr())
+    got_dgate, got_dup, got_h, written = gated_act_backward_with_value(dh, gate, up, act, inplace=in_place)
+    assert written == (in_place and uses_kernel(gate))
+    if written:
+        assert (got_dgate.data_ptr(), got_dup.data_ptr(), got_h.data_ptr()) == pointers
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
+    for name, got, want in (("dgate", got_dgate, want_dgate), ("dup", got_dup, want_dup), ("h", got_h, want_h)):
+        assert got.dtype == dtype and got.shape == want.shape, name
+        torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol, msg=lambda m, n=name: f"{n}: {m}")
 
 
 def test_a_second_backward_raises(device: str) -> None:

@@ -6,7 +6,8 @@
 - :func:`gated_mlp`: ``down(act(x Wg^T) * (x Wu^T))`` without keeping ``act(gate) * up`` for the
   backward (recomputed there).
 - :func:`gated_act_forward` / :func:`gated_act_backward`: the activation and its gradients with no
-  autograd node, for use inside other autograd Functions (fk.lora's LoRA MLP).
+  autograd node, for use inside other autograd Functions (fk.lora's LoRA MLP);
+  :func:`gated_act_backward_with_value` also recomputes the activation in the same pass.
 - :class:`GatedMLP`: gate/up/down projections, state_dict-compatible with Hugging Face's LlamaMLP
   and GemmaMLP.
 """
@@ -18,6 +19,7 @@ from fk.glu.glu import (
     gated_act,
     gated_act_backward,
     gated_act_backward_ref,
+    gated_act_backward_with_value,
     gated_act_forward,
     gated_act_fused,
     gated_act_fused_ref,
@@ -40,6 +42,7 @@ __all__ = [
     "gated_act",
     "gated_act_backward",
     "gated_act_backward_ref",
+    "gated_act_backward_with_value",
     "gated_act_forward",
     "gated_act_fused",
     "gated_act_fused_ref",

@@ -186,6 +186,7 @@ def _glu_bwd_kernel(
     b_ptr,  # [M, N] up (forward input)
     da_ptr,  # [M, N] gradient of gate (may be a_ptr itself: every element is read before it is written)
     db_ptr,  # [M, N] gradient of up (may be b_ptr itself)
+    h_ptr,  # [M, N] the forward's output act(a) * b, recomputed (may be dy_ptr itself); when STORE_H
     n_rows,
     n_cols,
     dy_row_stride,
@@ -193,9 +194,11 @@ def _glu_bwd_kernel(
     b_row_stride,
     da_row_stride,
     db_row_stride,
+    h_row_stride,
     ACTIVATION: tl.constexpr,
     COMPUTE_DA: tl.constexpr,
     COMPUTE_DB: tl.constexpr,
+    STORE_H: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
     ROWS: tl.constexpr,
     OFFSETS_64: tl.constexpr,
@@ -205,10 +208,15 @@ def _glu_bwd_kernel(
     a = tl.load(a_ptr + (row0 * a_row_stride + col0) + (r * a_row_stride + c), mask=mask, other=0.0)
     dy = dy.to(tl.float32)
     act, grad = _activation(a.to(tl.float32), ACTIVATION)
-    if COMPUTE_DA:
+    if COMPUTE_DA or STORE_H:
         b = tl.load(b_ptr + (row0 * b_row_stride + col0) + (r * b_row_stride + c), mask=mask, other=0.0)
-        da = dy * b.to(tl.float32) * grad
-        tl.store(da_ptr + (row0 * da_row_stride + col0) + (r * da_row_stride + c), da.to(da_ptr.dtype.element_ty), mask=mask)  # fmt: skip
+        b = b.to(tl.float32)
+        if COMPUTE_DA:
+            da = dy * b * grad
+            tl.store(da_ptr + (row0 * da_row_stride + col0) + (r * da_row_stride + c), da.to(da_ptr.dtype.element_ty), mask=mask)  # fmt: skip
+        if STORE_H:
+            h = act * b
+            tl.store(h_ptr + (row0 * h_row_stride + col0) + (r * h_row_stride + c), h.to(h_ptr.dtype.element_ty), mask=mask)  # fmt: skip
     if COMPUTE_DB:
         db = dy * act
         tl.store(db_ptr + (row0 * db_row_stride + col0) + (r * db_row_stride + c), db.to(db_ptr.dtype.element_ty), mask=mask)  # fmt: skip
@@ -278,13 +286,15 @@ def _launch_bwd(
     da: torch.Tensor | None,
     db: torch.Tensor | None,
     activation: int,
+    h: torch.Tensor | None = None,
 ) -> None:
     da_ = da if da is not None else a  # never written: COMPUTE_DA is False
     db_ = db if db is not None else b
-    grid, sizes, tile = _launch_args((dy, a, b, da_, db_), BWD_TILE)
+    h_ = h if h is not None else dy  # never written: STORE_H is False
+    grid, sizes, tile = _launch_args((dy, a, b, da_, db_, h_), BWD_TILE)
     _glu_bwd_kernel[grid](
-        dy, a, b, da_, db_, *sizes,
-        ACTIVATION=activation, COMPUTE_DA=da is not None, COMPUTE_DB=db is not None,
+        dy, a, b, da_, db_, h_, *sizes,
+        ACTIVATION=activation, COMPUTE_DA=da is not None, COMPUTE_DB=db is not None, STORE_H=h is not None,
         num_warps=BWD_WARPS, **tile,
     )  # fmt: skip
 
@@ -344,6 +354,24 @@ def _glu_bwd(
     if compute_da or compute_db:
         _launch_bwd(as_rows(dy), a_rows, b_rows, da_rows, db_rows, activation)
     return da, db
+
+
+def _glu_bwd_with_value(
+    dy: torch.Tensor, a: torch.Tensor, b: torch.Tensor, activation: int, inplace: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Eager launcher: (da, db, h) with h = act(a) * b recomputed by the same pass (one more write,
+    no more reads). With ``inplace``, where layouts allow it, da and db go over a's and b's buffers
+    and h over dy's (each element is read before it is written)."""
+    if a.numel() == 0:
+        return a.new_empty(a.shape), b.new_empty(b.shape), a.new_empty(a.shape)
+    a_rows, b_rows, dy_rows = as_rows(a), as_rows(b), as_rows(dy)
+    in_place = inplace and _disjoint(a_rows, b_rows)
+    da, da_rows = _grad_buffer(a, True, in_place)
+    db, db_rows = _grad_buffer(b, True, in_place)
+    over_dy = in_place and _disjoint(dy_rows, a_rows) and _disjoint(dy_rows, b_rows)
+    h, h_rows = _grad_buffer(dy, True, over_dy)
+    _launch_bwd(dy_rows, a_rows, b_rows, da_rows, db_rows, activation, h=h_rows)
+    return da, db, h
 
 
 def _glu_bwd_fake(
@@ -583,10 +611,11 @@ def geglu_fused(gate_up: torch.Tensor, approximate: str = "tanh", *, inplace_gra
 # Gated MLP, for x2 = x as [M, K], Wg and Wu [I, K], Wd [N, I]:
 #   forward:  g = x2 Wg^T, u = x2 Wu^T (saved), h = act(g) * u (not saved), y = h Wd^T
 #   backward, with upstream gradient dy [M, N]:
-#     dWd = dy^T h                      h recomputed from g and u, freed before dh is formed
 #     dh  = dy Wd                       [M, I]
 #     dg  = dh * u * act'(g)            written over g's buffer (eager)
 #     du  = dh * act(g)                 written over u's buffer (eager)
+#     h   = act(g) * u                  recomputed by the same pass, written over dh's buffer (eager)
+#     dWd = dy^T h
 #     dWg = dg^T x2,  dWu = du^T x2
 #     dx  = dg Wg + du Wu               one buffer: mm, then addmm_
 # So the [M, I] tensors kept from forward to backward are g and u only (nn.Linear's down
@@ -660,6 +689,26 @@ def gated_act_backward(
     return dgate, dup, written
 
 
+def gated_act_backward_with_value(
+    dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, activation: str = "silu", inplace: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
+    """(d gate, d up, h, written): :func:`gated_act_backward` that also recomputes the forward's
+    ``h = act(gate) * up``, in the same pass in eager mode (one more write, no more reads).
+
+    With ``inplace`` and ``written`` True, the gradients went over ``gate``'s and ``up``'s buffers
+    (bump their versions, as :func:`gated_act_backward` says) and ``h`` over ``dh``'s, which the
+    caller must not read again. Under ``torch.compile`` and on the reference path, ``h`` comes from
+    :func:`gated_act_forward` and nothing is written in place.
+    """
+    activation = resolve_activation(activation)
+    if not uses_kernel(gate) or torch.compiler.is_compiling():
+        dgate, dup, written = gated_act_backward(dh, gate, up, activation)
+        return dgate, dup, gated_act_forward(gate, up, activation), written
+    dgate, dup, h = _glu_bwd_with_value(dh, gate, up, _CODES[activation], inplace)
+    written = gate.numel() > 0 and (dgate.data_ptr() == gate.data_ptr() or dup.data_ptr() == up.data_ptr())
+    return dgate, dup, h, written
+
+
 def gated_mlp_ref(
     x: torch.Tensor,
     gate_weight: torch.Tensor,
@@ -701,24 +750,28 @@ class _GatedMLPFunction(torch.autograd.Function):
         act = ctx.activation
         dy2 = dy.reshape(-1, dy.shape[-1])
         dx = dwg = dwu = dwd = None
+        if not (need_dx or need_dwg or need_dwu):  # only Wd trains: h alone
+            dwd = torch.mm(dy2.t(), gated_act_forward(gate, up, act)) if need_dwd else None
+            return None, None, None, dwd, None
+        dh = torch.mm(dy2, wd)
         if need_dwd:
-            h = gated_act_forward(gate, up, act)
+            dgate, dup, h, written = gated_act_backward_with_value(dh, gate, up, act, inplace=True)
+            del dh  # (h may be its buffer)
             dwd = torch.mm(dy2.t(), h)
             del h
-        if need_dx or need_dwg or need_dwu:
-            dh = torch.mm(dy2, wd)
+        else:
             dgate, dup, written = gated_act_backward(dh, gate, up, act, inplace=True)
             del dh
-            if written:  # gate and up now hold their gradients: a second backward must fail loudly
-                torch.autograd.graph.increment_version(gate)
-                torch.autograd.graph.increment_version(up)
-            x2 = x.reshape(-1, x.shape[-1])
-            if need_dwg:
-                dwg = torch.mm(dgate.t(), x2)
-            if need_dwu:
-                dwu = torch.mm(dup.t(), x2)
-            if need_dx:
-                dx = torch.mm(dgate, wg).addmm_(dup, wu).view(x.shape)
+        if written:  # gate and up now hold their gradients: a second backward must fail loudly
+            torch.autograd.graph.increment_version(gate)
+            torch.autograd.graph.increment_version(up)
+        x2 = x.reshape(-1, x.shape[-1])
+        if need_dwg:
+            dwg = torch.mm(dgate.t(), x2)
+        if need_dwu:
+            dwu = torch.mm(dup.t(), x2)
+        if need_dx:
+            dx = torch.mm(dgate, wg).addmm_(dup, wu).view(x.shape)
         return dx, dwg, dwu, dwd, None
 
 
