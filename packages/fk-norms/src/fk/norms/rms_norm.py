@@ -282,7 +282,7 @@ BWD_PROGRAMS_PER_SM = 2  # rows that fit one tile
 BWD_LOOPED_PROGRAMS_PER_SM = 1  # wider rows: few programs, so the rows they re-read stay in L2
 BWD_ELEMENTS_PER_WARP = 512
 # Rows at most BWD_NARROW_COLS wide: smaller tiles and more programs in flight. On an H200
-# (benchmarks/tune_rms_norm_backward.py: the backward alone, timed by CUDA-graph replay), this took
+# (benchmarks/tune_norm_backward.py: the backward alone, timed by CUDA-graph replay), this took
 # 16384 x 1024 from 98 to 42 us, and the settings above took 16384 x 2048 from 88 to 69 us.
 BWD_NARROW_COLS = 1024
 BWD_NARROW_MIN_TILE = 2048
