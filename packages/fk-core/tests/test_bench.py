@@ -1,4 +1,4 @@
-"""CPU tests of fk.core.bench: accounting, records, plots, tables, progress, and the CUDA guards."""
+"""Tests of fk.core.bench: accounting, records, plots, tables, progress, the CUDA guards (on CPU), and timing (on a GPU)."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import io
 import json
 import math
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -86,6 +87,24 @@ def test_ceilings_need_cuda() -> None:
         bench.matmul_tflops(64)
     with pytest.raises(RuntimeError, match="CUDA"):
         bench.measure_ceilings()
+
+
+@pytest.mark.gpu
+def test_gpu_only_leaves_the_host_out() -> None:
+    """A call whose host path (here a 1 ms Python wait) outlasts its GPU work: the plain timing
+    measures the host, ``gpu_only`` the GPU work alone; a host path longer than half the head start
+    raises instead of returning a number that would include it."""
+    x = torch.randn(1 << 20, device="cuda")
+
+    def slow_host() -> None:
+        time.sleep(1e-3)
+        x.mul_(1.0)
+
+    plain = bench.time_ms(slow_host, warmup=2, rep=10)
+    gpu = bench.time_ms(slow_host, warmup=2, rep=10, gpu_only=True)
+    assert plain > 0.9 and gpu < 0.2, (plain, gpu)
+    with pytest.raises(RuntimeError, match="head start"):
+        bench.time_ms(lambda: time.sleep(0.6e-3 * bench.HOST_HEAD_START_MS), warmup=0, rep=2, gpu_only=True)
 
 
 # ------------------------------------------------------------------------------------------ records

@@ -8,8 +8,12 @@ Timing (:func:`time_ms`, :func:`time_stats_ms`)
     The function is called ``warmup`` times first, so Triton compilation, autotuning,
     ``torch.compile`` tracing and the caching allocator's first allocations happen outside the
     measurement; then the GPU is synchronized. Each of the ``rep`` timed calls sits between its own
-    pair of CUDA events recorded on the current stream, so the time is GPU time for that call
-    alone, not Python overhead between calls. Before each call, and outside its event pair, a
+    pair of CUDA events recorded on the current stream, so Python between calls is not counted.
+    Python inside a call is, where the GPU waits for it: a call whose host path (argument checks,
+    autograd, kernel launches) outlasts its GPU work measures the host (narrow rows, small
+    batches). ``gpu_only=True`` measures the GPU alone: a spin kernel of :data:`HOST_HEAD_START_MS`
+    runs before each call's start event, so the host has queued the whole call by the time the GPU
+    reaches it (a call whose host path takes longer raises). Before each call, and outside its event pair, a
     256 MiB scratch buffer is overwritten to evict the L2 cache (50 MiB on an H100), so every
     call starts with cold caches, as a kernel inside a training step does; tensors listed in
     ``grad_to_none`` get ``.grad = None`` there too, so forward+backward benchmarks allocate fresh
@@ -147,13 +151,16 @@ def time_stats_ms(
     rep: int = 100,
     flush_l2: bool = True,
     grad_to_none: Sequence[torch.Tensor] | None = None,
+    gpu_only: bool = False,
 ) -> TimeStats:
     """Time ``fn()`` on the current CUDA device and stream; see the module docstring for the method.
 
     ``fn`` takes no arguments; whatever it returns is dropped. ``warmup`` untimed calls come first,
     then ``rep`` calls, each between its own pair of CUDA events. With ``flush_l2``, a 256 MiB buffer
     is overwritten before each call (outside the events). Tensors in ``grad_to_none`` get
-    ``.grad = None`` before every call. Raises ``RuntimeError`` when CUDA is unavailable.
+    ``.grad = None`` before every call. With ``gpu_only``, the GPU's time alone, without the
+    host's (``fn`` must not synchronize with the GPU). Raises ``RuntimeError`` when CUDA is
+    unavailable, and with ``gpu_only`` when the host path of a call is too long to be hidden.
     """
     _require_cuda("time_stats_ms")
     if warmup < 0 or rep < 1:
@@ -162,17 +169,51 @@ def time_stats_ms(
         _clear_grads(grad_to_none)
         fn()
     flush = _flush_buffer() if flush_l2 else None
+    head_start = _spin_cycles(HOST_HEAD_START_MS) if gpu_only else 0
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(rep)]
+    host_ms = 0.0
     torch.cuda.synchronize()
     for start, end in events:
         _clear_grads(grad_to_none)
         if flush is not None:
             flush.zero_()
+        if head_start:
+            torch.cuda._sleep(head_start)
         start.record()
+        began = time.perf_counter()
         fn()
+        host_ms = max(host_ms, 1e3 * (time.perf_counter() - began))
         end.record()
+        if head_start:  # the next head start begins only once this call has run: no overlap between calls
+            end.synchronize()
     torch.cuda.synchronize()
+    if gpu_only and host_ms > 0.5 * HOST_HEAD_START_MS:
+        raise RuntimeError(
+            f"gpu_only: the call's host path took up to {host_ms:.2f} ms, too close to the "
+            f"{HOST_HEAD_START_MS} ms head start for the GPU time to be the GPU's alone"
+        )
     return TimeStats.from_samples([start.elapsed_time(end) for start, end in events])
+
+
+HOST_HEAD_START_MS = 5.0
+"""GPU time spent spinning before each call timed with ``gpu_only=True`` (see the module docstring)."""
+
+_cycles_per_ms: dict[int, float] = {}
+
+
+def _spin_cycles(ms: float) -> int:
+    """Cycles of ``torch.cuda._sleep`` that last about ``ms`` on the current device (measured once)."""
+    index = torch.cuda.current_device()
+    if index not in _cycles_per_ms:
+        probe = 10_000_000
+        torch.cuda._sleep(probe // 10)  # warm up
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(probe)
+        end.record()
+        end.synchronize()
+        _cycles_per_ms[index] = probe / max(start.elapsed_time(end), 1e-3)
+    return int(ms * _cycles_per_ms[index])
 
 
 def time_ms(
@@ -182,9 +223,11 @@ def time_ms(
     rep: int = 100,
     flush_l2: bool = True,
     grad_to_none: Sequence[torch.Tensor] | None = None,
+    gpu_only: bool = False,
 ) -> float:
     """Median milliseconds of ``fn()``; the same measurement as :func:`time_stats_ms`."""
-    return time_stats_ms(fn, warmup=warmup, rep=rep, flush_l2=flush_l2, grad_to_none=grad_to_none).median
+    stats = time_stats_ms(fn, warmup=warmup, rep=rep, flush_l2=flush_l2, grad_to_none=grad_to_none, gpu_only=gpu_only)
+    return stats.median
 
 
 def peak_memory_bytes(fn: Callable[[], object]) -> int:
