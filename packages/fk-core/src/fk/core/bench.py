@@ -13,7 +13,7 @@ Timing (:func:`time_ms`, :func:`time_stats_ms`)
     autograd, kernel launches) outlasts its GPU work measures the host (narrow rows, small
     batches). ``gpu_only=True`` measures the GPU alone: a spin kernel of :data:`HOST_HEAD_START_MS`
     runs before each call's start event, so the host has queued the whole call by the time the GPU
-    reaches it (a call whose host path takes longer raises). Before each call, and outside its event pair, a
+    reaches it (calls whose host path took over half of it are dropped; over a fifth dropped raises). Before each call, and outside its event pair, a
     256 MiB scratch buffer is overwritten to evict the L2 cache (50 MiB on an H100), so every
     call starts with cold caches, as a kernel inside a training step does; tensors listed in
     ``grad_to_none`` get ``.grad = None`` there too, so forward+backward benchmarks allocate fresh
@@ -171,7 +171,7 @@ def time_stats_ms(
     flush = _flush_buffer() if flush_l2 else None
     head_start = _spin_cycles(HOST_HEAD_START_MS) if gpu_only else 0
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(rep)]
-    host_ms = 0.0
+    host_ms: list[float] = []
     torch.cuda.synchronize()
     for start, end in events:
         _clear_grads(grad_to_none)
@@ -182,17 +182,20 @@ def time_stats_ms(
         start.record()
         began = time.perf_counter()
         fn()
-        host_ms = max(host_ms, 1e3 * (time.perf_counter() - began))
+        host_ms.append(1e3 * (time.perf_counter() - began))
         end.record()
         if head_start:  # the next head start begins only once this call has run: no overlap between calls
             end.synchronize()
     torch.cuda.synchronize()
-    if gpu_only and host_ms > 0.5 * HOST_HEAD_START_MS:
-        raise RuntimeError(
-            f"gpu_only: the call's host path took up to {host_ms:.2f} ms, too close to the "
-            f"{HOST_HEAD_START_MS} ms head start for the GPU time to be the GPU's alone"
-        )
-    return TimeStats.from_samples([start.elapsed_time(end) for start, end in events])
+    samples = [start.elapsed_time(end) for start, end in events]
+    if gpu_only:  # drop the calls whose host path may not have been hidden (a garbage collection, say)
+        samples = [ms for ms, host in zip(samples, host_ms, strict=True) if host < 0.5 * HOST_HEAD_START_MS]
+        if len(samples) < 0.8 * rep:
+            raise RuntimeError(
+                f"gpu_only: the host path of {rep - len(samples)} of {rep} calls took over half the "
+                f"{HOST_HEAD_START_MS} ms head start, too long for their GPU time to be the GPU's alone"
+            )
+    return TimeStats.from_samples(samples)
 
 
 HOST_HEAD_START_MS = 5.0
