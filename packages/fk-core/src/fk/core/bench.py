@@ -13,11 +13,12 @@ Timing (:func:`time_ms`, :func:`time_stats_ms`)
     autograd, kernel launches) outlasts its GPU work measures the host (narrow rows, small
     batches). ``gpu_only=True`` measures the GPU alone: a spin kernel of :data:`HOST_HEAD_START_MS`
     runs before each call's start event, so the host has queued the whole call by the time the GPU
-    reaches it (calls whose host path took over half of it are dropped; over a fifth dropped raises). Before each call, and outside its event pair, a
-    256 MiB scratch buffer is overwritten to evict the L2 cache (50 MiB on an H100), so every
-    call starts with cold caches, as a kernel inside a training step does; tensors listed in
-    ``grad_to_none`` get ``.grad = None`` there too, so forward+backward benchmarks allocate fresh
-    gradients each time instead of accumulating. The GPU is synchronized once after the last event,
+    reaches it (calls whose host path took over half of it are dropped; over a fifth dropped
+    raises). Before each call, and outside its event pair, a 256 MiB scratch buffer is
+    overwritten to evict the L2 cache (50 MiB on an H100), so every call starts with cold caches,
+    as a kernel inside a training step does; tensors listed in ``grad_to_none`` get
+    ``.grad = None`` there too, so forward+backward benchmarks allocate fresh gradients each time
+    instead of accumulating. The GPU is synchronized once after the last event,
     and the median over the repetitions is reported (p20/p80/min are available): the median ignores
     the occasional call slowed by clock changes or other work on the machine.
 
