@@ -95,6 +95,7 @@ def measure(record: bench.BenchRecord, copy_tbps: float, act: str, name: str, fn
     elements = tokens * width
     for mode, call, nbytes in (("fwd", forward, 3 * 2 * elements), ("fwd+bwd", forward_backward, 8 * 2 * elements)):
         ms = bench.time_ms(call, rep=rep, grad_to_none=inputs)
+        gpu_ms = bench.time_ms(call, rep=rep, grad_to_none=inputs, gpu_only=True)
         for t in inputs:
             t.grad = None
         peak = bench.peak_memory_bytes(call)
@@ -103,7 +104,8 @@ def measure(record: bench.BenchRecord, copy_tbps: float, act: str, name: str, fn
         achieved = bench.tbps(nbytes, ms)
         record.add(
             provider=name, act=act, tokens=tokens, intermediate=width, mode=mode, ms=ms, tbps=achieved,
-            copy_fraction=bench.fraction(achieved, copy_tbps), peak_mb=peak / 2**20,
+            copy_fraction=bench.fraction(achieved, copy_tbps), peak_mb=peak / 2**20, gpu_ms=gpu_ms,
+            gpu_copy_fraction=bench.fraction(bench.tbps(nbytes, gpu_ms), copy_tbps),
         )  # fmt: skip
 
 
@@ -144,6 +146,11 @@ def speedups(record: bench.BenchRecord) -> list[dict[str, object]]:
             if p in rows:
                 line[f"{p} ms"] = rows[p]["ms"]
                 line[f"x {p}"] = rows[p]["ms"] / fk["ms"]
+        if "gpu_ms" in fk:  # the GPU work alone (records from before it leave these columns out)
+            line["fk GPU ms"], line["fk GPU copy%"] = fk["gpu_ms"], 100 * fk["gpu_copy_fraction"]
+            for p in ("liger", "torch.compile"):
+                if p in rows:
+                    line[f"GPU x {p}"] = rows[p]["gpu_ms"] / fk["gpu_ms"]
         line["fk MB"] = fk["peak_mb"]
         for p in ("fk inplace", "liger", "torch.compile"):
             if p in rows:
@@ -153,13 +160,15 @@ def speedups(record: bench.BenchRecord) -> list[dict[str, object]]:
 
 
 COLUMNS = ["act", "tokens", "mode", "fk ms", "fk TB/s", "fk copy%", "inplace ms", "gate_up ms", "liger ms",
-           "torch.compile ms", "eager ms", "x liger", "x torch.compile", "x eager", "fk MB", "inplace MB",
-           "liger MB", "torch.compile MB"]  # fmt: skip
+           "torch.compile ms", "eager ms", "x liger", "x torch.compile", "x eager", "fk GPU ms", "fk GPU copy%",
+           "GPU x liger", "GPU x torch.compile", "fk MB", "inplace MB", "liger MB", "torch.compile MB"]  # fmt: skip
 
 
 def summary(record: bench.BenchRecord) -> str:
-    """The markdown table for docs/benchmarks.md ("x peer": the peer's time over fk's)."""
-    return bench.markdown_table(speedups(record), COLUMNS)
+    """The markdown table for docs/benchmarks.md ("x peer": the peer's time over fk's; "GPU x peer":
+    the same of the GPU work alone, ``bench.time_ms(gpu_only=True)``)."""
+    table = speedups(record)
+    return bench.markdown_table(table, [c for c in COLUMNS if any(c in row for row in table)])
 
 
 def plots(record: bench.BenchRecord, out: Path) -> None:

@@ -119,6 +119,7 @@ def measure(record: bench.BenchRecord, matmul_tflops: float, block: str, tokens:
         if provider == "fk":
             fk.lora.patch(model)
         ms = bench.time_ms(forward_backward, warmup=5, rep=rep, grad_to_none=leaves)
+        gpu_ms = bench.time_ms(forward_backward, warmup=5, rep=rep, grad_to_none=leaves, gpu_only=True)
         for t in leaves:
             t.grad = None
         peak = bench.peak_memory_bytes(forward_backward)
@@ -128,6 +129,7 @@ def measure(record: bench.BenchRecord, matmul_tflops: float, block: str, tokens:
         record.add(
             provider=provider, block=block, tokens=tokens, dropout=dropout, adapter=adapter, mode="fwd+bwd", ms=ms,
             tflops=achieved, matmul_fraction=bench.fraction(achieved, matmul_tflops), peak_mb=peak / 2**20,
+            gpu_ms=gpu_ms,
         )  # fmt: skip
     fk.lora.unpatch(model)
 
@@ -169,6 +171,7 @@ def speedups(record: bench.BenchRecord) -> list[dict[str, object]]:
             "peft ms": peft["ms"],
             "x peft": peft["ms"] / fk["ms"], "fk matmul%": 100 * fk["matmul_fraction"],
             "fk MB": fk["peak_mb"], "peft MB": peft["peak_mb"], "memory / peft": fk["peak_mb"] / peft["peak_mb"],
+            **({"fk GPU ms": fk["gpu_ms"], "GPU x peft": peft["gpu_ms"] / fk["gpu_ms"]} if "gpu_ms" in fk else {}),
         })  # fmt: skip
     return table
 
@@ -182,6 +185,8 @@ COLUMNS = [
     "peft ms",
     "x peft",
     "fk matmul%",
+    "fk GPU ms",
+    "GPU x peft",
     "fk MB",
     "peft MB",
     "memory / peft",
@@ -189,8 +194,10 @@ COLUMNS = [
 
 
 def summary(record: bench.BenchRecord) -> str:
-    """The markdown table for docs/benchmarks.md ("x peft": PEFT's time over fk's)."""
-    return bench.markdown_table(speedups(record), COLUMNS)
+    """The markdown table for docs/benchmarks.md ("x peft": PEFT's time over fk's; "GPU x peft": the
+    same of the GPU work alone, ``bench.time_ms(gpu_only=True)``)."""
+    table = speedups(record)
+    return bench.markdown_table(table, [c for c in COLUMNS if any(c in row for row in table)])
 
 
 def main() -> None:

@@ -121,6 +121,7 @@ def measure(record: bench.BenchRecord, copy_tbps: float, name: str, fn: Fn, seq:
         if name == "fk inplace" and mode == "fwd+bwd":
             continue  # q and k here are leaves, which nothing may overwrite while autograd records
         ms = bench.time_ms(call, rep=rep, grad_to_none=[q, k])
+        gpu_ms = bench.time_ms(call, rep=rep, grad_to_none=[q, k], gpu_only=True)
         q.grad = k.grad = None
         peak = bench.peak_memory_bytes(call)
         q.grad = k.grad = None
@@ -128,6 +129,7 @@ def measure(record: bench.BenchRecord, copy_tbps: float, name: str, fn: Fn, seq:
         record.add(
             provider=name, layout=layout, S=seq, batch=BATCH, q_heads=N_Q, kv_heads=N_KV, head_dim=HEAD_DIM, mode=mode,
             ms=ms, tbps=achieved, copy_fraction=bench.fraction(achieved, copy_tbps), peak_mb=peak / 2**20,
+            gpu_ms=gpu_ms, gpu_copy_fraction=bench.fraction(bench.tbps(counted, gpu_ms), copy_tbps),
         )  # fmt: skip
 
 
@@ -165,6 +167,11 @@ def speedups(record: bench.BenchRecord) -> list[dict[str, object]]:
             if peer in times:
                 row[f"{peer} ms"] = times[peer]["ms"]
                 row[f"vs {peer}"] = times[peer]["ms"] / fk["ms"]
+        if "gpu_ms" in fk:  # the GPU work alone (records from before it leave these columns out)
+            row["fk GPU ms"], row["fk GPU copy%"] = fk["gpu_ms"], 100 * fk["gpu_copy_fraction"]
+            for peer in ("liger", "torch.compile"):
+                if peer in times:
+                    row[f"GPU vs {peer}"] = times[peer]["gpu_ms"] / fk["gpu_ms"]
         row["fk MB"] = fk["peak_mb"]
         for peer in ("fk inplace", "liger", "torch.compile"):
             if peer in times:
@@ -188,13 +195,15 @@ def plots(record: bench.BenchRecord, out: Path) -> None:
 
 
 COLUMNS = ["layout", "S", "mode", "fk ms", "fk TB/s", "fk copy%", "liger ms", "torch.compile ms", "eager ms",
-           "vs liger", "vs torch.compile", "vs eager", "fk inplace ms", "fk MB", "fk inplace MB", "liger MB",
-           "torch.compile MB"]  # fmt: skip
+           "vs liger", "vs torch.compile", "vs eager", "fk inplace ms", "fk GPU ms", "fk GPU copy%", "GPU vs liger",
+           "GPU vs torch.compile", "fk MB", "fk inplace MB", "liger MB", "torch.compile MB"]  # fmt: skip
 
 
 def summary(record: bench.BenchRecord) -> str:
-    """The markdown table for docs/benchmarks.md ("vs X": X's time over fk's, > 1 when fk is faster)."""
-    return bench.markdown_table(speedups(record), COLUMNS)
+    """The markdown table for docs/benchmarks.md ("vs X": X's time over fk's, > 1 when fk is faster;
+    "GPU vs X": the same of the GPU work alone, ``bench.time_ms(gpu_only=True)``)."""
+    table = speedups(record)
+    return bench.markdown_table(table, [c for c in COLUMNS if any(c in row for row in table)])
 
 
 def main() -> None:
