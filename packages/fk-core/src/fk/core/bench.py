@@ -145,6 +145,10 @@ def _clear_grads(tensors: Sequence[torch.Tensor] | None) -> None:
             t.grad = None
 
 
+HOST_HEAD_START_MS = 5.0
+"""GPU time spent spinning before each call timed with ``gpu_only=True`` (see the module docstring)."""
+
+
 def time_stats_ms(
     fn: Callable[[], object],
     *,
@@ -153,6 +157,7 @@ def time_stats_ms(
     flush_l2: bool = True,
     grad_to_none: Sequence[torch.Tensor] | None = None,
     gpu_only: bool = False,
+    head_start_ms: float = HOST_HEAD_START_MS,
 ) -> TimeStats:
     """Time ``fn()`` on the current CUDA device and stream; see the module docstring for the method.
 
@@ -160,7 +165,8 @@ def time_stats_ms(
     then ``rep`` calls, each between its own pair of CUDA events. With ``flush_l2``, a 256 MiB buffer
     is overwritten before each call (outside the events). Tensors in ``grad_to_none`` get
     ``.grad = None`` before every call. With ``gpu_only``, the GPU's time alone, without the
-    host's (``fn`` must not synchronize with the GPU). Raises ``RuntimeError`` when CUDA is
+    host's (``fn`` must not synchronize with the GPU; ``head_start_ms`` must exceed twice the
+    host time of a call). Raises ``RuntimeError`` when CUDA is
     unavailable, and with ``gpu_only`` when the host path of a call is too long to be hidden.
     """
     _require_cuda("time_stats_ms")
@@ -170,7 +176,7 @@ def time_stats_ms(
         _clear_grads(grad_to_none)
         fn()
     flush = _flush_buffer() if flush_l2 else None
-    head_start = _spin_cycles(HOST_HEAD_START_MS) if gpu_only else 0
+    head_start = _spin_cycles(head_start_ms) if gpu_only else 0
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(rep)]
     host_ms: list[float] = []
     torch.cuda.synchronize()
@@ -190,17 +196,14 @@ def time_stats_ms(
     torch.cuda.synchronize()
     samples = [start.elapsed_time(end) for start, end in events]
     if gpu_only:  # drop the calls whose host path may not have been hidden (a garbage collection, say)
-        samples = [ms for ms, host in zip(samples, host_ms, strict=True) if host < 0.5 * HOST_HEAD_START_MS]
+        samples = [ms for ms, host in zip(samples, host_ms, strict=True) if host < 0.5 * head_start_ms]
         if len(samples) < 0.8 * rep:
             raise RuntimeError(
                 f"gpu_only: the host path of {rep - len(samples)} of {rep} calls took over half the "
-                f"{HOST_HEAD_START_MS} ms head start, too long for their GPU time to be the GPU's alone"
+                f"{head_start_ms} ms head start, too long for their GPU time to be the GPU's alone"
             )
     return TimeStats.from_samples(samples)
 
-
-HOST_HEAD_START_MS = 5.0
-"""GPU time spent spinning before each call timed with ``gpu_only=True`` (see the module docstring)."""
 
 _cycles_per_ms: dict[int, float] = {}
 
@@ -228,9 +231,11 @@ def time_ms(
     flush_l2: bool = True,
     grad_to_none: Sequence[torch.Tensor] | None = None,
     gpu_only: bool = False,
+    head_start_ms: float = HOST_HEAD_START_MS,
 ) -> float:
     """Median milliseconds of ``fn()``; the same measurement as :func:`time_stats_ms`."""
-    stats = time_stats_ms(fn, warmup=warmup, rep=rep, flush_l2=flush_l2, grad_to_none=grad_to_none, gpu_only=gpu_only)
+    stats = time_stats_ms(fn, warmup=warmup, rep=rep, flush_l2=flush_l2, grad_to_none=grad_to_none,
+                          gpu_only=gpu_only, head_start_ms=head_start_ms)  # fmt: skip
     return stats.median
 
 
