@@ -144,6 +144,43 @@ def test_patched_loss_and_gradients_match_stock(model_type: str, device: str) ->
     assert got.logits is None  # training with labels: the logits are never materialized
 
 
+_OP_NAMESPACES = {"rms_norm": "fk_norms", "rope": "fk_rope", "swiglu": "fk_glu", "geglu": "fk_glu", "flce": "fk_flce"}
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_torch_compile_fullgraph_of_a_patched_model(model_type: str, device: str) -> None:
+    """``torch.compile(patched_model, fullgraph=True)`` traces fk's ops (no graph break) and gives
+    the loss and gradients of the eager patched model. (The copied attention forward's globals are
+    a module of their own: with the modeling module's name, dynamo guarded on the stock
+    ``apply_rotary_pos_emb`` and failed.)"""
+    from torch._dynamo.backends.registry import lookup_backend
+
+    patched = _model(model_type, device)
+    counts = fk.hf.apply(patched)
+    traced_ops: set[str] = set()
+    aot_eager = lookup_backend("aot_eager")
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        for graph_module in gm.modules():  # with the bodies of traced autograd Functions (subgraphs)
+            if isinstance(graph_module, torch.fx.GraphModule):
+                traced_ops.update(str(n.target) for n in graph_module.graph.nodes if n.op == "call_function")
+        return aot_eager(gm, example_inputs)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(patched, fullgraph=True, backend=backend)
+    ids, labels = _batch(device)
+    want, want_grads = _loss_and_grads(patched, input_ids=ids, labels=labels)
+    got, _ = _loss_and_grads(compiled, input_ids=ids, labels=labels)
+    got_grads = {n: p.grad for n, p in patched.named_parameters() if p.requires_grad}  # (no _orig_mod. prefix)
+    torch._dynamo.reset()
+    torch.testing.assert_close(got.loss, want.loss, **TOL)
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(got_grads[name], grad, **TOL, msg=lambda m, n=name: f"{n}: {m}")
+    for kind, namespace in _OP_NAMESPACES.items():
+        if counts[kind]:
+            assert any(op.startswith(namespace) for op in traced_ops), (kind, sorted(traced_ops))
+
+
 @pytest.mark.parametrize("model_type", FAMILIES)
 def test_training_steps_match_stock(model_type: str, device: str) -> None:
     """AdamW from the same seed on one repeated batch: the same loss at every step, and the same

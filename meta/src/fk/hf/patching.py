@@ -42,6 +42,8 @@ What each switch replaces (for the families in :mod:`fk.hf.models`):
 from __future__ import annotations
 
 import functools
+import importlib
+import sys
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -61,6 +63,8 @@ LOSS_OPTIONS = "_fk_hf_loss_options"
 _STOCK = "_fk_hf_stock_forward"
 """Attribute of a patched module: its class's forward function before patching (unbound: called
 with the running module, see :func:`fk.core.forward.stock_forward`)."""
+_AUX_LOSS = "_fk_hf_load_balancing_loss_func"
+"""Attribute of a patched mixture-of-experts causal LM: its modeling module's ``load_balancing_loss_func``."""
 _SWITCHED_OFF = "_fk_hf_switched_off"
 """Attribute of a reverted module whose fk forward stays under another's wrapper, switched off."""
 
@@ -203,9 +207,15 @@ def _rope_forward(stock: Callable[..., Any]) -> Callable[..., Any] | None:
 
     if not isinstance(stock, types.FunctionType) or "apply_rotary_pos_emb" not in stock.__code__.co_names:
         return None
-    namespace = dict(stock.__globals__)
-    namespace["apply_rotary_pos_emb"] = apply_rotary_pos_emb
-    fn = types.FunctionType(stock.__code__, namespace, stock.__name__, stock.__defaults__, stock.__closure__)
+    # The copy's globals are a module of their own, registered under its own name: torch.compile
+    # finds an inlined function's globals through sys.modules[globals["__name__"]], and with the
+    # modeling module's name it would guard on the stock apply_rotary_pos_emb (and fail).
+    name = f"fk.hf.patched_globals.{stock.__module__}.{stock.__qualname__}"
+    namespace = types.ModuleType(name)
+    namespace.__dict__.update({k: v for k, v in stock.__globals__.items() if k not in ("__name__", "__spec__")})
+    namespace.apply_rotary_pos_emb = apply_rotary_pos_emb  # type: ignore[attr-defined]
+    sys.modules[name] = namespace
+    fn = types.FunctionType(stock.__code__, namespace.__dict__, stock.__name__, stock.__defaults__, stock.__closure__)
     fn.__kwdefaults__ = stock.__kwdefaults__
     fn.__qualname__ = stock.__qualname__
     fn.__doc__ = stock.__doc__
@@ -412,16 +422,14 @@ def _with_router_aux_loss(
     """A mixture of experts' causal-LM output: the load-balancing loss of the routers' logits as
     stock computes it (the modeling module's ``load_balancing_loss_func``), added to ``loss``
     times ``router_aux_loss_coef`` when there is a loss."""
-    import importlib
-
     from transformers.modeling_outputs import MoeCausalLMOutputWithPast
 
     aux_loss = None
     if output_router_logits:
-        module = importlib.import_module(self._fk_hf_patch.modeling_module)
-        aux_loss = module.load_balancing_loss_func(
-            outputs.router_logits, self.num_experts, self.num_experts_per_tok, attention_mask
-        )
+        # Looked up by apply_patch: an import here would break torch.compile's graph.
+        load_balancing_loss_func = self.__dict__[_AUX_LOSS]
+        aux_loss = load_balancing_loss_func(outputs.router_logits, self.num_experts, self.num_experts_per_tok,
+                                            attention_mask)  # fmt: skip
         if loss is not None:
             loss = loss + self.router_aux_loss_coef * aux_loss.to(loss.device)
     return MoeCausalLMOutputWithPast(
@@ -494,7 +502,7 @@ def revert(model: torch.nn.Module) -> int:
             restored += fk.lora.unpatch(module)
         if not is_patched(module):
             continue
-        for key in (_KIND, "_fk_hf_patch"):
+        for key in (_KIND, "_fk_hf_patch", _AUX_LOSS):
             module.__dict__.pop(key, None)
         if restore_class(module):
             module.__dict__.pop(_STOCK, None)
@@ -547,4 +555,7 @@ def apply_patch(model: torch.nn.Module, patch: ModelPatch, switches: dict[str, b
                 _set_forward(module, "rope", fn, patch)
         elif switches["flce"] and isinstance(module, heads):
             _set_forward(module, "flce", _flce_forward(), patch)
+            if patch.router_aux_loss:
+                modeling = importlib.import_module(patch.modeling_module)
+                module.__dict__[_AUX_LOSS] = modeling.load_balancing_loss_func
     return patched_modules(model)
