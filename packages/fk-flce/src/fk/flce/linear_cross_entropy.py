@@ -24,7 +24,6 @@ custom ops, the functional API :func:`linear_cross_entropy` and the module
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
@@ -35,6 +34,7 @@ import triton.language as tl
 from fk.core import validate
 from fk.core.backend import uses_kernel
 from fk.core.launch import cdiv
+from fk.core.matmul import has_fp32_out_matmul
 from fk.core.ops import define_autograd_op
 from fk.flce.cross_entropy import (
     CrossEntropyOutput,
@@ -142,22 +142,6 @@ Outputs = tuple[
 ]
 
 
-@functools.cache
-def _torch_has_out_dtype_matmul() -> bool:
-    """Whether the installed torch has ``torch.addmm(..., out_dtype=...)`` (2.8 and later)."""
-    try:
-        torch.ops.aten.addmm.dtype_out  # noqa: B018 (looked up only to see that it exists)
-    except (AttributeError, RuntimeError):
-        return False
-    return True
-
-
-def _has_out_dtype_matmul(device: torch.device) -> bool:
-    """``torch.addmm(..., out_dtype=torch.float32)`` runs bf16/fp16 matmuls with an fp32 output
-    (torch >= 2.8, on CUDA only)."""
-    return device.type == "cuda" and _torch_has_out_dtype_matmul()
-
-
 def _accumulate_matmul(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool) -> None:
     """``acc (=|+=) a @ b`` with the sum kept in ``acc.dtype``, in one kernel and no temporaries
     where the installed torch allows; elsewhere (CPU, older torch) through upcast copies of the
@@ -167,7 +151,7 @@ def _accumulate_matmul(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, firs
             torch.mm(a, b, out=acc)
         else:
             acc.addmm_(a, b)
-    elif _has_out_dtype_matmul(acc.device):
+    elif has_fp32_out_matmul(acc.device):
         if first:
             torch.mm(a, b, out_dtype=acc.dtype, out=acc)
         else:

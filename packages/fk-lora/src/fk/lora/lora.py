@@ -44,6 +44,7 @@ import torch.nn.functional as F
 
 from fk.core import validate
 from fk.core.backend import uses_kernel
+from fk.core.matmul import mm_bf16_fp32
 from fk.glu import gated_act_backward, gated_act_forward, gated_act_ref, resolve_activation
 
 MLP_ACTIVATIONS: dict[str, str] = {"swiglu": "silu", "geglu": "gelu_tanh"}
@@ -110,6 +111,8 @@ def lora_mlp_ref(
 #
 # Forward of one projection (x2 = x as [M, K], c = the activation dtype, l = the LoRA dtype):
 #   xa = d(x2.to(l)) A^T                         [M, r], in l     (d: dropout, mask m, 1/(1-p))
+#        (bf16 x2, fp32 A, no dropout, on a GPU: fk.core.matmul.mm_bf16_fp32 computes the same
+#        product reading x2 once in bf16, with no fp32 copy of it)
 #   y  = addmm(b, x2, W^T) ; y += s xa B^T ; y += s c_bias       [M, N], in c, one buffer
 #
 # Backward, with upstream gradient dy [M, N] and G = dy B [M, r] (rank-sized):
@@ -153,16 +156,19 @@ def _proj_fwd(
     ``xc`` is ``x2`` in the weight's dtype (``x2`` itself outside autocast); ``dd`` the dtype the
     dropout is drawn in (``lora_A``'s own, before any autocast cast).
     """
-    xl = x2 if x2.dtype == dd else x2.to(dd)
-    if p == 0 and xl is x2 and lora_A.dtype == xc.dtype:
-        xl = xc  # (autocast, no dropout: the base matmul's cast of x serves the LoRA branch too)
     mask = None
-    if p > 0:
-        xl, mask = torch.native_dropout(xl, p, True)
-    if xl.dtype != lora_A.dtype:
-        xl = xl.to(lora_A.dtype)
-    xa = torch.mm(xl, lora_A.t())
-    del xl
+    if p == 0 and x2.dtype == torch.bfloat16 and lora_A.dtype == dd == torch.float32 and x2.is_cuda:
+        xa = mm_bf16_fp32(x2, lora_A)  # x2.float() @ A^T without the fp32 copy of x2 (fk.core.matmul)
+    else:
+        xl = x2 if x2.dtype == dd else x2.to(dd)
+        if p == 0 and xl is x2 and lora_A.dtype == xc.dtype:
+            xl = xc  # (autocast, no dropout: the base matmul's cast of x serves the LoRA branch too)
+        if p > 0:
+            xl, mask = torch.native_dropout(xl, p, True)
+        if xl.dtype != lora_A.dtype:
+            xl = xl.to(lora_A.dtype)
+        xa = torch.mm(xl, lora_A.t())
+        del xl
     y = torch.mm(xc, weight.t()) if bias is None else torch.addmm(bias, xc, weight.t())
     c = xc.dtype
     y.addmm_(xa.to(c), lora_B.to(c).t(), alpha=scaling)

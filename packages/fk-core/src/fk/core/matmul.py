@@ -1,0 +1,61 @@
+"""Matmuls with an fp32 result from low-precision inputs, which two kernel packages need.
+
+- :func:`has_fp32_out_matmul`: whether ``torch.mm``/``torch.addmm`` take ``out_dtype=torch.float32``
+  for bf16/fp16 inputs on a device (torch 2.8 and later, CUDA only): one kernel writes the fp32
+  result, with no upcast copies of the inputs.
+- :func:`mm_bf16_fp32`: ``x @ w.T`` for a bf16 ``x`` and an fp32 ``w``, as ``x.float() @ w.T``
+  computes it, without the fp32 copy of ``x`` (fk.lora: PEFT keeps LoRA weights in fp32 next to bf16
+  activations, and casts the activations up).
+
+The split behind :func:`mm_bf16_fp32`: ``w = hi + mid + lo`` exactly (to fp32's precision), each part
+in bf16, where ``hi = bf16(w)``, ``mid = bf16(w - hi)``, ``lo = bf16(w - hi - mid)``: three bf16
+parts carry 3 x 8 significant bits, fp32 has 24. A bf16 x bf16 product is exact in fp32, so one
+bf16 matmul of ``x`` against the stacked parts, accumulated in fp32, gives ``x @ hi.T``,
+``x @ mid.T`` and ``x @ lo.T``, whose sum is ``x.float() @ w.T`` up to the order of fp32 additions.
+``x`` is read once, in bf16. (bf16 has fp32's exponent range, so no part under- or overflows where
+``w`` does not; fp16 inputs would, so they are not taken.)
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+
+@functools.cache
+def _torch_has_out_dtype_matmul() -> bool:
+    try:
+        torch.ops.aten.addmm.dtype_out  # noqa: B018 (looked up only to see that it exists)
+    except (AttributeError, RuntimeError):
+        return False
+    return True
+
+
+def has_fp32_out_matmul(device: torch.device) -> bool:
+    """Whether ``torch.mm``/``torch.addmm(..., out_dtype=torch.float32)`` run bf16/fp16 matmuls with
+    an fp32 result on ``device`` (torch >= 2.8, on CUDA only)."""
+    return device.type == "cuda" and _torch_has_out_dtype_matmul()
+
+
+def split_bf16(w: torch.Tensor) -> torch.Tensor:
+    """The fp32 ``w`` ``[r, K]`` as three bf16 parts stacked ``[3r, K]`` (hi, mid, lo) whose fp32 sum
+    is ``w`` (see the module docstring)."""
+    parts = []
+    rest = w
+    for _ in range(3):
+        part = rest.to(torch.bfloat16)
+        parts.append(part)
+        rest = rest - part.float()
+    return torch.cat(parts)
+
+
+def mm_bf16_fp32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x.float() @ w.T`` in fp32, for ``x`` bf16 ``[M, K]`` and ``w`` fp32 ``[r, K]``, reading ``x``
+    once in bf16 (see the module docstring). On a device without fp32-output matmuls it computes
+    ``x.float() @ w.T`` itself."""
+    if not has_fp32_out_matmul(x.device):
+        return torch.mm(x.float(), w.t())
+    r = w.shape[0]
+    out = torch.mm(x, split_bf16(w).t(), out_dtype=torch.float32)  # [M, 3r]: x hi^T | x mid^T | x lo^T
+    return out[:, :r] + out[:, r : 2 * r] + out[:, 2 * r :]

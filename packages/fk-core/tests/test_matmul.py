@@ -1,0 +1,37 @@
+"""fk.core.matmul: the bf16 split of an fp32 matrix, and the bf16 x fp32 matmul built on it (exact
+against ``x.float() @ w.T`` to fp32 accumulation; on a GPU through one fp32-output bf16 matmul)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fk.core import testing
+from fk.core.matmul import has_fp32_out_matmul, mm_bf16_fp32, split_bf16
+
+
+def test_split_parts_sum_to_the_matrix() -> None:
+    w = testing.random_tensor((16, 300), torch.float32, "cpu", seed=1) * 0.03
+    parts = split_bf16(w)
+    assert parts.dtype == torch.bfloat16 and parts.shape == (48, 300)
+    hi, mid, lo = parts.float().split(16)
+    assert torch.equal(hi + mid + lo, w)  # fp32's 24 bits in 3 x 8: exact here
+    assert not torch.equal(hi, w)  # the test tells a single bf16 rounding apart
+
+
+@pytest.mark.parametrize(("rows", "cols", "rank"), [(1, 7, 3), (33, 130, 16), (257, 4100, 8)])
+def test_mm_bf16_fp32_is_the_fp32_product(device: str, rows: int, cols: int, rank: int) -> None:
+    x = testing.random_tensor((rows, cols), torch.bfloat16, device, seed=rows)
+    w = testing.random_tensor((rank, cols), torch.float32, device, seed=cols) * cols**-0.5
+    got = mm_bf16_fp32(x, w)
+    want = x.double() @ w.double().t()
+    assert got.dtype == torch.float32 and got.shape == (rows, rank)
+    # fp32 accumulation over cols terms, against float64: a few fp32 ulps of the largest partial sums.
+    torch.testing.assert_close(got.double(), want, rtol=2e-6, atol=2e-6 * cols**0.5)
+    # A bf16 matmul (w rounded to bf16) is far outside that: the tolerance tells the two apart.
+    rounded = (x.float() @ w.to(torch.bfloat16).float().t()).double()
+    assert (rounded - want).abs().max() > 10 * 2e-6 * cols**0.5
+
+
+def test_fp32_out_matmul_only_on_cuda() -> None:
+    assert not has_fp32_out_matmul(torch.device("cpu"))
