@@ -167,8 +167,7 @@ COLUMNS = ["act", "tokens", "mode", "fk ms", "fk TB/s", "fk copy%", "inplace ms"
 def summary(record: bench.BenchRecord) -> str:
     """The markdown table for docs/benchmarks.md ("x peer": the peer's time over fk's; "GPU x peer":
     the same of the GPU work alone, ``bench.time_ms(gpu_only=True)``)."""
-    table = speedups(record)
-    return bench.markdown_table(table, [c for c in COLUMNS if any(c in row for row in table)])
+    return bench.markdown_table(speedups(record), COLUMNS, skip_absent=True)
 
 
 def plots(record: bench.BenchRecord, out: Path) -> None:

@@ -198,8 +198,7 @@ COLUMNS = [
 def summary(record: bench.BenchRecord) -> str:
     """The markdown table for docs/benchmarks.md ("x peft": PEFT's time over fk's; "GPU x peft": the
     same of the GPU work alone, ``bench.time_ms(gpu_only=True)``)."""
-    table = speedups(record)
-    return bench.markdown_table(table, [c for c in COLUMNS if any(c in row for row in table)])
+    return bench.markdown_table(speedups(record), COLUMNS, skip_absent=True)
 
 
 def main() -> None:

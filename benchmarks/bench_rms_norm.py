@@ -152,8 +152,7 @@ COLUMNS = ["H", "weight", "mode", "fk ms", "fk TB/s", "fk copy%", "liger ms", "t
 
 def summary(record: bench.BenchRecord) -> str:
     """The markdown table for docs/benchmarks.md ("speedup": over the faster of Liger and torch.compile)."""
-    table = speedups(record)
-    return bench.markdown_table(table, [c for c in COLUMNS if any(c in row for row in table)])
+    return bench.markdown_table(speedups(record), COLUMNS, skip_absent=True)
 
 
 def main() -> None:

@@ -202,8 +202,7 @@ COLUMNS = ["layout", "S", "mode", "fk ms", "fk TB/s", "fk copy%", "liger ms", "t
 def summary(record: bench.BenchRecord) -> str:
     """The markdown table for docs/benchmarks.md ("vs X": X's time over fk's, > 1 when fk is faster;
     "GPU vs X": the same of the GPU work alone, ``bench.time_ms(gpu_only=True)``)."""
-    table = speedups(record)
-    return bench.markdown_table(table, [c for c in COLUMNS if any(c in row for row in table)])
+    return bench.markdown_table(speedups(record), COLUMNS, skip_absent=True)
 
 
 def main() -> None:

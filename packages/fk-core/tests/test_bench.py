@@ -259,6 +259,12 @@ def test_markdown_table() -> None:
     assert len({len(line) for line in lines}) == 1  # padded to equal width
 
 
+def test_markdown_table_skips_absent_columns() -> None:
+    rows = [{"a": 1, "b": None}, {"a": 2}]
+    assert bench.markdown_table(rows, ["a", "b", "c"], skip_absent=True) == bench.markdown_table(rows, ["a", "b"])
+    assert "| c" in bench.markdown_table(rows, ["a", "b", "c"])  # kept (blank) without the flag
+
+
 def test_markdown_table_empty() -> None:
     assert bench.markdown_table([], ["a", "bb"]).splitlines() == ["| a   | bb  |", "| --- | --- |"]
 

@@ -610,11 +610,14 @@ def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def markdown_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str]) -> str:
+def markdown_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str], *, skip_absent: bool = False) -> str:
     """A Markdown table of ``columns`` from ``rows``; floats to three significant digits.
 
-    Missing values are blank; columns holding only numbers are right-aligned.
+    Missing values are blank; columns holding only numbers are right-aligned. With ``skip_absent``,
+    a column that no row has is left out (records written before a benchmark gained a column).
     """
+    if skip_absent:
+        columns = [c for c in columns if any(c in r for r in rows)]
     cells = [[_format_cell(r.get(c)) for c in columns] for r in rows]
     numeric = [
         all(_is_number(r.get(c)) or r.get(c) is None for r in rows) and any(r.get(c) is not None for r in rows)

@@ -648,6 +648,11 @@ def gated_act_backward_ref(
     return (dy * b * grad).to(gate.dtype), (dy * value).to(up.dtype)
 
 
+def _written_over(dgate: torch.Tensor, dup: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> bool:
+    """Whether the gradients went over ``gate``'s or ``up``'s own buffer."""
+    return gate.numel() > 0 and (dgate.data_ptr() == gate.data_ptr() or dup.data_ptr() == up.data_ptr())
+
+
 def gated_act_forward(gate: torch.Tensor, up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
     """``act(gate) * up`` with no autograd node: for use inside another ``torch.autograd.Function``.
 
@@ -685,7 +690,7 @@ def gated_act_backward(
         dgate, dup = _glu.bwd_op(dh, gate, up, code, False, True, True)  # type: ignore[attr-defined]
         return dgate, dup, False
     dgate, dup = _glu_bwd(dh, gate, up, code, inplace, True, True)
-    written = gate.numel() > 0 and (dgate.data_ptr() == gate.data_ptr() or dup.data_ptr() == up.data_ptr())
+    written = _written_over(dgate, dup, gate, up)
     return dgate, dup, written
 
 
@@ -705,7 +710,7 @@ def gated_act_backward_with_value(
         dgate, dup, written = gated_act_backward(dh, gate, up, activation)
         return dgate, dup, gated_act_forward(gate, up, activation), written
     dgate, dup, h = _glu_bwd_with_value(dh, gate, up, _CODES[activation], inplace)
-    written = gate.numel() > 0 and (dgate.data_ptr() == gate.data_ptr() or dup.data_ptr() == up.data_ptr())
+    written = _written_over(dgate, dup, gate, up)
     return dgate, dup, h, written
 
 
