@@ -14,10 +14,13 @@ def softmax_ref(x: torch.Tensor) -> torch.Tensor:
 
 
 def softmax_good(x: torch.Tensor) -> torch.Tensor:
-    # Same function, another summation order.
-    xf = x.float()
-    e = torch.exp(xf - xf.max(-1, keepdim=True).values)
-    return (e / e.flip(-1).sum(-1, keepdim=True)).to(x.dtype)
+    # The correctly rounded result moved by one unit in the last place: the most a careful kernel
+    # (another summation order, say) is off by. Built from the float64 softmax, not from float32
+    # arithmetic, so that it is as good on every CPU: on CI's, a float32 exp/sum/divide softmax
+    # was off by 5e-5 relative in one row, which no PyTorch kernel at float32 is.
+    y = torch.softmax(x.double(), dim=-1).to(x.dtype)
+    one_ulp_up = torch.nextafter(y.detach(), torch.full_like(y, float("inf")))
+    return y + (one_ulp_up - y.detach())
 
 
 def softmax_wrong_scale(x: torch.Tensor) -> torch.Tensor:
