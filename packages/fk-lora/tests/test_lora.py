@@ -104,7 +104,7 @@ def test_lora_mlp_matches_reference(
         monkeypatch.setattr(importlib.import_module("fk.lora.lora"), "MLP_CHUNK_BYTES", 4 * INTER * 2)
     g = _linear_args(dtype, device, n=INTER, seed=0, train_base=dtype == torch.float32)
     u = _linear_args(dtype, device, n=INTER, seed=10, lora_bias=False)
-    d = _linear_args(dtype, device, n=K, k=INTER, seed=20, bias=False)
+    d = _linear_args(dtype, device, n=K, k=INTER, seed=20, bias=False, train_base=dtype == torch.float32)
     flat = [g[0], *g[1:], *u[1:], *d[1:]]
 
     def parts(a: list[Any]) -> tuple[LoRAWeights, ...]:
@@ -115,6 +115,31 @@ def test_lora_mlp_matches_reference(
         lambda *a: lora_mlp_ref(a[0], *parts(list(a)), activation=activation),
         flat,
     )
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["whole", "row_chunks"])
+def test_lora_mlp_with_only_the_down_projection_trainable(
+    device: str, chunked: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No gradient for x, gate or up: the backward recomputes h for the down projection's
+    gradients alone, and leaves gate and up alone."""
+    if chunked:
+        monkeypatch.setattr(importlib.import_module("fk.lora.lora"), "MLP_CHUNK_BYTES", 4 * INTER * 4)
+    g, u, d = (
+        _linear_args(torch.float32, device, n=n, k=k, seed=seed, bias=False, lora_bias=False)
+        for n, k, seed in ((INTER, K, 0), (INTER, K, 10), (K, INTER, 20))
+    )
+    x = g[0].detach()
+    for t in (*g[3:5], *u[3:5]):
+        t.requires_grad_(False)
+    d[1].requires_grad_(True)
+    result = testing.compare_with_reference(
+        lambda *a: lora_mlp(a[0], *(LoRAWeights(*a[1 + 4 * i : 5 + 4 * i], 2.0) for i in range(3))),
+        lambda *a: lora_mlp_ref(a[0], *(LoRAWeights(*a[1 + 4 * i : 5 + 4 * i], 2.0) for i in range(3))),
+        [x, *g[1:5], *u[1:5], *d[1:5]],
+        arg_names=["x"] + [f"{p}.{n}" for p in ("gate", "up", "down") for n in ("weight", "bias", "lora_A", "lora_B")],
+    )
+    assert result.names == ["output0", "grad of down.weight", "grad of down.lora_A", "grad of down.lora_B"]
 
 
 def test_lora_mlp_backward_keeps_no_intermediate_sized_activation(device: str) -> None:

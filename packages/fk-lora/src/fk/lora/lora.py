@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from fk.core import validate
 from fk.core.backend import uses_kernel
 from fk.core.matmul import mm_bf16_fp32
-from fk.glu import gated_act_backward, gated_act_forward, gated_act_ref, resolve_activation
+from fk.glu import gated_act_backward_with_value, gated_act_forward, gated_act_ref, resolve_activation
 
 MLP_ACTIVATIONS: dict[str, str] = {"swiglu": "silu", "geglu": "gelu_tanh"}
 """Short names accepted by :func:`lora_mlp` (Hugging Face ``hidden_act`` names are accepted too)."""
@@ -131,9 +131,11 @@ def lora_mlp_ref(
 #
 # Gated MLP: g = proj_gate(x), u = proj_up(x), h = act(g) * u (fk.glu's kernel), y = proj_down(h).
 # Saved: x, g, u, the rank-sized xa's and the masks; h is not saved but recomputed from g and u in
-# the backward (one more elementwise pass instead of an [M, I] buffer kept from forward to
-# backward). Backward: dh from proj_down's backward (using the recomputed h), then
-# (dg, du) = fk.glu.gated_act_backward(dh, g, u), written into g's and u's buffers in eager mode, then dx.
+# the backward, inside the gradient pass (one more write instead of an [M, I] buffer kept from
+# forward to backward). Backward: dh = dy Wd + s (G_d Ad) needs no h, so it comes first; then
+# (dg, du, h) = fk.glu.gated_act_backward_with_value(dh, g, u) in one pass, in eager mode with dg
+# and du written over g's and u's buffers and h over dh's; then the down projection's parameter
+# gradients from h (dWd = dy^T h, dAd = (s G_d)^T h), then dx from dg and du.
 # Without dropout on the down projection, h and dh are formed MLP_CHUNK_BYTES of rows at a time
 # (forward and eager backward), so g and u are the only [M, I] buffers: the down projection's
 # parameter gradients are then sums over the chunks, in fp32.
@@ -182,6 +184,74 @@ def _masked(t: torch.Tensor, mask: torch.Tensor, p: float) -> torch.Tensor:
     return torch.ops.aten.native_dropout_backward.default(t, mask, 1.0 / (1.0 - p))
 
 
+def _scaled_lora_grad(dy: torch.Tensor, lora_B: torch.Tensor, scaling: float) -> torch.Tensor:
+    """``s G = s dy B`` ``[M, r]``: the rank-sized term both ``dA`` and ``dx`` are formed from."""
+    return torch.mm(dy, lora_B.to(dy.dtype)) * scaling
+
+
+def _proj_bwd_params(
+    dy: torch.Tensor,
+    x2: torch.Tensor,
+    xc: torch.Tensor | None,
+    weight: torch.Tensor,
+    lora_A: torch.Tensor,
+    lora_B: torch.Tensor,
+    xa: torch.Tensor,
+    mask: torch.Tensor | None,
+    scaling: float,
+    p: float,
+    dd: torch.dtype,
+    needs: tuple[bool, ...],
+    gs: torch.Tensor | None,
+) -> list[torch.Tensor | None]:
+    """The parameter gradients of :func:`_proj_fwd`: [dW, db, dA, dB, dlora_bias], None where not
+    in ``needs`` (the same five flags). ``xc``: ``x2`` in ``dy``'s dtype, needed only for dW;
+    ``gs``: :func:`_scaled_lora_grad`, needed only for dA."""
+    need_dw, need_db, need_da, need_dbb, need_dlb = needs
+    c = dy.dtype
+    grads: list[torch.Tensor | None] = [None] * 5
+    if need_dw:
+        assert xc is not None
+        grads[0] = torch.mm(dy.t(), xc).to(weight.dtype)
+    if need_db or need_dlb:
+        col_sum = dy.sum(0, dtype=torch.float32)
+        if need_db:
+            grads[1] = col_sum.to(weight.dtype)
+        if need_dlb:
+            grads[4] = (col_sum * scaling).to(lora_B.dtype)
+    if need_dbb:
+        grads[3] = torch.mm(dy.t(), xa.to(c) * scaling).to(lora_B.dtype)
+    if need_da:
+        assert gs is not None
+        if x2.dtype == c:
+            xd = x2 if mask is None else _masked(x2, mask, p)
+        else:  # autocast: the LoRA input as the forward formed it, dropped in dd, then cast to c
+            xd = x2 if x2.dtype == dd else x2.to(dd)
+            xd = (xd if mask is None else _masked(xd, mask, p)).to(c)
+        grads[2] = torch.mm(gs.t(), xd).to(lora_A.dtype)
+    return grads
+
+
+def _proj_bwd_input(
+    dy: torch.Tensor,
+    weight: torch.Tensor,
+    lora_A: torch.Tensor,
+    gs: torch.Tensor,
+    mask: torch.Tensor | None,
+    p: float,
+    dx: torch.Tensor | None,
+) -> torch.Tensor:
+    """``dx (+)= dy W + (s G A) * m / (1 - p)``: into ``dx`` when given (the accumulation buffer of
+    projections that share their input), else a new buffer."""
+    dx = torch.mm(dy, weight) if dx is None else dx.addmm_(dy, weight)
+    a_c = lora_A.to(dy.dtype)
+    if mask is None:
+        dx.addmm_(gs, a_c)
+    else:
+        dx.add_(_masked(torch.mm(gs, a_c), mask, p))
+    return dx
+
+
 def _proj_bwd(
     dy: torch.Tensor,
     x2: torch.Tensor,
@@ -203,37 +273,12 @@ def _proj_bwd(
     dW (``x2`` itself outside autocast). ``dx`` is the accumulation buffer (None: this is the
     first term), in ``dy``'s dtype. Returns (dx, [dW, db, dA, dB, dlora_bias]).
     """
-    need_dx, need_dw, need_db, need_da, need_dbb, need_dlb = needs
-    c = dy.dtype
-    grads: list[torch.Tensor | None] = [None] * 5
-    if need_dw:
-        assert xc is not None
-        grads[0] = torch.mm(dy.t(), xc).to(weight.dtype)
-    if need_db or need_dlb:
-        col_sum = dy.sum(0, dtype=torch.float32)
-        if need_db:
-            grads[1] = col_sum.to(weight.dtype)
-        if need_dlb:
-            grads[4] = (col_sum * scaling).to(lora_B.dtype)
-    if need_dbb:
-        grads[3] = torch.mm(dy.t(), xa.to(c) * scaling).to(lora_B.dtype)
-    if need_da or need_dx:
-        gs = torch.mm(dy, lora_B.to(c)) * scaling  # s G, [M, r]
-        if need_da:
-            if x2.dtype == c:
-                xd = x2 if mask is None else _masked(x2, mask, p)
-            else:  # autocast: the LoRA input as the forward formed it, dropped in dd, then cast to c
-                xd = x2 if x2.dtype == dd else x2.to(dd)
-                xd = (xd if mask is None else _masked(xd, mask, p)).to(c)
-            grads[2] = torch.mm(gs.t(), xd).to(lora_A.dtype)
-            del xd
-        if need_dx:
-            dx = torch.mm(dy, weight) if dx is None else dx.addmm_(dy, weight)
-            a_c = lora_A.to(c)
-            if mask is None:
-                dx.addmm_(gs, a_c)
-            else:
-                dx.add_(_masked(torch.mm(gs, a_c), mask, p))
+    need_dx, param_needs = needs[0], needs[1:]
+    gs = _scaled_lora_grad(dy, lora_B, scaling) if need_dx or param_needs[2] else None
+    grads = _proj_bwd_params(dy, x2, xc, weight, lora_A, lora_B, xa, mask, scaling, p, dd, param_needs, gs)
+    if need_dx:
+        assert gs is not None
+        dx = _proj_bwd_input(dy, weight, lora_A, gs, mask, p, dx)
     return dx, grads
 
 
@@ -359,6 +404,45 @@ def _down_forward_in_chunks(
     return y, torch.cat(xas)
 
 
+def _down_backward(
+    dy2: torch.Tensor,
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    act: str,
+    wd: torch.Tensor,
+    ad: torch.Tensor,
+    bd: torch.Tensor,
+    xa_d: torch.Tensor,
+    m_d: torch.Tensor | None,
+    sd: float,
+    pd: float,
+    dd: torch.dtype,
+    needs: tuple[bool, ...],
+) -> tuple[list[torch.Tensor | None], torch.Tensor | None, torch.Tensor | None, bool]:
+    """The down projection's backward and the activation's, for the rows of ``dy2``, ``gate`` and
+    ``up``: returns ([dW, db, dA, dB, dlora_bias] of the down projection, d gate, d up, written).
+
+    ``needs`` = (d gate and d up, then the down projection's five parameter flags). The input
+    gradient ``dh`` needs no ``h``, so it comes first; fk.glu's gradient pass then forms
+    (d gate, d up) and recomputes ``h = act(gate) * up`` over ``dh``'s buffer, in eager mode with
+    the gradients over ``gate``'s and ``up``'s (``written``), and the parameter gradients read that
+    ``h``. Without d gate and d up, ``h`` is recomputed alone.
+    """
+    need_gu, param_needs = needs[0], needs[1:]
+    gs = _scaled_lora_grad(dy2, bd, sd) if need_gu or param_needs[2] else None
+    dgate = dup = None
+    written = False
+    if need_gu:
+        assert gs is not None
+        dh = _proj_bwd_input(dy2, wd, ad, gs, m_d, pd, None)
+        dgate, dup, h, written = gated_act_backward_with_value(dh, gate, up, act, inplace=True)
+        del dh  # (its buffer holds h now)
+    else:
+        h = gated_act_forward(gate, up, act)
+    grads = _proj_bwd_params(dy2, h, h, wd, ad, bd, xa_d, m_d, sd, pd, dd, param_needs, gs)
+    return grads, dgate, dup, written
+
+
 def _down_backward_in_chunks(
     dy2: torch.Tensor,
     gate: torch.Tensor,
@@ -371,26 +455,24 @@ def _down_backward_in_chunks(
     xa_d: torch.Tensor,
     sd: float,
     dd: torch.dtype,
-    needs: tuple[bool, bool, bool, bool, bool, bool],
+    needs: tuple[bool, ...],
 ) -> list[torch.Tensor | None]:
-    """The down projection's backward (no dropout), ``rows`` rows at a time: per chunk, h is
-    recomputed, dh formed, and (when ``needs[0]``) (d gate, d up) written over the chunk's gate and
-    up rows. Returns the down projection's parameter gradients, summed over the chunks in fp32."""
+    """:func:`_down_backward` (no dropout) ``rows`` rows at a time, with (when ``needs[0]``)
+    (d gate, d up) of each chunk written over its gate and up rows. Returns the down projection's
+    parameter gradients, summed over the chunks in fp32."""
     totals: list[torch.Tensor | None] = [None] * _SLOTS
     for start in range(0, gate.shape[0], rows):
         part = slice(start, start + rows)
-        h = gated_act_forward(gate[part], up[part], act)
-        dh, grads = _proj_bwd(dy2[part], h, h, wd, ad, bd, xa_d[part], None, sd, 0.0, dd, needs, None)
-        del h
+        grads, dg, du, written = _down_backward(
+            dy2[part], gate[part], up[part], act, wd, ad, bd, xa_d[part], None, sd, 0.0, dd, needs
+        )
         for i, g in enumerate(grads):
             if g is not None:
                 totals[i] = g.float() if totals[i] is None else totals[i].add_(g)  # type: ignore[union-attr]
-        if needs[0] and dh is not None:
-            dg, du, _ = gated_act_backward(dh, gate[part], up[part], act, inplace=True)
-            if dg.data_ptr() != gate[part].data_ptr():
-                gate[part] = dg
-                up[part] = du
-        del dh
+        if dg is not None and du is not None and not written:
+            gate[part] = dg
+            up[part] = du
+        del dg, du
     like = (wd, wd, ad, bd, bd)  # the dtype of each gradient: weight, bias, lora_A, lora_B, lora_bias
     return [t if t is None else t.to(like[i].dtype) for i, t in enumerate(totals)]
 
@@ -441,20 +523,15 @@ class _LoRAMLP(torch.autograd.Function):
         chunked = rows < gate.shape[0] and uses_kernel(gate) and not torch.compiler.is_compiling()
         if chunked:  # eager: (dg, du) of each chunk of rows written over its gate and up rows
             grads_d = _down_backward_in_chunks(dy2, gate, up, act, rows, wd, ad, bd, xa_d, sd, dd, down_needs)
-            dh, written = None, True
+            dgate, dup, written = (gate, up, True) if need_gu else (None, None, False)
         else:
-            h = gated_act_forward(gate, up, act)
-            dh, grads_d = _proj_bwd(dy2, h, h, wd, ad, bd, xa_d, m_d, sd, pd, dd, down_needs, None)
-            del h
+            grads_d, dgate, dup, written = _down_backward(
+                dy2, gate, up, act, wd, ad, bd, xa_d, m_d, sd, pd, dd, down_needs
+            )
         grads_g: list[torch.Tensor | None] = [None] * _SLOTS
         grads_u: list[torch.Tensor | None] = [None] * _SLOTS
         dx = None
-        if need_gu and (dh is not None or chunked):
-            if dh is None:  # chunked: the gradients are in gate's and up's buffers already
-                dgate, dup = gate, up
-            else:
-                dgate, dup, written = gated_act_backward(dh, gate, up, act, inplace=True)
-            del dh
+        if dgate is not None and dup is not None:
             if written:  # the gradients overwrote gate and up: a second backward must fail loudly
                 torch.autograd.graph.increment_version(gate)
                 torch.autograd.graph.increment_version(up)
