@@ -94,6 +94,34 @@ def test_lora_qkv_matches_three_linears(device: str, dtype: torch.dtype) -> None
     assert result.names[:4] == ["output0", "output1", "output2", "grad of x"]
 
 
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16], ids=dtype_name)
+def test_lora_qkv_mixed_dropout_and_an_unused_output(device: str, x_dtype: torch.dtype) -> None:
+    """q and v without dropout share one matmul for their LoRA inputs (and their dA and dx terms),
+    k draws its mask in between, and k's output gets no gradient: all as three separate linears.
+    (bf16 x: fp32 LoRA weights next to bf16 activations, PEFT's default.)"""
+    q, k, v = (_linear_args(x_dtype, device, n=n, seed=seed, lora_dtype=torch.float32) for n, seed in ((48, 0), (24, 10), (24, 20)))  # fmt: skip
+    x = q[0]
+    parts = [LoRAWeights(*t[1:5], 1.5 + i, (0.0, 0.3, 0.0)[i], t[5]) for i, t in enumerate((q, k, v))]
+    leaves = [x] + [t for p in parts for t in p if isinstance(t, torch.Tensor) and t.requires_grad]
+
+    def run(fn: Any) -> list[torch.Tensor]:
+        torch.manual_seed(5)
+        outs = fn(x, *parts)
+        loss = outs[0].square().sum() + (outs[2] * torch.linspace(-1, 1, 24, device=device)).sum()
+        return [outs[0], outs[1], outs[2], *torch.autograd.grad(loss, leaves, allow_unused=True)]
+
+    got = run(lora_qkv)
+    want = run(lambda x, *ps: tuple(lora_linear_ref(x, *p) for p in ps))
+    for i, (a, w) in enumerate(zip(got, want, strict=True)):
+        if w is None:
+            assert a is None or not a.abs().max() > 0, i
+            continue
+        assert a is not None and a.dtype == w.dtype, i
+        # the same products summed in other orders: a few roundings of the inputs' dtype apart
+        tol = (1e-5 if x_dtype == torch.float32 else 0.02) * float(w.abs().max())
+        torch.testing.assert_close(a, w, rtol=0.0, atol=tol, msg=lambda m, i=i: f"result {i}: {m}")
+
+
 @pytest.mark.parametrize("chunked", [False, True], ids=["whole", "row_chunks"])
 @pytest.mark.parametrize("activation", ["swiglu", "geglu"])
 @pytest.mark.parametrize("dtype", testing.DTYPES, ids=dtype_name)

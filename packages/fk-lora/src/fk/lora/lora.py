@@ -125,9 +125,13 @@ def lora_mlp_ref(
 # Under autocast, W, b, A, B and c_bias arrive cast to autocast's dtype, which is then c: x2 is cast
 # to c for the base matmul (and recast in the backward for dW), the LoRA branch casts x2 to lora_A's
 # own dtype for the dropout and the result to c, and dx is formed in c and cast to x's dtype.
-# For projections that share x (q, k, v; gate, up), dx is one buffer: the first dy W is an mm,
-# every other term is accumulated into it (addmm_ without dropout; with dropout the masked term
-# G A is formed once per projection and added with its mask).
+# For projections that share x (q, k, v; gate, up), the rank-sized work of the ones without
+# dropout is stacked, so that x2 is read once for all of them, not once per projection: the
+# forward's xa's come from one matmul against [A_q; A_k; A_v] (each xa a column block of it), the
+# backward's dA's from one [s G_q | s G_k | s G_v]^T x2. dx is one buffer: the first dy W is an
+# mm, the other dy W terms are accumulated into it with addmm_, then the stacked s G A terms with
+# one addmm_ (one pass over dx); with dropout, a projection's masked G A is formed alone and
+# added with its mask.
 #
 # Gated MLP: g = proj_gate(x), u = proj_up(x), h = act(g) * u (fk.glu's kernel), y = proj_down(h).
 # Saved: x, g, u, the rank-sized xa's and the masks; h is not saved but recomputed from g and u in
@@ -139,6 +143,76 @@ def lora_mlp_ref(
 # Without dropout on the down projection, h and dh are formed MLP_CHUNK_BYTES of rows at a time
 # (forward and eager backward), so g and u are the only [M, I] buffers: the down projection's
 # parameter gradients are then sums over the chunks, in fp32.
+
+
+def _lora_input_product(
+    x2: torch.Tensor, xc: torch.Tensor, lora_A: torch.Tensor, p: float, dd: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``xa = d(x2 in dd) A^T`` ``[M, r]`` in ``A``'s dtype, and the dropout mask (None without
+    dropout). ``A`` may be several projections' ``A``\\ s stacked (no dropout): ``x2`` is read once.
+
+    ``xc`` is ``x2`` in the weight's dtype (``x2`` itself outside autocast); ``dd`` the dtype the
+    dropout is drawn in (``lora_A``'s own, before any autocast cast).
+    """
+    if p == 0 and x2.dtype == torch.bfloat16 and lora_A.dtype == dd == torch.float32:
+        return mm_bf16_fp32(x2, lora_A), None  # x2.float() @ A^T, on a GPU with no fp32 copy of x2
+    mask = None
+    xl = x2 if x2.dtype == dd else x2.to(dd)
+    if p == 0 and xl is x2 and lora_A.dtype == xc.dtype:
+        xl = xc  # (autocast, no dropout: the base matmul's cast of x serves the LoRA branch too)
+    if p > 0:
+        xl, mask = torch.native_dropout(xl, p, True)
+    if xl.dtype != lora_A.dtype:
+        xl = xl.to(lora_A.dtype)
+    return torch.mm(xl, lora_A.t()), mask
+
+
+def _lora_input_products(
+    x2: torch.Tensor, xc: torch.Tensor, lora_As: list[torch.Tensor], config: Any
+) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+    """(xa's, masks) of projections that share ``x2`` (``config``: ``(s, p, dd)`` each). Those
+    without dropout whose ``A``\\ s share a dtype take one matmul against their stacked ``A``\\ s, so
+    ``x2`` is read once for all of them; each ``xa`` is then a column block of its result.
+    Dropout masks are drawn projection by projection, in order, as PEFT draws them."""
+    xas: list[Any] = [None] * len(config)
+    masks: list[torch.Tensor | None] = [None] * len(config)
+    for group in _groups(config, lora_As, with_dropout=False):
+        stacked = torch.cat([lora_As[i] for i in group]) if len(group) > 1 else lora_As[group[0]]
+        xa, _ = _lora_input_product(x2, xc, stacked, 0.0, config[group[0]][2])
+        for i, block in zip(group, xa.split([lora_As[i].shape[0] for i in group], dim=1), strict=True):
+            xas[i] = block
+    for i, (_, p, dd) in enumerate(config):
+        if p > 0:
+            xas[i], masks[i] = _lora_input_product(x2, xc, lora_As[i], p, dd)
+    return xas, masks
+
+
+def _groups(config: Any, lora_As: Any, with_dropout: bool) -> list[list[int]]:
+    """Indices of the projections with dropout ``p == 0`` (``with_dropout`` False) grouped by
+    (``A``'s dtype, dropout dtype): the ones whose rank-sized terms can be stacked."""
+    groups: dict[tuple[torch.dtype, torch.dtype], list[int]] = {}
+    for i, (_, p, dd) in enumerate(config):
+        if lora_As[i] is not None and (p > 0) == with_dropout:
+            groups.setdefault((lora_As[i].dtype, dd), []).append(i)
+    return list(groups.values())
+
+
+def _proj_out(
+    xc: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    xa: torch.Tensor,
+    lora_B: torch.Tensor,
+    lora_bias: torch.Tensor | None,
+    scaling: float,
+) -> torch.Tensor:
+    """``y = xc W^T + b + s xa B^T + s c`` ``[M, N]`` in ``xc``'s dtype, one buffer."""
+    y = torch.mm(xc, weight.t()) if bias is None else torch.addmm(bias, xc, weight.t())
+    c = xc.dtype
+    y.addmm_(xa.to(c), lora_B.to(c).t(), alpha=scaling)
+    if lora_bias is not None:
+        y.add_(lora_bias.to(c), alpha=scaling)
+    return y
 
 
 def _proj_fwd(
@@ -153,30 +227,9 @@ def _proj_fwd(
     p: float,
     dd: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """One projection of ``x2`` ``[M, K]``: (y ``[M, N]``, xa ``[M, r]``, dropout mask or None).
-
-    ``xc`` is ``x2`` in the weight's dtype (``x2`` itself outside autocast); ``dd`` the dtype the
-    dropout is drawn in (``lora_A``'s own, before any autocast cast).
-    """
-    mask = None
-    if p == 0 and x2.dtype == torch.bfloat16 and lora_A.dtype == dd == torch.float32 and x2.is_cuda:
-        xa = mm_bf16_fp32(x2, lora_A)  # x2.float() @ A^T without the fp32 copy of x2 (fk.core.matmul)
-    else:
-        xl = x2 if x2.dtype == dd else x2.to(dd)
-        if p == 0 and xl is x2 and lora_A.dtype == xc.dtype:
-            xl = xc  # (autocast, no dropout: the base matmul's cast of x serves the LoRA branch too)
-        if p > 0:
-            xl, mask = torch.native_dropout(xl, p, True)
-        if xl.dtype != lora_A.dtype:
-            xl = xl.to(lora_A.dtype)
-        xa = torch.mm(xl, lora_A.t())
-        del xl
-    y = torch.mm(xc, weight.t()) if bias is None else torch.addmm(bias, xc, weight.t())
-    c = xc.dtype
-    y.addmm_(xa.to(c), lora_B.to(c).t(), alpha=scaling)
-    if lora_bias is not None:
-        y.add_(lora_bias.to(c), alpha=scaling)
-    return y, xa, mask
+    """One projection of ``x2`` ``[M, K]``: (y ``[M, N]``, xa ``[M, r]``, dropout mask or None)."""
+    xa, mask = _lora_input_product(x2, xc, lora_A, p, dd)
+    return _proj_out(xc, weight, bias, xa, lora_B, lora_bias, scaling), xa, mask
 
 
 def _masked(t: torch.Tensor, mask: torch.Tensor, p: float) -> torch.Tensor:
@@ -187,6 +240,17 @@ def _masked(t: torch.Tensor, mask: torch.Tensor, p: float) -> torch.Tensor:
 def _scaled_lora_grad(dy: torch.Tensor, lora_B: torch.Tensor, scaling: float) -> torch.Tensor:
     """``s G = s dy B`` ``[M, r]``: the rank-sized term both ``dA`` and ``dx`` are formed from."""
     return torch.mm(dy, lora_B.to(dy.dtype)) * scaling
+
+
+def _dropped_input(
+    x2: torch.Tensor, mask: torch.Tensor | None, p: float, dd: torch.dtype, c: torch.dtype
+) -> torch.Tensor:
+    """``d(x2)`` in ``c`` as ``dA = (s G)^T d(x2)`` needs it: under autocast, the LoRA input as the
+    forward formed it (``x2`` in ``dd``, dropped there), then cast to ``c``."""
+    if x2.dtype == c:
+        return x2 if mask is None else _masked(x2, mask, p)
+    xd = x2 if x2.dtype == dd else x2.to(dd)
+    return (xd if mask is None else _masked(xd, mask, p)).to(c)
 
 
 def _proj_bwd_params(
@@ -223,12 +287,7 @@ def _proj_bwd_params(
         grads[3] = torch.mm(dy.t(), xa.to(c) * scaling).to(lora_B.dtype)
     if need_da:
         assert gs is not None
-        if x2.dtype == c:
-            xd = x2 if mask is None else _masked(x2, mask, p)
-        else:  # autocast: the LoRA input as the forward formed it, dropped in dd, then cast to c
-            xd = x2 if x2.dtype == dd else x2.to(dd)
-            xd = (xd if mask is None else _masked(xd, mask, p)).to(c)
-        grads[2] = torch.mm(gs.t(), xd).to(lora_A.dtype)
+        grads[2] = torch.mm(gs.t(), _dropped_input(x2, mask, p, dd, c)).to(lora_A.dtype)
     return grads
 
 
@@ -241,8 +300,7 @@ def _proj_bwd_input(
     p: float,
     dx: torch.Tensor | None,
 ) -> torch.Tensor:
-    """``dx (+)= dy W + (s G A) * m / (1 - p)``: into ``dx`` when given (the accumulation buffer of
-    projections that share their input), else a new buffer."""
+    """``dx (+)= dy W + (s G A) * m / (1 - p)``: into ``dx`` when given, else a new buffer."""
     dx = torch.mm(dy, weight) if dx is None else dx.addmm_(dy, weight)
     a_c = lora_A.to(dy.dtype)
     if mask is None:
@@ -252,33 +310,64 @@ def _proj_bwd_input(
     return dx
 
 
-def _proj_bwd(
-    dy: torch.Tensor,
+def _shared_input_bwd(
+    dys: list[torch.Tensor | None],
     x2: torch.Tensor,
     xc: torch.Tensor | None,
-    weight: torch.Tensor,
-    lora_A: torch.Tensor,
-    lora_B: torch.Tensor,
-    xa: torch.Tensor,
-    mask: torch.Tensor | None,
-    scaling: float,
-    p: float,
-    dd: torch.dtype,
-    needs: tuple[bool, bool, bool, bool, bool, bool],
-    dx: torch.Tensor | None,
-) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
-    """Backward of :func:`_proj_fwd` (see the math above).
+    weights: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    xas: list[torch.Tensor],
+    masks: list[torch.Tensor | None],
+    config: Any,
+    needs: list[tuple[bool, ...]],
+    need_dx: bool,
+) -> tuple[torch.Tensor | None, list[list[torch.Tensor | None]]]:
+    """Backward of the projections of one input ``x2`` (q, k, v; gate, up; or one alone): returns
+    (dx, [dW, db, dA, dB, dlora_bias] of each projection).
 
-    ``needs`` = (dx, dW, db, dA, dB, dlora_bias). ``xc``: ``x2`` in ``dy``'s dtype, needed only for
-    dW (``x2`` itself outside autocast). ``dx`` is the accumulation buffer (None: this is the
-    first term), in ``dy``'s dtype. Returns (dx, [dW, db, dA, dB, dlora_bias]).
+    ``dys[i]`` ``[M, N_i]`` (None: projection i got no gradient), ``weights[i]`` = (W, A, B),
+    ``needs[i]`` its five flags; ``xc`` is ``x2`` in the gradients' dtype (needed for dW only).
+    dx is one buffer: the ``dy W`` terms first, then the rank-sized ``s G A`` terms. For the
+    projections without dropout those are stacked, as in the forward: their ``dA``\\ s come from one
+    matmul that reads ``x2`` once, and their ``s G A`` terms go into dx with one ``addmm_``.
     """
-    need_dx, param_needs = needs[0], needs[1:]
-    gs = _scaled_lora_grad(dy, lora_B, scaling) if need_dx or param_needs[2] else None
-    grads = _proj_bwd_params(dy, x2, xc, weight, lora_A, lora_B, xa, mask, scaling, p, dd, param_needs, gs)
-    if need_dx:
-        assert gs is not None
-        dx = _proj_bwd_input(dy, weight, lora_A, gs, mask, p, dx)
+    n = len(config)
+    live = [i for i in range(n) if dys[i] is not None]
+    if not live:
+        return None, [[None] * _SLOTS for _ in range(n)]
+    c = dys[live[0]].dtype  # type: ignore[union-attr]
+    gss: list[Any] = [None] * n
+    grads: list[list[torch.Tensor | None]] = [[None] * _SLOTS for _ in range(n)]
+    stacked_da = {i for group in _groups(config, [weights[i][1] for i in range(n)], False) for i in group}
+    for i in live:
+        dy = dys[i]
+        assert dy is not None
+        (w, a, b), (s, p, dd) = weights[i], config[i]
+        if need_dx or needs[i][2]:
+            gss[i] = _scaled_lora_grad(dy, b, s)
+        own_needs = (*needs[i][:2], needs[i][2] and i not in stacked_da, *needs[i][3:])
+        grads[i] = _proj_bwd_params(dy, x2, xc, w, a, b, xas[i], masks[i], s, p, dd, own_needs, gss[i])
+    for group in _groups(config, [weights[i][1] if i in live else None for i in range(n)], False):
+        group = [i for i in group if needs[i][2]]
+        if group:  # dA of projections without dropout: one read of d(x2) = x2
+            gs = torch.cat([gss[i] for i in group], dim=1) if len(group) > 1 else gss[group[0]]
+            da = torch.mm(gs.t(), _dropped_input(x2, None, 0.0, config[group[0]][2], c))
+            for i, block in zip(group, da.split([weights[i][1].shape[0] for i in group]), strict=True):
+                grads[i][2] = block.to(weights[i][1].dtype)
+    if not need_dx:
+        return None, grads
+    dx: torch.Tensor | None = None
+    for i in live:
+        dx = torch.mm(dys[i], weights[i][0]) if dx is None else dx.addmm_(dys[i], weights[i][0])  # type: ignore[arg-type]
+    assert dx is not None
+    plain = [i for i in live if masks[i] is None]
+    if plain:  # s G A of the projections without dropout: one pass over dx
+        gs = torch.cat([gss[i] for i in plain], dim=1) if len(plain) > 1 else gss[plain[0]]
+        a_c = torch.cat([weights[i][1].to(c) for i in plain]) if len(plain) > 1 else weights[plain[0]][1].to(c)
+        dx.addmm_(gs, a_c)
+    for i in live:
+        mask = masks[i]
+        if mask is not None:
+            dx.add_(_masked(torch.mm(gss[i], weights[i][1].to(c)), mask, config[i][1]))
     return dx, grads
 
 
@@ -320,13 +409,12 @@ class _LoRAProjections(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1])
         c = params[0].dtype
         xc = x2 if x2.dtype == c else x2.to(c)
-        outs, xas, masks = [], [], []
-        for i, (s, p, dd) in enumerate(config):
-            w, b, a, bb, lb = params[_SLOTS * i : _SLOTS * (i + 1)]
-            y, xa, mask = _proj_fwd(x2, xc, w, b, a, bb, lb, s, p, dd)
+        xas, masks = _lora_input_products(x2, xc, [params[_SLOTS * i + 2] for i in range(len(config))], config)
+        outs = []
+        for i, (s, _, _) in enumerate(config):
+            w, b, _, bb, lb = params[_SLOTS * i : _SLOTS * (i + 1)]
+            y = _proj_out(xc, w, b, xas[i], bb, lb, s)
             outs.append(y.view(*x.shape[:-1], y.shape[-1]))
-            xas.append(xa)
-            masks.append(mask)
         weights = [t for i in range(len(config)) for t in (params[_SLOTS * i], params[_SLOTS * i + 2], params[_SLOTS * i + 3])]  # fmt: skip
         ctx.save_for_backward(x, *weights, *xas, *masks)
         ctx.config = config
@@ -341,22 +429,16 @@ class _LoRAProjections(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1])
         c = weights[0].dtype
         xc = _cast_if_needed(x2, c, any(ctx.needs_input_grad[2::_SLOTS]))
-        need_dx = ctx.needs_input_grad[0]
-        dx = None
-        grads: list[torch.Tensor | None] = []
+        dys2 = [None if dy is None else dy.reshape(-1, dy.shape[-1]) for dy in dys]
+        needs = [ctx.needs_input_grad[2 + _SLOTS * i : 2 + _SLOTS * (i + 1)] for i in range(n)]
         with _autocast_off(x.device.type):
-            for i, (s, p, dd) in enumerate(ctx.config):
-                needs = ctx.needs_input_grad[2 + _SLOTS * i : 2 + _SLOTS * (i + 1)]
-                if dys[i] is None:
-                    grads += [None] * _SLOTS
-                    continue
-                dy = dys[i].reshape(-1, dys[i].shape[-1])
-                w, a, b = weights[3 * i : 3 * i + 3]
-                dx, g = _proj_bwd(dy, x2, xc, w, a, b, xas[i], masks[i], s, p, dd, (need_dx, *needs), dx)
-                grads += g
+            dx, grads = _shared_input_bwd(
+                dys2, x2, xc, [weights[3 * i : 3 * i + 3] for i in range(n)], list(xas), list(masks),
+                ctx.config, needs, ctx.needs_input_grad[0],
+            )  # fmt: skip
         if dx is not None:
             dx = dx.view(x.shape).to(x.dtype)
-        return (dx, None, *grads)
+        return (dx, None, *(g for projection in grads for g in projection))
 
 
 MLP_CHUNK_BYTES = 64 << 20
@@ -490,8 +572,9 @@ class _LoRAMLP(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1])
         wg, bg, ag, bbg, lbg, wu, bu, au, bbu, lbu, wd, bd, ad, bbd, lbd = params
         xc = x2 if x2.dtype == wg.dtype else x2.to(wg.dtype)
-        gate, xa_g, m_g = _proj_fwd(x2, xc, wg, bg, ag, bbg, lbg, sg, pg, dg)
-        up, xa_u, m_u = _proj_fwd(x2, xc, wu, bu, au, bbu, lbu, su, pu, du)
+        (xa_g, xa_u), (m_g, m_u) = _lora_input_products(x2, xc, [ag, au], ((sg, pg, dg), (su, pu, du)))
+        gate = _proj_out(xc, wg, bg, xa_g, bbg, lbg, sg)
+        up = _proj_out(xc, wu, bu, xa_u, bbu, lbu, su)
         del xc
         rows = _mlp_chunk_rows(gate, pd)
         if rows >= gate.shape[0]:
@@ -537,8 +620,10 @@ class _LoRAMLP(torch.autograd.Function):
                 torch.autograd.graph.increment_version(up)
             x2 = x.reshape(-1, x.shape[-1])
             xc = _cast_if_needed(x2, wg.dtype, needs[2] or needs[7])
-            dx, grads_g = _proj_bwd(dgate, x2, xc, wg, ag, bg, xa_g, m_g, sg, pg, dg, (need_dx, *needs[2:7]), None)
-            dx, grads_u = _proj_bwd(dup, x2, xc, wu, au, bu, xa_u, m_u, su, pu, du, (need_dx, *needs[7:12]), dx)
+            dx, (grads_g, grads_u) = _shared_input_bwd(
+                [dgate, dup], x2, xc, [(wg, ag, bg), (wu, au, bu)], [xa_g, xa_u], [m_g, m_u],
+                ((sg, pg, dg), (su, pu, du)), [needs[2:7], needs[7:12]], need_dx,
+            )  # fmt: skip
         if dx is not None:
             dx = dx.view(x.shape).to(x.dtype)
         return (dx, None, *grads_g, *grads_u, *grads_d)
