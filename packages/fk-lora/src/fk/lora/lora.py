@@ -206,7 +206,13 @@ def _proj_out(
     lora_bias: torch.Tensor | None,
     scaling: float,
 ) -> torch.Tensor:
-    """``y = xc W^T + b + s xa B^T + s c`` ``[M, N]`` in ``xc``'s dtype, one buffer."""
+    """``y = xc W^T + b + s xa B^T + s c`` ``[M, N]`` in ``xc``'s dtype, one buffer.
+
+    (The base matmul writes ``y`` first and the rank-``r`` product is added into it. In the other
+    order, with the base GEMM reading ``y`` in its epilogue, ``torch.compile``'s bf16 outputs
+    under autocast came out a bf16 rounding away from eager's on CPU, which
+    ``test_compile_fullgraph_matches_eager`` does not allow.)
+    """
     y = torch.mm(xc, weight.t()) if bias is None else torch.addmm(bias, xc, weight.t())
     c = xc.dtype
     y.addmm_(xa.to(c), lora_B.to(c).t(), alpha=scaling)
@@ -292,22 +298,14 @@ def _proj_bwd_params(
 
 
 def _proj_bwd_input(
-    dy: torch.Tensor,
-    weight: torch.Tensor,
-    lora_A: torch.Tensor,
-    gs: torch.Tensor,
-    mask: torch.Tensor | None,
-    p: float,
-    dx: torch.Tensor | None,
+    dy: torch.Tensor, weight: torch.Tensor, lora_A: torch.Tensor, gs: torch.Tensor, mask: torch.Tensor | None, p: float
 ) -> torch.Tensor:
-    """``dx (+)= dy W + (s G A) * m / (1 - p)``: into ``dx`` when given, else a new buffer."""
-    dx = torch.mm(dy, weight) if dx is None else dx.addmm_(dy, weight)
+    """``dx = dy W + (s G A) * m / (1 - p)``, a new buffer (the order of :func:`_proj_out`)."""
+    dx = torch.mm(dy, weight)
     a_c = lora_A.to(dy.dtype)
     if mask is None:
-        dx.addmm_(gs, a_c)
-    else:
-        dx.add_(_masked(torch.mm(gs, a_c), mask, p))
-    return dx
+        return dx.addmm_(gs, a_c)
+    return dx.add_(_masked(torch.mm(gs, a_c), mask, p))
 
 
 def _shared_input_bwd(
@@ -356,7 +354,7 @@ def _shared_input_bwd(
     if not need_dx:
         return None, grads
     dx: torch.Tensor | None = None
-    for i in live:
+    for i in live:  # the base terms first (the order of _proj_out)
         dx = torch.mm(dys[i], weights[i][0]) if dx is None else dx.addmm_(dys[i], weights[i][0])  # type: ignore[arg-type]
     assert dx is not None
     plain = [i for i in live if masks[i] is None]
@@ -516,7 +514,7 @@ def _down_backward(
     written = False
     if need_gu:
         assert gs is not None
-        dh = _proj_bwd_input(dy2, wd, ad, gs, m_d, pd, None)
+        dh = _proj_bwd_input(dy2, wd, ad, gs, m_d, pd)
         dgate, dup, h, written = gated_act_backward_with_value(dh, gate, up, act, inplace=True)
         del dh  # (its buffer holds h now)
     else:
