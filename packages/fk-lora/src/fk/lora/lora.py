@@ -176,7 +176,7 @@ def _lora_input_products(
     Dropout masks are drawn projection by projection, in order, as PEFT draws them."""
     xas: list[Any] = [None] * len(config)
     masks: list[torch.Tensor | None] = [None] * len(config)
-    for group in _groups(config, lora_As, with_dropout=False):
+    for group in _stackable(config, lora_As):
         stacked = torch.cat([lora_As[i] for i in group]) if len(group) > 1 else lora_As[group[0]]
         xa, _ = _lora_input_product(x2, xc, stacked, 0.0, config[group[0]][2])
         for i, block in zip(group, xa.split([lora_As[i].shape[0] for i in group], dim=1), strict=True):
@@ -187,12 +187,12 @@ def _lora_input_products(
     return xas, masks
 
 
-def _groups(config: Any, lora_As: Any, with_dropout: bool) -> list[list[int]]:
-    """Indices of the projections with dropout ``p == 0`` (``with_dropout`` False) grouped by
-    (``A``'s dtype, dropout dtype): the ones whose rank-sized terms can be stacked."""
+def _stackable(config: Any, lora_As: list[Any]) -> list[list[int]]:
+    """Indices of the projections without dropout, grouped by (``A``'s dtype, dropout dtype): the
+    ones whose rank-sized terms can be stacked (a None in ``lora_As`` leaves a projection out)."""
     groups: dict[tuple[torch.dtype, torch.dtype], list[int]] = {}
     for i, (_, p, dd) in enumerate(config):
-        if lora_As[i] is not None and (p > 0) == with_dropout:
+        if lora_As[i] is not None and p == 0:
             groups.setdefault((lora_As[i].dtype, dd), []).append(i)
     return list(groups.values())
 
@@ -335,7 +335,8 @@ def _shared_input_bwd(
     c = dys[live[0]].dtype  # type: ignore[union-attr]
     gss: list[Any] = [None] * n
     grads: list[list[torch.Tensor | None]] = [[None] * _SLOTS for _ in range(n)]
-    stacked_da = {i for group in _groups(config, [weights[i][1] for i in range(n)], False) for i in group}
+    groups = _stackable(config, [weights[i][1] if i in live else None for i in range(n)])
+    stacked_da = {i for group in groups for i in group}
     for i in live:
         dy = dys[i]
         assert dy is not None
@@ -344,7 +345,7 @@ def _shared_input_bwd(
             gss[i] = _scaled_lora_grad(dy, b, s)
         own_needs = (*needs[i][:2], needs[i][2] and i not in stacked_da, *needs[i][3:])
         grads[i] = _proj_bwd_params(dy, x2, xc, w, a, b, xas[i], masks[i], s, p, dd, own_needs, gss[i])
-    for group in _groups(config, [weights[i][1] if i in live else None for i in range(n)], False):
+    for group in groups:
         group = [i for i in group if needs[i][2]]
         if group:  # dA of projections without dropout: one read of d(x2) = x2
             gs = torch.cat([gss[i] for i in group], dim=1) if len(group) > 1 else gss[group[0]]
