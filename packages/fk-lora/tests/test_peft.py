@@ -364,3 +364,78 @@ def test_float64_lora_weights_under_autocast_fall_back(device: str, caplog: pyte
     fk.lora.unpatch(model)
     assert torch.equal(got, want)
     assert any("lora_A dtype torch.float64 under autocast" in r.getMessage() for r in caplog.records)
+
+
+def test_mixed_batch_adapter_names_match_peft(device: str) -> None:
+    """PEFT's mixed-batch inference hands ``adapter_names`` to each LoRA layer through forward
+    pre-hooks: the fused MLP (and QKV group) must not skip them."""
+    model = _model(device).eval()
+    ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(0)).to(device)
+    with torch.no_grad():
+        want = model(input_ids=ids, adapter_names=["default", "__base__"]).logits
+        fk.lora.patch(model)
+        try:
+            got = model(input_ids=ids, adapter_names=["default", "__base__"]).logits
+            plain = model(input_ids=ids).logits  # the hooks are gone again: the fused path
+        finally:
+            fk.lora.unpatch(model)
+        with model.disable_adapter():
+            base_only = model(input_ids=ids).logits
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(got[1], base_only[1], rtol=1e-5, atol=1e-5)  # "__base__": no adapter
+    assert not torch.allclose(plain[1], base_only[1], rtol=1e-3, atol=1e-3)
+
+
+def test_hooks_on_an_mlp_projection_run(device: str, caplog: pytest.LogCaptureFixture) -> None:
+    model = _model(device)
+    mlp = _layer(model).mlp
+    calls: list[str] = []
+    handle = mlp.down_proj.register_forward_hook(lambda mod, inp, out: calls.append("down_proj"))
+    x = testing.random_tensor((3, 5, HIDDEN), torch.float32, device, seed=1)
+    want = mlp(x)
+    fk.lora.patch(model)
+    try:
+        with caplog.at_level(logging.INFO, logger="fk.lora"):
+            got = mlp(x)
+        handle.remove()
+        fused = mlp(x)
+    finally:
+        fk.lora.unpatch(model)
+    assert calls == ["down_proj", "down_proj"]  # PEFT's call and fk's
+    assert "hooks are registered on down_proj" in caplog.text
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(fused, want, rtol=1e-5, atol=1e-5)
+
+
+class _ClampedMLP(nn.Module):
+    """Llama's MLP children with a clamp between the projections (as Step3p7's and DeepSeek-V4's)."""
+
+    def __init__(self, mlp: nn.Module) -> None:
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj, self.act_fn = (
+            mlp.gate_proj,
+            mlp.up_proj,
+            mlp.down_proj,
+            mlp.act_fn,
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(x)).clamp(max=0.01) * self.up_proj(x))
+
+
+def test_mlp_that_computes_more_is_not_fused(device: str) -> None:
+    """Same children, another computation: not fused as a whole (its projections are, one by one),
+    and the result is the module's own."""
+    model = _model(device)
+    layer = _layer(model)
+    layer.mlp = _ClampedMLP(layer.mlp)
+    x = testing.random_tensor((3, 5, HIDDEN), torch.float32, device, seed=2)
+    want = layer.mlp(x)
+    report = fk.lora.patch(model)
+    try:
+        got = layer.mlp(x)
+    finally:
+        fk.lora.unpatch(model)
+    assert not report.mlp
+    assert {n.rsplit(".", 1)[-1] for n in report.linear} >= {"gate_proj", "up_proj", "down_proj"}
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

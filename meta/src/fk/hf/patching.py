@@ -51,7 +51,7 @@ from typing import Any
 
 import torch
 
-from fk.core.forward import restore_class, stock_forward, swap_forward, swapped
+from fk.core.forward import has_hooks, restore_class, stock_forward, swap_forward, swapped
 
 SWITCHES = ("rms_norm", "swiglu", "geglu", "rope", "flce", "lora")
 
@@ -171,18 +171,11 @@ def _whole_mlp(module: Any, x: torch.Tensor) -> bool:
     if torch.is_autocast_enabled(x.device.type):
         return False
     for proj in (module.gate_proj, module.up_proj, module.down_proj):
-        if not (plain_linear(proj) and proj.bias is None and not _has_hooks(proj)):
+        if not (plain_linear(proj) and proj.bias is None and not has_hooks(proj)):
             return False
         if proj.weight.dtype != x.dtype or _is_dtensor(proj.weight):
             return False
     return True
-
-
-def _has_hooks(module: torch.nn.Module) -> bool:
-    """Whether ``module`` has hooks of its own that a module call would run (forward or backward)."""
-    return bool(
-        module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or module._backward_pre_hooks
-    )
 
 
 def _mlp_activation(module: Any, patch: ModelPatch) -> str | None:

@@ -17,6 +17,9 @@ method bound to one module.
 wrapped the module since (FSDP2's ``fully_shard`` makes ``FSDP<Name>`` subclasses of the current
 class; accelerate sets an instance ``forward`` that calls the class's): removing fk's class would
 remove theirs too, so the caller switches its forward off instead (it then calls the stock one).
+
+:func:`has_hooks` tells whether calling a module runs hooks: a fused forward that computes a
+child's work without calling the child must not skip them.
 """
 
 from __future__ import annotations
@@ -81,3 +84,20 @@ def restore_class(module: torch.nn.Module) -> bool:
         return False
     module.__class__ = cls.__bases__[0]
     return True
+
+
+def has_hooks(module: torch.nn.Module) -> bool:
+    """Whether calling ``module`` runs hooks: its own forward, forward-pre, backward or
+    backward-pre hooks, or global module hooks (``torch.nn.modules.module.register_module_*``)."""
+    from torch.nn.modules import module as nn_module
+
+    return bool(
+        module._forward_hooks
+        or module._forward_pre_hooks
+        or module._backward_hooks
+        or module._backward_pre_hooks
+        or nn_module._global_forward_hooks
+        or nn_module._global_forward_pre_hooks
+        or nn_module._global_backward_hooks
+        or nn_module._global_backward_pre_hooks
+    )

@@ -2,10 +2,13 @@
 
 The modules are found by structure, not by model class:
 
-- a module with ``gate_proj``, ``up_proj`` and ``down_proj`` children that are PEFT ``lora.Linear``
-  and an ``act_fn`` child that computes SiLU or GELU (LlamaMLP, MistralMLP, Qwen2MLP, GemmaMLP,
-  ...) gets its own forward replaced by :func:`fk.lora.lora_mlp`. This assumes the module computes
-  ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``, as all of these do;
+- a module with ``gate_proj``, ``up_proj`` and ``down_proj`` children that are PEFT ``lora.Linear``,
+  an ``act_fn`` child that computes SiLU or GELU, and a class ``forward`` that is
+  ``down_proj(act_fn(gate_proj(x)) * up_proj(x))`` and nothing more (LlamaMLP, MistralMLP,
+  Qwen2MLP, GemmaMLP and over a hundred other ``transformers`` MLPs) gets its own forward replaced
+  by :func:`fk.lora.lora_mlp`. The forward is compared with that expression by its bytecode:
+  MLPs with the same children that clamp, scale, normalize or sparsify in between (Gemma3n's,
+  Falcon-H1's, BitNet's, ...) keep their forward, and their projections are patched one by one;
 - ``q_proj``, ``k_proj`` and ``v_proj`` children of one module (an attention block) that are
   ``lora.Linear`` form a shared-input group: the first one called computes all of them with
   :func:`fk.lora.lora_projections` (one ``dx`` in the backward, masks drawn in the order q, k, v as
@@ -20,7 +23,9 @@ from). Model source is never rewritten, and :func:`unpatch` gives back the origi
 module whose ``forward`` was replaced on the instance (by accelerate's hooks, say) is left alone:
 that forward would shadow fk.lora's.
 
-At every call the patched forward checks that the module is still plain LoRA: one active adapter,
+At every call the patched forward checks that the module is still plain LoRA (and, for a fused
+MLP, that no hooks are registered on its projections, which the fused call would skip: PEFT's
+mixed-batch ``adapter_names`` arrive through such hooks): one active adapter,
 not merged, adapters enabled, no LoRA variant (DoRA, ...), a ``torch.nn.Linear`` base layer
 (not a bitsandbytes quantized one), the base weight in the input's dtype (any float dtype under
 autocast, which casts every operand, as fk.lora's functions then do), and PEFT's input dtype
@@ -34,6 +39,7 @@ This module imports ``peft`` (only when :func:`patch` is called); the rest of fk
 
 from __future__ import annotations
 
+import inspect
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,7 +47,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fk.core.forward import restore_class, stock_forward, swap_forward, swapped
+from fk.core.forward import has_hooks, restore_class, stock_forward, swap_forward, swapped
 from fk.lora.lora import LoRAWeights, lora_linear, lora_mlp, lora_projections
 
 log = logging.getLogger("fk.lora")
@@ -229,11 +235,42 @@ def _activation_of(act_fn: Any) -> str | None:
     return None
 
 
+def _gated_mlp_forward(self: Any, x: Any) -> Any:  # LlamaMLP's forward, and 130-odd others'
+    down_proj = self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+    return down_proj
+
+
+def _gated_mlp_forward_returned(self: Any, x: Any) -> Any:  # the same without the local (Idefics2MLP, ...)
+    return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+_GATED_MLP_CODE = {(f.__code__.co_code, f.__code__.co_names) for f in (_gated_mlp_forward, _gated_mlp_forward_returned)}
+
+
+def _computes_gated_mlp(module: nn.Module) -> bool:
+    """Whether ``type(module).forward`` is exactly ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``:
+    one argument besides ``self``, and the bytecode and names of one of the two ways
+    ``transformers`` writes it (argument names, annotations and docstrings aside)."""
+    code = getattr(type(module).forward, "__code__", None)
+    return (
+        code is not None
+        and code.co_argcount == 2
+        and code.co_kwonlyargcount == 0
+        and not code.co_flags & (inspect.CO_VARARGS | inspect.CO_VARKEYWORDS)
+        and (code.co_code, code.co_names) in _GATED_MLP_CODE
+    )
+
+
 def _mlp_forward(mlp: nn.Module, label: str, act: str, x: Any, *args: Any, **kwargs: Any) -> Any:
     if args or kwargs:
         _fallback(mlp, label, "extra forward arguments")
         return stock_forward(mlp, _STOCK, x, *args, **kwargs)
-    parts = [_call_parts(getattr(mlp, n), x) for n in _MLP]
+    projections = [getattr(mlp, n) for n in _MLP]
+    hooked = [n for n, m in zip(_MLP, projections, strict=True) if has_hooks(m)]
+    if hooked:  # the fused call would skip them (PEFT's mixed-batch adapter_names come this way)
+        _fallback(mlp, label, f"hooks are registered on {', '.join(hooked)} (or globally)")
+        return stock_forward(mlp, _STOCK, x)
+    parts = [_call_parts(m, x) for m in projections]
     reasons = [f"{n}: {p}" for n, p in zip(_MLP, parts, strict=True) if isinstance(p, str)]
     if reasons:
         _fallback(mlp, label, "; ".join(reasons))
@@ -283,6 +320,13 @@ def patch(peft_model: nn.Module) -> PatchReport:
         children = dict(parent.named_children())
         mlp = [children.get(n) for n in _MLP]
         act = _activation_of(children.get("act_fn"))
+        if act is not None and not _computes_gated_mlp(parent):
+            log.info(
+                "fk.lora: %s has gate/up/down projections but computes more than "
+                "down_proj(act_fn(gate_proj(x)) * up_proj(x)): its projections are patched one by one",
+                qualname or type(parent).__name__,
+            )
+            act = None
         if act is not None and _replaced(parent) is None and all(eligible(m) for m in mlp):
             label = qualname or type(parent).__name__
             _swap(parent, (_mlp_forward, label, act), saved)
