@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from fk.core import testing
+from fk.core.backend import uses_kernel
 from fk.core.testing import AWKWARD_ROWS, DTYPES, dtype_name
 from fk.flce import CrossEntropyLoss, cross_entropy, cross_entropy_ref
 
@@ -175,15 +176,27 @@ def test_num_items_in_batch(device: str) -> None:
 def test_inplace_backward_writes_into_the_logits(device: str) -> None:
     x = testing.random_tensor((7, 300), torch.bfloat16, device, seed=13, scale=2.0)
     target = _labels(7, 300, device, seed=14)
-    logits = x.clone().requires_grad_()
+    source = x.clone().requires_grad_()
+    logits = source.clone()  # not a leaf: what a model's head returns
     cross_entropy(logits, target, inplace_backward=True).backward()
     want = x.clone().requires_grad_()
     cross_entropy(want, target).backward()
-    assert logits.grad is not None
-    torch.testing.assert_close(logits.grad, want.grad)
-    # The gradient was written over the logits' own buffer (autograd then copies it into .grad,
-    # because the buffer is still referenced; a non-leaf's buffer is simply reused).
-    torch.testing.assert_close(logits.detach(), want.grad)
+    assert source.grad is not None
+    torch.testing.assert_close(source.grad, want.grad)
+    torch.testing.assert_close(logits.detach(), want.grad)  # the gradient went over the logits' buffer
+
+
+def test_inplace_backward_refuses_a_leaf_and_guards_saved_logits(device: str) -> None:
+    x = testing.random_tensor((7, 300), torch.float32, device, seed=13, scale=2.0)
+    target = _labels(7, 300, device, seed=14)
+    with pytest.raises(ValueError, match="inplace_backward=True cannot overwrite logits: it is a leaf"):
+        cross_entropy(x.clone().requires_grad_(), target, inplace_backward=True)
+    # tanh saves its output for its backward: writing the gradient over it must raise, not mislead
+    logits = torch.tanh(x.clone().requires_grad_())
+    loss = cross_entropy(logits, target, inplace_backward=True)
+    if uses_kernel(logits):  # (the reference path writes nothing in place)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            loss.backward()
 
 
 @pytest.mark.parametrize("layout", ["row_stride", "transposed"])

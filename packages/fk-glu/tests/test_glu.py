@@ -31,8 +31,16 @@ from fk.glu import (
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
 
 
+def _activation(t: torch.Tensor) -> torch.Tensor:
+    """An op's output with ``t``'s values and strides (not a leaf; its gradient reaches ``t``): what
+    ``inplace_grad`` may write over, which a leaf is not."""
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).copy_(t)
+
+
 def _fk(act: str, inplace: bool = False) -> Callable[..., torch.Tensor]:
-    return lambda a, b: gated_act(a, b, act, inplace_grad=inplace)
+    if inplace:
+        return lambda a, b: gated_act(_activation(a), _activation(b), act, inplace_grad=True)
+    return lambda a, b: gated_act(a, b, act)
 
 
 def _ref(act: str) -> Callable[..., torch.Tensor]:
@@ -40,7 +48,9 @@ def _ref(act: str) -> Callable[..., torch.Tensor]:
 
 
 def _fk_fused(act: str, inplace: bool = False) -> Callable[..., torch.Tensor]:
-    return lambda gu: gated_act_fused(gu, act, inplace_grad=inplace)
+    if inplace:
+        return lambda gu: gated_act_fused(_activation(gu), act, inplace_grad=True)
+    return lambda gu: gated_act_fused(gu, act)
 
 
 def _ref_fused(act: str) -> Callable[..., torch.Tensor]:
@@ -166,7 +176,7 @@ def test_inplace_grad_writes_into_the_inputs(device: str, act: str) -> None:
     dy = testing.random_tensor((5, 3, 200), torch.bfloat16, device, seed=13)
     y_ref = gated_act(a, b, act)
     want_da, want_db = torch.autograd.grad(y_ref, (a, b), dy)
-    a2, b2 = a.detach().clone().requires_grad_(), b.detach().clone().requires_grad_()
+    a2, b2 = (_activation(t.detach().requires_grad_()) for t in (a, b))
     y = gated_act(a2, b2, act, inplace_grad=True)
     torch.testing.assert_close(y, y_ref, rtol=0, atol=0)
     da, db = torch.autograd.grad(y, (a2, b2), dy)
@@ -176,11 +186,23 @@ def test_inplace_grad_writes_into_the_inputs(device: str, act: str) -> None:
     torch.testing.assert_close(a2.detach(), want_da, rtol=0, atol=0)  # the buffer holds the gradient
 
 
+def test_inplace_grad_refuses_leaves(device: str) -> None:
+    a, b = _inputs((5, 200), torch.float32, device, seed=12)  # leaves that require grad
+    with pytest.raises(ValueError, match="inplace_grad=True cannot overwrite gate: it is a leaf"):
+        swiglu(a, b, inplace_grad=True)
+    with pytest.raises(ValueError, match="inplace_grad=True cannot overwrite gate_up: it is a leaf"):
+        swiglu_fused(torch.cat([a, b], -1).detach().requires_grad_(), inplace_grad=True)
+    with pytest.raises(ValueError, match="inplace_grad=True cannot overwrite up: it is a view of a leaf"):
+        swiglu(a.clone(), b[:, :], inplace_grad=True)
+    with torch.no_grad():  # nothing is written without autograd
+        swiglu(a, b, inplace_grad=True)
+
+
 def test_inplace_grad_fused(device: str) -> None:
     gu = _fused_input((7, 300), torch.float16, device, seed=14)
     dy = testing.random_tensor((7, 300), torch.float16, device, seed=15)
     (want,) = torch.autograd.grad(geglu_fused(gu), gu, dy)
-    gu2 = gu.detach().clone().requires_grad_()
+    gu2 = _activation(gu.detach().requires_grad_())
     (grad,) = torch.autograd.grad(geglu_fused(gu2, inplace_grad=True), gu2, dy)
     assert grad.data_ptr() == gu2.data_ptr()
     torch.testing.assert_close(grad, want, rtol=0, atol=0)

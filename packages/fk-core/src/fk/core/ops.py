@@ -110,3 +110,14 @@ def define_autograd_op(
     apply.fwd_op = fwd_op  # type: ignore[attr-defined]
     apply.bwd_op = bwd_op  # type: ignore[attr-defined]
     return apply
+
+
+def mark_overwritten(result: torch.Tensor | None, source: torch.Tensor) -> None:
+    """Bump ``source``'s version when ``result`` (a gradient, say) was written into its buffer.
+
+    A use of ``source`` that another op saved for its backward, or a second backward through the
+    op that wrote, then fails with PyTorch's "modified by an inplace operation" error instead of
+    reading the written values as the saved ones.
+    """
+    if result is not None and result.numel() and result.data_ptr() == source.data_ptr():
+        torch.autograd.graph.increment_version(source)

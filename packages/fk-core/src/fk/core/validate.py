@@ -90,3 +90,14 @@ def check_max_width(name: str, width: int, max_width: int) -> None:
     """A row of ``width`` elements must fit the kernel's limit."""
     if width > max_width:
         raise ValueError(f"{name} has rows of {width} elements; this kernel handles at most {max_width}")
+
+
+def check_overwritable(name: str, tensor: torch.Tensor, option: str) -> None:
+    """``tensor`` may be written over by ``option`` (an in-place forward, or a gradient written
+    into an input's buffer) only if it is not a leaf that requires grad, nor a view of one: that
+    would overwrite a parameter, or a user's input, and make its ``.grad`` share its memory."""
+    if tensor.requires_grad and tensor.is_leaf:
+        raise ValueError(f"{option}=True cannot overwrite {name}: it is a leaf tensor that requires grad")
+    base = tensor._base
+    if base is not None and base.requires_grad and base.is_leaf:
+        raise ValueError(f"{option}=True cannot overwrite {name}: it is a view of a leaf tensor that requires grad")

@@ -32,7 +32,7 @@ import triton.language as tl
 from fk.core import validate
 from fk.core.backend import uses_kernel
 from fk.core.launch import multiprocessor_count, next_power_of_2
-from fk.core.ops import define_autograd_op
+from fk.core.ops import define_autograd_op, mark_overwritten
 
 REDUCTIONS = ("mean", "sum", "none")
 LABEL_DTYPES = (torch.int64, torch.int32)
@@ -523,6 +523,8 @@ def _backward(run_backward: Any, ctx: Any, grad_loss: torch.Tensor | None, *_res
     # In place only in eager mode: a custom op (the torch.compile path) may not return its input.
     inplace = ctx.inplace_backward and run_backward is _cross_entropy_bwd
     grad = run_backward(grad_loss, logits, target, class_weight, lse, denominator, *ctx.options, ctx.reduction, inplace)
+    if inplace:
+        mark_overwritten(grad, logits)
     return (grad, *none)
 
 
@@ -636,7 +638,9 @@ def cross_entropy(
             The z-loss output is for logging: it is part of ``loss`` and not differentiable itself.
         inplace_backward: write the gradient over ``logits`` in the backward instead of allocating
             a new ``(N, V)`` buffer (eager mode only). Use it only when nothing else reads the logits
-            after the backward, e.g. logits made for the loss alone.
+            after the backward, e.g. logits made for the loss alone. The logits' version is bumped,
+            so an op that saved them for its own backward raises instead of reading the gradient;
+            a leaf that requires grad is refused (``ValueError``).
 
     Returns the loss in the dtype of ``logits``, or a :class:`CrossEntropyOutput` when any
     ``return_*`` is set. The forward reads the logits once; the backward reads them once more and
@@ -651,6 +655,8 @@ def cross_entropy(
     target = check_target(target, (logits.shape[0],), logits.device)
     check_class_weight(weight, logits.shape[1], "weight", logits.device)
     num_items = check_num_items(num_items_in_batch, reduction, logits.device)
+    if inplace_backward and torch.is_grad_enabled():
+        validate.check_overwritable("logits", logits, "inplace_backward")
     if not uses_kernel(logits):
         out = cross_entropy_ref(logits, target, weight, ignore_index, reduction, label_smoothing,
                                 lse_square_scale=lse_square_scale, softcap=softcap, num_items=num_items)  # fmt: skip

@@ -33,7 +33,7 @@ import triton.language as tl
 from fk.core import validate
 from fk.core.backend import uses_kernel
 from fk.core.launch import RowTiling, as_rows, row_tiling, writable_rows
-from fk.core.ops import define_autograd_op
+from fk.core.ops import define_autograd_op, mark_overwritten
 
 ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
 """The activations the kernels implement (codes 0, 1, 2 inside the kernels)."""
@@ -397,17 +397,6 @@ def _glu_setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) 
     ctx.set_materialize_grads(False)
 
 
-def _mark_written(grad: torch.Tensor | None, source: torch.Tensor) -> None:
-    """Bump ``source``'s version when ``grad`` was written into its buffer.
-
-    A later use of ``source`` saved for another backward (or a second backward through this op)
-    then fails with PyTorch's "modified by an inplace operation" error instead of reading
-    gradients as activations.
-    """
-    if grad is not None and grad.numel() and grad.data_ptr() == source.data_ptr():
-        torch.autograd.graph.increment_version(source)
-
-
 def _glu_backward(run_backward: Any, ctx: Any, dy: torch.Tensor | None) -> tuple[Any, ...]:
     a, b = ctx.saved_tensors
     need_da, need_db = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
@@ -416,8 +405,8 @@ def _glu_backward(run_backward: Any, ctx: Any, dy: torch.Tensor | None) -> tuple
     inplace = bool(ctx.inplace) and run_backward is _glu_bwd  # the eager path
     da, db = run_backward(dy, a, b, ctx.activation, inplace, need_da, need_db)
     if inplace:
-        _mark_written(da if need_da else None, a)
-        _mark_written(db if need_db else None, b)
+        mark_overwritten(da if need_da else None, a)
+        mark_overwritten(db if need_db else None, b)
     return (da if need_da else None), (db if need_db else None), None, None
 
 
@@ -489,7 +478,7 @@ def _glu_fused_backward(run_backward: Any, ctx: Any, dy: torch.Tensor | None) ->
     inplace = bool(ctx.inplace) and run_backward is _glu_fused_bwd  # the eager path
     grad = run_backward(dy, gate_up, ctx.activation, inplace)
     if inplace:
-        _mark_written(grad, gate_up)
+        mark_overwritten(grad, gate_up)
     return grad, None, None
 
 
@@ -526,7 +515,8 @@ def gated_act(
             are intermediate activations); their contents are overwritten, and a second backward
             through the same graph raises. Applies in eager mode, to inputs that can be viewed
             as rows with unit column stride and do not overlap; otherwise (and under
-            ``torch.compile``) the gradients are allocated as usual.
+            ``torch.compile``) the gradients are allocated as usual. A leaf that requires grad (a
+            parameter, say) is refused (``ValueError``): its data would become its gradient.
 
     The backward recomputes the activation from ``gate``: only ``gate`` and ``up`` are saved. A
     gradient is computed only for the inputs that require one.
@@ -552,6 +542,9 @@ def gated_act(
         validate.check_shape("up", up, gate.shape)
     activation = resolve_activation(activation)
     inplace = _check_inplace(inplace_grad)
+    if inplace and torch.is_grad_enabled():
+        validate.check_overwritable("gate", gate, "inplace_grad")
+        validate.check_overwritable("up", up, "inplace_grad")
     if not uses_kernel(gate):
         return gated_act_ref(gate, up, activation)
     return _glu(gate, up, _CODES[activation], inplace)
@@ -573,6 +566,8 @@ def gated_act_fused(gate_up: torch.Tensor, activation: str = "silu", *, inplace_
         )
     activation = resolve_activation(activation)
     inplace = _check_inplace(inplace_grad)
+    if inplace and torch.is_grad_enabled():
+        validate.check_overwritable("gate_up", gate_up, "inplace_grad")
     if not uses_kernel(gate_up):
         return gated_act_fused_ref(gate_up, activation)
     return _glu_fused(gate_up, _CODES[activation], inplace)

@@ -582,9 +582,8 @@ def _check_inputs(
                     f"{name} requires grad, but fk.rope does not differentiate cos and sin: pass {name}.detach()"
                 )
         if inplace:
-            for name, t in (("q", q), ("k", k)):
-                if t.requires_grad and t.is_leaf:
-                    raise ValueError(f"inplace=True cannot overwrite {name}: it is a leaf tensor that requires grad")
+            validate.check_overwritable("q", q, "inplace")
+            validate.check_overwritable("k", k, "inplace")
 
 
 def rope(
