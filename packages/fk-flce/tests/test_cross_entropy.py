@@ -153,6 +153,21 @@ def test_out_of_range_label_gives_nan_for_that_token(device: str) -> None:
     assert torch.isfinite(x.grad[[0, 3]]).all() and torch.isnan(x.grad[[1, 2]]).all()
 
 
+@pytest.mark.parametrize("reduction", ["none", "sum", "mean"])
+def test_out_of_range_label_with_class_weight_gives_nan(device: str, reduction: str) -> None:
+    """A class weight is looked up by label: an out-of-range label must still give NaN (the
+    documented result), not an index error (or, on a GPU, a device-side assert)."""
+    x = testing.random_tensor((4, 30), torch.float32, device, seed=9, requires_grad=True)
+    target = torch.tensor([1, 30, -100, 2], device=device)
+    weight = torch.linspace(0.5, 1.5, 30, device=device)
+    for fn in (cross_entropy, lambda *a, **k: cross_entropy_ref(*a, **k).loss):
+        loss = fn(x, target, weight, reduction=reduction)
+        if reduction == "none":
+            assert torch.isfinite(loss[[0, 2, 3]]).all() and torch.isnan(loss[1])
+        else:
+            assert torch.isnan(loss)
+
+
 def test_ignore_index_inside_the_vocabulary(device: str) -> None:
     x = testing.random_tensor((6, 20), torch.float32, device, seed=10, requires_grad=True)
     target = torch.tensor([0, 3, 0, 5, 0, 7], device=device)
@@ -171,6 +186,8 @@ def test_num_items_in_batch(device: str) -> None:
     torch.testing.assert_close(got, want)
     tensor_items = cross_entropy(x, target, num_items_in_batch=torch.tensor(13, device=device))
     torch.testing.assert_close(tensor_items, want)
+    cpu_items = cross_entropy(x, target, num_items_in_batch=torch.tensor(13))  # as a data loader makes it
+    torch.testing.assert_close(cpu_items, want)
 
 
 def test_inplace_backward_writes_into_the_logits(device: str) -> None:

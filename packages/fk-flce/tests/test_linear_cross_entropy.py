@@ -208,6 +208,28 @@ def test_all_ignored_and_zero_tokens(device: str, reduction: str) -> None:
             assert p.grad is not None and torch.all(p.grad == 0), n
 
 
+@pytest.mark.parametrize("class_weight", [False, True], ids=["unweighted", "class_weight"])
+def test_out_of_range_labels_give_nan_for_their_tokens(device: str, class_weight: bool) -> None:
+    """Labels outside [0, V) other than ignore_index: NaN loss and gradient for those tokens only,
+    never an error or an out-of-bounds access (checking them would make the host wait)."""
+    h, w, _ = _inputs(6, torch.float32, device, seed=40)
+    target = torch.tensor([1, V, -100, -3, 2, V + 7], device=device)
+    weight = torch.linspace(0.5, 1.5, V, device=device) if class_weight else None
+    loss = linear_cross_entropy(h, w, target, class_weight=weight, reduction="none")
+    assert torch.isfinite(loss[[0, 2, 4]]).all() and torch.isnan(loss[[1, 3, 5]]).all()
+    loss.backward(torch.ones_like(loss))
+    assert h.grad is not None and torch.isfinite(h.grad[[0, 2, 4]]).all() and torch.isnan(h.grad[[1, 3, 5]]).all()
+    assert torch.isnan(linear_cross_entropy(h, w, target, class_weight=weight))  # the mean
+
+
+def test_ignore_index_other_than_minus_100(device: str) -> None:
+    h, w, _ = _inputs(30, torch.float32, device, seed=41)
+    target = _labels((30,), device, seed=42)
+    target[target == -100] = 7  # class 7 is the ignored one now
+    kw = {"ignore_index": 7, "label_smoothing": 0.1, "memory_budget": SMALL_CHUNKS}
+    testing.compare_with_reference(_fk(target, **kw), _ref(target, **kw), [h, w, None])
+
+
 def test_extra_outputs(device: str) -> None:
     h, w, _ = _inputs(2 * 13, torch.float32, device, seed=23)
     assert h is not None and w is not None
@@ -307,6 +329,8 @@ def test_no_host_synchronization() -> None:
     try:
         for budget in (1 << 30, 1 << 20):
             linear_cross_entropy(h, w, target, b, memory_budget=budget, label_smoothing=0.1).backward()
+        for num_items in (250, 250.0, torch.tensor(250), torch.tensor(250, device="cuda")):
+            linear_cross_entropy(h, w, target, b, num_items_in_batch=num_items).backward()
     finally:
         torch.cuda.set_sync_debug_mode("default")
 

@@ -81,10 +81,12 @@ def cross_entropy_ref(
     n_classes = z.shape[-1]
     lse = torch.logsumexp(z, dim=-1)
     valid = target != ignore_index
-    safe_target = torch.where(valid, target, 0).long()
+    in_range = (target >= 0) & (target < n_classes)
+    safe_target = torch.where(valid & in_range, target, 0).long()
     w = weight.to(compute) if weight is not None else torch.ones(n_classes, dtype=compute, device=z.device)
     w_y = w[safe_target] * valid
     nll = lse - z.gather(-1, safe_target[:, None])[:, 0]
+    nll = torch.where(in_range | ~valid, nll, torch.nan)  # a label outside [0, V): NaN, as the kernel gives
     smooth = (w.sum() * lse - z @ w) * valid
     z_loss = lse_square_scale * lse.square() * valid
     loss = (1 - label_smoothing) * w_y * nll + (label_smoothing / n_classes) * smooth + z_loss
@@ -381,8 +383,8 @@ def mean_denominator(
         d = num_items.to(torch.float32)
     else:
         valid = target != ignore_index
-        if class_weight is not None:
-            safe = torch.where(valid, target, 0)
+        if class_weight is not None:  # (a label outside [0, V) is not looked up: its loss is NaN)
+            safe = torch.where(valid & (target >= 0) & (target < class_weight.shape[0]), target, 0)
             d = (class_weight.float()[safe] * valid).sum()
         else:
             d = valid.sum().to(torch.float32)
@@ -600,10 +602,19 @@ def check_num_items(num_items: object, reduction: str, device: torch.device) -> 
     if isinstance(num_items, torch.Tensor):
         if num_items.numel() != 1:
             raise ValueError(f"num_items_in_batch must have one element, got shape {tuple(num_items.shape)}")
-        return num_items.reshape(()).to(device=device, dtype=torch.float32)
+        if num_items.device == device:
+            return num_items.reshape(()).to(torch.float32)
+        if num_items.device.type != "cpu":
+            raise ValueError(
+                f"num_items_in_batch must be on the logits' device ({device}) or the CPU, got {num_items.device}"
+            )
+        # a CPU tensor: read on the host (no GPU synchronization), unchecked like a device tensor
+        return torch.full((), float(num_items.item()), dtype=torch.float32, device=device)
     if isinstance(num_items, bool) or not isinstance(num_items, (int, float)) or not num_items > 0:
         raise ValueError(f"num_items_in_batch must be a positive number or a tensor, got {num_items!r}")
-    return torch.tensor(float(num_items), dtype=torch.float32, device=device)
+    # torch.full fills on the device: torch.tensor(..., device=cuda) would copy from the host and
+    # make the host wait for the GPU
+    return torch.full((), float(num_items), dtype=torch.float32, device=device)
 
 
 def cross_entropy(

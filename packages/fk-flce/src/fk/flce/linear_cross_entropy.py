@@ -143,8 +143,9 @@ Outputs = tuple[
 
 
 def _accumulate_matmul(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool) -> None:
-    """``acc (=|+=) a @ b`` with the sum kept in ``acc.dtype``, in one kernel and no temporaries
-    where the installed torch allows; elsewhere (CPU, older torch) through upcast copies of the
+    """``acc (=|+=) a @ b`` with the sum kept in ``acc.dtype``, in one kernel and no temporaries on
+    a GPU (``out_dtype``, torch >= 2.8, which fk-flce requires); on the CPU, where torch has no
+    fp32-output bf16 matmul (the interpreter and reference runs), through upcast copies of the
     chunk-sized ``a`` and ``b``."""
     if acc.dtype == a.dtype:
         if first:
