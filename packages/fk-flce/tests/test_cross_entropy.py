@@ -225,6 +225,17 @@ def test_strided_logits(device: str, layout: str) -> None:
     testing.compare_with_reference(_fk({}, target), _ref({}, target), [x])
 
 
+def test_options_after_weight_are_keyword_only(device: str) -> None:
+    """F.cross_entropy(input, target, weight, size_average, ignore_index, ...): a positional call
+    written for it must fail here, not bind size_average to ignore_index."""
+    x = testing.random_tensor((3, 10), torch.float32, device, seed=20)
+    target = torch.tensor([1, 2, 3], device=device)
+    with pytest.raises(TypeError, match="positional"):
+        cross_entropy(x, target, None, True)  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match="positional"):
+        CrossEntropyLoss(None, True)  # type: ignore[call-arg]
+
+
 def test_module_matches_torch_module(device: str) -> None:
     weight = _class_weight(50, device, seed=17)
     ours = CrossEntropyLoss(weight=weight, label_smoothing=0.1)

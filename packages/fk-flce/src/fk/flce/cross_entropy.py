@@ -61,10 +61,10 @@ def cross_entropy_ref(
     logits: torch.Tensor,
     target: torch.Tensor,
     weight: torch.Tensor | None = None,
+    *,
     ignore_index: int = -100,
     reduction: str = "mean",
     label_smoothing: float = 0.0,
-    *,
     lse_square_scale: float = 0.0,
     softcap: float | None = None,
     num_items: torch.Tensor | float | None = None,
@@ -621,10 +621,10 @@ def cross_entropy(
     logits: torch.Tensor,
     target: torch.Tensor,
     weight: torch.Tensor | None = None,
+    *,
     ignore_index: int = -100,
     reduction: str = "mean",
     label_smoothing: float = 0.0,
-    *,
     lse_square_scale: float = 0.0,
     softcap: float | None = None,
     num_items_in_batch: torch.Tensor | float | None = None,
@@ -634,6 +634,10 @@ def cross_entropy(
     inplace_backward: bool = False,
 ) -> Any:
     """Cross entropy of 2-D ``logits`` ``(N, V)`` and labels ``target`` ``(N,)``, as ``F.cross_entropy``.
+
+    Every argument after ``weight`` is keyword-only: ``F.cross_entropy`` has its deprecated
+    ``size_average`` and ``reduce`` in between, so a positional call written for it would bind its
+    arguments to other parameters here.
 
     Args:
         logits: ``(N, V)`` fp32/fp16/bf16; any row stride.
@@ -669,8 +673,9 @@ def cross_entropy(
     if inplace_backward and torch.is_grad_enabled():
         validate.check_overwritable("logits", logits, "inplace_backward")
     if not uses_kernel(logits):
-        out = cross_entropy_ref(logits, target, weight, ignore_index, reduction, label_smoothing,
-                                lse_square_scale=lse_square_scale, softcap=softcap, num_items=num_items)  # fmt: skip
+        out = cross_entropy_ref(logits, target, weight, ignore_index=ignore_index, reduction=reduction,
+                                label_smoothing=label_smoothing, lse_square_scale=lse_square_scale, softcap=softcap,
+                                num_items=num_items)  # fmt: skip
     else:
         loss, z_loss, lse, correct, _ = _cross_entropy(logits, target, weight, num_items, *options, reduction,
                                                        return_accuracy, inplace_backward)  # fmt: skip
@@ -697,10 +702,10 @@ class CrossEntropyLoss(torch.nn.CrossEntropyLoss):
     def __init__(
         self,
         weight: torch.Tensor | None = None,
+        *,
         ignore_index: int = -100,
         reduction: str = "mean",
         label_smoothing: float = 0.0,
-        *,
         lse_square_scale: float = 0.0,
         softcap: float | None = None,
     ) -> None:
@@ -711,6 +716,6 @@ class CrossEntropyLoss(torch.nn.CrossEntropyLoss):
 
     def forward(self, input: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return cross_entropy(
-            input, target, self.weight, self.ignore_index, self.reduction, self.label_smoothing,
-            lse_square_scale=self.lse_square_scale, softcap=self.softcap,
+            input, target, self.weight, ignore_index=self.ignore_index, reduction=self.reduction,
+            label_smoothing=self.label_smoothing, lse_square_scale=self.lse_square_scale, softcap=self.softcap,
         )  # fmt: skip

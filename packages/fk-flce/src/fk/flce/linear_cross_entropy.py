@@ -91,8 +91,8 @@ def linear_cross_entropy_ref(
         target = shift_labels(target, ignore_index)
     logits = F.linear(hidden, weight, bias).reshape(-1, weight.shape[0])
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    out = cross_entropy_ref(logits, target.reshape(-1), class_weight, ignore_index, reduction, label_smoothing,
-                            lse_square_scale=lse_square_scale, softcap=softcap,
+    out = cross_entropy_ref(logits, target.reshape(-1), class_weight, ignore_index=ignore_index, reduction=reduction,
+                            label_smoothing=label_smoothing, lse_square_scale=lse_square_scale, softcap=softcap,
                             num_items=num_items_in_batch)  # fmt: skip
     rows = target.shape
     if reduction == "none":
