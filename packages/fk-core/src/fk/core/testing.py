@@ -18,6 +18,7 @@ requires one; ``tests/test_testing.py`` in fk-core shows that it fails on wrong 
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -288,7 +289,7 @@ def assert_compile_matches_eager(loss: Callable[..., torch.Tensor], inputs: Sequ
     )  # fmt: skip
     for i, (g, t) in enumerate(zip(got, inputs, strict=True)):
         assert g is not None and t.grad is not None, f"input {i} got no gradient"
-        torch.testing.assert_close(g, t.grad, msg=lambda m, i=i: f"gradient of input {i}: {m}")
+        torch.testing.assert_close(g, t.grad, msg=functools.partial("gradient of input {}: {}".format, i))
 
 
 def run_on_reference_path(code: str) -> None:
