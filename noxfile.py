@@ -41,7 +41,10 @@ def _install_runtime(session: nox.Session) -> None:
 
 def _extra(dist: Path, name: str) -> list[str]:
     """The requirements of the extra ``name`` of a distribution (``[]`` when it has none)."""
-    import tomllib
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # Python 3.10: nox itself depends on tomli there
+        import tomli as tomllib
 
     project = tomllib.loads((dist / "pyproject.toml").read_text())["project"]
     requirements: list[str] = project.get("optional-dependencies", {}).get(name, [])

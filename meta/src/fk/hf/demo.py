@@ -13,7 +13,7 @@ exits with status 1 when the losses differ by more than the dtype's tolerance.
 On a GPU: bf16, Llama-3.2-1B's layers and 128256-token vocabulary with 4 layers, 8 x 2048 tokens a
 step; memory is CUDA's peak (``torch.cuda.max_memory_allocated``). Without one: a tiny model in
 fp32 whose fk kernels run in Triton's interpreter (switched on here, before Triton is imported),
-about half a minute; the interpreter is a correctness tool, so its tokens/s say nothing about
+about a minute; the interpreter is a correctness tool, so its tokens/s say nothing about
 speed, and memory is the bytes autograd holds for the backward pass (``saved for backward``).
 
 ``python -m fk.hf.check`` (``nox -s check``) checks each kernel alone against its reference.
