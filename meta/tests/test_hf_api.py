@@ -30,6 +30,7 @@ from test_hf_patching import (  # noqa: E402
     _expected_counts,
     _loss_and_grads,
     _model,
+    weight_gradient_spy,
 )
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -58,7 +59,9 @@ def _train_lora(model: Any, device: str, steps: int = 3) -> tuple[list[float], l
     return losses, grads
 
 
-def test_peft_model_gets_fk_lora_and_matches_stock_training(device: str, caplog: Any) -> None:
+def test_peft_model_gets_fk_lora_and_matches_stock_training(
+    device: str, caplog: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """``fk.hf.apply`` on a PEFT model with a frozen base: fk.lora fuses the LoRA layers (MLP,
     q/k/v group, o_proj per layer; the LoRA MLP is fk.lora's, not the swiglu patch), the base's
     norms, rotary embedding and loss are fk.hf's. Three AdamW steps give stock PEFT's losses and
@@ -72,8 +75,10 @@ def test_peft_model_gets_fk_lora_and_matches_stock_training(device: str, caplog:
     trained = [n for n, p in stock.named_parameters() if p.requires_grad]
     assert trained and all("lora_" in n for n in trained)
     want_losses, want_grads = _train_lora(stock, device)
+    work = weight_gradient_spy(monkeypatch)
     with caplog.at_level(logging.INFO, logger="fk.lora"):
         got_losses, got_grads = _train_lora(patched, device)
+    assert work["norm"] and work["head"] and not any(work["norm"] + work["head"])  # frozen: no dw work
     assert "runs PEFT's forward" not in caplog.text  # every LoRA layer took fk.lora's fused path
     assert got_losses == pytest.approx(want_losses, rel=1e-5, abs=1e-5)
     for step, (want, got) in enumerate(zip(want_grads, got_grads, strict=True)):

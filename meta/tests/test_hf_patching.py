@@ -7,6 +7,7 @@ these compare fk's kernels themselves with the stock PyTorch code, in fp32.
 from __future__ import annotations
 
 import copy
+import importlib
 import inspect
 import subprocess
 import sys
@@ -106,6 +107,30 @@ def _batch(device: str, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     labels[0, :5] = -100  # a prompt that is not scored
     labels[1, -2:] = -100  # padding
     return ids.to(device), labels.to(device)
+
+
+def weight_gradient_spy(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[bool]]:
+    """Record, for every RMSNorm backward and every fused-loss gradient buffer set-up, whether a
+    weight gradient was asked of the kernels: ``{"norm": [...], "head": [...]}``. (A frozen weight's
+    ``.grad`` is None whether or not the kernels computed it; this sees the work itself.)"""
+    # (the modules, not the functions of the same names that the packages export)
+    lce = importlib.import_module("fk.flce.linear_cross_entropy")
+    rms = importlib.import_module("fk.norms.rms_norm")
+
+    seen: dict[str, list[bool]] = {"norm": [], "head": []}
+    norm_backward, head_buffers = rms.launch_backward, lce._accum_buffers
+
+    def spy_norm(dy: Any, x: Any, weight: Any, rstd: Any, offset: Any, compute_dw: bool, *rest: Any) -> Any:
+        seen["norm"].append(bool(compute_dw))
+        return norm_backward(dy, x, weight, rstd, offset, compute_dw, *rest)
+
+    def spy_head(hidden: Any, weight: Any, compute_dh: bool, compute_dw: bool, *rest: Any) -> Any:
+        seen["head"].append(bool(compute_dw))
+        return head_buffers(hidden, weight, compute_dh, compute_dw, *rest)
+
+    monkeypatch.setattr(rms, "launch_backward", spy_norm)
+    monkeypatch.setattr(lce, "_accum_buffers", spy_head)
+    return seen
 
 
 def _loss_and_grads(model: Any, **inputs: Any) -> tuple[Any, dict[str, torch.Tensor]]:
@@ -364,7 +389,7 @@ def test_fused_loss_inside_a_non_reentrant_checkpoint(device: str) -> None:
         torch.testing.assert_close(param.grad, want_grads[name], **TOL, msg=lambda m, n=name: f"{n}: {m}")
 
 
-def test_peft_lora_model(device: str) -> None:
+def test_peft_lora_model(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A PEFT LoRA model with ``lora=False``: the base model's modules are patched (the LoRA
     layers themselves stay PEFT's); the adapters' gradients match stock, and the frozen head gets
     none. ``lora=True`` (the default) is tested in test_hf_api.py."""
@@ -376,7 +401,9 @@ def test_peft_lora_model(device: str) -> None:
     assert fk.hf.apply(patched, lora=False) == _expected_counts("llama")
     ids, labels = _batch(device)
     want, want_grads = _loss_and_grads(stock, input_ids=ids, labels=labels)
+    work = weight_gradient_spy(monkeypatch)
     got, got_grads = _loss_and_grads(patched, input_ids=ids, labels=labels)
+    assert work["norm"] and work["head"] and not any(work["norm"] + work["head"])  # frozen: no dw work
     assert got.logits is None
     torch.testing.assert_close(got.loss, want.loss, **TOL)
     trained = {n for n, p in stock.named_parameters() if p.requires_grad}
