@@ -230,6 +230,17 @@ def test_ignore_index_other_than_minus_100(device: str) -> None:
     testing.compare_with_reference(_fk(target, **kw), _ref(target, **kw), [h, w, None])
 
 
+@pytest.mark.parametrize("budget", [ONE_CHUNK, SMALL_CHUNKS], ids=["one_chunk", "chunks"])
+def test_second_backward_raises(device: str, budget: int) -> None:
+    """The backward scales the gradients made in the forward in place: a second backward through
+    the same loss must raise (as documented), not return scaled-twice gradients."""
+    h, w, _ = _inputs(30, torch.float32, device, seed=43)
+    loss = linear_cross_entropy(h, w, _labels((30,), device, seed=44), memory_budget=budget)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
 def test_extra_outputs(device: str) -> None:
     h, w, _ = _inputs(2 * 13, torch.float32, device, seed=23)
     assert h is not None and w is not None
