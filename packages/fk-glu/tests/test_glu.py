@@ -393,6 +393,25 @@ def test_mlp_from_config_and_state_dict_round_trip(device: str) -> None:
     assert "gelu_pytorch_tanh" in repr(mlp)
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma"])
+def test_mlp_matches_hugging_face_mlp(device: str, family: str) -> None:
+    """The real transformers modules, not a stand-in: the same state_dict keys in the same order,
+    and the same function (where transformers is installed; fk-glu does not depend on it)."""
+    transformers = pytest.importorskip("transformers")
+    if family == "llama":
+        config = transformers.LlamaConfig(hidden_size=32, intermediate_size=88, hidden_act="silu")
+        hf = transformers.models.llama.modeling_llama.LlamaMLP(config)
+    else:
+        config = transformers.GemmaConfig(hidden_size=32, intermediate_size=88, hidden_activation="gelu_pytorch_tanh")
+        hf = transformers.models.gemma.modeling_gemma.GemmaMLP(config)
+    hf = hf.to(device)
+    mlp = GatedMLP.from_config(config, device=device)
+    assert list(mlp.state_dict()) == list(hf.state_dict())
+    mlp.load_state_dict(hf.state_dict())
+    x = testing.random_tensor((5, 32), torch.float32, device, seed=40)
+    torch.testing.assert_close(mlp(x), hf(x), rtol=1e-5, atol=1e-6)
+
+
 def test_cpu_without_interpreter_takes_the_reference() -> None:
     testing.run_on_reference_path(
         "import torch; from fk.glu import swiglu, geglu_fused, gated_act_ref, gated_act_fused_ref;"

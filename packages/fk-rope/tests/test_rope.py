@@ -226,6 +226,23 @@ def test_strided_views_are_not_copied(device: str) -> None:
     torch.testing.assert_close((heads[:, :, :8].transpose(1, 2), heads[:, :, 8:10].transpose(1, 2)), want)
 
 
+def test_strided_views_out_of_place_allocate_only_the_outputs(device: str) -> None:
+    """q and k as views of a fused projection are read where they lie: forward and backward
+    allocate the two results each and nothing of q's or k's size besides (a copy would)."""
+    heads = torch.randn(2, 5, 12, 64, device=device, requires_grad=True)
+    q, k = heads[:, :, :8].transpose(1, 2), heads[:, :, 8:10].transpose(1, 2)
+    assert not q.is_contiguous() and not k.is_contiguous()
+    c, s = cos_sin(torch.arange(5)[None], 64, torch.float32, device)
+    q_bytes, k_bytes = q.numel() * 4, k.numel() * 4
+    out: list[torch.Tensor] = []
+    sizes = testing.allocation_sizes(lambda: out.extend(rope(q, k, c, s)))
+    assert testing.count_buffers(sizes, q_bytes, device) == 1 and testing.count_buffers(sizes, k_bytes, device) == 1
+    dq, dk = torch.randn_like(out[0]), torch.randn_like(out[1])
+    sizes = testing.allocation_sizes(lambda: torch.autograd.grad(out, (q, k), (dq, dk)))
+    assert testing.count_buffers(sizes, q_bytes, device) == 1 and testing.count_buffers(sizes, k_bytes, device) == 1
+    torch.testing.assert_close(out, list(rope(q.contiguous(), k.contiguous(), c, s)))
+
+
 @pytest.mark.parametrize("strides", ["row_strided", "transposed"])
 def test_other_strides(device: str, strides: str) -> None:
     q, k = qk(2, 6, 4, 2, 64, torch.float16, device, "bhsd", seed=9)
