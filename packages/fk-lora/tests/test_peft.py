@@ -299,6 +299,60 @@ def test_dora_falls_back_to_peft_with_a_log_line(device: str, caplog: pytest.Log
     fk.lora.unpatch(model)
 
 
+class _QuantizedLinear(nn.Linear):
+    """Stands for a bitsandbytes ``Linear4bit`` base layer (bitsandbytes is not a test dependency)."""
+
+
+def test_quantized_layers_are_left_to_peft(device: str, caplog: pytest.LogCaptureFixture) -> None:
+    """A quantized base layer, and PEFT's own LoRA class for one (``lora.bnb.Linear4bit``, a
+    subclass of ``lora.Linear``): fk.lora leaves both to PEFT, says so, and changes nothing."""
+    model = _model(device)
+    attn, mlp = _layer(model).self_attn, _layer(model).mlp
+    attn.o_proj.base_layer.__class__ = _QuantizedLinear
+    mlp.down_proj.__class__ = type("Linear4bit", (type(mlp.down_proj),), {})
+    x = testing.random_tensor((2, 3, HIDDEN), torch.float32, device, seed=5)
+    want = [_o(model, x)[0], _mlp(model, x)[0]]
+    with caplog.at_level(logging.INFO, logger="fk.lora"):
+        report = fk.lora.patch(model)
+    try:
+        got = [_o(model, x)[0], _mlp(model, x)[0]]
+    finally:
+        fk.lora.unpatch(model)
+    skipped = {name.rsplit(".", 1)[-1]: reason for name, reason in report.skipped.items()}
+    assert "_QuantizedLinear is not torch.nn.Linear" in skipped["o_proj"]
+    assert "Linear4bit is not PEFT's plain lora.Linear" in skipped["down_proj"]
+    assert not report.mlp  # the MLP is not fused without its down projection
+    assert "left to PEFT's forward" in caplog.text
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.25], ids=["no_dropout", "dropout"])
+def test_compile_fullgraph_of_a_patched_peft_model(device: str, dropout: float) -> None:
+    """``torch.compile(fullgraph=True)`` of a whole patched PEFT model (aot_eager: the traced
+    graph, run eagerly), with and without LoRA dropout: the loss and the LoRA gradients of eager."""
+    model = _model(device, dropout=dropout)
+    fk.lora.patch(model)
+    ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(1)).to(device)
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def run(fn: Callable[..., Any]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        torch.manual_seed(3)
+        loss = fn(input_ids=ids, labels=ids).loss
+        return loss.detach(), list(torch.autograd.grad(loss, params))
+
+    try:
+        torch._dynamo.reset()
+        got = run(torch.compile(model, fullgraph=True, backend="aot_eager"))
+        want = run(model)
+    finally:
+        torch._dynamo.reset()
+        fk.lora.unpatch(model)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-6)
+    for g, w in zip(got[1], want[1], strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
+
+
 def test_merged_or_disabled_adapters_run_peft_forward(device: str, caplog: pytest.LogCaptureFixture) -> None:
     model = _model(device)
     x = testing.random_tensor((2, 3, HIDDEN), torch.float32, device, seed=6)
