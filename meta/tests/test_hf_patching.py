@@ -33,6 +33,7 @@ FAMILIES = [
     "qwen2",
     "qwen3",
     "qwen3_moe",
+    "stablelm",
 ]
 GEMMAS = ["gemma", "gemma2", "gemma3_text"]
 VOCAB, BATCH, SEQ = 300, 2, 16
@@ -59,6 +60,9 @@ FAMILY_OPTIONS: dict[str, dict[str, Any]] = {
         "output_router_logits": True,
         "router_aux_loss_coef": 0.1,
     },
+    # LayerNorms: with bias before attention and MLP and at the end, per-head q/k norms without;
+    # a quarter of each head rotates (StableLM's default).
+    "stablelm": {"qk_layernorm": True},
     "qwen3_moe": {
         "num_experts": 4,
         "num_experts_per_tok": 2,
@@ -77,9 +81,12 @@ def _expected_counts(model_type: str, layers: int = 2) -> dict[str, int]:
     per layer (none where the experts of a mixture replace it), one attention per layer, the
     causal LM."""
     per_layer = {"qwen3": 4, "qwen3_moe": 4, "gemma2": 4, "gemma3_text": 6, "olmo2": 4}.get(model_type, 2)
+    norm = "rms_norm"
+    if model_type == "stablelm":  # LayerNorms: two per layer, and one per q head (4) and k head (2)
+        norm, per_layer = "layer_norm", 2 + 4 + 2
     mlp = "geglu" if model_type in GEMMAS else "swiglu"
     mlps = {"mixtral": 0, "qwen3_moe": 1}.get(model_type, layers)  # MoE experts stay stock; dense MLPs do not
-    return {**dict.fromkeys(fk.hf.SWITCHES, 0), "rms_norm": per_layer * layers + 1, mlp: mlps, "rope": layers,
+    return {**dict.fromkeys(fk.hf.SWITCHES, 0), norm: per_layer * layers + 1, mlp: mlps, "rope": layers,
             "flce": 1}  # fmt: skip
 
 
@@ -93,9 +100,9 @@ def _model(model_type: str, device: str, **overrides: Any) -> Any:
     config = transformers.CONFIG_MAPPING[model_type](**options)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config)
-    with torch.no_grad():  # norm weights away from their init (ones, or Gemma's zeros), so they matter
+    with torch.no_grad():  # norm weights (and LayerNorm biases) away from their init, so they matter
         for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
+            if name.endswith(("norm.weight", "norm.bias")) or ".norms." in name:
                 param.add_(0.2 * torch.randn_like(param))
     return model.to(device).train()
 
@@ -498,7 +505,9 @@ def test_save_pretrained_round_trip(device: str, tmp_path: Any) -> None:
         assert torch.equal(loaded.state_dict()[key], value), key
 
 
-@pytest.mark.parametrize("model_type", ["llama", *GEMMAS, "olmo2", "granite", "phi3", "mixtral", "qwen3_moe"])
+@pytest.mark.parametrize(
+    "model_type", ["llama", *GEMMAS, "olmo2", "granite", "phi3", "mixtral", "qwen3_moe", "stablelm"]
+)
 def test_revert_restores_bit_identical_outputs(model_type: str, device: str) -> None:
     model = _model(model_type, device)
     ids, labels = _batch(device)
@@ -666,7 +675,7 @@ def test_logits_when_asked_or_without_labels(device: str) -> None:
             patched(input_ids=ids, skip_logits=True)
 
 
-@pytest.mark.parametrize("model_type", ["llama", "gemma2", "gemma3_text", "phi3", "mixtral"])
+@pytest.mark.parametrize("model_type", ["llama", "gemma2", "gemma3_text", "phi3", "mixtral", "stablelm"])
 def test_generation_unchanged(model_type: str, device: str) -> None:
     """Greedy decoding with a KV cache (the rotary path at one new position; Gemma's local and
     global layers, its soft-capped logits) gives stock's tokens."""

@@ -76,18 +76,19 @@ def _check_switches(switches: dict[str, Any]) -> dict[str, bool]:
 
 @overload
 def apply(
-    model: str, *, rms_norm: bool = ..., swiglu: bool = ..., geglu: bool = ..., rope: bool = ..., flce: bool = ...,
-    lora: bool = ...,
+    model: str, *, rms_norm: bool = ..., layer_norm: bool = ..., swiglu: bool = ..., geglu: bool = ...,
+    rope: bool = ..., flce: bool = ..., lora: bool = ...,
 ) -> list[str]: ...  # fmt: skip
 @overload
 def apply(
-    model: Any, *, rms_norm: bool = ..., swiglu: bool = ..., geglu: bool = ..., rope: bool = ..., flce: bool = ...,
-    lora: bool = ...,
+    model: Any, *, rms_norm: bool = ..., layer_norm: bool = ..., swiglu: bool = ..., geglu: bool = ...,
+    rope: bool = ..., flce: bool = ..., lora: bool = ...,
 ) -> dict[str, int]: ...  # fmt: skip
 def apply(
     model: Any,
     *,
     rms_norm: bool = True,
+    layer_norm: bool = True,
     swiglu: bool = True,
     geglu: bool = True,
     rope: bool = True,
@@ -107,6 +108,8 @@ def apply(
             :func:`revert` with the same string restores the classes.
         rms_norm: RMSNorm modules run :func:`fk.norms.rms_norm` (same weight and eps; Gemma's
             ``1 + weight`` and fp32 casting).
+        layer_norm: ``torch.nn.LayerNorm`` modules of a family that uses them (StableLM) run
+            :func:`fk.norms.layer_norm` (same weight, bias and eps).
         swiglu: gated MLPs with a SiLU activation run :func:`fk.glu.swiglu` between their
             projections.
         geglu: gated MLPs with a GELU activation (Gemma's tanh approximation, or exact) run
@@ -134,7 +137,15 @@ def apply(
     from fk.hf.patching import apply_patch
 
     switches = _check_switches(
-        {"rms_norm": rms_norm, "swiglu": swiglu, "geglu": geglu, "rope": rope, "flce": flce, "lora": lora}
+        {
+            "rms_norm": rms_norm,
+            "layer_norm": layer_norm,
+            "swiglu": swiglu,
+            "geglu": geglu,
+            "rope": rope,
+            "flce": flce,
+            "lora": lora,
+        }
     )
     if isinstance(model, str):
         from fk.hf.classes import patch_classes

@@ -10,6 +10,9 @@ What each switch replaces (for the families in :mod:`fk.hf.models`):
 
 - ``rms_norm``: the forward of each RMSNorm module by :func:`fk.norms.rms_norm` (same weight,
   same epsilon, the family's casting mode and offset).
+- ``layer_norm``: the forward of each ``torch.nn.LayerNorm`` module of a family that uses them
+  (StableLM) by :func:`fk.norms.layer_norm` (same weight, bias or none, and epsilon), where it
+  normalizes over the last dimension alone and its parameters have the input's dtype.
 - ``swiglu``: the forward of each gated MLP whose activation is SiLU by
   ``fk.glu.gated_mlp(x, gate_proj.weight, up_proj.weight, down_proj.weight)``, which does not keep
   ``act(gate) * up`` for the backward, where the projections are plain ``nn.Linear`` layers
@@ -53,7 +56,7 @@ import torch
 
 from fk.core.forward import has_hooks, restore_class, stock_forward, swap_forward, swapped
 
-SWITCHES = ("rms_norm", "swiglu", "geglu", "rope", "flce", "lora")
+SWITCHES = ("rms_norm", "layer_norm", "swiglu", "geglu", "rope", "flce", "lora")
 
 _KIND = "_fk_hf_kind"
 _LORA = "_fk_hf_lora_report"
@@ -85,6 +88,9 @@ class ModelPatch:
     mlp: tuple[str, ...]
     attention: tuple[str, ...]
     causal_lm: tuple[str, ...]
+    layer_norm: tuple[str, ...] = ()
+    """LayerNorm classes of the family; a dotted name (``"torch.nn.LayerNorm"``) is imported from
+    its own module rather than the modeling module."""
     casting_mode: str = "llama"
     """fk.norms casting mode of the family's RMSNorm."""
     offset: float = 0.0
@@ -106,10 +112,12 @@ class ModelPatch:
     ``router_aux_loss_coef``, added to the loss, as stock; the output is a ``MoeCausalLMOutputWithPast``."""
 
     def classes(self, names: tuple[str, ...]) -> tuple[type, ...]:
-        import importlib
+        def lookup(name: str) -> type:
+            where, _, leaf = name.rpartition(".")
+            cls: type = getattr(importlib.import_module(where or self.modeling_module), leaf)
+            return cls
 
-        module = importlib.import_module(self.modeling_module)
-        return tuple(getattr(module, name) for name in names)
+        return tuple(lookup(name) for name in names)
 
 
 # --- forwards -------------------------------------------------------------------------------------
@@ -128,6 +136,22 @@ def rms_norm_forward(self: Any, hidden_states: torch.Tensor) -> torch.Tensor:
     patch: ModelPatch = self._fk_hf_patch
     eps = getattr(self, patch.eps_attr)
     out: torch.Tensor = rms_norm(hidden_states, self.weight, eps, casting_mode=patch.casting_mode, offset=patch.offset)
+    return out
+
+
+def layer_norm_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
+    """``torch.nn.LayerNorm``'s forward through :func:`fk.norms.layer_norm` (over the last
+    dimension, with the module's weight and bias, either of which may be absent).
+
+    A LayerNorm over more than the last dimension, or whose parameters' dtype differs from the
+    input's (stock then returns the parameters' dtype, by type promotion), runs the stock forward.
+    """
+    from fk.norms import layer_norm
+
+    params = [p for p in (self.weight, self.bias) if p is not None]
+    if len(self.normalized_shape) != 1 or any(p.dtype != x.dtype for p in params):
+        return stock_forward(self, _STOCK, x)
+    out: torch.Tensor = layer_norm(x, self.weight, self.bias, self.eps)
     return out
 
 
@@ -532,11 +556,14 @@ def apply_patch(model: torch.nn.Module, patch: ModelPatch, switches: dict[str, b
         model.__dict__[_LORA] = fk.lora.patch(model)
     norms, mlps = patch.classes(patch.rms_norm), patch.classes(patch.mlp)
     attentions, heads = patch.classes(patch.attention), patch.classes(patch.causal_lm)
+    layer_norms = patch.classes(patch.layer_norm)
     for module in model.modules():
         if "forward" in module.__dict__ or swapped(module):
             continue
         if switches["rms_norm"] and isinstance(module, norms):
             _set_forward(module, "rms_norm", rms_norm_forward, patch)
+        elif switches["layer_norm"] and isinstance(module, layer_norms):
+            _set_forward(module, "layer_norm", layer_norm_forward, patch)
         elif isinstance(module, mlps) and (activation := _mlp_activation(module, patch)) is not None:
             if switches["swiglu"] and activation == "silu":
                 _set_forward(module, "swiglu", swiglu_forward, patch)

@@ -50,8 +50,8 @@ class FkCallback(transformers.TrainerCallback):
     before training (see the module's docstring for when, and why then).
 
     Args:
-        **switches: :func:`fk.hf.apply`'s switches (``rms_norm``, ``swiglu``, ``geglu``, ``rope``,
-            ``flce``, ``lora``); every switch not given is on. An unknown name or a value that is not
+        **switches: :func:`fk.hf.apply`'s switches (``rms_norm``, ``layer_norm``, ``swiglu``,
+            ``geglu``, ``rope``, ``flce``, ``lora``); every switch not given is on. An unknown name or a value that is not
             a bool raises ``TypeError`` here, before the trainer is built.
 
     After patching, :attr:`patched` holds what :func:`fk.hf.apply` returned (None before). A model
