@@ -302,6 +302,8 @@ def test_bad_inputs(device: str) -> None:
     b = torch.randn(8, device=device)
     with pytest.raises(TypeError, match=r"x must be a torch\.Tensor"):
         layer_norm([1.0], w, b)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"weight must be a torch\.Tensor, got tuple"):  # F.layer_norm's order
+        layer_norm(x, (8,), w, b)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="x must have dtype in"):
         layer_norm(x.to(torch.int32), w, b)
     with pytest.raises(TypeError, match="weight must have dtype in"):

@@ -452,15 +452,17 @@ def layer_norm(
     validate.check_tensor("x", x)
     validate.check_dtype("x", x)
     validate.check_min_ndim("x", x, 1)
-    eps = validate.check_positive_float("eps", eps)
     if x.shape[-1] == 0:
         raise ValueError(f"x must have a non-empty last dimension, got shape {tuple(x.shape)}")
+    # (weight before eps: a call written for F.layer_norm(x, normalized_shape, weight, bias, eps)
+    # is then told that its shape is not a weight, not that its bias is not an eps)
     for name, param in (("weight", weight), ("bias", bias)):
         if param is not None:
             validate.check_tensor(name, param)
             validate.check_dtype(name, param)
             validate.check_shape(name, param, (x.shape[-1],))
             validate.check_same_device(name, param, "x", x)
+    eps = validate.check_positive_float("eps", eps)
     if not uses_kernel(x):
         return layer_norm_ref(x, weight, bias, eps)
     y, _, _ = _layer_norm(x, weight, bias, eps)
