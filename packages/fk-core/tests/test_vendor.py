@@ -370,3 +370,43 @@ def test_vendor_norms_end_to_end(tmp_path: Path, layout: str, interpret: str) ->
         TRITON_INTERPRET=interpret,
     )
     assert stdout.strip().endswith("ok")
+
+
+def _lora_missing() -> bool:
+    try:
+        return importlib.util.find_spec("fk.lora") is None or importlib.util.find_spec("fk.glu") is None
+    except ImportError:
+        return True
+
+
+@pytest.mark.skipif(_lora_missing(), reason="fk.lora and fk.glu are not importable here (fk-core alone)")
+def test_vendor_command_line_pulls_in_dependencies(tmp_path: Path) -> None:
+    """``python -m fk.core.vendor lora --into DIR`` as a user types it: fk-lora needs fk-glu, which
+    comes along; the vendored fused LoRA MLP then runs (reference path) with no fk installed."""
+    done = subprocess.run(
+        [sys.executable, "-m", "fk.core.vendor", "lora", "--into", str(tmp_path)],
+        capture_output=True, text=True, check=False, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "glu" in done.stdout and "needed by fk.lora" in done.stdout
+    root = tmp_path / "fk_vendored"
+    assert (root / "glu" / "__init__.py").exists()
+    _assert_no_fk_imports(root)
+    stdout = _run_without_fk(
+        """
+        import torch
+        from fk_vendored.lora import LoRAWeights, lora_mlp, lora_mlp_ref
+
+        torch.manual_seed(0)
+        def part(n, k):
+            return LoRAWeights(torch.randn(n, k) / k**0.5, None, torch.randn(4, k, requires_grad=True) / k**0.5,
+                               torch.randn(n, 4, requires_grad=True), 2.0)
+        x = torch.randn(5, 16)
+        parts = (part(24, 16), part(24, 16), part(16, 24))
+        torch.testing.assert_close(lora_mlp(x, *parts), lora_mlp_ref(x, *parts))
+        print("ok")
+        """,
+        tmp_path,
+        TRITON_INTERPRET="0",
+    )
+    assert stdout.strip().endswith("ok")
