@@ -182,11 +182,14 @@ VARIANTS: dict[str, dict[str, Any]] = {
 }
 
 
+@pytest.mark.parametrize("case", list(DTYPE_CASES))
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_variants_match_peft(device: str, variant: str) -> None:
-    model = _model(device, dropout=0.25, **VARIANTS[variant])
-    x = testing.random_tensor((2, 5, HIDDEN), torch.float32, device, seed=2)
-    _compare(model, lambda m, x: [*_qkv(m, x), *_mlp(m, x), *_o(m, x)], x)
+def test_variants_match_peft(device: str, variant: str, case: str) -> None:
+    dtype, lora_fp32 = DTYPE_CASES[case]
+    model = _model(device, dtype, lora_fp32=lora_fp32, dropout=0.25, **VARIANTS[variant])
+    x = testing.random_tensor((2, 5, HIDDEN), dtype, device, seed=2)
+    floors = {torch.float32: testing.FLOOR[torch.bfloat16]} if lora_fp32 else None  # as in test_layers_match_peft
+    _compare(model, lambda m, x: [*_qkv(m, x), *_mlp(m, x), *_o(m, x)], x, floors=floors)
 
 
 AUTOCAST_CASES = {
