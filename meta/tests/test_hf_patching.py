@@ -213,6 +213,21 @@ def test_torch_compile_fullgraph_of_a_patched_model(model_type: str, device: str
             assert any(op.startswith(namespace) for op in traced_ops), (kind, sorted(traced_ops))
 
 
+def _train_both(stock: Any, patched: Any, device: str, lr: float, steps: int = 4) -> dict[str, list[float]]:
+    """``steps`` AdamW steps of each model on one repeated batch; the loss of every step."""
+    losses: dict[str, list[float]] = {"stock": [], "fk": []}
+    for name, model in (("stock", stock), ("fk", patched)):
+        opt = torch.optim.AdamW(model.parameters(), lr=lr)
+        ids, labels = _batch(device)
+        for _ in range(steps):
+            opt.zero_grad(set_to_none=True)
+            loss = model(input_ids=ids, labels=labels).loss
+            loss.backward()
+            opt.step()
+            losses[name].append(loss.item())
+    return losses
+
+
 @pytest.mark.parametrize("model_type", FAMILIES)
 def test_training_steps_match_stock(model_type: str, device: str) -> None:
     """AdamW from the same seed on one repeated batch: the same loss at every step, and the same
@@ -220,16 +235,7 @@ def test_training_steps_match_stock(model_type: str, device: str) -> None:
     stock = _model(model_type, device)
     patched = copy.deepcopy(stock)
     fk.hf.apply(patched)
-    losses: dict[str, list[float]] = {"stock": [], "fk": []}
-    for name, model in (("stock", stock), ("fk", patched)):
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        ids, labels = _batch(device)
-        for _ in range(4):
-            opt.zero_grad(set_to_none=True)
-            loss = model(input_ids=ids, labels=labels).loss
-            loss.backward()
-            opt.step()
-            losses[name].append(loss.item())
+    losses = _train_both(stock, patched, device, lr=1e-2)
     assert losses["fk"] == pytest.approx(losses["stock"], rel=1e-5, abs=1e-5)
     assert losses["fk"][-1] < losses["fk"][0]
     # Adam normalizes each element's step: in Mixtral, a first gradient of -5.0e-9 (stock) vs
@@ -254,16 +260,7 @@ def test_bf16_training_steps_track_stock(model_type: str, device: str) -> None:
     patched = copy.deepcopy(stock)
     fk.hf.apply(patched)
     start = {n: p.detach().float().clone() for n, p in stock.named_parameters()}
-    losses: dict[str, list[float]] = {"stock": [], "fk": []}
-    for name, model in (("stock", stock), ("fk", patched)):
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        ids, labels = _batch(device)
-        for _ in range(4):
-            opt.zero_grad(set_to_none=True)
-            loss = model(input_ids=ids, labels=labels).loss
-            loss.backward()
-            opt.step()
-            losses[name].append(loss.item())
+    losses = _train_both(stock, patched, device, lr=1e-3)
     assert losses["fk"] == pytest.approx(losses["stock"], rel=2e-2)
     assert losses["fk"][-1] < losses["fk"][0]
     trained = dict(patched.named_parameters())
