@@ -602,14 +602,12 @@ def check_num_items(num_items: object, reduction: str, device: torch.device) -> 
     if isinstance(num_items, torch.Tensor):
         if num_items.numel() != 1:
             raise ValueError(f"num_items_in_batch must have one element, got shape {tuple(num_items.shape)}")
-        if num_items.device == device:
-            return num_items.reshape(()).to(torch.float32)
-        if num_items.device.type != "cpu":
-            raise ValueError(
-                f"num_items_in_batch must be on the logits' device ({device}) or the CPU, got {num_items.device}"
-            )
-        # a CPU tensor: read on the host (no GPU synchronization), unchecked like a device tensor
-        return torch.full((), float(num_items.item()), dtype=torch.float32, device=device)
+        if num_items.device.type == "cpu" and device.type != "cpu":
+            # read on the host (no GPU synchronization; a host-to-device copy would wait for the
+            # GPU), unchecked like a device tensor
+            return torch.full((), float(num_items.item()), dtype=torch.float32, device=device)
+        # (on another GPU, as under nn.DataParallel: a device-to-device copy, no host wait)
+        return num_items.reshape(()).to(device=device, dtype=torch.float32)
     if isinstance(num_items, bool) or not isinstance(num_items, (int, float)) or not num_items > 0:
         raise ValueError(f"num_items_in_batch must be a positive number or a tensor, got {num_items!r}")
     # torch.full fills on the device: torch.tensor(..., device=cuda) would copy from the host and
