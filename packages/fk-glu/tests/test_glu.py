@@ -196,6 +196,7 @@ def test_inplace_grad_refuses_leaves(device: str) -> None:
         swiglu(a.clone(), b[:, :], inplace_grad=True)
     with torch.no_grad():  # nothing is written without autograd
         swiglu(a, b, inplace_grad=True)
+    swiglu(a.detach()[:, :], b.detach(), inplace_grad=True)  # no gradient asked of them: allowed
 
 
 def test_inplace_grad_fused(device: str) -> None:

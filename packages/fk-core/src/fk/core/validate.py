@@ -96,7 +96,9 @@ def check_overwritable(name: str, tensor: torch.Tensor, option: str) -> None:
     """``tensor`` may be written over by ``option`` (an in-place forward, or a gradient written
     into an input's buffer) only if it is not a leaf that requires grad, nor a view of one: that
     would overwrite a parameter, or a user's input, and make its ``.grad`` share its memory."""
-    if tensor.requires_grad and tensor.is_leaf:
+    if not tensor.requires_grad:  # (autograd has no stake in it)
+        return
+    if tensor.is_leaf:
         raise ValueError(f"{option}=True cannot overwrite {name}: it is a leaf tensor that requires grad")
     base = tensor._base
     if base is not None and base.requires_grad and base.is_leaf:
