@@ -1,10 +1,14 @@
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
-import tomllib
-
 from fk.hf import check
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10: tomli, which the testing extra installs there
+    import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parents[2]
 
