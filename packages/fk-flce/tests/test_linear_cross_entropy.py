@@ -335,12 +335,14 @@ def test_no_host_synchronization() -> None:
     h, w, b = _inputs(300, torch.bfloat16, "cuda", seed=36, bias=True, vocab=5000, hidden=64)
     target = _labels((300,), "cuda", seed=37, vocab=5000)
     linear_cross_entropy(h, w, target, b).backward()  # compile and warm up first
+    # Built before the check: copying a Python number to the GPU is itself a synchronizing copy.
+    counts = (250, 250.0, torch.tensor(250), torch.tensor(250, device="cuda"))
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         for budget in (1 << 30, 1 << 20):
             linear_cross_entropy(h, w, target, b, memory_budget=budget, label_smoothing=0.1).backward()
-        for num_items in (250, 250.0, torch.tensor(250), torch.tensor(250, device="cuda")):
+        for num_items in counts:
             linear_cross_entropy(h, w, target, b, num_items_in_batch=num_items).backward()
     finally:
         torch.cuda.set_sync_debug_mode("default")
