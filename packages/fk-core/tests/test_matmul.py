@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from fk.core import testing
-from fk.core.matmul import has_fp32_out_matmul, mm_bf16_fp32, split_bf16
+from fk.core.matmul import accumulate_mm, bf16_parts, has_fp32_out_matmul, mm_bf16_fp32, split_bf16
 
 
 def test_split_parts_sum_to_the_matrix() -> None:
@@ -35,3 +35,29 @@ def test_mm_bf16_fp32_is_the_fp32_product(device: str, rows: int, cols: int, ran
 
 def test_fp32_out_matmul_only_on_cuda() -> None:
     assert not has_fp32_out_matmul(torch.device("cpu"))
+
+
+def test_mm_bf16_fp32_takes_the_parts_split_once(device: str) -> None:
+    x = testing.random_tensor((70, 300), torch.bfloat16, device, seed=3)
+    w = testing.random_tensor((16, 300), torch.float32, device, seed=4) * 0.05
+    parts = bf16_parts(w)
+    assert (parts is None) == (not has_fp32_out_matmul(w.device))
+    whole = mm_bf16_fp32(x, w)
+    # Chunks of rows against one split: the same rows as the unchunked product.
+    chunked = torch.cat([mm_bf16_fp32(x[i : i + 32], w, parts) for i in range(0, 70, 32)])
+    torch.testing.assert_close(chunked, whole, rtol=2e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_accumulate_mm_sums_chunks_in_the_accumulators_dtype(device: str, dtype: torch.dtype) -> None:
+    a = testing.random_tensor((5, 301), dtype, device, seed=5)
+    b = testing.random_tensor((301, 37), dtype, device, seed=6)
+    acc = torch.full((5, 37), float("nan"), dtype=torch.float32, device=device)  # "first" overwrites
+    for i, start in enumerate(range(0, 301, 100)):
+        accumulate_mm(acc, a[:, start : start + 100], b[start : start + 100], first=i == 0)
+    want = a.double() @ b.double()
+    torch.testing.assert_close(acc.double(), want, rtol=1e-5, atol=1e-5)
+    # Rounding each chunk's product to the inputs' dtype would be outside that tolerance.
+    if dtype != torch.float32:
+        rounded = sum((a[:, s : s + 100] @ b[s : s + 100]).double() for s in range(0, 301, 100))
+        assert (rounded - want).abs().max() > 1e-3

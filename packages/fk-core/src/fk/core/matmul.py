@@ -6,6 +6,8 @@
 - :func:`mm_bf16_fp32`: ``x @ w.T`` for a bf16 ``x`` and an fp32 ``w``, as ``x.float() @ w.T``
   computes it, without the fp32 copy of ``x`` (fk.lora: PEFT keeps LoRA weights in fp32 next to bf16
   activations, and casts the activations up).
+- :func:`accumulate_mm`: ``acc (=|+=) a @ b`` with the sum kept in ``acc``'s dtype (fp32 sums of
+  bf16 products over chunks of rows: fk.flce's weight gradient, fk.lora's chunked MLP).
 
 The split behind :func:`mm_bf16_fp32`: ``w = hi + mid + lo`` exactly (to fp32's precision), each part
 in bf16, where ``hi = bf16(w)``, ``mid = bf16(w - hi)``, ``lo = bf16(w - hi - mid)``: three bf16
@@ -40,22 +42,53 @@ def has_fp32_out_matmul(device: torch.device) -> bool:
 
 def split_bf16(w: torch.Tensor) -> torch.Tensor:
     """The fp32 ``w`` ``[r, K]`` as three bf16 parts stacked ``[3r, K]`` (hi, mid, lo) whose fp32 sum
-    is ``w`` (see the module docstring)."""
-    parts = []
-    rest = w
-    for _ in range(3):
-        part = rest.to(torch.bfloat16)
-        parts.append(part)
-        rest = rest - part.float()
-    return torch.cat(parts)
+    is ``w`` (see the module docstring). Four kernels, written straight into the stacked buffer."""
+    r = w.shape[0]
+    parts = torch.empty((3 * r, w.shape[1]), dtype=torch.bfloat16, device=w.device)
+    hi, mid, lo = parts[:r], parts[r : 2 * r], parts[2 * r :]
+    hi.copy_(w)
+    rest = w - hi  # exact in fp32
+    mid.copy_(rest)
+    torch.sub(rest, mid, out=lo)  # rounded to bf16 on the way out
+    return parts
 
 
-def mm_bf16_fp32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def bf16_parts(w: torch.Tensor) -> torch.Tensor | None:
+    """:func:`split_bf16` of ``w`` where :func:`mm_bf16_fp32` uses the parts (a device with
+    fp32-output matmuls), else None. A caller that multiplies several inputs by one ``w`` (chunks
+    of rows) splits it once and passes the parts to each call."""
+    return split_bf16(w) if has_fp32_out_matmul(w.device) else None
+
+
+def mm_bf16_fp32(x: torch.Tensor, w: torch.Tensor, parts: torch.Tensor | None = None) -> torch.Tensor:
     """``x.float() @ w.T`` in fp32, for ``x`` bf16 ``[M, K]`` and ``w`` fp32 ``[r, K]``, reading ``x``
-    once in bf16 (see the module docstring). On a device without fp32-output matmuls it computes
-    ``x.float() @ w.T`` itself."""
+    once in bf16 (see the module docstring). ``parts``: :func:`bf16_parts` of ``w``, when the caller
+    has it. On a device without fp32-output matmuls it computes ``x.float() @ w.T`` itself."""
     if not has_fp32_out_matmul(x.device):
         return torch.mm(x.float(), w.t())
     r = w.shape[0]
-    out = torch.mm(x, split_bf16(w).t(), out_dtype=torch.float32)  # [M, 3r]: x hi^T | x mid^T | x lo^T
-    return out[:, :r] + out[:, r : 2 * r] + out[:, 2 * r :]
+    if parts is None:
+        parts = split_bf16(w)
+    out = torch.mm(x, parts.t(), out_dtype=torch.float32)  # [M, 3r]: x hi^T | x mid^T | x lo^T
+    return out.view(x.shape[0], 3, r).sum(1)
+
+
+def accumulate_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool) -> None:
+    """``acc (=|+=) a @ b`` (``=`` when ``first``) with the sum kept in ``acc.dtype``: on a GPU with
+    fp32-output matmuls one kernel and no temporaries for bf16/fp16 ``a`` and ``b`` and an fp32
+    ``acc``; elsewhere (the CPU: the interpreter and reference runs) through upcast copies of ``a``
+    and ``b``."""
+    if acc.dtype == a.dtype:
+        if first:
+            torch.mm(a, b, out=acc)
+        else:
+            acc.addmm_(a, b)
+    elif has_fp32_out_matmul(acc.device):
+        if first:
+            torch.mm(a, b, out_dtype=acc.dtype, out=acc)
+        else:
+            torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+    elif first:
+        torch.mm(a.to(acc.dtype), b.to(acc.dtype), out=acc)
+    else:
+        acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))

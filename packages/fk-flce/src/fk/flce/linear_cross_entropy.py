@@ -34,7 +34,7 @@ import triton.language as tl
 from fk.core import validate
 from fk.core.backend import uses_kernel
 from fk.core.launch import cdiv
-from fk.core.matmul import has_fp32_out_matmul
+from fk.core.matmul import accumulate_mm
 from fk.core.ops import define_autograd_op
 from fk.flce.cross_entropy import (
     CrossEntropyOutput,
@@ -142,27 +142,6 @@ Outputs = tuple[
 ]
 
 
-def _accumulate_matmul(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool) -> None:
-    """``acc (=|+=) a @ b`` with the sum kept in ``acc.dtype``, in one kernel and no temporaries on
-    a GPU (``out_dtype``, torch >= 2.8, which fk-flce requires); on the CPU, where torch has no
-    fp32-output bf16 matmul (the interpreter and reference runs), through upcast copies of the
-    chunk-sized ``a`` and ``b``."""
-    if acc.dtype == a.dtype:
-        if first:
-            torch.mm(a, b, out=acc)
-        else:
-            acc.addmm_(a, b)
-    elif has_fp32_out_matmul(acc.device):
-        if first:
-            torch.mm(a, b, out_dtype=acc.dtype, out=acc)
-        else:
-            torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
-    elif first:
-        torch.mm(a.to(acc.dtype), b.to(acc.dtype), out=acc)
-    else:
-        acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
-
-
 def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
     """``h @ weight.T (+ bias)`` written into ``out``."""
     return torch.addmm(bias, h, weight.t(), out=out) if bias is not None else torch.mm(h, weight.t(), out=out)
@@ -229,7 +208,7 @@ def chunk_grads(
     if dh_rows is not None:
         torch.mm(logits_grad, weight, out=dh_rows)
     if dw is not None:
-        _accumulate_matmul(dw, logits_grad.t(), h, first=first)
+        accumulate_mm(dw, logits_grad.t(), h, first=first)
     if db is not None:
         db += logits_grad.sum(0, dtype=torch.float32)
 
