@@ -146,6 +146,32 @@ def test_lora_mlp_matches_reference(
 
 
 @pytest.mark.parametrize("chunked", [False, True], ids=["whole", "row_chunks"])
+def test_lora_mlp_fp32_lora_weights_with_bf16_activations(
+    device: str, chunked: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """PEFT's default: fp32 LoRA weights next to a bf16 model. On a GPU the LoRA inputs go through
+    fk.core.matmul.mm_bf16_fp32 (in row chunks, against one split of the down projection's A), and
+    the chunks' dA's add up in fp32; the base weights are trainable here, so dW's do too."""
+    if chunked:
+        monkeypatch.setattr(importlib.import_module("fk.lora.lora"), "MLP_CHUNK_BYTES", 4 * INTER * 2)
+    bf, f32 = torch.bfloat16, torch.float32
+    g = _linear_args(bf, device, n=INTER, seed=0, lora_dtype=f32, train_base=True)
+    u = _linear_args(bf, device, n=INTER, seed=10, lora_dtype=f32, lora_bias=False)
+    d = _linear_args(bf, device, n=K, k=INTER, seed=20, lora_dtype=f32, bias=False, train_base=True)
+    flat = [g[0], *g[1:], *u[1:], *d[1:]]
+
+    def parts(a: list[Any]) -> tuple[LoRAWeights, ...]:
+        return tuple(LoRAWeights(*a[1 + 5 * i : 5 + 5 * i], 2.0, 0.0, a[5 + 5 * i]) for i in range(3))
+
+    testing.compare_with_reference(
+        lambda *a: lora_mlp(a[0], *parts(list(a))),
+        lambda *a: lora_mlp_ref(a[0], *parts(list(a))),
+        flat,
+        floors={f32: testing.FLOOR[bf]},  # the rank-sized LoRA backward runs in bf16, as for one projection
+    )
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["whole", "row_chunks"])
 def test_lora_mlp_with_only_the_down_projection_trainable(
     device: str, chunked: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -44,7 +44,7 @@ import torch.nn.functional as F
 
 from fk.core import validate
 from fk.core.backend import uses_kernel
-from fk.core.matmul import mm_bf16_fp32
+from fk.core.matmul import accumulate_mm, bf16_parts, mm_bf16_fp32
 from fk.glu import gated_act_backward_with_value, gated_act_forward, gated_act_ref, resolve_activation
 
 MLP_ACTIVATIONS: dict[str, str] = {"swiglu": "silu", "geglu": "gelu_tanh"}
@@ -145,17 +145,28 @@ def lora_mlp_ref(
 # parameter gradients are then sums over the chunks, in fp32.
 
 
+def _bf16_split_applies(x_dtype: torch.dtype, lora_A: torch.Tensor, p: float, dd: torch.dtype) -> bool:
+    """Whether :func:`_lora_input_product` takes ``mm_bf16_fp32`` (bf16 input, fp32 ``A``, no dropout)."""
+    return p == 0 and x_dtype == torch.bfloat16 and lora_A.dtype == dd == torch.float32
+
+
 def _lora_input_product(
-    x2: torch.Tensor, xc: torch.Tensor, lora_A: torch.Tensor, p: float, dd: torch.dtype
+    x2: torch.Tensor,
+    xc: torch.Tensor,
+    lora_A: torch.Tensor,
+    p: float,
+    dd: torch.dtype,
+    a_parts: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``xa = d(x2 in dd) A^T`` ``[M, r]`` in ``A``'s dtype, and the dropout mask (None without
     dropout). ``A`` may be several projections' ``A``\\ s stacked (no dropout): ``x2`` is read once.
 
     ``xc`` is ``x2`` in the weight's dtype (``x2`` itself outside autocast); ``dd`` the dtype the
-    dropout is drawn in (``lora_A``'s own, before any autocast cast).
+    dropout is drawn in (``lora_A``'s own, before any autocast cast); ``a_parts`` the bf16 split of
+    ``A`` (``fk.core.matmul.bf16_parts``) when the caller made it once for several calls.
     """
-    if p == 0 and x2.dtype == torch.bfloat16 and lora_A.dtype == dd == torch.float32:
-        return mm_bf16_fp32(x2, lora_A), None  # x2.float() @ A^T, on a GPU with no fp32 copy of x2
+    if _bf16_split_applies(x2.dtype, lora_A, p, dd):
+        return mm_bf16_fp32(x2, lora_A, a_parts), None  # x2.float() @ A^T, on a GPU with no fp32 copy of x2
     mask = None
     xl = x2 if x2.dtype == dd else x2.to(dd)
     if p == 0 and xl is x2 and lora_A.dtype == xc.dtype:
@@ -197,6 +208,26 @@ def _stackable(config: Any, lora_As: list[Any]) -> list[list[int]]:
     return list(groups.values())
 
 
+def _base_out(
+    xc: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``xc W^T + b`` in ``xc``'s dtype (into ``out`` when given)."""
+    if bias is None:
+        return torch.mm(xc, weight.t(), out=out)
+    return torch.addmm(bias, xc, weight.t(), out=out)
+
+
+def _add_lora_out(
+    y: torch.Tensor, xa: torch.Tensor, lora_B: torch.Tensor, lora_bias: torch.Tensor | None, scaling: float
+) -> torch.Tensor:
+    """``y += s xa B^T + s c`` in ``y``'s dtype, in place; returns ``y``."""
+    c = y.dtype
+    y.addmm_(xa.to(c), lora_B.to(c).t(), alpha=scaling)
+    if lora_bias is not None:
+        y.add_(lora_bias.to(c), alpha=scaling)
+    return y
+
+
 def _proj_out(
     xc: torch.Tensor,
     weight: torch.Tensor,
@@ -213,12 +244,7 @@ def _proj_out(
     under autocast came out a bf16 rounding away from eager's on CPU, which
     ``test_compile_fullgraph_matches_eager`` does not allow.)
     """
-    y = torch.mm(xc, weight.t()) if bias is None else torch.addmm(bias, xc, weight.t())
-    c = xc.dtype
-    y.addmm_(xa.to(c), lora_B.to(c).t(), alpha=scaling)
-    if lora_bias is not None:
-        y.add_(lora_bias.to(c), alpha=scaling)
-    return y
+    return _add_lora_out(_base_out(xc, weight, bias), xa, lora_B, lora_bias, scaling)
 
 
 def _proj_fwd(
@@ -261,7 +287,7 @@ def _dropped_input(
 
 def _proj_bwd_params(
     dy: torch.Tensor,
-    x2: torch.Tensor,
+    x2: torch.Tensor | None,
     xc: torch.Tensor | None,
     weight: torch.Tensor,
     lora_A: torch.Tensor,
@@ -275,8 +301,8 @@ def _proj_bwd_params(
     gs: torch.Tensor | None,
 ) -> list[torch.Tensor | None]:
     """The parameter gradients of :func:`_proj_fwd`: [dW, db, dA, dB, dlora_bias], None where not
-    in ``needs`` (the same five flags). ``xc``: ``x2`` in ``dy``'s dtype, needed only for dW;
-    ``gs``: :func:`_scaled_lora_grad`, needed only for dA."""
+    in ``needs`` (the same five flags). ``x2`` is needed only for dA, ``xc`` (``x2`` in ``dy``'s
+    dtype) only for dW, ``gs`` (:func:`_scaled_lora_grad`) only for dA."""
     need_dw, need_db, need_da, need_dbb, need_dlb = needs
     c = dy.dtype
     grads: list[torch.Tensor | None] = [None] * 5
@@ -292,7 +318,7 @@ def _proj_bwd_params(
     if need_dbb:
         grads[3] = torch.mm(dy.t(), xa.to(c) * scaling).to(lora_B.dtype)
     if need_da:
-        assert gs is not None
+        assert gs is not None and x2 is not None
         grads[2] = torch.mm(gs.t(), _dropped_input(x2, mask, p, dd, c)).to(lora_A.dtype)
     return grads
 
@@ -469,20 +495,23 @@ def _down_forward_in_chunks(
     dd: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The down projection of ``h = act(gate) * up`` (no dropout), ``rows`` rows at a time:
-    returns (y, xa) as :func:`_proj_fwd` would for the whole ``h``."""
-    y: torch.Tensor | None = None
+    returns (y, xa) as :func:`_proj_fwd` would for the whole ``h``.
+
+    Each chunk writes its rows of the base product into ``y`` and forms its rows of ``xa`` (against
+    ``A`` split once, on the ``mm_bf16_fp32`` path); the rank-sized ``s xa B^T`` is then added to
+    all rows at once. Per chunk: the activation and two matmuls.
+    """
+    y = torch.empty((gate.shape[0], wd.shape[0]), dtype=gate.dtype, device=gate.device)
+    a_parts = bf16_parts(ad) if _bf16_split_applies(gate.dtype, ad, 0.0, dd) else None
     xas = []
     for start in range(0, gate.shape[0], rows):
         part = slice(start, start + rows)
         h = gated_act_forward(gate[part], up[part], act)
-        y_part, xa_part, _ = _proj_fwd(h, h, wd, bd, ad, bbd, lbd, sd, 0.0, dd)
+        _base_out(h, wd, bd, out=y[part])
+        xas.append(_lora_input_product(h, h, ad, 0.0, dd, a_parts)[0])
         del h
-        if y is None:
-            y = y_part.new_empty((gate.shape[0], y_part.shape[1]))
-        y[part] = y_part
-        xas.append(xa_part)
-    assert y is not None
-    return y, torch.cat(xas)
+    xa = torch.cat(xas)
+    return _add_lora_out(y, xa, bbd, lbd, sd), xa
 
 
 def _down_backward(
@@ -540,22 +569,46 @@ def _down_backward_in_chunks(
 ) -> list[torch.Tensor | None]:
     """:func:`_down_backward` (no dropout) ``rows`` rows at a time, with (when ``needs[0]``)
     (d gate, d up) of each chunk written over its gate and up rows. Returns the down projection's
-    parameter gradients, summed over the chunks in fp32."""
-    totals: list[torch.Tensor | None] = [None] * _SLOTS
+    parameter gradients.
+
+    What needs no ``h`` is formed for all rows at once: ``s G`` (:func:`_scaled_lora_grad`), and
+    db, dB and d lora_bias. Per chunk: ``dh`` (a matmul and an ``addmm_``), fk.glu's gradient pass
+    (which leaves ``h`` in ``dh``'s buffer), and one matmul each for dA and dW, accumulated over
+    the chunks in fp32 (``fk.core.matmul.accumulate_mm``).
+    """
+    need_gu, (need_dw, need_db, need_da, need_dbb, need_dlb) = needs[0], needs[1:]
+    c = dy2.dtype
+    gs = _scaled_lora_grad(dy2, bd, sd) if need_gu or need_da else None
+    grads = _proj_bwd_params(dy2, None, None, wd, ad, bd, xa_d, None, sd, 0.0, dd,
+                             (False, need_db, False, need_dbb, need_dlb), gs)  # fmt: skip
+    a_c = ad.to(c) if need_gu else None
+    n_inter = gate.shape[1]
+    acc_da = torch.empty((ad.shape[0], n_inter), dtype=torch.float32, device=gate.device) if need_da else None
+    acc_dw = torch.empty((wd.shape[0], n_inter), dtype=torch.float32, device=gate.device) if need_dw else None
     for start in range(0, gate.shape[0], rows):
         part = slice(start, start + rows)
-        grads, dg, du, written = _down_backward(
-            dy2[part], gate[part], up[part], act, wd, ad, bd, xa_d[part], None, sd, 0.0, dd, needs
-        )
-        for i, g in enumerate(grads):
-            if g is not None:
-                totals[i] = g.float() if totals[i] is None else totals[i].add_(g)  # type: ignore[union-attr]
-        if dg is not None and du is not None and not written:
-            gate[part] = dg
-            up[part] = du
-        del dg, du
-    like = (wd, wd, ad, bd, bd)  # the dtype of each gradient: weight, bias, lora_A, lora_B, lora_bias
-    return [t if t is None else t.to(like[i].dtype) for i, t in enumerate(totals)]
+        if need_gu:
+            assert gs is not None and a_c is not None
+            dh = torch.mm(dy2[part], wd).addmm_(gs[part], a_c)  # dy Wd + s G Ad
+            dg, du, h, written = gated_act_backward_with_value(dh, gate[part], up[part], act, inplace=True)
+            del dh  # (its buffer holds h now)
+            if not written:
+                gate[part] = dg
+                up[part] = du
+            del dg, du
+        else:
+            h = gated_act_forward(gate[part], up[part], act)
+        if acc_da is not None:
+            assert gs is not None
+            accumulate_mm(acc_da, gs[part].t(), h, first=start == 0)  # dA += (s G)^T h
+        if acc_dw is not None:
+            accumulate_mm(acc_dw, dy2[part].t(), h, first=start == 0)  # dW += dy^T h
+        del h
+    if acc_dw is not None:
+        grads[0] = acc_dw.to(wd.dtype)
+    if acc_da is not None:
+        grads[2] = acc_da.to(ad.dtype)
+    return grads
 
 
 class _LoRAMLP(torch.autograd.Function):
