@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -65,6 +66,20 @@ def providers(act: str) -> dict[str, Callable[[], Fn]]:
     return found
 
 
+class _Upstream(torch.autograd.Function):
+    """Stands in for the projection whose outputs gate and up are in a model: a non-leaf copy (made
+    once, outside the timing) whose backward hands the gradient on unchanged, with no kernel. The
+    in-place option refuses leaves (it would write gradients over them)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
 def measure(record: bench.BenchRecord, copy_tbps: float, act: str, name: str, fn: Fn,
             tokens: int, width: int, rep: int) -> None:  # fmt: skip
     """Time one provider at one shape, forward and forward+backward, and add the rows to ``record``."""
@@ -79,6 +94,8 @@ def measure(record: bench.BenchRecord, copy_tbps: float, act: str, name: str, fn
         a, b = (t.contiguous().requires_grad_() for t in gu.chunk(2, dim=-1))
         inputs = [a, b]
         del gu
+        if name == "fk inplace":  # it may not overwrite leaves: give it projection outputs' stand-ins
+            a, b = _Upstream.apply(a), _Upstream.apply(b)
     # Sanity: every provider computes the same function (bf16 rounding apart).
     with torch.no_grad():
         gate, up = inputs[0].chunk(2, dim=-1) if fused else (a, b)
