@@ -213,6 +213,12 @@ def measure(record: bench.BenchRecord, copy_tbps: float, op: Op, name: str, fn: 
     n = rows * width
     for mode, call, nbytes in (("fwd", forward, op.fwd_bytes * n), ("fwd+bwd", forward_backward, op.fwd_bwd_bytes * n)):
         ms = bench.time_ms(call, warmup=warmup, rep=reps, grad_to_none=grads)
+        gpu: dict[str, float] = {}
+        try:  # the GPU's work alone, as in bench_rms_norm.py
+            gpu_ms = bench.time_ms(call, warmup=0, rep=reps, grad_to_none=grads, gpu_only=True)
+            gpu = {"gpu_ms": gpu_ms, "gpu_copy_fraction": bench.fraction(bench.tbps(nbytes, gpu_ms), copy_tbps)}
+        except RuntimeError as error:  # a host path too long to hide behind the head start
+            print(f"{op.name}: {name} H={width} {mode}: no GPU-only time ({error})")
         for t in grads:
             t.grad = None
         peak = bench.peak_memory_bytes(call)
@@ -222,7 +228,7 @@ def measure(record: bench.BenchRecord, copy_tbps: float, op: Op, name: str, fn: 
         record.add(
             table="ops", op=op.name, provider=name, H=width, rows=rows, weight="trainable" if trainable else "frozen",
             mode=mode, ms=ms, tbps=achieved, copy_fraction=bench.fraction(achieved, copy_tbps), peak_mb=peak / 2**20,
-            rep=reps,
+            rep=reps, **gpu,
         )  # fmt: skip
 
 
@@ -330,12 +336,17 @@ def speedups(record: bench.BenchRecord) -> list[dict[str, Any]]:
             continue
         fk = times["fk"]
         peers = [times[p]["ms"] for p in PEERS if p in times]
+        gpu = {}
+        if "gpu_ms" in fk:  # (records from before the GPU-only column leave it out)
+            gpu_peers = [times[p]["gpu_ms"] for p in PEERS if "gpu_ms" in times.get(p, {})]
+            gpu = {"fk GPU ms": fk["gpu_ms"], "fk GPU copy%": 100 * fk["gpu_copy_fraction"],
+                   **({"GPU speedup": min(gpu_peers) / fk["gpu_ms"]} if gpu_peers else {})}  # fmt: skip
         table.append(
             {"op": op, "H": h, "weight": weight, "mode": mode, "fk ms": fk["ms"], "fk TB/s": fk["tbps"],
              "fk copy%": 100 * fk["copy_fraction"],
              **{f"{p} ms": times[p]["ms"] for p in PEERS if p in times},
              "speedup": min(peers) / fk["ms"] if peers else None,
-             "fk MB": fk["peak_mb"], **({"liger MB": times["liger"]["peak_mb"]} if "liger" in times else {})}
+             "fk MB": fk["peak_mb"], **({"liger MB": times["liger"]["peak_mb"]} if "liger" in times else {}), **gpu}
         )  # fmt: skip
     return table
 
@@ -372,7 +383,7 @@ def unavailable(record: bench.BenchRecord) -> list[str]:
 
 
 COLUMNS = ["op", "H", "weight", "mode", "fk ms", "fk TB/s", "fk copy%", "liger ms", "torch.compile ms", "native ms",
-           "speedup", "fk MB", "liger MB"]  # fmt: skip
+           "speedup", "fk GPU ms", "fk GPU copy%", "GPU speedup", "fk MB", "liger MB"]  # fmt: skip
 FROZEN_COLUMNS = ["H", "bwd frozen ms", "bwd trainable ms", "bwd speedup", "fwd+bwd frozen ms",
                   "fwd+bwd trainable ms", "fwd+bwd speedup"]  # fmt: skip
 LORA_COLUMNS = ["H", "fk ms", "liger ms", "torch.compile ms", "native ms", "speedup"]
@@ -380,7 +391,7 @@ LORA_COLUMNS = ["H", "fk ms", "liger ms", "torch.compile ms", "native ms", "spee
 
 def summary(record: bench.BenchRecord) -> str:
     """The markdown tables for docs/benchmarks.md ("speedup": over the fastest peer)."""
-    parts = [bench.markdown_table(speedups(record), COLUMNS)]
+    parts = [bench.markdown_table(speedups(record), COLUMNS, skip_absent=True)]
     if any(r.get("table") == "frozen" for r in record.rows):
         parts.append(
             "Frozen weight, RMSNorm alone:\n\n" + bench.markdown_table(frozen_speedups(record), FROZEN_COLUMNS)
