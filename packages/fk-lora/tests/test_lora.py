@@ -294,8 +294,18 @@ def test_autocast_casts_like_autocast(device: str, x_dtype: torch.dtype) -> None
         torch.testing.assert_close(a.float(), w.float(), rtol=0.0, atol=0.03 * float(w.abs().max()))
 
 
+@pytest.mark.parametrize("chunked", [False, True], ids=["whole", "row_chunks"])
 @pytest.mark.parametrize("autocast", [False, True], ids=["plain", "bf16_autocast"])
-def test_compile_fullgraph_matches_eager(device: str, autocast: bool) -> None:
+def test_compile_fullgraph_matches_eager(
+    device: str, autocast: bool, chunked: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Chunked: the MLP forms h a few rows at a time, in the traced forward too (its chunks written
+    # into y); the traced backward is not chunked (it would write gradients over saved tensors), so
+    # the down projection's dA sums its rows in another order than eager's chunks: fp32 summation
+    # differences, not exactness, for the gradients.
+    tolerance = {"grad_rtol": 1e-4, "grad_atol": 1e-5} if chunked else {}
+    if chunked:
+        monkeypatch.setattr(importlib.import_module("fk.lora.lora"), "MLP_CHUNK_BYTES", 4 * INTER * 4)
     lin = _linear_args(torch.float32, device, n=48)
     kv = _linear_args(torch.float32, device, n=24, seed=30)
     g = _linear_args(torch.float32, device, n=INTER, seed=0)
@@ -316,7 +326,7 @@ def test_compile_fullgraph_matches_eager(device: str, autocast: bool) -> None:
         q, k, v, h = (t.float() for t in (q, k, v, h))
         return q.square().sum() + (k * v).sum() + h.square().sum()
 
-    testing.assert_compile_matches_eager(loss, leaves)
+    testing.assert_compile_matches_eager(loss, leaves, **tolerance)
 
 
 def test_reference_path_without_the_interpreter() -> None:
