@@ -61,7 +61,7 @@ def providers(act: str) -> dict[str, Callable[[], Fn]]:
         found["liger"] = lambda: lambda a, b: liger.apply(a, b)
     except ImportError:
         print("liger-kernel is not installed: skipping it")
-    found["torch.compile"] = lambda: torch.compile(_eager(act), dynamic=False)
+    found["torch.compile"] = lambda: bench.fresh_compile(_eager(act))
     found["eager"] = lambda: _eager(act)
     return found
 

@@ -133,13 +133,6 @@ OPS = [
 ]  # fmt: skip
 
 
-def _compiled(eager: Fn) -> Fn:
-    # A fresh compilation per shape: without the reset, dynamo stops recompiling after its cache
-    # limit and silently runs the eager code.
-    torch._dynamo.reset()
-    return torch.compile(eager, dynamic=False)
-
-
 def providers(op: Op) -> dict[str, Fn | str]:
     """Provider name -> factory of a fresh function, or the reason it is not available."""
     found: dict[str, Fn | str] = {"fk": lambda: op.fk}
@@ -151,7 +144,7 @@ def providers(op: Op) -> dict[str, Fn | str]:
             found["liger"] = op.liger
         except ImportError as e:
             found["liger"] = f"not available: {e}"
-    found["torch.compile"] = lambda: _compiled(op.eager)
+    found["torch.compile"] = lambda: bench.fresh_compile(op.eager)
     found["native"] = (lambda: op.native) if op.native is not None else "not available: no native PyTorch op"
     return found
 
@@ -246,7 +239,6 @@ def run_ops(record: bench.BenchRecord, copy_tbps: float, rows: int, widths: list
         for width, trainable, name in bench.progress(cases, desc=op.name):
             factory = found[name]
             assert not isinstance(factory, str)
-            torch._dynamo.reset()  # a fresh compile for each case, never the recompile limit
             measure(record, copy_tbps, op, name, factory(), rows, width, trainable, rep)
             torch.cuda.empty_cache()
         record.to_json(out)  # keep what is measured so far if a later op runs out of time

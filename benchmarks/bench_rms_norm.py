@@ -37,13 +37,6 @@ def _eager(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return rms_norm_ref(x, w, EPS, "llama")
 
 
-def _compiled() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    # A fresh compilation per shape: without the reset, dynamo stops recompiling after its cache
-    # limit and silently runs the eager code.
-    torch._dynamo.reset()
-    return torch.compile(_eager, dynamic=False)
-
-
 def providers() -> dict[str, Callable[[], Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]]:
     """Name -> factory of a fresh function (a fresh torch.compile for each shape)."""
     found: dict[str, Callable[[], Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]] = {
@@ -57,7 +50,7 @@ def providers() -> dict[str, Callable[[], Callable[[torch.Tensor, torch.Tensor],
         found["liger"] = lambda: lambda x, w: LigerRMSNormFunction.apply(x, w, EPS, 0.0, "llama", False)
     except ImportError:
         print("liger-kernel is not installed: skipping it")
-    found["torch.compile"] = _compiled
+    found["torch.compile"] = lambda: bench.fresh_compile(_eager)
     found["eager"] = lambda: _eager
     return found
 

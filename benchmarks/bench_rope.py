@@ -64,7 +64,7 @@ def providers() -> dict[str, Callable[[], Fn]]:
         found["liger"] = lambda: lambda q, k, c, s: LigerRopeFunction.apply(q, k, c, s)
     except ImportError:
         print("liger-kernel is not installed: skipping it")
-    found["torch.compile"] = lambda: torch.compile(_eager, dynamic=False)
+    found["torch.compile"] = lambda: bench.fresh_compile(_eager)
     found["eager"] = lambda: _eager
     return found
 

@@ -8,6 +8,7 @@ import math
 import re
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -317,3 +318,25 @@ def test_progress_ends_line_when_loop_breaks(capsys: pytest.CaptureFixture[str])
     gen.close()
     err = capsys.readouterr().err
     assert err.startswith("[b] 2/10 ") and err.endswith("\n")
+
+
+def test_fresh_compile_never_falls_back_to_eager(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One compilation per case: a plain torch.compile of the same function, once dynamo's recompile
+    limit is reached, runs it eagerly without a word (no graph), which is what fresh_compile avoids."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return x * 2 + 1
+
+    def graphs(fn: Any, n: int) -> int:
+        counters.clear()
+        torch.testing.assert_close(fn(torch.ones(n)), torch.full((n,), 3.0))
+        return int(counters["stats"]["unique_graphs"])
+
+    torch._dynamo.reset()
+    plain = [graphs(torch.compile(f, dynamic=False), n) for n in (3, 4)]
+    assert plain == [1, 0]  # the second shape ran eagerly: the failure mode itself
+    assert [graphs(bench.fresh_compile(f), n) for n in (3, 4, 5)] == [1, 1, 1]
+    torch._dynamo.reset()

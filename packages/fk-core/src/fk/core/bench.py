@@ -239,6 +239,15 @@ def time_ms(
     return stats.median
 
 
+def fresh_compile(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``torch.compile(fn, dynamic=False)`` after ``torch._dynamo.reset()``: a fresh compilation for
+    one benchmark case. Without the reset, the compilations of every case share ``fn``'s code
+    object, and once they pass dynamo's recompile limit (8) it silently runs ``fn`` eagerly: a
+    "torch.compile" column that times eager code."""
+    torch._dynamo.reset()
+    return torch.compile(fn, dynamic=False)
+
+
 def peak_memory_bytes(fn: Callable[[], object]) -> int:
     """Peak CUDA memory of one call of ``fn()``, in bytes above what was allocated before the call.
 
