@@ -320,12 +320,10 @@ def test_progress_ends_line_when_loop_breaks(capsys: pytest.CaptureFixture[str])
     assert err.startswith("[b] 2/10 ") and err.endswith("\n")
 
 
-def test_fresh_compile_never_falls_back_to_eager(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fresh_compile_never_falls_back_to_eager() -> None:
     """One compilation per case: a plain torch.compile of the same function, once dynamo's recompile
     limit is reached, runs it eagerly without a word (no graph), which is what fresh_compile avoids."""
     from torch._dynamo.utils import counters
-
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
 
     def f(x: torch.Tensor) -> torch.Tensor:
         return x * 2 + 1
@@ -336,7 +334,9 @@ def test_fresh_compile_never_falls_back_to_eager(monkeypatch: pytest.MonkeyPatch
         return int(counters["stats"]["unique_graphs"])
 
     torch._dynamo.reset()
-    plain = [graphs(torch.compile(f, dynamic=False), n) for n in (3, 4)]
-    assert plain == [1, 0]  # the second shape ran eagerly: the failure mode itself
-    assert [graphs(bench.fresh_compile(f), n) for n in (3, 4, 5)] == [1, 1, 1]
+    with torch._dynamo.config.patch(recompile_limit=1):
+        plain = [graphs(torch.compile(f, dynamic=False), n) for n in (3, 4)]
+        fresh = [graphs(bench.fresh_compile(f), n) for n in (3, 4, 5)]
     torch._dynamo.reset()
+    assert plain == [1, 0]  # the second shape ran eagerly: the failure mode itself
+    assert fresh == [1, 1, 1]
