@@ -581,7 +581,7 @@ def _down_backward_in_chunks(
     gs = _scaled_lora_grad(dy2, bd, sd) if need_gu or need_da else None
     grads = _proj_bwd_params(dy2, None, None, wd, ad, bd, xa_d, None, sd, 0.0, dd,
                              (False, need_db, False, need_dbb, need_dlb), gs)  # fmt: skip
-    a_c = ad.to(c) if need_gu else None
+    a_c = ad.to(c) if need_gu else None  # cast once for all chunks
     n_inter = gate.shape[1]
     acc_da = torch.empty((ad.shape[0], n_inter), dtype=torch.float32, device=gate.device) if need_da else None
     acc_dw = torch.empty((wd.shape[0], n_inter), dtype=torch.float32, device=gate.device) if need_dw else None
@@ -589,7 +589,7 @@ def _down_backward_in_chunks(
         part = slice(start, start + rows)
         if need_gu:
             assert gs is not None and a_c is not None
-            dh = torch.mm(dy2[part], wd).addmm_(gs[part], a_c)  # dy Wd + s G Ad
+            dh = _proj_bwd_input(dy2[part], wd, a_c, gs[part], None, 0.0)  # dy Wd + s G Ad (a_c: no cast)
             dg, du, h, written = gated_act_backward_with_value(dh, gate[part], up[part], act, inplace=True)
             del dh  # (its buffer holds h now)
             if not written:
