@@ -26,6 +26,9 @@ SHAPES = [
     ((2, 6, 100), 1),
     ((3, 4, 257), 4),
     ((2, 32, 33), 8),
+    ((300, 48), 3),  # no spatial extent: the rows kernels, tiles of many samples
+    ((1, 4096), 1),  # one sample, one wide group (rows kernels)
+    ((2, 20000), 2),  # groups of 10000 channels: too wide for the rows kernels, the general ones
 ]
 WIDE_SHAPES = [((2, 4, 8193), 2), ((1, 2, 65536), 2)]  # groups of 16386 and 65536 elements
 
@@ -149,6 +152,25 @@ def test_bounded_partial_buffers(device: str, monkeypatch: pytest.MonkeyPatch) -
     assert testing.count_buffers(sizes, n * c * 4, device) == 0, sizes
 
 
+@pytest.mark.parametrize(("weight_grad", "bias_grad"), [(True, True), (False, False)], ids=["trainable", "frozen"])
+def test_rows_kernels_over_several_row_tiles(
+    device: str, monkeypatch: pytest.MonkeyPatch, weight_grad: bool, bias_grad: bool
+) -> None:
+    """(N, C) input in tiles of 4 samples: the rows forward, and the rows backward when the affine
+    parameters are frozen (no partial buffer at all); trainable ones take the general backward,
+    whose partial rows (one per sample) are the only [N, C] fp32 buffers beside dx."""
+    n, c, groups = 103, 48, 3  # 16 channels a group
+    module = importlib.import_module("fk.norms.group_norm")
+    monkeypatch.setattr(module, "ROWS_TILE_ELEMENTS", 64)  # 4 samples a tile: 26 tiles
+    assert module._rows_tile(c // groups)[1] == 4
+    x, w, b = _inputs((n, c), torch.float32, device, seed=21, weight_grad=weight_grad, bias_grad=bias_grad)
+    testing.compare_with_reference(_fk(groups), _ref(groups), [x, w, b], arg_names=NAMES)
+    y = group_norm(x, groups, w, b)
+    dy = torch.ones_like(y)
+    sizes = testing.allocation_sizes(lambda: y.backward(dy))
+    assert testing.count_buffers(sizes, n * c * 4, device) == 1 + 2 * weight_grad, sizes  # dx (+ dw, db partials)
+
+
 def test_zero_samples(device: str) -> None:
     x = torch.empty(0, 4, 3, device=device, requires_grad=True)
     w = torch.ones(4, device=device, requires_grad=True)
@@ -229,7 +251,9 @@ def test_cpu_without_interpreter_takes_the_reference() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("shape", "num_groups"), [((16, 512, 64, 64), 32), ((64, 4096, 1), 8), ((8, 256, 65536), 4)])
+@pytest.mark.parametrize(
+    ("shape", "num_groups"), [((16, 512, 64, 64), 32), ((64, 4096, 1), 8), ((8, 256, 65536), 4), ((8192, 4096), 32)]
+)
 @pytest.mark.parametrize("frozen", [False, True], ids=["trainable", "frozen"])
 def test_gpu_training_shapes(shape: tuple[int, ...], num_groups: int, frozen: bool) -> None:
     args = _inputs(shape, torch.bfloat16, "cuda", seed=1, weight_grad=not frozen, bias_grad=not frozen)

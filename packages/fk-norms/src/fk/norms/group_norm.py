@@ -21,7 +21,7 @@ import triton.language as tl
 
 from fk.core import validate
 from fk.core.backend import uses_kernel
-from fk.core.launch import next_power_of_2
+from fk.core.launch import cdiv, next_power_of_2
 from fk.core.ops import define_autograd_op
 
 # --- 1. Reference ---------------------------------------------------------------------------------
@@ -71,6 +71,15 @@ def group_norm_ref(
 #
 # The forward takes the mean in one pass and the variance around it in a second (no E[x^2] - E[x]^2
 # cancellation), then writes y in a third; groups that fit in one tile re-read it from cache.
+#
+# Rows: with no spatial extent (S = 1: an (N, C) input, as in a language model, where a group is Cg
+# contiguous channels of a token), one program per group would hold Cg elements, a few dozen. So
+# for groups of at most ROWS_MAX_GROUP channels the rows kernels take a [ROWS, Cg] tile (ROWS
+# samples of one group) at a time, the statistics being row sums in registers: the forward, and the
+# backward when neither dw nor db is needed. When they are, the general backward above runs (its
+# per-sample partial rows): a rows backward that summed dw and db over its tiles in registers
+# (tl.sum over axis 0 of each tile) measured 1.2 to 2.3x slower than it at H >= 2048 on an H200
+# (benchmarks/results/experiments/group_norm_rows.json).
 
 
 @triton.jit
@@ -215,6 +224,85 @@ def _group_norm_bwd_kernel(
                 tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _group_norm_rows_fwd_kernel(
+    x_ptr,  # [N, C] input, contiguous
+    w_ptr,  # [C] weight (unused when HAS_WEIGHT is False)
+    b_ptr,  # [C] bias (unused when HAS_BIAS is False)
+    y_ptr,  # [N, C] output, contiguous
+    mean_ptr,  # [N, G] fp32 output
+    rstd_ptr,  # [N, G] fp32 output
+    n_rows,
+    n_channels,
+    n_groups,
+    n_group_channels,  # Cg
+    eps,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_CG: tl.constexpr,
+    ROWS: tl.constexpr,
+):
+    group = tl.program_id(1)
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_CG)
+    row_mask, col_mask = rows < n_rows, cols < n_group_channels
+    mask = row_mask[:, None] & col_mask[None, :]
+    channels = group * n_group_channels + cols
+    offs = rows.to(tl.int64)[:, None] * n_channels + channels[None, :]
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    mean = tl.sum(x, axis=1) / n_group_channels
+    d = tl.where(mask, x - mean[:, None], 0.0)
+    rstd = tl.rsqrt(tl.sum(d * d, axis=1) / n_group_channels + eps)
+    w = tl.full([BLOCK_CG], 1.0, tl.float32)
+    if HAS_WEIGHT:
+        w = tl.load(w_ptr + channels, mask=col_mask, other=0.0).to(tl.float32)
+    b = tl.zeros([BLOCK_CG], dtype=tl.float32)
+    if HAS_BIAS:
+        b = tl.load(b_ptr + channels, mask=col_mask, other=0.0).to(tl.float32)
+    y = d * rstd[:, None] * w[None, :] + b[None, :]
+    tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(mean_ptr + rows * n_groups + group, mean, mask=row_mask)
+    tl.store(rstd_ptr + rows * n_groups + group, rstd, mask=row_mask)
+
+
+@triton.jit
+def _group_norm_rows_bwd_kernel(
+    dy_ptr,  # [N, C] upstream gradient, contiguous
+    x_ptr,  # [N, C] forward input, contiguous
+    w_ptr,  # [C] weight (unused when HAS_WEIGHT is False)
+    mean_ptr,  # [N, G] fp32, from the forward
+    rstd_ptr,  # [N, G] fp32, from the forward
+    dx_ptr,  # [N, C] output, contiguous
+    n_rows,
+    n_channels,
+    n_groups,
+    n_group_channels,
+    HAS_WEIGHT: tl.constexpr,
+    BLOCK_CG: tl.constexpr,
+    ROWS: tl.constexpr,
+):
+    group = tl.program_id(1)
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_CG)
+    row_mask, col_mask = rows < n_rows, cols < n_group_channels
+    mask = row_mask[:, None] & col_mask[None, :]
+    channels = group * n_group_channels + cols
+    offs = rows.to(tl.int64)[:, None] * n_channels + channels[None, :]
+    w = tl.full([BLOCK_CG], 1.0, tl.float32)
+    if HAS_WEIGHT:
+        w = tl.load(w_ptr + channels, mask=col_mask, other=0.0).to(tl.float32)
+    dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    mean = tl.load(mean_ptr + rows * n_groups + group, mask=row_mask, other=0.0)
+    rstd = tl.load(rstd_ptr + rows * n_groups + group, mask=row_mask, other=0.0)
+    xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+    g = dy * w[None, :]
+    mean_g = tl.sum(g, axis=1) / n_group_channels
+    mean_gx = tl.sum(g * xhat, axis=1) / n_group_channels
+    dx = (g - mean_g[:, None] - xhat * mean_gx[:, None]) * rstd[:, None]
+    tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+
+
 # --- 3. Launchers, registered as custom ops -------------------------------------------------------
 
 # Launch parameters: untuned first choices.
@@ -232,6 +320,22 @@ def _tile(n_group_channels: int, n_spatial: int) -> tuple[int, int, int]:
 
 
 PARTIAL_BYTES = 64 << 20  # bound on each fp32 partial-sum buffer of the backward
+# The rows kernels (no spatial extent): groups of at most ROWS_MAX_GROUP channels, tiles of about
+# ROWS_TILE_ELEMENTS elements. Untuned first choices.
+ROWS_MAX_GROUP = 8192
+ROWS_TILE_ELEMENTS = 4096
+
+
+def _takes_rows(n_group_channels: int, n_spatial: int) -> bool:
+    """Whether the rows kernels handle groups of this shape (see the kernels' comment)."""
+    return n_spatial == 1 and next_power_of_2(n_group_channels) <= ROWS_MAX_GROUP
+
+
+def _rows_tile(n_group_channels: int) -> tuple[int, int, int]:
+    """(BLOCK_CG, ROWS, num_warps) of the rows kernels."""
+    block = next_power_of_2(n_group_channels)
+    rows = max(1, ROWS_TILE_ELEMENTS // block)
+    return block, rows, max(1, min(MAX_WARPS, block * rows // ELEMENTS_PER_WARP))
 
 
 def samples_per_launch(n_channels: int) -> int:
@@ -256,6 +360,15 @@ def _group_norm_fwd(
     if x.numel() == 0:
         return y, mean, rstd
     x3 = _as_ncs(x)
+    if _takes_rows(c // num_groups, x3.shape[2]):
+        block_cg, rows, num_warps = _rows_tile(c // num_groups)
+        _group_norm_rows_fwd_kernel[(cdiv(n, rows), num_groups)](
+            x3, weight if weight is not None else x3, bias if bias is not None else x3, y, mean, rstd,
+            n, c, num_groups, c // num_groups, eps,
+            HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, BLOCK_CG=block_cg, ROWS=rows,
+            num_warps=num_warps,
+        )  # fmt: skip
+        return y, mean, rstd
     block_c, block_s, num_warps = _tile(c // num_groups, x3.shape[2])
     _group_norm_fwd_kernel[(n * num_groups,)](
         x3, weight if weight is not None else x3, bias if bias is not None else x3, y, mean, rstd,
@@ -301,6 +414,13 @@ def _group_norm_bwd(
     x3, dy3 = _as_ncs(x), _as_ncs(dy)
     dx3 = dx.view(x3.shape) if compute_dx else x3
     mean2, rstd2 = mean.view(n, num_groups), rstd.view(n, num_groups)
+    if compute_dx and not (compute_dw or compute_db) and _takes_rows(c // num_groups, x3.shape[2]):
+        block_cg, rows, num_warps = _rows_tile(c // num_groups)
+        _group_norm_rows_bwd_kernel[(cdiv(n, rows), num_groups)](
+            dy3, x3, weight if weight is not None else x3, mean2, rstd2, dx3, n, c, num_groups, c // num_groups,
+            HAS_WEIGHT=weight is not None, BLOCK_CG=block_cg, ROWS=rows, num_warps=num_warps,
+        )  # fmt: skip
+        return dx, x.new_empty(0), x.new_empty(0)
     # The partial buffers hold one row per sample of a launch; launches of at most
     # samples_per_launch(c) samples keep them bounded, each launch's rows summed into fp32 totals.
     # A buffer that is not needed is never read or written: its COMPUTE_* flag is False.
