@@ -152,23 +152,27 @@ def test_bounded_partial_buffers(device: str, monkeypatch: pytest.MonkeyPatch) -
     assert testing.count_buffers(sizes, n * c * 4, device) == 0, sizes
 
 
-@pytest.mark.parametrize(("weight_grad", "bias_grad"), [(True, True), (False, False)], ids=["trainable", "frozen"])
+@pytest.mark.parametrize(
+    ("weight_grad", "bias_grad"), [(True, True), (True, False), (False, False)], ids=["trainable", "weight", "frozen"]
+)
 def test_rows_kernels_over_several_row_tiles(
     device: str, monkeypatch: pytest.MonkeyPatch, weight_grad: bool, bias_grad: bool
 ) -> None:
-    """(N, C) input in tiles of 4 samples: the rows forward, and the rows backward when the affine
-    parameters are frozen (no partial buffer at all); trainable ones take the general backward,
-    whose partial rows (one per sample) are the only [N, C] fp32 buffers beside dx."""
+    """(N, C) input in tiles of 4 samples, 3 tiles a backward program (the last one partly past
+    the end): the rows kernels. The backward's only [N, C] buffer is dx; its dw and db partials
+    have one row per program."""
     n, c, groups = 103, 48, 3  # 16 channels a group
     module = importlib.import_module("fk.norms.group_norm")
     monkeypatch.setattr(module, "ROWS_TILE_ELEMENTS", 64)  # 4 samples a tile: 26 tiles
+    monkeypatch.setattr(module, "ROWS_PER_PROGRAM", 12)  # 3 tiles a program: 9 programs
     assert module._rows_tile(c // groups)[1] == 4
     x, w, b = _inputs((n, c), torch.float32, device, seed=21, weight_grad=weight_grad, bias_grad=bias_grad)
     testing.compare_with_reference(_fk(groups), _ref(groups), [x, w, b], arg_names=NAMES)
     y = group_norm(x, groups, w, b)
     dy = torch.ones_like(y)
     sizes = testing.allocation_sizes(lambda: y.backward(dy))
-    assert testing.count_buffers(sizes, n * c * 4, device) == 1 + 2 * weight_grad, sizes  # dx (+ dw, db partials)
+    assert testing.count_buffers(sizes, n * c * 4, device) == 1, sizes  # dx
+    assert testing.count_buffers(sizes, 9 * c * 4, device) == weight_grad + bias_grad, sizes  # partials
 
 
 def test_zero_samples(device: str) -> None:
