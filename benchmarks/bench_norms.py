@@ -197,6 +197,9 @@ def measure(record: bench.BenchRecord, copy_tbps: float, op: Op, name: str, fn: 
 
     # A provider that takes over SLOW_CALL_S a call (Liger's GroupNorm at these shapes: seconds) gets
     # SLOW_REP repetitions, so that the whole table fits in one run; its median is still a median.
+    # The call that decides is the second: the first compiles the backward (Triton's JIT, or
+    # torch.compile's), which takes longer than SLOW_CALL_S for every provider.
+    forward_backward()
     torch.cuda.synchronize()
     began = time.perf_counter()
     forward_backward()
