@@ -303,7 +303,13 @@ def test_compile_fullgraph_matches_eager(
     # into y); the traced backward is not chunked (it would write gradients over saved tensors), so
     # the down projection's dA sums its rows in another order than eager's chunks: fp32 summation
     # differences, not exactness, for the gradients.
-    tolerance = {"grad_rtol": 1e-4, "grad_atol": 1e-5} if chunked else {}
+    #
+    # bf16 autocast: the traced functions are plain PyTorch with bf16 intermediates, which Inductor may
+    # round at other points than eager (on one H200 of two, a few outputs one bf16 step apart): equal
+    # to bf16 rounding, not bit for bit.
+    tolerance: dict[str, Any] = {"grad_rtol": 1e-4, "grad_atol": 1e-5} if chunked else {}
+    if autocast:
+        tolerance = {"bf16_rounding": True}
     if chunked:
         monkeypatch.setattr(importlib.import_module("fk.lora.lora"), "MLP_CHUNK_BYTES", 4 * INTER * 4)
     lin = _linear_args(torch.float32, device, n=48)
