@@ -308,10 +308,9 @@ def assert_compile_matches_eager(
     )
     for i, (g, t) in enumerate(zip(got, inputs, strict=True)):
         assert g is not None and t.grad is not None, f"input {i} got no gradient"
-        if bf16_rounding:
-            grad_rtol, grad_atol = 0.0, 2**-6 * float(t.grad.abs().max())
+        rtol, atol = (0.0, 2**-6 * float(t.grad.abs().max())) if bf16_rounding else (grad_rtol, grad_atol)
         torch.testing.assert_close(
-            g, t.grad, rtol=grad_rtol, atol=grad_atol, msg=functools.partial("gradient of input {}: {}".format, i)
+            g, t.grad, rtol=rtol, atol=atol, msg=functools.partial("gradient of input {}: {}".format, i)
         )
 
 
