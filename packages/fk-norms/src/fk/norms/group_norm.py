@@ -21,7 +21,7 @@ import triton.language as tl
 
 from fk.core import validate
 from fk.core.backend import uses_kernel
-from fk.core.launch import cdiv, next_power_of_2
+from fk.core.launch import cdiv, multiprocessor_count, next_power_of_2
 from fk.core.ops import define_autograd_op
 
 # --- 1. Reference ---------------------------------------------------------------------------------
@@ -76,12 +76,12 @@ def group_norm_ref(
 # contiguous channels of a token), one program per group would hold Cg elements, a few dozen. So
 # for groups of at most ROWS_MAX_GROUP channels the rows kernels take [ROWS, Cg] tiles (ROWS
 # samples of one group), the statistics being row sums in registers. The forward takes one tile
-# per program. The backward takes TILES tiles one after another (ROWS_PER_PROGRAM samples) and,
-# for groups of at most ROWS_SUMS_MAX_GROUP channels, sums dy * xhat and dy per channel over them
-# in registers, writing one fp32 partial row per program, which the launcher sums: N / 128
-# partial rows where the general backward writes one per sample. For wider groups those sums
-# over the tile's rows were slower than the general backward (see ROWS_SUMS_MAX_GROUP), which
-# then runs when dw or db is needed.
+# per program. The backward takes TILES tiles one after another (ROWS_PER_PROGRAM samples) and
+# adds dy * xhat and dy into [ROWS, Cg] fp32 accumulators, summed over their rows once, after the
+# loop, into one partial row per program, which the launcher sums: N / 512 partial rows where the
+# general backward writes one per sample. (Summing each tile over its rows inside the loop, a
+# cross-thread reduction per tile, made the backward 3 to 6x slower for groups of 128 to 1024
+# channels on an H200.)
 
 
 @triton.jit
@@ -296,8 +296,8 @@ def _group_norm_rows_bwd_kernel(
     w = tl.full([BLOCK_CG], 1.0, tl.float32)
     if HAS_WEIGHT:
         w = tl.load(w_ptr + channels, mask=col_mask, other=0.0).to(tl.float32)
-    dw_sum = tl.zeros([BLOCK_CG], dtype=tl.float32)
-    db_sum = tl.zeros([BLOCK_CG], dtype=tl.float32)
+    dw_sum = tl.zeros([ROWS, BLOCK_CG], dtype=tl.float32)  # summed over rows once, after the loop
+    db_sum = tl.zeros([ROWS, BLOCK_CG], dtype=tl.float32)
     for tile in range(TILES):
         rows = (block * TILES + tile) * ROWS + tl.arange(0, ROWS)
         row_mask = rows < n_rows
@@ -315,13 +315,13 @@ def _group_norm_rows_bwd_kernel(
             dx = (g - mean_g[:, None] - xhat * mean_gx[:, None]) * rstd[:, None]
             tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
         if COMPUTE_DW:
-            dw_sum += tl.sum(dy * xhat, axis=0)
+            dw_sum += dy * xhat
         if COMPUTE_DB:
-            db_sum += tl.sum(dy, axis=0)
+            db_sum += dy
     if COMPUTE_DW:
-        tl.store(dw_partial_ptr + block * n_channels + channels, dw_sum, mask=col_mask)
+        tl.store(dw_partial_ptr + block * n_channels + channels, tl.sum(dw_sum, axis=0), mask=col_mask)
     if COMPUTE_DB:
-        tl.store(db_partial_ptr + block * n_channels + channels, db_sum, mask=col_mask)
+        tl.store(db_partial_ptr + block * n_channels + channels, tl.sum(db_sum, axis=0), mask=col_mask)
 
 
 # --- 3. Launchers, registered as custom ops -------------------------------------------------------
@@ -345,13 +345,7 @@ PARTIAL_BYTES = 64 << 20  # bound on each fp32 partial-sum buffer of the backwar
 # ROWS_TILE_ELEMENTS elements. Untuned first choices.
 ROWS_MAX_GROUP = 8192
 ROWS_TILE_ELEMENTS = 4096
-ROWS_PER_PROGRAM = 128  # the backward's rows per program: its dw/db partials have cdiv(N, 128) rows
-# The rows backward sums dw and db only for groups of at most ROWS_SUMS_MAX_GROUP channels; wider
-# groups with trainable affine parameters take the general backward. Measured on an H200 (N=16384,
-# 32 groups, bf16, forward+backward): the rows backward took 0.13 / 0.40 / 0.77 / 2.6 / 5.6 / 10.6
-# ms at H = 1024 ... 32768 (groups of 32 ... 1024 channels), the general one 0.45 / 0.53 / 0.68 /
-# 1.1 / 2.4 / 4.7 ms (after the rows forward), whatever the rows per program (4 to 128).
-ROWS_SUMS_MAX_GROUP = 64
+ROWS_PER_PROGRAM = 512  # the backward's samples per program: its dw/db partials have cdiv(N, 512) rows
 
 
 def _takes_rows(n_group_channels: int, n_spatial: int) -> bool:
@@ -442,11 +436,12 @@ def _group_norm_bwd(
     x3, dy3 = _as_ncs(x), _as_ncs(dy)
     dx3 = dx.view(x3.shape) if compute_dx else x3
     mean2, rstd2 = mean.view(n, num_groups), rstd.view(n, num_groups)
-    if _takes_rows(c // num_groups, x3.shape[2]) and (
-        not (compute_dw or compute_db) or next_power_of_2(c // num_groups) <= ROWS_SUMS_MAX_GROUP
-    ):
+    if _takes_rows(c // num_groups, x3.shape[2]):
         block_cg, rows, num_warps = _rows_tile(c // num_groups)
-        tiles = max(1, ROWS_PER_PROGRAM // rows)
+        # ROWS_PER_PROGRAM samples a program, fewer where that would leave under 4 programs an SM.
+        row_tiles = cdiv(n, rows)
+        spread = row_tiles * num_groups // (4 * multiprocessor_count(x.device))
+        tiles = max(1, min(ROWS_PER_PROGRAM // rows, spread))
         blocks = cdiv(n, rows * tiles)
         dw_partial = torch.empty((blocks, c), dtype=torch.float32, device=x.device) if compute_dw else rstd
         db_partial = torch.empty((blocks, c), dtype=torch.float32, device=x.device) if compute_db else rstd
