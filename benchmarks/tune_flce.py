@@ -28,6 +28,10 @@ from fk.flce.cross_entropy import LAUNCH, LaunchParams, LossOptions, launch_cros
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a smaller grid")
+    parser.add_argument("--uses", nargs="+", default=["forward", "backward", "fused"], choices=sorted(LAUNCH))
+    parser.add_argument("--per-sm", type=int, nargs="+", help="programs per SM to try (default: by --quick)")
+    parser.add_argument("--blocks", type=int, nargs="+", help="columns per load to try (default: by --quick)")
+    parser.add_argument("--warps", type=int, nargs="+", help="warps per program to try (default: by --quick)")
     args = parser.parse_args()
     tokens, vocab = 8192, 128256
     logits = torch.randn(tokens, vocab, device="cuda").to(torch.bfloat16)
@@ -56,11 +60,13 @@ def main() -> None:
             2 * nbytes,
         ),
     }
-    per_sms = (1, 2, 4, 8) if args.quick else (1, 2, 3, 4, 8)
-    blocks = (2048, 4096, 8192) if args.quick else (1024, 2048, 4096, 8192)
-    warps = (8, 16, 32) if args.quick else (4, 8, 16, 32)
+    per_sms = args.per_sm or ((1, 2, 4, 8) if args.quick else (1, 2, 3, 4, 8))
+    blocks = args.blocks or ((2048, 4096, 8192) if args.quick else (1024, 2048, 4096, 8192))
+    warps = args.warps or ((8, 16, 32) if args.quick else (4, 8, 16, 32))
     best: dict[str, tuple[float, LaunchParams]] = {}
     for use, (run, moved) in uses.items():
+        if use not in args.uses:
+            continue
         default = LAUNCH[use]
         for setting in itertools.product(per_sms, blocks, warps):
             params = LaunchParams(*setting)
