@@ -262,14 +262,18 @@ def _layer_norm_bwd_kernel(
 
 # --- 3. Launchers, registered as custom ops -------------------------------------------------------
 
-# Launch parameters: the forward's are rms_norm's. The backward's (it holds x, dy, w, dw and db:
-# five fp32 tiles, so a narrower widest tile) come from benchmarks/tune_norm_backward.py
-# --op layer_norm on an H100: against the former settings, 16384 x 1024 3x faster, 16384 x 2048
-# 1.2x, wider rows unchanged. Rows at most BWD_NARROW_COLS wide take smaller tiles, more programs.
+# Launch parameters. The forward holds rows of up to 32768 in one tile (on an H200, tune_norms.py,
+# that beat column tiles at H=32768, unlike RMSNorm's forward). The backward's come from
+# benchmarks/tune_norm_backward.py --op layer_norm on an H100: against the former settings,
+# 16384 x 1024 3x faster, 16384 x 2048 1.2x. Rows at most BWD_NARROW_COLS wide take smaller tiles,
+# more programs. The widest row held in one tile (BWD_MAX_BLOCK_COLS) is from
+# benchmarks/tune_norms.py --op layer_norm on an H200 (16384 rows, bf16, trainable, GPU time):
+# 16384 instead of 8192 took forward+backward from 1.52 to 1.22 ms at H=16384, and from 3.15 to
+# 2.52 ms at H=32768 (column tiles of 16384 instead of 8192).
 FWD_MAX_BLOCK_COLS = 32768  # widest row the forward holds in one tile
 FWD_MIN_TILE = 4096  # narrow rows are grouped into tiles of at least this many elements
 FWD_ELEMENTS_PER_WARP = 512
-BWD_MAX_BLOCK_COLS = 8192
+BWD_MAX_BLOCK_COLS = 16384
 BWD_MIN_TILE = 4096
 BWD_PROGRAMS_PER_SM = 2  # rows that fit one tile
 BWD_LOOPED_PROGRAMS_PER_SM = 1  # wider rows: few programs, so the rows they re-read stay in L2
