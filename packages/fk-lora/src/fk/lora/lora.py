@@ -130,8 +130,9 @@ def lora_mlp_ref(
 # forward's xa's come from one matmul against [A_q; A_k; A_v] (each xa a column block of it), the
 # backward's dA's from one [s G_q | s G_k | s G_v]^T x2. dx is one buffer: the first dy W is an
 # mm, the other dy W terms are accumulated into it with addmm_, then the stacked s G A terms with
-# one addmm_ (one pass over dx); with dropout, a projection's masked G A is formed alone and
-# added with its mask.
+# one addmm_ (one pass over dx); with dropout, a projection's G A is formed alone and added with
+# its mask by one addcmul_ (one pass, one rounding). Projections with dropout that share x and
+# the dropout dtype draw their masks on one cast of x2 (in PEFT's order).
 #
 # Gated MLP: g = proj_gate(x), u = proj_up(x), h = act(g) * u (fk.glu's kernel), y = proj_down(h).
 # Saved: x, g, u, the rank-sized xa's and the masks; h is not saved but recomputed from g and u in
@@ -192,9 +193,12 @@ def _lora_input_products(
         xa, _ = _lora_input_product(x2, xc, stacked, 0.0, config[group[0]][2])
         for i, block in zip(group, xa.split([lora_As[i].shape[0] for i in group], dim=1), strict=True):
             xas[i] = block
+    cast: dict[torch.dtype, torch.Tensor] = {}  # x2 in each dropout dtype, cast once for all projections
     for i, (_, p, dd) in enumerate(config):
         if p > 0:
-            xas[i], masks[i] = _lora_input_product(x2, xc, lora_As[i], p, dd)
+            if dd not in cast:
+                cast[dd] = x2 if x2.dtype == dd else x2.to(dd)
+            xas[i], masks[i] = _lora_input_product(cast[dd], xc, lora_As[i], p, dd)
     return xas, masks
 
 
@@ -269,6 +273,11 @@ def _masked(t: torch.Tensor, mask: torch.Tensor, p: float) -> torch.Tensor:
     return torch.ops.aten.native_dropout_backward.default(t, mask, 1.0 / (1.0 - p))
 
 
+def _add_masked_(dx: torch.Tensor, t: torch.Tensor, mask: torch.Tensor, p: float) -> torch.Tensor:
+    """``dx += t * mask / (1 - p)`` in place, in one pass and one rounding (no masked copy of ``t``)."""
+    return dx.addcmul_(t, mask, value=1.0 / (1.0 - p))
+
+
 def _scaled_lora_grad(dy: torch.Tensor, lora_B: torch.Tensor, scaling: float) -> torch.Tensor:
     """``s G = s dy B`` ``[M, r]``: the rank-sized term both ``dA`` and ``dx`` are formed from."""
     return torch.mm(dy, lora_B.to(dy.dtype)) * scaling
@@ -331,7 +340,7 @@ def _proj_bwd_input(
     a_c = lora_A.to(dy.dtype)
     if mask is None:
         return dx.addmm_(gs, a_c)
-    return dx.add_(_masked(torch.mm(gs, a_c), mask, p))
+    return _add_masked_(dx, torch.mm(gs, a_c), mask, p)
 
 
 def _shared_input_bwd(
@@ -392,7 +401,7 @@ def _shared_input_bwd(
     for i in live:
         mask = masks[i]
         if mask is not None:
-            dx.add_(_masked(torch.mm(gss[i], weights[i][1].to(c)), mask, config[i][1]))
+            _add_masked_(dx, torch.mm(gss[i], weights[i][1].to(c)), mask, config[i][1])
     return dx, grads
 
 
