@@ -8,6 +8,8 @@
   activations, and casts the activations up).
 - :func:`accumulate_mm`: ``acc (=|+=) a @ b`` with the sum kept in ``acc``'s dtype (fp32 sums of
   bf16 products over chunks of rows: fk.flce's weight gradient, fk.lora's chunked MLP).
+- :func:`column_sum`: the fp32 sum over the rows of a matrix (a bias gradient) without the staging
+  buffer torch's column reduction allocates.
 
 The split behind :func:`mm_bf16_fp32`: ``w = hi + mid + lo`` exactly (to fp32's precision), each part
 in bf16, where ``hi = bf16(w)``, ``mid = bf16(w - hi)``, ``lo = bf16(w - hi - mid)``: three bf16
@@ -92,3 +94,18 @@ def accumulate_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bo
         torch.mm(a.to(acc.dtype), b.to(acc.dtype), out=acc)
     else:
         acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
+
+
+def column_sum(t: torch.Tensor) -> torch.Tensor:
+    """``t.sum(0, dtype=torch.float32)`` for a 2-D ``t``: the fp32 sum of its rows, ``[t.shape[1]]``.
+
+    On a GPU with fp32-output matmuls, a bf16/fp16 ``t`` is summed as ``ones[1, rows] @ t`` with an
+    fp32 result: one read of ``t``, fp32 sums, and no temporary. torch's column reduction keeps an
+    fp32 staging buffer instead: on an H200, 256 MiB for a 16384 x 32768 bf16 ``t`` (0.27 ms; the
+    matmul 0.25 ms and 0.1 MiB).
+    """
+    row_major = t.stride(1) == 1 and t.stride(0) >= max(1, t.shape[1])  # (not a stride-0 expand: mm would copy it)
+    if t.dtype in (torch.bfloat16, torch.float16) and has_fp32_out_matmul(t.device) and t.shape[0] > 0 and row_major:
+        ones = torch.ones((1, t.shape[0]), dtype=t.dtype, device=t.device)
+        return torch.mm(ones, t, out_dtype=torch.float32).view(t.shape[1])
+    return t.sum(0, dtype=torch.float32)

@@ -34,7 +34,7 @@ import triton.language as tl
 from fk.core import validate
 from fk.core.backend import uses_kernel
 from fk.core.launch import cdiv
-from fk.core.matmul import accumulate_mm
+from fk.core.matmul import accumulate_mm, column_sum
 from fk.core.ops import define_autograd_op
 from fk.flce.cross_entropy import (
     CrossEntropyOutput,
@@ -210,7 +210,7 @@ def chunk_grads(
     if dw is not None:
         accumulate_mm(dw, logits_grad.t(), h, first=first)
     if db is not None:
-        db += logits_grad.sum(0, dtype=torch.float32)
+        db += column_sum(logits_grad)
 
 
 def _accum_buffers(
