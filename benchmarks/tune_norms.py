@@ -31,6 +31,10 @@ WIDE_BWD_SPACE = {"BWD_MAX_BLOCK_COLS": [4096, 8192, 16384], "BWD_LOOPED_BLOCK_C
                   "BWD_LOOPED_PROGRAMS_PER_SM": [1, 2, 4],
                   "BWD_ELEMENTS_PER_WARP": [256, 512]}  # fmt: skip
 WIDE = 16384  # widths from here on sweep the widest tile instead of the narrow-row grouping
+# With --frozen, a module that has settings of its own for the backward without dw (LayerNorm's wide
+# rows) sweeps those instead of the trainable ones.
+FROZEN_NAMES = {"BWD_MAX_BLOCK_COLS": "BWD_FROZEN_LOOPED_BLOCK_COLS",
+                "BWD_LOOPED_PROGRAMS_PER_SM": "BWD_FROZEN_LOOPED_PROGRAMS_PER_SM"}  # fmt: skip
 
 
 def call(op: str, x: torch.Tensor, trainable: bool) -> Callable[[], tuple[torch.Tensor, ...]]:
@@ -78,7 +82,7 @@ def main() -> None:
     # The module whose constants the variants set (FusedAddRMSNorm runs RMSNorm's kernels); the
     # module, not the function of the same name that fk.norms exports.
     module = importlib.import_module(f"fk.norms.{'rms_norm' if args.op == 'fused_add_rms_norm' else args.op}")
-    names = {*FWD_SPACE, *BWD_SPACE, *WIDE_FWD_SPACE, *WIDE_BWD_SPACE}
+    names = {*FWD_SPACE, *BWD_SPACE, *WIDE_FWD_SPACE, *WIDE_BWD_SPACE, *FROZEN_NAMES.values()}
     defaults = {k: getattr(module, k) for k in names if hasattr(module, k)}
     for width in args.widths:
         x = torch.randn(args.rows, width, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -90,6 +94,8 @@ def main() -> None:
                 space, nbytes = (WIDE_FWD_SPACE if width >= WIDE else FWD_SPACE), 4
             else:
                 space, nbytes = (WIDE_BWD_SPACE if width >= WIDE else BWD_SPACE), 10
+            if args.frozen:
+                space = {FROZEN_NAMES[k] if FROZEN_NAMES.get(k) in defaults else k: v for k, v in space.items()}
             space = {k: v for k, v in space.items() if k in defaults and not args.defaults_only}
             results = []
             for values in [{}, *(dict(zip(space, v, strict=True)) for v in itertools.product(*space.values()))]:
