@@ -29,7 +29,8 @@ returned in ``x``'s. The fused functions themselves run with autocast disabled.
 
 This file holds, in order: the references, the launchers (forward and backward of a group of
 projections that share their input, and of a gated MLP, as ``torch.autograd.Function``\\ s; the
-matmuls are PyTorch's, the MLP's activation is fk.glu's Triton kernel), and the functional API
+matmuls are PyTorch's, the MLP's activation is fk.glu's Triton kernel, the dropout's masked input
+gradient the kernel of :mod:`fk.lora.masked_low_rank`), and the functional API
 (:func:`lora_linear`, :func:`lora_o`, :func:`lora_qkv`, :func:`lora_mlp`).
 """
 
@@ -46,6 +47,7 @@ from fk.core import validate
 from fk.core.backend import uses_kernel
 from fk.core.matmul import accumulate_mm, bf16_parts, column_sum, mm_bf16_fp32
 from fk.glu import gated_act_backward_with_value, gated_act_forward, gated_act_ref, resolve_activation
+from fk.lora.masked_low_rank import add_masked_low_rank_, masked
 
 MLP_ACTIVATIONS: dict[str, str] = {"swiglu": "silu", "geglu": "gelu_tanh"}
 """Short names accepted by :func:`lora_mlp` (Hugging Face ``hidden_act`` names are accepted too)."""
@@ -131,8 +133,9 @@ def lora_mlp_ref(
 # forward's xa's come from one matmul against [A_q; A_k; A_v] (each xa a column block of it), the
 # backward's dA's from one [s G_q | s G_k | s G_v]^T x2. dx is one buffer: the first dy W is an
 # mm, the other dy W terms are accumulated into it with addmm_, then the stacked s G A terms with
-# one addmm_ (one pass over dx); with dropout, a projection's G A is formed alone, masked and
-# added. Projections with dropout that share x and the dropout dtype draw their masks on one cast
+# one addmm_ (one pass over dx); with dropout, a projection's masked s G A goes into dx by the
+# kernel of fk.lora.masked_low_rank, which forms G A tile by tile in registers (one pass over
+# dx). Projections with dropout that share x and the dropout dtype draw their masks on one cast
 # of x2 (in PEFT's order).
 #
 # Gated MLP: g = proj_gate(x), u = proj_up(x), h = act(g) * u (fk.glu's kernel), y = proj_down(h).
@@ -269,19 +272,6 @@ def _proj_fwd(
     return _proj_out(xc, weight, bias, xa, lora_B, lora_bias, scaling), xa, mask
 
 
-def _masked(t: torch.Tensor, mask: torch.Tensor, factor: float) -> torch.Tensor:
-    """``t * mask * factor``, a new tensor: dropout's backward kernel, which reads the bool mask as
-    it is. (``t * mask`` and ``addcmul_(t, mask)`` promote the bool mask element by element; on an
-    H200 at 16384 x 14336 bf16 they took 0.78 and 1.00 ms where this takes 0.27 ms and the
-    ``add_`` of its result 0.32 ms.)"""
-    return torch.ops.aten.native_dropout_backward.default(t, mask, factor)
-
-
-def _add_masked_(dx: torch.Tensor, t: torch.Tensor, mask: torch.Tensor, p: float) -> torch.Tensor:
-    """``dx += t * mask / (1 - p)`` in place."""
-    return dx.add_(_masked(t, mask, 1.0 / (1.0 - p)))
-
-
 def _scaled_lora_grad(dy: torch.Tensor, lora_B: torch.Tensor, scaling: float) -> torch.Tensor:
     """``s G = s dy B`` ``[M, r]``: the rank-sized term both ``dA`` and ``dx`` are formed from."""
     return torch.mm(dy, lora_B.to(dy.dtype)) * scaling
@@ -294,7 +284,7 @@ def _kept_input(x2: torch.Tensor, mask: torch.Tensor | None, dd: torch.dtype, c:
     ones change no value, so ``x2 * m`` is exact and one pass over ``x2``, in ``c`` (not in ``dd``,
     which may be fp32 next to bf16 activations)."""
     xc = x2 if x2.dtype == c else (x2 if x2.dtype == dd else x2.to(dd)).to(c)
-    return xc if mask is None else _masked(xc, mask, 1.0)
+    return xc if mask is None else masked(xc, mask, 1.0)
 
 
 def _proj_bwd_params(
@@ -344,7 +334,7 @@ def _proj_bwd_input(
     a_c = lora_A.to(dy.dtype)
     if mask is None:
         return dx.addmm_(gs, a_c)
-    return _add_masked_(dx, torch.mm(gs, a_c), mask, p)
+    return add_masked_low_rank_(dx, gs, a_c, mask, 1.0 / (1.0 - p))
 
 
 def _shared_input_bwd(
@@ -405,7 +395,7 @@ def _shared_input_bwd(
     for i in live:
         mask = masks[i]
         if mask is not None:
-            _add_masked_(dx, torch.mm(gss[i], weights[i][1].to(c)), mask, config[i][1])
+            add_masked_low_rank_(dx, gss[i], weights[i][1].to(c), mask, 1.0 / (1.0 - config[i][1]))
     return dx, grads
 
 
