@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from fk.core.backend import uses_kernel
-from fk.core.launch import cdiv
+from fk.core.launch import as_rows, cdiv, writable_rows
 
 
 def add_masked_low_rank_ref(
@@ -89,27 +89,24 @@ BLOCK_RANK = 16
 NUM_WARPS = 4
 
 
-def _unit_col_stride(t: torch.Tensor) -> bool:
-    return t.shape[1] <= 1 or t.stride(1) == 1
-
-
 def add_masked_low_rank_(
     dx: torch.Tensor, g: torch.Tensor, a: torch.Tensor, mask: torch.Tensor, factor: float
 ) -> torch.Tensor:
     """``dx += (g @ a) * mask * factor`` in place; returns ``dx``.
 
     ``dx`` ``[M, K]``, ``g`` ``[M, r]`` and ``a`` ``[r, K]`` in one dtype, ``mask`` ``[M, K]`` bool.
-    On Triton's path (outside ``torch.compile``) one kernel; elsewhere, and for layouts the kernel
-    does not take (a column stride other than 1), a matmul, :func:`masked` and an add.
+    On Triton's path (outside ``torch.compile``) one kernel; elsewhere, and where ``dx`` cannot be
+    written as rows in place, a matmul, :func:`masked` and an add.
     """
-    fits = all(_unit_col_stride(t) for t in (dx, g, a, mask)) and mask.dtype == torch.bool
-    if not (uses_kernel(dx) and fits) or torch.compiler.is_compiling() or dx.numel() == 0:
+    dx_rows = writable_rows(dx)
+    if dx_rows is None or not uses_kernel(dx) or torch.compiler.is_compiling() or dx.numel() == 0:
         return dx.add_(masked(torch.mm(g, a), mask, factor))
-    n_rows, n_cols = dx.shape
+    g, a, mask = as_rows(g), as_rows(a), as_rows(mask)
+    n_rows, n_cols = dx_rows.shape
     grid = (cdiv(n_rows, BLOCK_ROWS), cdiv(n_cols, BLOCK_COLS))
     _add_masked_low_rank_kernel[grid](
-        dx, g, a, mask, n_rows, n_cols, g.shape[1],
-        dx.stride(0), g.stride(0), a.stride(0), mask.stride(0), factor,
+        dx_rows, g, a, mask, n_rows, n_cols, g.shape[1],
+        dx_rows.stride(0), g.stride(0), a.stride(0), mask.stride(0), factor,
         BLOCK_ROWS=BLOCK_ROWS, BLOCK_COLS=BLOCK_COLS, BLOCK_RANK=BLOCK_RANK,
         num_warps=NUM_WARPS,
     )  # fmt: skip
