@@ -34,7 +34,8 @@ WIDE = 16384  # widths from here on sweep the widest tile instead of the narrow-
 # With --frozen, a module that has settings of its own for the backward without dw (LayerNorm's wide
 # rows) sweeps those instead of the trainable ones.
 FROZEN_NAMES = {"BWD_MAX_BLOCK_COLS": "BWD_FROZEN_LOOPED_BLOCK_COLS",
-                "BWD_LOOPED_PROGRAMS_PER_SM": "BWD_FROZEN_LOOPED_PROGRAMS_PER_SM"}  # fmt: skip
+                "BWD_LOOPED_PROGRAMS_PER_SM": "BWD_FROZEN_LOOPED_PROGRAMS_PER_SM",
+                "BWD_PROGRAMS_PER_SM": "BWD_FROZEN_PROGRAMS_PER_SM"}  # fmt: skip
 
 
 def call(op: str, x: torch.Tensor, trainable: bool) -> Callable[[], tuple[torch.Tensor, ...]]:

@@ -272,7 +272,7 @@ def _layer_norm_bwd_kernel(
 # 16384 instead of 8192 took forward+backward from 1.52 to 1.22 ms at H=16384, and from 3.15 to
 # 2.52 ms at H=32768 (column tiles of 16384 instead of 8192).
 FWD_MAX_BLOCK_COLS = 32768  # widest row the forward holds in one tile
-FWD_MIN_TILE = 4096  # narrow rows are grouped into tiles of at least this many elements
+FWD_MIN_TILE = 2048  # narrow rows are grouped into tiles of at least this many elements
 FWD_ELEMENTS_PER_WARP = 512
 BWD_MAX_BLOCK_COLS = 16384
 BWD_MIN_TILE = 4096
@@ -282,10 +282,15 @@ BWD_ELEMENTS_PER_WARP = 512
 BWD_NARROW_COLS = 1024
 BWD_NARROW_MIN_TILE = 2048
 BWD_NARROW_PROGRAMS_PER_SM = 4
-# Without dw (a frozen weight) there are no partial rows to keep in L2, and rows wider than one tile
-# walk 8192-column tiles with more programs: tune_norms.py --op layer_norm --frozen --widths 32768
-# on an H200 took forward+backward from 2.04 to 1.58 ms (16384 rows, bf16, GPU time) against
-# 16384-column tiles and one program per multiprocessor.
+# A backward that keeps no partial rows (frozen weight and bias; or a frozen weight and a wide-row
+# db left to a column sum) has nothing to keep in L2, so it runs more programs, and without dw rows
+# wider than one tile walk 8192-column tiles. tune_norms.py --op layer_norm
+# --frozen on an H200 (16384 rows, bf16, forward+backward GPU time): 8 programs per SM instead of
+# 2 took H=2048 from 0.106 to 0.092 ms and H=4096 from 0.195 to 0.180 ms (H=8192: 0.350 either
+# way); at H=32768, 8192-column tiles and 4 programs per SM took 2.04 ms to 1.58 ms. The forward's
+# FWD_MIN_TILE of 2048 (was 4096) took H=1024 from 0.0237 to 0.0215 ms and H=2048 from 0.0385 to
+# 0.0378 ms.
+BWD_FROZEN_PROGRAMS_PER_SM = 8
 BWD_FROZEN_LOOPED_BLOCK_COLS = 8192
 BWD_FROZEN_LOOPED_PROGRAMS_PER_SM = 4
 # Wide rows: the backward keeps one fp32 partial row per program for dw and one for db, updated
@@ -344,12 +349,18 @@ def _layer_norm_fwd_fake(
     return y, mean, torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
 
 
-def partial_rows(n_rows: int, n_cols: int, device: torch.device, compute_dw: bool = True) -> int:
+def partial_rows(
+    n_rows: int, n_cols: int, device: torch.device, compute_dw: bool = True, compute_db: bool = True
+) -> int:
     """Programs of the backward's grid, which is also the number of rows of each fp32 partial
-    buffer (dw, db) it allocates, when it allocates one (``compute_dw``: whether dw is computed)."""
-    per_sm = BWD_NARROW_PROGRAMS_PER_SM if n_cols <= BWD_NARROW_COLS else BWD_PROGRAMS_PER_SM
-    looped_per_sm = BWD_LOOPED_PROGRAMS_PER_SM if compute_dw else BWD_FROZEN_LOOPED_PROGRAMS_PER_SM
-    return row_reduction_grid(n_rows, _bwd_tiling(n_cols, compute_dw), device, per_sm, looped_per_sm)
+    buffer (dw, db) it allocates, when it allocates one. A backward that keeps no partial rows (no
+    dw, and no db or a db left to a column sum) runs the frozen settings."""
+    tiling = _bwd_tiling(n_cols, compute_dw)
+    keeps_partials = compute_dw or (compute_db and not (tiling.looped and LOOPED_DB_BY_COLUMN_SUM))
+    per_sm = BWD_PROGRAMS_PER_SM if keeps_partials else BWD_FROZEN_PROGRAMS_PER_SM
+    per_sm = BWD_NARROW_PROGRAMS_PER_SM if n_cols <= BWD_NARROW_COLS else per_sm
+    looped_per_sm = BWD_LOOPED_PROGRAMS_PER_SM if keeps_partials else BWD_FROZEN_LOOPED_PROGRAMS_PER_SM
+    return row_reduction_grid(n_rows, tiling, device, per_sm, looped_per_sm)
 
 
 def _layer_norm_bwd(
@@ -378,7 +389,7 @@ def _layer_norm_bwd(
         db = torch.zeros_like(bias) if compute_db and bias is not None else x.new_empty(0)
         return dx, dw, db
     tiling = _bwd_tiling(n_cols, compute_dw)
-    n_programs = partial_rows(n_rows, n_cols, x.device, compute_dw)
+    n_programs = partial_rows(n_rows, n_cols, x.device, compute_dw, compute_db)
     alloc = torch.zeros if tiling.looped else torch.empty
     db_in_kernel = compute_db and not (tiling.looped and LOOPED_DB_BY_COLUMN_SUM)
     # A partial buffer that is not needed is never read or written: its COMPUTE_* flag is False.
