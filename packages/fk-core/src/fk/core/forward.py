@@ -20,12 +20,17 @@ remove theirs too, so the caller switches its forward off instead (it then calls
 
 :func:`has_hooks` tells whether calling a module runs hooks: a fused forward that computes a
 child's work without calling the child must not skip them.
+
+:class:`SharedInputGroup` fuses sibling modules that their parent calls one after another with the
+same input (an attention block's q, k and v projections): the first member's call computes every
+member's output, and each other member, called next with that very tensor, takes its own.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -101,3 +106,42 @@ def has_hooks(module: torch.nn.Module) -> bool:
         or nn_module._global_backward_hooks
         or nn_module._global_backward_pre_hooks
     )
+
+
+@dataclass
+class SharedInputGroup:
+    """Modules their parent calls one after another with the same input, computed by one call.
+
+    The first member's patched forward computes all the members' outputs at once
+    (:meth:`hand_out`: it keeps the others' outputs and returns its own); each other member's
+    patched forward then asks :meth:`take` for its output. Only the very tensor the first member
+    was called with gets it: a member called with another input computes its own output, and the
+    group is marked :attr:`split` (its first member then stops fusing), since the parent does not
+    call its members with one input. Outputs are held from the first member's call until each
+    other member's call takes its own, or the first member's next call drops them.
+    """
+
+    members: list[torch.nn.Module]
+    """In the order the parent calls them; the first one computes for all."""
+    pending: dict[int, tuple[torch.Tensor, Any]] = field(default_factory=dict)
+    """``id(member)`` -> (the input, its output) for the members yet to be called."""
+    split: bool = False
+    """A member was called with another input than the first: the group no longer fuses."""
+
+    def hand_out(self, x: torch.Tensor, outputs: Sequence[Any]) -> Any:
+        """Keep ``outputs[i]`` (of input ``x``) for member ``i`` > 0, and return ``outputs[0]``."""
+        self.pending = {id(m): (x, out) for m, out in zip(self.members[1:], outputs[1:], strict=True)}
+        return outputs[0]
+
+    def take(self, module: torch.nn.Module, x: torch.Tensor, *, input_alone: bool = True) -> tuple[bool, Any]:
+        """``(True, output)`` when the first member computed ``module``'s output of ``x``; else
+        ``(False, None)``, marking the group split when it holds an output of another input, or
+        when ``module`` was called with more than its input (``input_alone`` false)."""
+        entry = self.pending.pop(id(module), None)
+        if entry is None:
+            return False, None
+        if entry[0] is x and input_alone:
+            return True, entry[1]
+        self.split = True
+        self.pending.clear()
+        return False, None

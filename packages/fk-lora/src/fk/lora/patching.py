@@ -47,7 +47,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fk.core.forward import has_hooks, restore_class, stock_forward, swap_forward, swapped
+from fk.core.forward import SharedInputGroup, has_hooks, restore_class, stock_forward, swap_forward, swapped
 from fk.lora.lora import LoRAWeights, lora_linear, lora_mlp, lora_projections
 
 log = logging.getLogger("fk.lora")
@@ -183,40 +183,32 @@ def _linear_forward(module: nn.Module, label: str, x: Any, *args: Any, **kwargs:
     return lora_linear(x, *parts)
 
 
-@dataclass
-class _SharedInput:
-    """q/k/v of one attention block: the first call computes all, the others pick up their result."""
-
-    members: list[tuple[nn.Module, str]]  # (module, label), in call order
-    pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
-    split: bool = False  # a member was called with another input: stop fusing this group
-
-
-def _shared_forward(module: nn.Module, group: _SharedInput, index: int, x: Any, *args: Any, **kwargs: Any) -> Any:
-    member, label = group.members[index]
-    if module is not member:  # a copy (a DataParallel replica): its siblings are other copies
+def _shared_forward(
+    module: nn.Module, group: SharedInputGroup, label: str, index: int, x: Any, *args: Any, **kwargs: Any
+) -> Any:
+    """The forward of q/k/v projection ``index`` of a shared-input group (see
+    :class:`fk.core.forward.SharedInputGroup`): the first one computes all with
+    :func:`lora_projections`, the others take their outputs."""
+    if module is not group.members[index]:  # a copy (a DataParallel replica): its siblings are other copies
         return _linear_forward(module, label, x, *args, **kwargs)
     if index == 0:
         group.pending.clear()
         if not group.split and not (args or kwargs):
-            parts = [_call_parts(m, x) for m, _ in group.members]
-            reasons = [f"{lbl}: {p}" for (_, lbl), p in zip(group.members, parts, strict=True) if isinstance(p, str)]
+            parts = [_call_parts(m, x) for m in group.members]
+            labels = [m.__dict__[_CALL][2] for m in group.members]
+            reasons = [f"{lbl}: {p}" for lbl, p in zip(labels, parts, strict=True) if isinstance(p, str)]
             if not reasons:
-                outs = lora_projections(x, *parts)  # type: ignore[arg-type]
-                for (m, _), out in zip(group.members[1:], outs[1:], strict=True):
-                    group.pending[id(m)] = (x, out)
-                return outs[0]
+                return group.hand_out(x, lora_projections(x, *parts))  # type: ignore[arg-type]
             _fallback(module, label + " (QKV group)", "; ".join(reasons))
         return _linear_forward(module, label, x, *args, **kwargs)
-    entry = group.pending.pop(id(module), None)
-    if entry is not None:
-        if entry[0] is x and not (args or kwargs):
-            return entry[1]
-        group.split = True
-        group.pending.clear()
+    was_split = group.split
+    found, out = group.take(module, x, input_alone=not (args or kwargs))
+    if found:
+        return out
+    if group.split and not was_split:
         log.warning(
             "fk.lora: %s was called with another input than %s; its group is no longer fused "
-            "(this call's dropout mask was drawn in fused order)", label, group.members[0][1],
+            "(this call's dropout mask was drawn in fused order)", label, group.members[0].__dict__[_CALL][2],
         )  # fmt: skip
     return _linear_forward(module, label, x, *args, **kwargs)
 
@@ -335,9 +327,9 @@ def patch(peft_model: nn.Module) -> PatchReport:
             continue
         qkv = [(n, children[n]) for n in _QKV if n in children and eligible(children[n])]
         if len(qkv) >= 2:
-            group = _SharedInput([(m, names[id(m)]) for _, m in qkv])
+            group = SharedInputGroup([m for _, m in qkv])
             for i, (_, m) in enumerate(qkv):
-                _swap(m, (_shared_forward, group, i), saved)
+                _swap(m, (_shared_forward, group, names[id(m)], i), saved)
                 taken.add(id(m))
             report.qkv.append([names[id(m)] for _, m in qkv])
     for qualname, module in peft_model.named_modules():
