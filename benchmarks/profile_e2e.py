@@ -10,10 +10,12 @@ longest first with the kernels on either side, since a gap is host time the step
 
 Run on a GPU:  python benchmarks/profile_e2e.py fk [--batch 4] [--lora]
 
-benchmarks/results/profiles/ holds the output of an earlier form of this script (the same
-measurement; categories split differently) for liger and fk on an H200, taken before fk.glu's
-gated MLP formed h in its gradient pass (fk's "_glu_fwd_kernel x32" there is 16 forward passes
-and 16 recomputations).
+benchmarks/results/profiles/ holds its output for fk on an H200 before and after fk.hf's qkv
+switch (``e2e_full_fk_h200_before_qkv.txt``, ``e2e_full_fk_h200_qkv.txt``; host times differ
+between those two machines, so compare their GPU times, not their gaps), and that of an earlier
+form of it (the same measurement; categories split differently) for liger and fk, taken before
+fk.glu's gated MLP formed h in its gradient pass (fk's "_glu_fwd_kernel x32" there is 16 forward
+passes and 16 recomputations).
 """
 
 from __future__ import annotations

@@ -69,7 +69,7 @@ def test_peft_model_gets_fk_lora_and_matches_stock_training(
     stock = _peft_model(device)
     patched = copy.deepcopy(stock)
     counts = fk.hf.apply(patched)
-    assert counts == {**_expected_counts("llama"), "swiglu": 0, "lora": 6}
+    assert counts == {**_expected_counts("llama"), "swiglu": 0, "qkv": 0, "lora": 6}
     assert fk.hf.patched_modules(patched) == counts
     assert fk.lora.is_patched(patched)
     trained = [n for n, p in stock.named_parameters() if p.requires_grad]
@@ -94,7 +94,7 @@ def test_peft_model_gets_fk_lora_and_matches_stock_training(
     assert not any("forward" in m.__dict__ for m in patched.modules())
     assert fk.hf.patched_modules(patched) == dict.fromkeys(fk.hf.SWITCHES, 0)
     fk.hf.apply(patched)
-    assert fk.hf.apply(patched, lora=False) == _expected_counts("llama")  # replaces fk.lora's patch too
+    assert fk.hf.apply(patched, lora=False) == {**_expected_counts("llama"), "qkv": 0}  # replaces fk.lora's patch too
     assert not fk.lora.is_patched(patched)
 
 
@@ -215,7 +215,7 @@ def test_auto_model_loads_a_peft_adapter_fused(device: str, tmp_path: Any) -> No
     loaded = fk.hf.AutoModelForCausalLM.from_pretrained(tmp_path / "adapter").to(device).train()
     for name, param in loaded.named_parameters():  # transformers loads an adapter frozen, for inference
         param.requires_grad_("lora_" in name)
-    assert fk.hf.patched_modules(loaded) == {**_expected_counts("llama"), "swiglu": 0, "lora": 6}
+    assert fk.hf.patched_modules(loaded) == {**_expected_counts("llama"), "swiglu": 0, "qkv": 0, "lora": 6}
     ids, labels = _batch(device)
     want, want_grads = _loss_and_grads(stock, input_ids=ids, labels=labels)
     got, got_grads = _loss_and_grads(loaded, input_ids=ids, labels=labels)

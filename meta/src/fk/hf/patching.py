@@ -26,6 +26,11 @@ What each switch replaces (for the families in :mod:`fk.hf.models`):
   modeling file's ``apply_rotary_pos_emb``. The attention's own forward function is reused as it
   is; only the global name ``apply_rotary_pos_emb`` it looks up resolves to fk's (a copy of the
   function with that one global rebound).
+- ``qkv``: an attention block's ``q_proj``, ``k_proj`` and ``v_proj``, where all three are plain
+  ``nn.Linear`` layers, form a :class:`fk.core.forward.SharedInputGroup`: the first one called
+  computes the three with :func:`fk.hf.projections.linear_projections`, whose backward forms the
+  input's gradient in one buffer (two matmul epilogues instead of two add kernels), and the others
+  take their outputs (see :func:`projections_forward`). Projections under LoRA are fk.lora's.
 - ``flce``: the causal-LM forward computes the loss with :func:`fk.flce.linear_cross_entropy` on
   the final hidden states, without materializing the logits (see :func:`causal_lm_forward`);
   a family whose logits are soft-capped (Gemma 2 and 3) passes ``config.final_logit_softcapping``
@@ -54,9 +59,9 @@ from typing import Any
 
 import torch
 
-from fk.core.forward import has_hooks, restore_class, stock_forward, swap_forward, swapped
+from fk.core.forward import SharedInputGroup, has_hooks, restore_class, stock_forward, swap_forward, swapped
 
-SWITCHES = ("rms_norm", "layer_norm", "swiglu", "geglu", "rope", "flce", "lora")
+SWITCHES = ("rms_norm", "layer_norm", "swiglu", "geglu", "rope", "qkv", "flce", "lora")
 
 _KIND = "_fk_hf_kind"
 _LORA = "_fk_hf_lora_report"
@@ -68,6 +73,8 @@ _STOCK = "_fk_hf_stock_forward"
 with the running module, see :func:`fk.core.forward.stock_forward`)."""
 _AUX_LOSS = "_fk_hf_load_balancing_loss_func"
 """Attribute of a patched mixture-of-experts causal LM: its modeling module's ``load_balancing_loss_func``."""
+_GROUP = "_fk_hf_projection_group"
+"""Attribute of a projection the ``qkv`` switch patched: ``(its SharedInputGroup, its index there)``."""
 _SWITCHED_OFF = "_fk_hf_switched_off"
 """Attribute of a reverted module whose fk forward stays under another's wrapper, switched off."""
 
@@ -185,6 +192,45 @@ def geglu_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
         weights = (self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
         return gated_mlp(x, *weights, "gelu" if exact else "gelu_tanh")
     return self.down_proj(geglu(self.gate_proj(x), self.up_proj(x), approximate, inplace_grad=True))
+
+
+def projections_forward(self: Any, x: Any, *args: Any, **kwargs: Any) -> Any:
+    """The forward of an attention block's q, k or v projection (a plain ``nn.Linear``) under the
+    ``qkv`` switch; the three form a :class:`fk.core.forward.SharedInputGroup`. The first one called
+    computes all three with :func:`fk.hf.projections.linear_projections` (one ``dx`` accumulation in
+    the backward) and returns its own output; the others, called next with the same tensor, take
+    theirs. Where that would not compute exactly what their forwards do (see :func:`_fusable`), or
+    when called with more than the input, each runs its stock forward."""
+    from fk.hf.projections import linear_projections
+
+    group, index = self.__dict__[_GROUP]
+    if self is not group.members[index]:  # a copy (a DataParallel replica): it computes alone
+        return stock_forward(self, _STOCK, x, *args, **kwargs)
+    if index == 0:
+        group.pending.clear()
+        if not group.split and not (args or kwargs) and _fusable(group.members, x):
+            weights = [m.weight for m in group.members]
+            biases = [m.bias for m in group.members]
+            return group.hand_out(x, linear_projections(x, weights, biases))
+        return stock_forward(self, _STOCK, x, *args, **kwargs)
+    found, out = group.take(self, x, input_alone=not (args or kwargs))
+    return out if found else stock_forward(self, _STOCK, x, *args, **kwargs)
+
+
+def _fusable(members: list[torch.nn.Module], x: Any) -> bool:
+    """Whether one :func:`fk.hf.projections.linear_projections` call on ``x`` computes what the
+    members' forwards would: ``x`` is a tensor, autocast is off for its device, and every member
+    (a plain ``nn.Linear`` when grouped) has no hooks and no forward set on the instance since, and
+    a weight and bias of ``x``'s dtype and device that are not sharded DTensors."""
+    if not isinstance(x, torch.Tensor) or torch.is_autocast_enabled(x.device.type):
+        return False
+    for m in members:
+        if has_hooks(m) or "forward" in m.__dict__:
+            return False
+        for p in (m.weight, m.bias):
+            if isinstance(p, torch.Tensor) and (p.dtype != x.dtype or p.device != x.device or _is_dtensor(p)):
+                return False
+    return True
 
 
 def _whole_mlp(module: Any, x: torch.Tensor) -> bool:
@@ -519,7 +565,7 @@ def revert(model: torch.nn.Module) -> int:
             restored += fk.lora.unpatch(module)
         if not is_patched(module):
             continue
-        for key in (_KIND, "_fk_hf_patch", _AUX_LOSS):
+        for key in (_KIND, "_fk_hf_patch", _AUX_LOSS, _GROUP):
             module.__dict__.pop(key, None)
         if restore_class(module):
             module.__dict__.pop(_STOCK, None)
@@ -537,6 +583,20 @@ def has_lora_layers(model: torch.nn.Module) -> bool:
     peft_lora = sys.modules.get("peft.tuners.lora.layer")
     layer = getattr(peft_lora, "LoraLayer", None)
     return layer is not None and any(isinstance(m, layer) for m in model.modules())
+
+
+def _group_projections(attention: torch.nn.Module, patch: ModelPatch) -> None:
+    """Give ``attention``'s ``q_proj``, ``k_proj`` and ``v_proj`` the ``qkv`` forward, as one
+    shared-input group, where all three are plain ``nn.Linear`` layers fk has not patched and
+    whose forward nobody replaced on the instance (see :func:`projections_forward`)."""
+    members = [getattr(attention, name, None) for name in ("q_proj", "k_proj", "v_proj")]
+    if not all(m is not None and plain_linear(m) and not swapped(m) for m in members):
+        return
+    group = SharedInputGroup(members)  # type: ignore[arg-type]
+    for index, member in enumerate(members):
+        assert member is not None
+        member.__dict__[_GROUP] = (group, index)
+        _set_forward(member, "qkv", projections_forward, patch)
 
 
 def apply_patch(model: torch.nn.Module, patch: ModelPatch, switches: dict[str, bool]) -> dict[str, int]:
@@ -569,10 +629,12 @@ def apply_patch(model: torch.nn.Module, patch: ModelPatch, switches: dict[str, b
                 _set_forward(module, "swiglu", swiglu_forward, patch)
             elif switches["geglu"] and activation in ("gelu_tanh", "gelu"):
                 _set_forward(module, "geglu", geglu_forward, patch)
-        elif switches["rope"] and isinstance(module, attentions):
+        elif isinstance(module, attentions):
             fn = _rope_forward(type(module).forward)
-            if fn is not None:
+            if switches["rope"] and fn is not None:
                 _set_forward(module, "rope", fn, patch)
+            if switches["qkv"]:
+                _group_projections(module, patch)
         elif switches["flce"] and isinstance(module, heads):
             _set_forward(module, "flce", _flce_forward(), patch)
             if patch.router_aux_loss:

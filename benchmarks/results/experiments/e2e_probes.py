@@ -1,0 +1,117 @@
+"""Probes of bench_e2e.py's full fine-tune (Llama-3.2-1B shape, batch 4 x 2048, bf16, AdamW) that
+decided fk.hf's settings; their output on an H200 is in e2e_probes_h200.txt beside this file.
+
+- ``phases [fk|liger] [budget MiB]``: memory by phase of one step (static, after the forward, the
+  forward's and backward's peaks) and what autograd saves, by shape;
+- ``budgets``: step time and peak memory per fused-loss budget (fk.hf.loss_options with bf16
+  accumulation), the settings interleaved over 3 rounds of 5 timed steps on one model;
+- ``qkv``: step time with fk.hf's ``qkv`` switch off and on, interleaved over 4 rounds.
+
+Run on a GPU:  python benchmarks/results/experiments/e2e_probes.py budgets
+"""
+
+from __future__ import annotations
+
+import collections
+import statistics
+import sys
+from typing import Any
+
+import torch
+
+import fk.hf
+from fk.hf import training
+
+GIB = 2**30
+
+
+def _model(provider: str = "fk") -> Any:
+    if provider == "liger":
+        from liger_kernel.transformers import apply_liger_kernel_to_llama
+
+        apply_liger_kernel_to_llama()
+    shape = training.SHAPES["llama-3.2-1b"]
+    model = training.build_model(shape, dtype=torch.bfloat16, device="cuda", seed=0, max_positions=2048)
+    if provider == "fk":
+        fk.hf.apply(model)
+    return model
+
+
+def _steps(model: Any, opt: Any, corpus: Any, steps: int = 7, warmup: int = 2) -> Any:
+    return training.train(model, corpus, steps=steps, warmup=warmup, batch=4, seq=2048, lr=1e-4, optimizer=opt)
+
+
+def phases(provider: str, budget_mib: int) -> None:
+    model = _model(provider)
+    if budget_mib:
+        fk.hf.loss_options(model, memory_budget=budget_mib << 20, accum_dtype=torch.bfloat16)
+    corpus = training.MarkovCorpus(128256, active=1024, branching=4)
+    opt = training.make_optimizer(model, 1e-4)
+    _steps(model, opt, corpus, steps=3, warmup=0)
+    tokens = corpus.batch(50, 4, 2048).cuda()
+    torch.cuda.synchronize()
+    static = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, tuple[tuple[int, ...], str, int]] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        s = t.untyped_storage()
+        if s.data_ptr() not in params and s.data_ptr() not in saved:
+            saved[s.data_ptr()] = (tuple(t.shape), str(t.dtype).removeprefix("torch."), s.nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(input_ids=tokens, labels=tokens).loss
+    torch.cuda.synchronize()
+    after_fwd, fwd_peak = torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    loss.backward()
+    torch.cuda.synchronize()
+    bwd_peak = torch.cuda.max_memory_allocated()
+    print(f"{provider} budget {budget_mib} MiB: static {static / GIB:.3f}  after fwd {after_fwd / GIB:.3f} "
+          f"fwd peak {fwd_peak / GIB:.3f}  bwd peak {bwd_peak / GIB:.3f} GiB")  # fmt: skip
+    by_shape: collections.Counter[tuple[Any, str]] = collections.Counter()
+    count: collections.Counter[tuple[Any, str]] = collections.Counter()
+    for shape, dtype, nbytes in saved.values():
+        by_shape[(shape, dtype)] += nbytes
+        count[(shape, dtype)] += 1
+    print(f"saved {sum(by_shape.values()) / GIB:.3f} GiB in {len(saved)} storages")
+    for key, nbytes in by_shape.most_common(14):
+        print(f"   {nbytes / GIB:7.3f} GiB  x{count[key]:3d}  {key}")
+
+
+def interleaved(settings: dict[str, Any], rounds: int) -> None:
+    """``settings``: name -> function that sets them on the model."""
+    model = _model()
+    corpus = training.MarkovCorpus(128256, active=1024, branching=4)
+    opt = training.make_optimizer(model, 1e-4)
+    times: dict[str, list[float]] = {name: [] for name in settings}
+    peaks: dict[str, float] = {}
+    for _ in range(rounds):
+        for name, apply in settings.items():
+            apply(model)
+            run = _steps(model, opt, corpus)
+            times[name] += run.step_seconds[run.warmup :]
+            peaks[name] = run.peak_bytes / GIB
+    for name, t in times.items():
+        print(f"{name:12s} median {statistics.median(t) * 1e3:.2f} ms  mean {statistics.mean(t) * 1e3:.2f}  "
+              f"min {min(t) * 1e3:.2f}  n={len(t)}  peak {peaks[name]:.3f} GiB")  # fmt: skip
+
+
+def main() -> None:
+    what = sys.argv[1]
+    if what == "phases":
+        phases(sys.argv[2] if len(sys.argv) > 2 else "fk", int(sys.argv[3]) if len(sys.argv) > 3 else 0)
+    elif what == "budgets":
+        options = {"default": {}, **{f"{mib} MiB": {"memory_budget": mib << 20, "accum_dtype": torch.bfloat16}
+                                     for mib in (512, 384, 256)}}  # fmt: skip
+        interleaved({k: lambda m, o=o: fk.hf.loss_options(m, **o) for k, o in options.items()}, rounds=3)
+    elif what == "qkv":
+        interleaved({f"qkv={on}": lambda m, on=on: fk.hf.apply(m, qkv=on) for on in (False, True)}, rounds=4)
+    else:
+        raise SystemExit(__doc__)
+
+
+if __name__ == "__main__":
+    main()

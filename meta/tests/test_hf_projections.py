@@ -1,0 +1,119 @@
+"""fk.hf.projections.linear_projections against F.linear in float64, and the qkv switch's group."""
+
+from __future__ import annotations
+
+import copy
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fk.hf
+from fk.hf.projections import linear_projections
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_hf_patching import _batch, _model
+
+TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+@torch.no_grad()
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.double() - want).norm() / want.norm().clamp_min(1e-30))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("shape", "outs", "bias", "frozen", "unused"),
+    [
+        ((3, 5, 37), (19, 7, 7), False, (), None),  # odd sizes, GQA-like k/v narrower than q
+        ((1, 1, 8), (8, 4, 4), True, (), None),  # one row, with biases
+        ((2, 33, 48), (48, 16, 16), True, (1,), None),  # a frozen weight and bias get no gradient
+        ((65, 24), (24, 24, 8), False, (), 1),  # 2-D input; one output unused in the loss
+    ],
+)
+def test_outputs_and_gradients_match_float64(
+    dtype: torch.dtype,
+    shape: tuple[int, ...],
+    outs: tuple[int, ...],
+    bias: bool,
+    frozen: tuple[int, ...],
+    unused: int | None,
+    device: str,
+) -> None:
+    """Outputs and the gradients of x, each weight and bias against F.linear in float64; a frozen
+    weight or bias and the parameters of an unused output get None."""
+    gen = torch.Generator().manual_seed(0)
+    x64 = torch.randn(shape, generator=gen, dtype=torch.float64)
+    w64 = [torch.randn(n, shape[-1], generator=gen, dtype=torch.float64) / shape[-1] ** 0.5 for n in outs]
+    b64 = [torch.randn(n, generator=gen, dtype=torch.float64) if bias else None for n in outs]
+    dys = [torch.randn(*shape[:-1], n, generator=gen, dtype=torch.float64) for n in outs]
+
+    def leaves(ts: list, dt: torch.dtype, dev: str) -> list:
+        return [None if t is None else t.to(dev, dt).requires_grad_(i not in frozen) for i, t in enumerate(ts)]
+
+    x = x64.to(device, dtype).requires_grad_()
+    ws, bs = leaves(w64, dtype, device), leaves(b64, dtype, device)
+    got = linear_projections(x, ws, bs)
+    xr = x64.clone().requires_grad_()
+    wr, br = leaves(w64, torch.float64, "cpu"), leaves(b64, torch.float64, "cpu")
+    want = [F.linear(xr, w, b) for w, b in zip(wr, br, strict=True)]
+    used = [i for i in range(len(outs)) if i != unused]
+    torch.autograd.backward([got[i] for i in used], [dys[i].to(device, dtype) for i in used])
+    torch.autograd.backward([want[i] for i in used], [dys[i] for i in used])
+    tol = TOL[dtype]
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == dtype and g.shape == w.shape
+        assert _rel(g.cpu(), w.detach()) < tol
+    assert x.grad is not None and _rel(x.grad.cpu(), xr.grad) < tol
+    for i in range(len(outs)):
+        params = [(ws[i], wr[i])] + ([(bs[i], br[i])] if bias else [])
+        for p, r in params:
+            if i in frozen or i == unused:
+                assert p.grad is None
+            else:
+                assert p.grad is not None and _rel(p.grad.cpu(), r.grad) < tol
+
+
+def test_bad_arguments_raise_naming_them() -> None:
+    x = torch.randn(4, 8)
+    with pytest.raises(ValueError, match="weights\\[1\\]"):
+        linear_projections(x, [torch.randn(3, 8), torch.randn(3, 7)], [None, None])
+    with pytest.raises(ValueError, match="weights\\[0\\]"):
+        linear_projections(x, [torch.randn(3, 8, dtype=torch.float64)], [None])
+    with pytest.raises(ValueError, match="biases\\[0\\]"):
+        linear_projections(x, [torch.randn(3, 8)], [torch.randn(4)])
+    with pytest.raises(ValueError, match="one bias"):
+        linear_projections(x, [torch.randn(3, 8)], [])
+
+
+def test_qkv_group_computes_once_and_splits_on_another_input(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the qkv switch, q_proj's call computes q, k and v in one function call and k_proj and
+    v_proj return those; a k_proj called with another tensor computes its own output (stock's),
+    and the group stops fusing."""
+    import fk.hf.projections as projections
+
+    model = _model("llama", device)
+    stock = copy.deepcopy(model)
+    assert fk.hf.apply(model, rms_norm=False, rope=False, swiglu=False, flce=False)["qkv"] == 6
+    calls: list[int] = []
+    apply = projections._LinearProjections.apply
+    monkeypatch.setattr(projections._LinearProjections, "apply", lambda *a: (calls.append(1), apply(*a))[1])
+    ids, labels = _batch(device)
+    got = model(input_ids=ids, labels=labels).loss
+    want = stock(input_ids=ids, labels=labels).loss
+    torch.testing.assert_close(got, want)
+    assert len(calls) == 2  # one per attention block
+    attn, stock_attn = model.model.layers[0].self_attn, stock.model.layers[0].self_attn
+    x = torch.randn(2, 3, 64, device=device)
+    torch.testing.assert_close(attn.q_proj(x), stock_attn.q_proj(x))
+    other = torch.randn(2, 3, 64, device=device)
+    torch.testing.assert_close(attn.k_proj(other), stock_attn.k_proj(other))  # not q's stashed output
+    group = attn.q_proj.__dict__["_fk_hf_projection_group"][0]
+    assert group.split
+    calls.clear()
+    torch.testing.assert_close(attn.q_proj(x), stock_attn.q_proj(x))
+    assert not calls  # split: each projection computes alone from now on
+    assert fk.hf.revert(model) == 6 and type(attn.q_proj) is torch.nn.Linear
