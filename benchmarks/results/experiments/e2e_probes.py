@@ -5,7 +5,10 @@ decided fk.hf's settings; their output on an H200 is in e2e_probes_h200.txt besi
   forward's and backward's peaks) and what autograd saves, by shape;
 - ``budgets``: step time and peak memory per fused-loss budget (fk.hf.loss_options with bf16
   accumulation), the settings interleaved over 3 rounds of 5 timed steps on one model;
-- ``qkv``: step time with fk.hf's ``qkv`` switch off and on, interleaved over 4 rounds.
+- ``qkv``: step time with fk.hf's ``qkv`` switch off and on, interleaved over 4 rounds;
+- ``host [stock|liger|fk]``: the host's time to enqueue one forward while the GPU spins on a long
+  sleep kernel (so the queue never drains and only the host is timed). A provider whose forward
+  synchronizes (Liger's loss does) shows the sleep in its time instead.
 
 Run on a GPU:  python benchmarks/results/experiments/e2e_probes.py budgets
 """
@@ -15,6 +18,7 @@ from __future__ import annotations
 import collections
 import statistics
 import sys
+import time
 from typing import Any
 
 import torch
@@ -99,6 +103,24 @@ def interleaved(settings: dict[str, Any], rounds: int) -> None:
               f"min {min(t) * 1e3:.2f}  n={len(t)}  peak {peaks[name]:.3f} GiB")  # fmt: skip
 
 
+def host(provider: str) -> None:
+    model = _model(provider)
+    corpus = training.MarkovCorpus(128256, active=1024, branching=4)
+    opt = training.make_optimizer(model, 1e-4)
+    _steps(model, opt, corpus, steps=3, warmup=0)
+    tokens = corpus.batch(7, 4, 2048).cuda()
+    times = []
+    for _ in range(6):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(int(1.5e9))  # about a second of GPU time: the queue stays full
+        start = time.perf_counter()
+        loss = model(input_ids=tokens, labels=tokens).loss
+        times.append(time.perf_counter() - start)
+        torch.cuda.synchronize()
+        del loss
+    print(f"{provider}: host time to enqueue the forward {statistics.median(times) * 1e3:.1f} ms (median of 6)")
+
+
 def main() -> None:
     what = sys.argv[1]
     if what == "phases":
@@ -107,6 +129,8 @@ def main() -> None:
         options = {"default": {}, **{f"{mib} MiB": {"memory_budget": mib << 20, "accum_dtype": torch.bfloat16}
                                      for mib in (512, 384, 256)}}  # fmt: skip
         interleaved({k: lambda m, o=o: fk.hf.loss_options(m, **o) for k, o in options.items()}, rounds=3)
+    elif what == "host":
+        host(sys.argv[2])
     elif what == "qkv":
         interleaved({f"qkv={on}": lambda m, on=on: fk.hf.apply(m, qkv=on) for on in (False, True)}, rounds=4)
     else:
