@@ -42,3 +42,31 @@ def test_a_new_hand_out_replaces_outputs_not_taken() -> None:
     assert group.take(k, y) == (True, "k2")
     assert group.take(v, y) == (True, "v2")
     assert group.take(q, y) == (False, None)  # the first member never takes
+
+
+def test_a_swapped_forward_wrapped_by_init_subclass_is_still_recognised() -> None:
+    """transformers' GradientCheckpointingLayer wraps the forward of every subclass (functools.wraps),
+    the one swap_forward makes included: the class is still recognised as swapped, and restored."""
+    import functools
+
+    from fk.core.forward import restore_class, stock_forward, swap_forward, swapped
+
+    class Wrapping(torch.nn.Module):
+        def __init_subclass__(cls, **kwargs: object) -> None:
+            super().__init_subclass__()
+            inner = cls.forward
+
+            @functools.wraps(inner)
+            def wrapped(self: torch.nn.Module, *args: object) -> object:
+                return inner(self, *args)
+
+            cls.forward = wrapped  # type: ignore[method-assign]
+
+    class Layer(Wrapping):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + 1
+
+    layer = Layer()
+    swap_forward(layer, lambda self, x: stock_forward(self, "_stock", x) * 2, "_stock")
+    assert swapped(layer) and float(layer(torch.zeros(()))) == 2.0
+    assert restore_class(layer) and type(layer) is Layer and float(layer(torch.zeros(()))) == 1.0

@@ -51,9 +51,17 @@ def forward_class(cls: type, forward: Callable[..., Any]) -> type:
 
 
 def is_forward_class(cls: type) -> bool:
-    """Whether ``cls`` is one of the subclasses :func:`forward_class` made."""
+    """Whether ``cls`` is one of the subclasses :func:`forward_class` made. Its ``forward`` may be
+    wrapped since (``functools.wraps``): ``transformers``' ``GradientCheckpointingLayer`` wraps
+    the ``forward`` of every subclass it gets, the ones made here included."""
+    if len(cls.__bases__) != 1:
+        return False
     forward = cls.__dict__.get("forward")
-    return len(cls.__bases__) == 1 and forward is not None and _CLASSES.get((cls.__bases__[0], forward)) is cls
+    while forward is not None:
+        if _CLASSES.get((cls.__bases__[0], forward)) is cls:
+            return True
+        forward = getattr(forward, "__wrapped__", None)
+    return False
 
 
 def swapped(module: torch.nn.Module) -> bool:
