@@ -11,7 +11,8 @@ longest first with the kernels on either side, since a gap is host time the step
 Run on a GPU:  python benchmarks/profile_e2e.py fk [--batch 4] [--lora]
 
 benchmarks/results/profiles/ holds its output for fk on an H200 before and after fk.hf's qkv
-switch (``e2e_full_fk_h200_before_qkv.txt``, ``e2e_full_fk_h200_qkv.txt``; host times differ
+switch and then with the add_norm switch (``e2e_full_fk_h200_before_qkv.txt``,
+``e2e_full_fk_h200_qkv.txt``, ``e2e_full_fk_h200_add_norm.txt``; host times differ
 between those two machines, so compare their GPU times, not their gaps), and that of an earlier
 form of it (the same measurement; categories split differently) for liger and fk, taken before
 fk.glu's gated MLP formed h in its gradient pass (fk's "_glu_fwd_kernel x32" there is 16 forward

@@ -89,7 +89,9 @@ def test_peft_model_gets_fk_lora_and_matches_stock_training(
     norms = [m.weight for n, m in base.named_modules() if n.endswith("norm")]
     assert len(norms) == 5 and all(w.grad is None and not w.requires_grad for w in norms)
     assert base.lm_head.weight.grad is None
-    assert fk.hf.revert(patched) == 8 + 10  # fk.hf's 8 modules, fk.lora's 10 forwards (5 per layer)
+    assert (
+        fk.hf.revert(patched) == 10 + 10
+    )  # fk.hf's 10 modules (2 of them decoder layers), fk.lora's 10 forwards (5 per layer)
     assert not fk.lora.is_patched(patched)
     assert not any("forward" in m.__dict__ for m in patched.modules())
     assert fk.hf.patched_modules(patched) == dict.fromkeys(fk.hf.SWITCHES, 0)

@@ -79,7 +79,7 @@ def _expected_counts(model_type: str, layers: int = 2) -> dict[str, int]:
     layer, four with Gemma 2 and 3's sandwich norms, plus per-head q/k norms in Qwen3 and Gemma 3,
     OLMo 2's two after attention and MLP plus its q/k norms, plus the final norm), one gated MLP
     per layer (none where the experts of a mixture replace it), one attention per layer, the
-    causal LM; each attention's q, k and v projections (qkv)."""
+    causal LM; each attention's q, k and v projections (qkv); Llama-like decoder layers (add_norm)."""
     per_layer = {"qwen3": 4, "qwen3_moe": 4, "gemma2": 4, "gemma3_text": 6, "olmo2": 4}.get(model_type, 2)
     norm = "rms_norm"
     if model_type == "stablelm":  # LayerNorms: two per layer, and one per q head (4) and k head (2)
@@ -87,8 +87,10 @@ def _expected_counts(model_type: str, layers: int = 2) -> dict[str, int]:
     mlp = "geglu" if model_type in GEMMAS else "swiglu"
     mlps = {"mixtral": 0, "qwen3_moe": 1}.get(model_type, layers)  # MoE experts stay stock; dense MLPs do not
     qkv = 0 if model_type == "phi3" else 3 * layers  # Phi-3's one fused qkv_proj has no siblings to group
+    # Decoder layers whose forward is Llama's (the others add sandwich norms, multipliers, dropouts, ...)
+    add_norm = layers if model_type in ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma") else 0
     return {**dict.fromkeys(fk.hf.SWITCHES, 0), norm: per_layer * layers + 1, mlp: mlps, "rope": layers,
-            "qkv": qkv, "flce": 1}  # fmt: skip
+            "qkv": qkv, "add_norm": add_norm, "flce": 1}  # fmt: skip
 
 
 def _model(model_type: str, device: str, **overrides: Any) -> Any:
@@ -456,7 +458,7 @@ def test_peft_lora_model(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
         torch.testing.assert_close(got_grads[name], want_grads[name], **TOL, msg=lambda m, n=name: f"{n}: {m}")
     head = patched.get_base_model().lm_head.weight
     assert head.grad is None
-    assert fk.hf.revert(patched) == 10
+    assert fk.hf.revert(patched) == 12  # with the 2 decoder layers (add_norm)
 
 
 def test_head_that_is_not_a_plain_linear_takes_the_stock_path(device: str) -> None:

@@ -116,4 +116,40 @@ def test_qkv_group_computes_once_and_splits_on_another_input(device: str, monkey
     calls.clear()
     torch.testing.assert_close(attn.q_proj(x), stock_attn.q_proj(x))
     assert not calls  # split: each projection computes alone from now on
-    assert fk.hf.revert(model) == 6 and type(attn.q_proj) is torch.nn.Linear
+    assert fk.hf.revert(model) == 6 + 2 and type(attn.q_proj) is torch.nn.Linear  # the projections, the decoder layers
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma"])
+def test_add_norm_fuses_the_post_attention_residual_add(
+    model_type: str, device: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the add_norm switch, a Llama-like decoder layer adds the attention's output to the
+    residual inside fk.norms.fused_add_rms_norm (once per layer, with Gemma's casting and offset),
+    with stock's loss and gradients, under gradient checkpointing too; a post-attention norm whose
+    weight has another dtype takes the stock forward."""
+    import fk.norms
+    from fk.hf.patching import is_pre_norm_decoder
+
+    stock = _model(model_type, device)
+    assert all(is_pre_norm_decoder(layer) for layer in stock.model.layers)  # the installed transformers' forward
+    patched = copy.deepcopy(stock)
+    counts = fk.hf.apply(patched, rms_norm=False, rope=False, swiglu=False, geglu=False, qkv=False, flce=False)
+    assert counts["add_norm"] == 2
+    calls: list[int] = []
+    fused = fk.norms.fused_add_rms_norm
+    monkeypatch.setattr(fk.norms, "fused_add_rms_norm", lambda *a, **k: (calls.append(1), fused(*a, **k))[1])
+    ids, labels = _batch(device)
+    for checkpointing in (False, True):
+        for model in (stock, patched):
+            model.zero_grad(set_to_none=True)
+            if checkpointing:
+                model.gradient_checkpointing_enable()
+            model(input_ids=ids, labels=labels).loss.backward()
+        grads = dict(patched.named_parameters())
+        for name, p in stock.named_parameters():
+            torch.testing.assert_close(grads[name].grad, p.grad, rtol=1e-5, atol=1e-6, msg=name)
+    assert len(calls) == 2 + 4  # two layers; under checkpointing, forward and recomputation
+    calls.clear()
+    patched.model.layers[0].post_attention_layernorm.to(torch.bfloat16)
+    patched(input_ids=ids, labels=labels)
+    assert len(calls) == 1  # layer 0 took the stock forward

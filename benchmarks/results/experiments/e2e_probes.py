@@ -5,7 +5,7 @@ decided fk.hf's settings; their output on an H200 is in e2e_probes_h200.txt besi
   forward's and backward's peaks) and what autograd saves, by shape;
 - ``budgets``: step time and peak memory per fused-loss budget (fk.hf.loss_options with bf16
   accumulation), the settings interleaved over 3 rounds of 5 timed steps on one model;
-- ``qkv``: step time with fk.hf's ``qkv`` switch off and on, interleaved over 4 rounds;
+- ``qkv``, ``add_norm``: step time with that fk.hf switch off and on, interleaved over 4 rounds;
 - ``host [stock|liger|fk]``: the host's time to enqueue one forward while the GPU spins on a long
   sleep kernel (so the queue never drains and only the host is timed). A provider whose forward
   synchronizes (Liger's loss does) shows the sleep in its time instead.
@@ -131,8 +131,11 @@ def main() -> None:
         interleaved({k: lambda m, o=o: fk.hf.loss_options(m, **o) for k, o in options.items()}, rounds=3)
     elif what == "host":
         host(sys.argv[2])
-    elif what == "qkv":
-        interleaved({f"qkv={on}": lambda m, on=on: fk.hf.apply(m, qkv=on) for on in (False, True)}, rounds=4)
+    elif what in ("qkv", "add_norm"):
+        switch = what
+        interleaved(
+            {f"{switch}={on}": lambda m, on=on: fk.hf.apply(m, **{switch: on}) for on in (False, True)}, rounds=4
+        )
     else:
         raise SystemExit(__doc__)
 

@@ -77,12 +77,12 @@ def _check_switches(switches: dict[str, Any]) -> dict[str, bool]:
 @overload
 def apply(
     model: str, *, rms_norm: bool = ..., layer_norm: bool = ..., swiglu: bool = ..., geglu: bool = ...,
-    rope: bool = ..., qkv: bool = ..., flce: bool = ..., lora: bool = ...,
+    rope: bool = ..., qkv: bool = ..., add_norm: bool = ..., flce: bool = ..., lora: bool = ...,
 ) -> list[str]: ...  # fmt: skip
 @overload
 def apply(
     model: Any, *, rms_norm: bool = ..., layer_norm: bool = ..., swiglu: bool = ..., geglu: bool = ...,
-    rope: bool = ..., qkv: bool = ..., flce: bool = ..., lora: bool = ...,
+    rope: bool = ..., qkv: bool = ..., add_norm: bool = ..., flce: bool = ..., lora: bool = ...,
 ) -> dict[str, int]: ...  # fmt: skip
 def apply(
     model: Any,
@@ -93,6 +93,7 @@ def apply(
     geglu: bool = True,
     rope: bool = True,
     qkv: bool = True,
+    add_norm: bool = True,
     flce: bool = True,
     lora: bool = True,
 ) -> dict[str, int] | list[str]:
@@ -120,6 +121,10 @@ def apply(
             layers) run as one :func:`fk.hf.projections.linear_projections` call, whose backward
             accumulates the input's gradient in one buffer instead of adding three (see
             :func:`fk.hf.patching.projections_forward`); its count is the number of projections.
+        add_norm: pre-norm decoder layers whose forward is Llama's (Llama, Mistral, Qwen2, Qwen3,
+            Qwen3-MoE, Gemma) add the attention's output to the residual stream inside the
+            post-attention RMSNorm (:func:`fk.norms.fused_add_rms_norm`: one pass forward and one
+            backward instead of an add kernel each way besides the norm's); counts the layers.
         flce: the causal-LM forward computes the loss with :func:`fk.flce.linear_cross_entropy`
             when labels are given in training mode, and returns ``logits=None`` then; pass
             ``skip_logits=False`` to the forward to get the logits (and stock's loss) anyway. See
@@ -149,6 +154,7 @@ def apply(
             "geglu": geglu,
             "rope": rope,
             "qkv": qkv,
+            "add_norm": add_norm,
             "flce": flce,
             "lora": lora,
         }

@@ -31,6 +31,10 @@ What each switch replaces (for the families in :mod:`fk.hf.models`):
   computes the three with :func:`fk.hf.projections.linear_projections`, whose backward forms the
   input's gradient in one buffer (two matmul epilogues instead of two add kernels), and the others
   take their outputs (see :func:`projections_forward`). Projections under LoRA are fk.lora's.
+- ``add_norm``: each pre-norm decoder layer whose forward is exactly Llama's (see
+  :func:`is_pre_norm_decoder`: Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Gemma) adds the
+  attention's output to the residual stream inside its post-attention RMSNorm with
+  :func:`fk.norms.fused_add_rms_norm` (see :func:`add_norm_forward`).
 - ``flce``: the causal-LM forward computes the loss with :func:`fk.flce.linear_cross_entropy` on
   the final hidden states, without materializing the logits (see :func:`causal_lm_forward`);
   a family whose logits are soft-capped (Gemma 2 and 3) passes ``config.final_logit_softcapping``
@@ -51,6 +55,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 import sys
 import types
 from collections.abc import Callable
@@ -61,7 +66,7 @@ import torch
 
 from fk.core.forward import SharedInputGroup, has_hooks, restore_class, stock_forward, swap_forward, swapped
 
-SWITCHES = ("rms_norm", "layer_norm", "swiglu", "geglu", "rope", "qkv", "flce", "lora")
+SWITCHES = ("rms_norm", "layer_norm", "swiglu", "geglu", "rope", "qkv", "add_norm", "flce", "lora")
 
 _KIND = "_fk_hf_kind"
 _LORA = "_fk_hf_lora_report"
@@ -231,6 +236,109 @@ def _fusable(members: list[torch.nn.Module], x: Any) -> bool:
             if isinstance(p, torch.Tensor) and (p.dtype != x.dtype or p.device != x.device or _is_dtensor(p)):
                 return False
     return True
+
+
+def _pre_norm_decoder_forward(  # LlamaDecoderLayer's forward (transformers 5.2x), the template of add_norm
+    self: Any,
+    hidden_states: Any,
+    attention_mask: Any = None,
+    position_ids: Any = None,
+    past_key_values: Any = None,
+    use_cache: Any = False,
+    position_embeddings: Any = None,
+    **kwargs: Any,
+) -> Any:
+    residual = hidden_states
+    hidden_states = self.input_layernorm(hidden_states)
+    hidden_states, _ = self.self_attn(
+        hidden_states=hidden_states,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        past_key_values=past_key_values,
+        use_cache=use_cache,
+        position_embeddings=position_embeddings,
+        **kwargs,
+    )
+    hidden_states = residual + hidden_states
+    residual = hidden_states
+    hidden_states = self.post_attention_layernorm(hidden_states)
+    hidden_states = self.mlp(hidden_states)
+    hidden_states = residual + hidden_states
+    return hidden_states
+
+
+def is_pre_norm_decoder(module: torch.nn.Module) -> bool:
+    """Whether ``type(module).forward`` (under ``transformers``' checkpointing wrapper) is exactly
+    :func:`_pre_norm_decoder_forward`: the same bytecode, names and arguments (annotations and
+    docstrings aside). Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE and Gemma decoder layers are."""
+    code = getattr(inspect.unwrap(type(module).forward), "__code__", None)
+    want = _pre_norm_decoder_forward.__code__
+    star_args = inspect.CO_VARARGS | inspect.CO_VARKEYWORDS  # (the other flags: __future__ imports, ...)
+    return (
+        code is not None
+        and code.co_flags & star_args == want.co_flags & star_args
+        and all(getattr(code, a) == getattr(want, a) for a in ("co_code", "co_names", "co_varnames", "co_argcount"))
+    )
+
+
+def add_norm_forward(
+    self: Any,
+    hidden_states: Any,
+    attention_mask: Any = None,
+    position_ids: Any = None,
+    past_key_values: Any = None,
+    use_cache: Any = False,
+    position_embeddings: Any = None,
+    **kwargs: Any,
+) -> Any:
+    """A pre-norm decoder layer's forward (see :func:`is_pre_norm_decoder`) with the attention's
+    residual add inside the post-attention RMSNorm: ``y, s = fk.norms.fused_add_rms_norm(attn,
+    residual)`` computes ``s = residual + attn`` and ``y = rms_norm(s)`` in one pass, and its
+    backward adds the gradient that reaches ``s`` from the layer's output to the norm's input
+    gradient in the same pass (stock: one add kernel forward, one backward). Where the norm cannot
+    take it (see :func:`_add_norm_applies`), the stock forward runs."""
+    from fk.norms import fused_add_rms_norm
+
+    norm = self.post_attention_layernorm
+    if not _add_norm_applies(norm, hidden_states):
+        return stock_forward(self, _STOCK, hidden_states, attention_mask, position_ids, past_key_values, use_cache,
+                             position_embeddings, **kwargs)  # fmt: skip
+    residual = hidden_states
+    hidden_states = self.input_layernorm(hidden_states)
+    hidden_states, _ = self.self_attn(
+        hidden_states=hidden_states, attention_mask=attention_mask, position_ids=position_ids,
+        past_key_values=past_key_values, use_cache=use_cache, position_embeddings=position_embeddings, **kwargs,
+    )  # fmt: skip
+    if isinstance(hidden_states, torch.Tensor) and hidden_states.dtype == residual.dtype:
+        patch: ModelPatch = self._fk_hf_patch
+        eps = getattr(norm, patch.eps_attr)
+        hidden_states, residual = fused_add_rms_norm(
+            hidden_states, residual, norm.weight, eps, casting_mode=patch.casting_mode, offset=patch.offset
+        )
+    else:  # an attention output of another dtype (stock promotes in the add): stock's steps
+        hidden_states = residual + hidden_states
+        residual = hidden_states
+        hidden_states = norm(hidden_states)
+    hidden_states = self.mlp(hidden_states)
+    return residual + hidden_states
+
+
+def _add_norm_applies(norm: torch.nn.Module, x: Any) -> bool:
+    """Whether ``fused_add_rms_norm`` computes what ``norm`` (one of the family's RMSNorm classes,
+    checked when patched) would on the layer input ``x``: autocast is off, ``norm`` has no hooks and
+    no forward set on the instance, its weight has ``x``'s dtype (stock's result then has that dtype
+    too) and is no sharded DTensor, and ``x`` is a tensor. (The attention's output must have ``x``'s
+    dtype too; :func:`add_norm_forward` checks that when it has it.)"""
+    weight = getattr(norm, "weight", None)
+    return (
+        isinstance(x, torch.Tensor)
+        and not torch.is_autocast_enabled(x.device.type)
+        and not has_hooks(norm)
+        and "forward" not in norm.__dict__
+        and isinstance(weight, torch.Tensor)
+        and weight.dtype == x.dtype
+        and not _is_dtensor(weight)
+    )
 
 
 def _whole_mlp(module: Any, x: torch.Tensor) -> bool:
@@ -635,6 +743,9 @@ def apply_patch(model: torch.nn.Module, patch: ModelPatch, switches: dict[str, b
                 _set_forward(module, "rope", fn, patch)
             if switches["qkv"]:
                 _group_projections(module, patch)
+        elif (switches["add_norm"] and is_pre_norm_decoder(module)
+              and isinstance(getattr(module, "post_attention_layernorm", None), norms)):  # fmt: skip
+            _set_forward(module, "add_norm", add_norm_forward, patch)
         elif switches["flce"] and isinstance(module, heads):
             _set_forward(module, "flce", _flce_forward(), patch)
             if patch.router_aux_loss:
