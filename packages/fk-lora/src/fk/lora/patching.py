@@ -183,6 +183,12 @@ def _linear_forward(module: nn.Module, label: str, x: Any, *args: Any, **kwargs:
     return lora_linear(x, *parts)
 
 
+def _label(member: nn.Module) -> str:
+    """The label a q/k/v group member was patched with (its ``_CALL`` is ``(_shared_forward, group, label, index)``)."""
+    label: str = member.__dict__[_CALL][2]
+    return label
+
+
 def _shared_forward(
     module: nn.Module, group: SharedInputGroup, label: str, index: int, x: Any, *args: Any, **kwargs: Any
 ) -> Any:
@@ -195,8 +201,7 @@ def _shared_forward(
         group.pending.clear()
         if not group.split and not (args or kwargs):
             parts = [_call_parts(m, x) for m in group.members]
-            labels = [m.__dict__[_CALL][2] for m in group.members]
-            reasons = [f"{lbl}: {p}" for lbl, p in zip(labels, parts, strict=True) if isinstance(p, str)]
+            reasons = [f"{_label(m)}: {p}" for m, p in zip(group.members, parts, strict=True) if isinstance(p, str)]
             if not reasons:
                 return group.hand_out(x, lora_projections(x, *parts))  # type: ignore[arg-type]
             _fallback(module, label + " (QKV group)", "; ".join(reasons))
@@ -208,7 +213,7 @@ def _shared_forward(
     if group.split and not was_split:
         log.warning(
             "fk.lora: %s was called with another input than %s; its group is no longer fused "
-            "(this call's dropout mask was drawn in fused order)", label, group.members[0].__dict__[_CALL][2],
+            "(this call's dropout mask was drawn in fused order)", label, _label(group.members[0]),
         )  # fmt: skip
     return _linear_forward(module, label, x, *args, **kwargs)
 
