@@ -204,7 +204,7 @@ def projections_forward(self: Any, x: Any, *args: Any, **kwargs: Any) -> Any:
     ``qkv`` switch; the three form a :class:`fk.core.forward.SharedInputGroup`. The first one called
     computes all three with :func:`fk.hf.projections.linear_projections` (one ``dx`` accumulation in
     the backward) and returns its own output; the others, called next with the same tensor, take
-    theirs. Where that would not compute exactly what their forwards do (see :func:`_fusable`), or
+    theirs. Where that would not compute exactly what their forwards do (see :func:`_computes_as_stock`), or
     when called with more than the input, each runs its stock forward."""
     from fk.hf.projections import linear_projections
 
@@ -213,7 +213,7 @@ def projections_forward(self: Any, x: Any, *args: Any, **kwargs: Any) -> Any:
         return stock_forward(self, _STOCK, x, *args, **kwargs)
     if index == 0:
         group.pending.clear()
-        if not group.split and not (args or kwargs) and _fusable(group.members, x):
+        if not group.split and not (args or kwargs) and _computes_as_stock(group.members, x):
             weights = [m.weight for m in group.members]
             biases = [m.bias for m in group.members]
             return group.hand_out(x, linear_projections(x, weights, biases))
@@ -222,17 +222,17 @@ def projections_forward(self: Any, x: Any, *args: Any, **kwargs: Any) -> Any:
     return out if found else stock_forward(self, _STOCK, x, *args, **kwargs)
 
 
-def _fusable(members: list[torch.nn.Module], x: Any) -> bool:
-    """Whether one :func:`fk.hf.projections.linear_projections` call on ``x`` computes what the
-    members' forwards would: ``x`` is a tensor, autocast is off for its device, and every member
-    (a plain ``nn.Linear`` when grouped) has no hooks and no forward set on the instance since, and
-    a weight and bias of ``x``'s dtype and device that are not sharded DTensors."""
+def _computes_as_stock(modules: list[torch.nn.Module], x: Any) -> bool:
+    """Whether a fused call on ``x`` with the parameters of ``modules`` computes what their own
+    forwards would: ``x`` is a tensor, autocast is off for its device, and every module has no hooks
+    and no forward set on the instance, and a weight and bias (where present) of ``x``'s dtype and
+    device that are not sharded DTensors. (Used by the ``qkv`` and ``add_norm`` forwards.)"""
     if not isinstance(x, torch.Tensor) or torch.is_autocast_enabled(x.device.type):
         return False
-    for m in members:
+    for m in modules:
         if has_hooks(m) or "forward" in m.__dict__:
             return False
-        for p in (m.weight, m.bias):
+        for p in (getattr(m, "weight", None), getattr(m, "bias", None)):
             if isinstance(p, torch.Tensor) and (p.dtype != x.dtype or p.device != x.device or _is_dtensor(p)):
                 return False
     return True
@@ -325,20 +325,10 @@ def add_norm_forward(
 
 def _add_norm_applies(norm: torch.nn.Module, x: Any) -> bool:
     """Whether ``fused_add_rms_norm`` computes what ``norm`` (one of the family's RMSNorm classes,
-    checked when patched) would on the layer input ``x``: autocast is off, ``norm`` has no hooks and
-    no forward set on the instance, its weight has ``x``'s dtype (stock's result then has that dtype
-    too) and is no sharded DTensor, and ``x`` is a tensor. (The attention's output must have ``x``'s
-    dtype too; :func:`add_norm_forward` checks that when it has it.)"""
-    weight = getattr(norm, "weight", None)
-    return (
-        isinstance(x, torch.Tensor)
-        and not torch.is_autocast_enabled(x.device.type)
-        and not has_hooks(norm)
-        and "forward" not in norm.__dict__
-        and isinstance(weight, torch.Tensor)
-        and weight.dtype == x.dtype
-        and not _is_dtensor(weight)
-    )
+    checked when patched) would on the layer input ``x``: it has a weight and
+    :func:`_computes_as_stock` holds (stock's result then has ``x``'s dtype too). (The attention's
+    output must have ``x``'s dtype too; :func:`add_norm_forward` checks that when it has it.)"""
+    return isinstance(getattr(norm, "weight", None), torch.Tensor) and _computes_as_stock([norm], x)
 
 
 def _whole_mlp(module: Any, x: torch.Tensor) -> bool:
