@@ -60,6 +60,13 @@ def test_wide_rows_match_reference(device: str, dtype: torch.dtype, width: int) 
     testing.compare_with_reference(_fk(), _ref(), args, arg_names=NAMES)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
+def test_wide_one_tile_rows_match_reference(device: str, dtype: torch.dtype) -> None:
+    # Rows from BWD_WIDE_COLS up to one tile take one backward program per SM: more rows than programs.
+    args = _inputs((9, 9000), dtype, device, seed=9000)
+    testing.compare_with_reference(_fk(), _ref(), args, arg_names=NAMES)
+
+
 @pytest.mark.parametrize("rows", AWKWARD_ROWS)
 def test_row_counts_and_leading_dims(device: str, rows: int) -> None:
     args = _inputs((rows, 2, 96), torch.bfloat16, device, seed=rows)

@@ -164,9 +164,10 @@ def test_rows_kernels_over_several_row_tiles(
     n, c, groups = 103, 48, 3  # 16 channels a group
     module = importlib.import_module("fk.norms.group_norm")
     monkeypatch.setattr(module, "ROWS_TILE_ELEMENTS", 64)  # 4 samples a tile: 26 tiles
+    monkeypatch.setattr(module, "ROWS_PARTIALS_TILE_ELEMENTS", 64)  # (the backward with dw, db)
     monkeypatch.setattr(module, "ROWS_PER_PROGRAM", 12)  # 3 tiles a program: 9 programs
     monkeypatch.setattr(module, "multiprocessor_count", lambda device: 4)  # the same split on any device
-    assert module._rows_tile(c // groups)[1] == 4
+    assert module._rows_tile(c // groups)[1] == module._rows_tile(c // groups, partials=True)[1] == 4
     x, w, b = _inputs((n, c), torch.float32, device, seed=21, weight_grad=weight_grad, bias_grad=bias_grad)
     testing.compare_with_reference(_fk(groups), _ref(groups), [x, w, b], arg_names=NAMES)
     y = group_norm(x, groups, w, b)

@@ -77,6 +77,13 @@ def test_large_mean_small_spread(device: str, width: int) -> None:
     testing.compare_with_reference(_fk(), _ref(), [x])
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
+def test_wide_one_tile_rows_match_reference(device: str, dtype: torch.dtype) -> None:
+    # Rows from BWD_WIDE_COLS up to one tile take one backward program per SM: more rows than programs.
+    args = _inputs((9, 9000), dtype, device, seed=9000)
+    testing.compare_with_reference(_fk(), _ref(), args, arg_names=NAMES)
+
+
 @pytest.mark.parametrize("rows", AWKWARD_ROWS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
 def test_row_counts_and_leading_dims(device: str, dtype: torch.dtype, rows: int) -> None:

@@ -60,6 +60,13 @@ def test_wide_rows_match_reference(device: str, dtype: torch.dtype, mode: str, w
     testing.compare_with_reference(_fk(mode), _ref(mode), args, arg_names=["x", "weight"])
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
+def test_wide_one_tile_rows_match_reference(device: str, dtype: torch.dtype) -> None:
+    # Rows from BWD_WIDE_COLS up to one tile take one backward program per SM: more rows than programs.
+    args = _inputs((9, 9000), dtype, device, seed=9000)
+    testing.compare_with_reference(_fk("llama"), _ref("llama"), args, arg_names=["x", "weight"])
+
+
 @pytest.mark.parametrize("rows", AWKWARD_ROWS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
 def test_row_counts_and_leading_dims(device: str, dtype: torch.dtype, rows: int) -> None:

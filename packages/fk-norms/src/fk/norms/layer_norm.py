@@ -282,6 +282,14 @@ BWD_ELEMENTS_PER_WARP = 512
 BWD_NARROW_COLS = 1024
 BWD_NARROW_MIN_TILE = 2048
 BWD_NARROW_PROGRAMS_PER_SM = 4
+# Rows from BWD_WIDE_COLS wide up to one tile, keeping partial rows: one program per SM (the
+# partial rows then take Liger's memory). On an H200 (16384 rows, bf16, trainable forward+backward
+# GPU time; benchmarks/results/experiments/norm_partials_probe.py, output in norm_partials_h200.txt
+# there): H=8192 0.441 -> 0.432 ms, 12288 1.064 -> 1.051, 16384 1.205 -> 1.192 against 2 per SM;
+# peak memory 528.7 -> 520.4 MB at 8192, 1057.3 -> 1040.8 at 16384 (Liger's: 520.4, 1040.8).
+# Narrower rows lose 20-30% at 1 per SM (H=4096: 0.217 -> 0.273 ms) and keep the settings above.
+BWD_WIDE_COLS = 8192
+BWD_WIDE_PROGRAMS_PER_SM = 1
 # A backward that keeps no partial rows (frozen weight and bias; or a frozen weight and a wide-row
 # db left to a column sum) has nothing to keep in L2, so it runs more programs, and without dw rows
 # wider than one tile walk 8192-column tiles. tune_norms.py --op layer_norm
@@ -358,6 +366,8 @@ def partial_rows(
     tiling = _bwd_tiling(n_cols, compute_dw)
     keeps_partials = compute_dw or (compute_db and not (tiling.looped and LOOPED_DB_BY_COLUMN_SUM))
     per_sm = BWD_PROGRAMS_PER_SM if keeps_partials else BWD_FROZEN_PROGRAMS_PER_SM
+    if keeps_partials and n_cols >= BWD_WIDE_COLS:
+        per_sm = BWD_WIDE_PROGRAMS_PER_SM
     per_sm = BWD_NARROW_PROGRAMS_PER_SM if n_cols <= BWD_NARROW_COLS else per_sm
     looped_per_sm = BWD_LOOPED_PROGRAMS_PER_SM if keeps_partials else BWD_FROZEN_LOOPED_PROGRAMS_PER_SM
     return row_reduction_grid(n_rows, tiling, device, per_sm, looped_per_sm)

@@ -292,6 +292,15 @@ BWD_ELEMENTS_PER_WARP = 512
 BWD_NARROW_COLS = 1024
 BWD_NARROW_MIN_TILE = 2048
 BWD_NARROW_PROGRAMS_PER_SM = 8
+# Rows from BWD_WIDE_COLS wide up to one tile, with a weight gradient: one program per SM, so the
+# fp32 partial rows are as many as Liger's. On an H200 (16384 rows, bf16, trainable
+# forward+backward GPU time; benchmarks/results/experiments/norm_partials_probe.py, output in
+# norm_partials_h200.txt there) that was also faster than 2 per SM: H=8192 0.400 -> 0.394 ms,
+# 12288 0.716 -> 0.710, 16384 0.851 -> 0.845 (FusedAddRMSNorm 0.650 -> 0.645, 1.074 -> 1.068,
+# 1.360 -> 1.358), peak memory 520.4 -> 516.2 MB at 8192 (Liger's: 516.2). Narrower rows lose
+# 25-50% at 1 per SM (H=4096: 0.200 -> 0.255 ms), so they keep the settings above.
+BWD_WIDE_COLS = 8192
+BWD_WIDE_PROGRAMS_PER_SM = 1
 
 
 @functools.lru_cache(maxsize=256)
@@ -360,9 +369,15 @@ def _rms_norm_fwd_fake(
     return y, torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
 
 
-def dw_partial_rows(n_rows: int, n_cols: int, device: torch.device) -> int:
-    """Rows of the fp32 partial buffer the backward allocates for the weight gradient."""
-    per_sm = BWD_NARROW_PROGRAMS_PER_SM if n_cols <= BWD_NARROW_COLS else BWD_PROGRAMS_PER_SM
+def dw_partial_rows(n_rows: int, n_cols: int, device: torch.device, compute_dw: bool = True) -> int:
+    """Programs of the backward's grid, which is also the number of rows of the fp32 partial buffer
+    it allocates for the weight gradient (when ``compute_dw``)."""
+    if n_cols <= BWD_NARROW_COLS:
+        per_sm = BWD_NARROW_PROGRAMS_PER_SM
+    elif compute_dw and n_cols >= BWD_WIDE_COLS:
+        per_sm = BWD_WIDE_PROGRAMS_PER_SM
+    else:
+        per_sm = BWD_PROGRAMS_PER_SM
     return row_reduction_grid(n_rows, _bwd_tiling(n_cols), device, per_sm, BWD_LOOPED_PROGRAMS_PER_SM)
 
 
@@ -388,7 +403,7 @@ def launch_backward(
     dx_rows = dx.view(n_rows, n_cols)
     dres_rows = as_rows(dres) if dres is not None else x_rows
     tiling = _bwd_tiling(n_cols)
-    n_programs = dw_partial_rows(n_rows, n_cols, x.device)
+    n_programs = dw_partial_rows(n_rows, n_cols, x.device, compute_dw)
     if compute_dw:
         alloc = torch.zeros if tiling.looped else torch.empty
         partial = alloc((n_programs, n_cols), dtype=torch.float32, device=x.device)
