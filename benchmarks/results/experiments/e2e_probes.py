@@ -8,7 +8,11 @@ decided fk.hf's settings; their output on an H200 is in e2e_probes_h200.txt besi
 - ``qkv``, ``add_norm``: step time with that fk.hf switch off and on, interleaved over 4 rounds;
 - ``host [stock|liger|fk]``: the host's time to enqueue one forward while the GPU spins on a long
   sleep kernel (so the queue never drains and only the host is timed). A provider whose forward
-  synchronizes (Liger's loss does) shows the sleep in its time instead.
+  synchronizes (Liger's loss does) shows the sleep in its time instead;
+- ``copies [stock|liger|fk]``: one forward+backward under torch.profiler; the GPU time of the
+  copy-like ops (cat, copy_, clone, contiguous, sum, add), each with the chain of CPU ops and
+  Python frames that launched it and its input shapes, costliest first: where a step moves memory
+  without computing.
 
 Run on a GPU:  python benchmarks/results/experiments/e2e_probes.py budgets
 """
@@ -121,6 +125,42 @@ def host(provider: str) -> None:
     print(f"{provider}: host time to enqueue the forward {statistics.median(times) * 1e3:.1f} ms (median of 6)")
 
 
+COPY_OPS = ("aten::cat", "aten::copy_", "aten::clone", "aten::contiguous", "aten::sum", "aten::add", "aten::add_")
+
+
+def copies(provider: str) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    model = _model(provider)
+    corpus = training.MarkovCorpus(128256, active=1024, branching=4)
+    opt = training.make_optimizer(model, 1e-4)
+    _steps(model, opt, corpus, steps=3, warmup=0)
+    tokens = corpus.batch(7, 4, 2048).cuda()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True, record_shapes=True) as prof:
+        model(input_ids=tokens, labels=tokens).loss.backward()
+        torch.cuda.synchronize()
+    found: dict[tuple[str, str, str], list[float]] = collections.defaultdict(list)
+    for event in prof.events():
+        if event.name not in COPY_OPS or event.device_time_total <= 0:
+            continue
+        if event.cpu_parent is not None and event.cpu_parent.name in COPY_OPS:
+            continue  # (counted with its parent: clone -> copy_)
+        chain, parent = [], event.cpu_parent
+        while parent is not None and len(chain) < 3:
+            chain.append(parent.name)
+            parent = parent.cpu_parent
+        frames = [f for f in event.stack if "torch/nn/modules/module.py" not in f][:4]
+        where = " <- ".join(chain + frames) or f"(no parent op or Python frame; thread {event.thread})"
+        found[(event.name, where, str(event.input_shapes))].append(event.device_time_total)
+    rows = sorted(found.items(), key=lambda kv: -sum(kv[1]))
+    total = sum(sum(t) for _, t in rows)
+    print(f"{provider}: copy-like ops {total / 1e3:.2f} ms of GPU time in one forward+backward")
+    for (name, where, shapes), times in rows[:25]:
+        print(f"{sum(times) / 1e3:7.3f} ms  x{len(times):3d}  {name}  {shapes[:90]}")
+        print(f"           {where[:260]}")
+
+
 def main() -> None:
     what = sys.argv[1]
     if what == "phases":
@@ -131,6 +171,8 @@ def main() -> None:
         interleaved({k: lambda m, o=o: fk.hf.loss_options(m, **o) for k, o in options.items()}, rounds=3)
     elif what == "host":
         host(sys.argv[2])
+    elif what == "copies":
+        copies(sys.argv[2] if len(sys.argv) > 2 else "fk")
     elif what in ("qkv", "add_norm"):
         switch = what
         interleaved(
