@@ -613,6 +613,8 @@ def geglu_fused(gate_up: torch.Tensor, approximate: str = "tanh", *, inplace_gra
 #     dWd = dy^T h
 #     dWg = dg^T x2,  dWu = du^T x2
 #     dx  = dg Wg + du Wu               one buffer: mm, then addmm_
+# With a residual r [M, N] (a decoder layer's ``r + mlp(x)``): y = r + h Wd^T in one addmm, the
+# residual read in the matmul's epilogue (no add kernel, one rounding of the sum), and dr = dy.
 # So the [M, I] tensors kept from forward to backward are g and u only (nn.Linear's down
 # projection would keep h too); the backward adds at most one transient [M, I] tensor at a time
 # (h, then dh). Each gradient is formed only when its input requires one: a frozen weight costs
@@ -715,11 +717,14 @@ def gated_mlp_ref(
     up_weight: torch.Tensor,
     down_weight: torch.Tensor,
     activation: str = "silu",
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``F.linear(act(F.linear(x, Wg)) * F.linear(x, Wu), Wd)`` in plain PyTorch (autograd through
-    every op), with the activation as :func:`gated_act_ref` computes it: the definition tests use."""
+    """``F.linear(act(F.linear(x, Wg)) * F.linear(x, Wu), Wd)`` (plus ``residual``) in plain PyTorch
+    (autograd through every op), with the activation as :func:`gated_act_ref` computes it: the
+    definition tests use."""
     h = gated_act_ref(F.linear(x, gate_weight), F.linear(x, up_weight), activation)
-    return F.linear(h, down_weight)
+    y = F.linear(h, down_weight)
+    return y if residual is None else residual + y
 
 
 class _GatedMLPFunction(torch.autograd.Function):
@@ -727,14 +732,21 @@ class _GatedMLPFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor, wd: torch.Tensor, activation: str
+        ctx: Any,
+        x: torch.Tensor,
+        wg: torch.Tensor,
+        wu: torch.Tensor,
+        wd: torch.Tensor,
+        activation: str,
+        residual: torch.Tensor | None = None,
     ) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
         gate = torch.mm(x2, wg.t())
         up = torch.mm(x2, wu.t())
         del x2
         h = gated_act_forward(gate, up, activation)
-        y = torch.mm(h, wd.t())
+        # With a residual, it is added in the matmul's epilogue.
+        y = torch.mm(h, wd.t()) if residual is None else torch.addmm(residual.reshape(-1, wd.shape[0]), h, wd.t())
         del h  # recomputed in the backward
         ctx.save_for_backward(x, gate, up, wg, wu, wd)
         ctx.activation = activation
@@ -746,13 +758,14 @@ class _GatedMLPFunction(torch.autograd.Function):
         x, gate, up, wg, wu, wd = ctx.saved_tensors
         need_dx, need_dwg, need_dwu, need_dwd = ctx.needs_input_grad[:4]
         if dy is None:
-            return None, None, None, None, None
+            return None, None, None, None, None, None
+        dr = dy if ctx.needs_input_grad[5] else None  # y = r + ...: the residual's gradient is dy itself
         act = ctx.activation
         dy2 = dy.reshape(-1, dy.shape[-1])
         dx = dwg = dwu = dwd = None
-        if not (need_dx or need_dwg or need_dwu):  # only Wd trains: h alone
+        if not (need_dx or need_dwg or need_dwu):  # only Wd trains (or none): h alone
             dwd = torch.mm(dy2.t(), gated_act_forward(gate, up, act)) if need_dwd else None
-            return None, None, None, dwd, None
+            return None, None, None, dwd, None, dr
         dh = torch.mm(dy2, wd)
         if need_dwd:
             dgate, dup, h, written = gated_act_backward_with_value(dh, gate, up, act, inplace=True)
@@ -772,11 +785,11 @@ class _GatedMLPFunction(torch.autograd.Function):
             dwu = torch.mm(dup.t(), x2)
         if need_dx:
             dx = torch.mm(dgate, wg).addmm_(dup, wu).view(x.shape)
-        return dx, dwg, dwu, dwd, None
+        return dx, dwg, dwu, dwd, None, dr
 
 
 def _check_gated_mlp_inputs(
-    x: object, gate_weight: object, up_weight: object, down_weight: object, same_dtype: bool
+    x: object, gate_weight: object, up_weight: object, down_weight: object, residual: object, same_dtype: bool
 ) -> None:
     names = ("x", "gate_weight", "up_weight", "down_weight")
     tensors = (x, gate_weight, up_weight, down_weight)
@@ -796,6 +809,14 @@ def _check_gated_mlp_inputs(
     validate.check_shape("gate_weight", gate_weight, (n_inter, hidden))
     validate.check_shape("up_weight", up_weight, (n_inter, hidden))
     validate.check_shape("down_weight", down_weight, (down_weight.shape[0], n_inter))
+    if residual is not None:
+        validate.check_tensor("residual", residual)
+        assert isinstance(residual, torch.Tensor)
+        validate.check_dtype("residual", residual)
+        validate.check_same_device("residual", residual, "x", x)
+        if same_dtype:
+            validate.check_same_dtype("residual", residual, "x", x)
+        validate.check_shape("residual", residual, (*x.shape[:-1], down_weight.shape[0]))
 
 
 def gated_mlp(
@@ -804,9 +825,12 @@ def gated_mlp(
     up_weight: torch.Tensor,
     down_weight: torch.Tensor,
     activation: str = "silu",
+    *,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``F.linear(act(F.linear(x, gate_weight)) * F.linear(x, up_weight), down_weight)``, keeping
-    only ``x``, the gate and up projections and the weights from forward to backward.
+    """``F.linear(act(F.linear(x, gate_weight)) * F.linear(x, up_weight), down_weight)`` (plus
+    ``residual``), keeping only ``x``, the gate and up projections and the weights from forward to
+    backward.
 
     A gated MLP (Llama's, Gemma's) written with ``nn.Linear`` layers keeps ``h = act(gate) * up`` for
     the down projection's weight gradient: one more ``(..., intermediate)`` tensor per layer. This
@@ -822,6 +846,10 @@ def gated_mlp(
             would cast it, and the result has that dtype).
         activation: ``"silu"`` (SwiGLU), ``"gelu_tanh"`` or ``"gelu"`` (GeGLU), or a Hugging Face
             ``hidden_act`` name (``"swish"``, ``"gelu_pytorch_tanh"``, ...).
+        residual: ``(..., out)`` with ``x``'s leading dimensions, dtype and device, or None: a
+            decoder layer's residual stream, added to the output inside the down projection's
+            matmul (``torch.addmm``: no add kernel; the sum is rounded once, where ``residual +
+            mlp(x)`` rounds the projection first). Its gradient is the output's.
 
     No biases: a caller whose projections have one uses ``nn.Linear`` layers with :func:`gated_act`.
     A gradient is computed only for the inputs that require one (a frozen weight costs neither a
@@ -830,14 +858,15 @@ def gated_mlp(
     """
     device_type = x.device.type if isinstance(x, torch.Tensor) else "cpu"
     cast = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
-    _check_gated_mlp_inputs(x, gate_weight, up_weight, down_weight, same_dtype=cast is None)
+    _check_gated_mlp_inputs(x, gate_weight, up_weight, down_weight, residual, same_dtype=cast is None)
     activation = resolve_activation(activation)
     if cast is None:
-        y: torch.Tensor = _GatedMLPFunction.apply(x, gate_weight, up_weight, down_weight, activation)
+        y: torch.Tensor = _GatedMLPFunction.apply(x, gate_weight, up_weight, down_weight, activation, residual)
         return y
     operands = [t if t.dtype == cast else t.to(cast) for t in (x, gate_weight, up_weight, down_weight)]
+    r = residual if residual is None or residual.dtype == cast else residual.to(cast)
     with torch.autocast(device_type, enabled=False):
-        y = _GatedMLPFunction.apply(*operands, activation)
+        y = _GatedMLPFunction.apply(*operands, activation, r)
     return y
 
 
