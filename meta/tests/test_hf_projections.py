@@ -153,3 +153,36 @@ def test_add_norm_fuses_the_post_attention_residual_add(
     patched.model.layers[0].post_attention_layernorm.to(torch.bfloat16)
     patched(input_ids=ids, labels=labels)
     assert len(calls) == 1  # layer 0 took the stock forward
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma"])
+def test_add_norm_adds_the_mlp_residual_in_the_down_projection(
+    model_type: str, device: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With add_norm and the gated-MLP switch, a decoder layer's second residual add happens in the
+    MLP's down projection (fk.glu.gated_mlp with residual=), with stock's loss and gradients; an MLP
+    with a hook of its own is called as a module, and the layer adds its output as stock does."""
+    import fk.glu
+
+    stock = _model(model_type, device)
+    patched = copy.deepcopy(stock)
+    counts = fk.hf.apply(patched, rms_norm=False, rope=False, qkv=False, flce=False)
+    assert counts["add_norm"] == 2 and counts["swiglu"] + counts["geglu"] == 2
+    residuals: list[bool] = []
+    fused = fk.glu.gated_mlp
+    monkeypatch.setattr(
+        fk.glu, "gated_mlp", lambda *a, **k: (residuals.append(k.get("residual") is not None), fused(*a, **k))[1]
+    )
+    ids, labels = _batch(device)
+    for model in (stock, patched):
+        model.zero_grad(set_to_none=True)
+        model(input_ids=ids, labels=labels).loss.backward()
+    grads = dict(patched.named_parameters())
+    for name, p in stock.named_parameters():
+        torch.testing.assert_close(grads[name].grad, p.grad, rtol=1e-5, atol=1e-6, msg=name)
+    assert residuals == [True, True]  # one call per layer, each adding the residual
+    residuals.clear()
+    seen: list[int] = []
+    patched.model.layers[1].mlp.register_forward_hook(lambda *_: seen.append(1))
+    torch.testing.assert_close(patched(input_ids=ids, labels=labels).loss, stock(input_ids=ids, labels=labels).loss)
+    assert residuals == [True, False] and seen == [1]  # layer 1's MLP ran as a module, with its hook

@@ -64,7 +64,15 @@ from typing import Any
 
 import torch
 
-from fk.core.forward import SharedInputGroup, has_hooks, restore_class, stock_forward, swap_forward, swapped
+from fk.core.forward import (
+    SharedInputGroup,
+    has_hooks,
+    is_forward_class,
+    restore_class,
+    stock_forward,
+    swap_forward,
+    swapped,
+)
 
 SWITCHES = ("rms_norm", "layer_norm", "swiglu", "geglu", "rope", "qkv", "add_norm", "flce", "lora")
 
@@ -296,7 +304,10 @@ def add_norm_forward(
     residual)`` computes ``s = residual + attn`` and ``y = rms_norm(s)`` in one pass, and its
     backward adds the gradient that reaches ``s`` from the layer's output to the norm's input
     gradient in the same pass (stock: one add kernel forward, one backward). Where the norm cannot
-    take it (see :func:`_add_norm_applies`), the stock forward runs."""
+    take it (see :func:`_add_norm_applies`), the stock forward runs. Where the MLP runs as one
+    :func:`fk.glu.gated_mlp` (see :func:`_mlp_takes_residual`), the layer's second residual add
+    happens in its down projection's matmul: ``gated_mlp(y, ..., residual=s)`` (no add kernel)."""
+    from fk.glu import gated_mlp
     from fk.norms import fused_add_rms_norm
 
     norm = self.post_attention_layernorm
@@ -319,6 +330,10 @@ def add_norm_forward(
         hidden_states = residual + hidden_states
         residual = hidden_states
         hidden_states = norm(hidden_states)
+    activation = _mlp_takes_residual(self.mlp, hidden_states, residual)
+    if activation is not None:
+        weights = (self.mlp.gate_proj.weight, self.mlp.up_proj.weight, self.mlp.down_proj.weight)
+        return gated_mlp(hidden_states, *weights, activation, residual=residual)
     hidden_states = self.mlp(hidden_states)
     return residual + hidden_states
 
@@ -329,6 +344,31 @@ def _add_norm_applies(norm: torch.nn.Module, x: Any) -> bool:
     :func:`_computes_as_stock` holds (stock's result then has ``x``'s dtype too). (The attention's
     output must have ``x``'s dtype too; :func:`add_norm_forward` checks that when it has it.)"""
     return isinstance(getattr(norm, "weight", None), torch.Tensor) and _computes_as_stock([norm], x)
+
+
+def _mlp_takes_residual(mlp: Any, x: Any, residual: Any) -> str | None:
+    """The activation (``"silu"``, ``"gelu_tanh"``, ``"gelu"``) with which ``residual + mlp(x)`` can
+    be one :func:`fk.glu.gated_mlp` call with ``residual=``, or None. It can when calling ``mlp``
+    would run fk's own gated-MLP forward (:func:`swiglu_forward` or :func:`geglu_forward`, on
+    separate gate and up projections) and nothing else: its class is the one fk set, with no
+    forward on the instance, no hooks and the patch not switched off; :func:`_whole_mlp` holds on
+    ``x``; and ``residual`` has the output's shape and ``x``'s dtype. Not while ``torch.compile``
+    traces (the class check reads a class's ``__dict__``, which dynamo does not trace; the compiler
+    fuses the add itself)."""
+    if torch.compiler.is_compiling():
+        return None
+    kind = mlp.__dict__.get(_KIND)
+    if kind not in ("swiglu", "geglu") or _SWITCHED_OFF in mlp.__dict__ or "forward" in mlp.__dict__:
+        return None
+    if not is_forward_class(type(mlp)) or has_hooks(mlp) or hasattr(mlp, "gate_up_proj"):
+        return None
+    if not (isinstance(x, torch.Tensor) and isinstance(residual, torch.Tensor) and _whole_mlp(mlp, x)):
+        return None
+    if residual.dtype != x.dtype or residual.shape != (*x.shape[:-1], mlp.down_proj.weight.shape[0]):
+        return None
+    if kind == "swiglu":
+        return "silu"
+    return "gelu" if _mlp_activation(mlp, mlp._fk_hf_patch) == "gelu" else "gelu_tanh"
 
 
 def _whole_mlp(module: Any, x: torch.Tensor) -> bool:
