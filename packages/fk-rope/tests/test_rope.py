@@ -270,6 +270,31 @@ def test_output_keeps_dense_input_strides(device: str) -> None:
     assert q_embed.stride() == q.stride() and k_embed.stride() == k.stride()
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
+def test_gradients_take_the_input_layout(device: str, dtype: torch.dtype) -> None:
+    # Attention's backward hands contiguous (B, H, S, D) gradients; dq and dk come back in the
+    # layout of Hugging Face's transposed projection views, so reshaping them back into the
+    # projections' (B, S, H * D) outputs needs no copy. Values as the reference's.
+    proj_q = testing.random_tensor((2, 5, 4 * 64), dtype, device, seed=31, requires_grad=True)
+    proj_k = testing.random_tensor((2, 5, 2 * 64), dtype, device, seed=32, requires_grad=True)
+    c, s = cos_sin(torch.arange(5)[None], 64, dtype, device)
+    dq_embed = testing.random_tensor((2, 4, 5, 64), dtype, device, seed=33)
+    dk_embed = testing.random_tensor((2, 2, 5, 64), dtype, device, seed=34)
+    grads = {}
+    for name, fn in (("fk", rope), ("ref", rope_ref)):
+        q, k = proj_q.view(2, 5, 4, 64).transpose(1, 2), proj_k.view(2, 5, 2, 64).transpose(1, 2)
+        outputs = fn(q, k, c, s)
+        if name == "fk":
+            dq, dk = torch.autograd.grad(outputs, (q, k), (dq_embed, dk_embed), retain_graph=True)
+            assert dq.stride() == q.stride() and dk.stride() == k.stride()
+        torch.autograd.backward(outputs, (dq_embed, dk_embed))
+        grads[name] = (proj_q.grad, proj_k.grad)
+        proj_q.grad = proj_k.grad = None
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
+    for got, want in zip(grads["fk"], grads["ref"], strict=True):
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("rd", [64, 32])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_name)

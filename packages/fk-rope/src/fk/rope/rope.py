@@ -423,26 +423,43 @@ def _rope_bwd(
     interleaved: bool,
     need_dq: bool,
     need_dk: bool,
+    q_strides: list[int],
+    k_strides: list[int],
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Backward launcher: (dq, dk); one not needed (or whose upstream gradient is None) is an empty tensor."""
-    dq, dk, q_pair, k_pair = _bwd_outputs(dq_embed, dk_embed, need_dq, need_dk)
+    """Backward launcher: (dq, dk); one not needed (or whose upstream gradient is None) is an empty
+    tensor. ``q_strides``/``k_strides``: the strides dq and dk get (see :func:`_bwd_outputs`)."""
+    dq, dk, q_pair, k_pair = _bwd_outputs(dq_embed, dk_embed, need_dq, need_dk, q_strides, k_strides)
     _launch(q_pair, k_pair, cos, sin, position_ids, bshd, interleaved, backward=True)
     return dq, dk
 
 
+def _grad_out(upstream: torch.Tensor, strides: list[int]) -> torch.Tensor:
+    """dq or dk: with ``strides`` (the forward's output strides: q's or k's own layout, so that the
+    views the caller made q and k from take the gradient back without a copy), or, without them,
+    the upstream gradient's (see :func:`_empty_out`)."""
+    if strides:
+        return torch.empty_strided(upstream.shape, strides, dtype=upstream.dtype, device=upstream.device)
+    return _empty_out(upstream)
+
+
 def _bwd_outputs(
-    dq_embed: torch.Tensor | None, dk_embed: torch.Tensor | None, need_dq: bool, need_dk: bool
+    dq_embed: torch.Tensor | None,
+    dk_embed: torch.Tensor | None,
+    need_dq: bool,
+    need_dk: bool,
+    q_strides: list[int],
+    k_strides: list[int],
 ) -> tuple[torch.Tensor, torch.Tensor, Pair | None, Pair | None]:
     some = dq_embed if dq_embed is not None else dk_embed
     assert some is not None, "the backward needs at least one upstream gradient"
     q_pair = k_pair = None
     dq, dk = some.new_empty(0), some.new_empty(0)
     if need_dq and dq_embed is not None:
-        dq = _empty_out(dq_embed)
+        dq = _grad_out(dq_embed, q_strides)
         # Upstream gradients may have any strides, even all zero (from loss.sum()).
         q_pair = (_unit_feature_stride(dq_embed), dq)
     if need_dk and dk_embed is not None:
-        dk = _empty_out(dk_embed)
+        dk = _grad_out(dk_embed, k_strides)
         k_pair = (_unit_feature_stride(dk_embed), dk)
     return dq, dk, q_pair, k_pair
 
@@ -457,8 +474,10 @@ def _rope_bwd_fake(
     interleaved: bool,
     need_dq: bool,
     need_dk: bool,
+    q_strides: list[int],
+    k_strides: list[int],
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    dq, dk, _, _ = _bwd_outputs(dq_embed, dk_embed, need_dq, need_dk)
+    dq, dk, _, _ = _bwd_outputs(dq_embed, dk_embed, need_dq, need_dk, q_strides, k_strides)
     return dq, dk
 
 
@@ -470,6 +489,10 @@ def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
         ctx.mark_non_differentiable(*frozen)
     ctx.save_for_backward(cos, sin, position_ids)
     ctx.bshd, ctx.interleaved = bshd, interleaved
+    # dq and dk take the outputs' strides, which are q's and k's own where those are dense (see
+    # _empty_out): a gradient in the layout of the view q was made from (Hugging Face's
+    # proj(x).view(...).transpose(1, 2)) flows back through that view without a copy.
+    ctx.out_strides = [list(out.stride()) for out in output]
     ctx.set_materialize_grads(False)
 
 
@@ -482,7 +505,9 @@ def _backward(
     do_q, do_k = need_dq and dq_embed is not None, need_dk and dk_embed is not None
     if not (do_q or do_k):
         return None, None, *nones
-    dq, dk = run_backward(dq_embed, dk_embed, cos, sin, position_ids, ctx.bshd, ctx.interleaved, do_q, do_k)
+    dq, dk = run_backward(
+        dq_embed, dk_embed, cos, sin, position_ids, ctx.bshd, ctx.interleaved, do_q, do_k, *ctx.out_strides
+    )
     return (dq if do_q else None), (dk if do_k else None), *nones
 
 
@@ -522,7 +547,7 @@ class _RopeInplace(torch.autograd.Function):
         if dx_embed is None:
             return None, None, None, None, None, None
         cos, sin, position_ids = ctx.saved_tensors
-        dx, _ = _rope_bwd(dx_embed, None, cos, sin, position_ids, ctx.bshd, ctx.interleaved, True, False)
+        dx, _ = _rope_bwd(dx_embed, None, cos, sin, position_ids, ctx.bshd, ctx.interleaved, True, False, [], [])
         return dx, None, None, None, None, None
 
 
