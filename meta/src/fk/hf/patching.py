@@ -306,7 +306,8 @@ def add_norm_forward(
     gradient in the same pass (stock: one add kernel forward, one backward). Where the norm cannot
     take it (see :func:`_add_norm_applies`), the stock forward runs. Where the MLP runs as one
     :func:`fk.glu.gated_mlp` (see :func:`_mlp_takes_residual`), the layer's second residual add
-    happens in its down projection's matmul: ``gated_mlp(y, ..., residual=s)`` (no add kernel)."""
+    happens in its down projection's matmul: ``gated_mlp(y, ..., residual=s)`` (a device copy of
+    ``s`` that the matmul accumulates into, instead of an add kernel)."""
     from fk.glu import gated_mlp
     from fk.norms import fused_add_rms_norm
 

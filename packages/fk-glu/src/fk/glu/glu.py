@@ -614,7 +614,8 @@ def geglu_fused(gate_up: torch.Tensor, approximate: str = "tanh", *, inplace_gra
 #     dWg = dg^T x2,  dWu = du^T x2
 #     dx  = dg Wg + du Wu               one buffer: mm, then addmm_
 # With a residual r [M, N] (a decoder layer's ``r + mlp(x)``): y = r + h Wd^T in one addmm, the
-# residual read in the matmul's epilogue (no add kernel, one rounding of the sum), and dr = dy.
+# residual accumulated into by the matmul (torch.addmm copies r into y's buffer first, a device copy
+# of two passes where an add kernel makes three; the sum is rounded once), and dr = dy.
 # So the [M, I] tensors kept from forward to backward are g and u only (nn.Linear's down
 # projection would keep h too); the backward adds at most one transient [M, I] tensor at a time
 # (h, then dh). Each gradient is formed only when its input requires one: a frozen weight costs
@@ -745,7 +746,7 @@ class _GatedMLPFunction(torch.autograd.Function):
         up = torch.mm(x2, wu.t())
         del x2
         h = gated_act_forward(gate, up, activation)
-        # With a residual, it is added in the matmul's epilogue.
+        # With a residual, the matmul accumulates into a copy of it (one rounding of the sum).
         y = torch.mm(h, wd.t()) if residual is None else torch.addmm(residual.reshape(-1, wd.shape[0]), h, wd.t())
         del h  # recomputed in the backward
         ctx.save_for_backward(x, gate, up, wg, wu, wd)
@@ -848,7 +849,8 @@ def gated_mlp(
             ``hidden_act`` name (``"swish"``, ``"gelu_pytorch_tanh"``, ...).
         residual: ``(..., out)`` with ``x``'s leading dimensions, dtype and device, or None: a
             decoder layer's residual stream, added to the output inside the down projection's
-            matmul (``torch.addmm``: no add kernel; the sum is rounded once, where ``residual +
+            matmul (``torch.addmm``: a device copy of the residual and a matmul that accumulates
+            into it, no add kernel; the sum is rounded once, where ``residual +
             mlp(x)`` rounds the projection first). Its gradient is the output's.
 
     No biases: a caller whose projections have one uses ``nn.Linear`` layers with :func:`gated_act`.
