@@ -107,12 +107,17 @@ def interleaved(settings: dict[str, Any], rounds: int) -> None:
               f"min {min(t) * 1e3:.2f}  n={len(t)}  peak {peaks[name]:.3f} GiB")  # fmt: skip
 
 
-def host(provider: str) -> None:
+def _trained(provider: str) -> tuple[Any, torch.Tensor]:
+    """The provider's model after 3 training steps, and a batch of 4 x 2048 tokens for it."""
     model = _model(provider)
     corpus = training.MarkovCorpus(128256, active=1024, branching=4)
     opt = training.make_optimizer(model, 1e-4)
     _steps(model, opt, corpus, steps=3, warmup=0)
-    tokens = corpus.batch(7, 4, 2048).cuda()
+    return model, corpus.batch(7, 4, 2048).cuda()
+
+
+def host(provider: str) -> None:
+    model, tokens = _trained(provider)
     times = []
     for _ in range(6):
         torch.cuda.synchronize()
@@ -131,11 +136,7 @@ COPY_OPS = ("aten::cat", "aten::copy_", "aten::clone", "aten::contiguous", "aten
 def copies(provider: str) -> None:
     from torch.profiler import ProfilerActivity, profile
 
-    model = _model(provider)
-    corpus = training.MarkovCorpus(128256, active=1024, branching=4)
-    opt = training.make_optimizer(model, 1e-4)
-    _steps(model, opt, corpus, steps=3, warmup=0)
-    tokens = corpus.batch(7, 4, 2048).cuda()
+    model, tokens = _trained(provider)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True, record_shapes=True) as prof:
         model(input_ids=tokens, labels=tokens).loss.backward()
