@@ -197,14 +197,19 @@ def geglu_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
     activation is): :func:`fk.glu.gated_mlp` or :func:`fk.glu.geglu`, as in :func:`swiglu_forward`."""
     from fk.glu import gated_mlp, geglu, geglu_fused
 
-    exact = _mlp_activation(self, self._fk_hf_patch) == "gelu"
-    approximate = "none" if exact else "tanh"
+    activation = _geglu_activation(self)
+    approximate = "none" if activation == "gelu" else "tanh"
     if hasattr(self, "gate_up_proj"):
         return self.down_proj(geglu_fused(self.gate_up_proj(x), approximate, inplace_grad=True))
     if _whole_mlp(self, x):
         weights = (self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
-        return gated_mlp(x, *weights, "gelu" if exact else "gelu_tanh")
+        return gated_mlp(x, *weights, activation)
     return self.down_proj(geglu(self.gate_proj(x), self.up_proj(x), approximate, inplace_grad=True))
+
+
+def _geglu_activation(module: Any) -> str:
+    """fk.glu's name of the GELU a ``geglu``-patched MLP computes: ``"gelu"`` (exact) or ``"gelu_tanh"``."""
+    return "gelu" if _mlp_activation(module, module._fk_hf_patch) == "gelu" else "gelu_tanh"
 
 
 def projections_forward(self: Any, x: Any, *args: Any, **kwargs: Any) -> Any:
@@ -367,9 +372,7 @@ def _mlp_takes_residual(mlp: Any, x: Any, residual: Any) -> str | None:
         return None
     if residual.dtype != x.dtype or residual.shape != (*x.shape[:-1], mlp.down_proj.weight.shape[0]):
         return None
-    if kind == "swiglu":
-        return "silu"
-    return "gelu" if _mlp_activation(mlp, mlp._fk_hf_patch) == "gelu" else "gelu_tanh"
+    return "silu" if kind == "swiglu" else _geglu_activation(mlp)
 
 
 def _whole_mlp(module: Any, x: torch.Tensor) -> bool:
