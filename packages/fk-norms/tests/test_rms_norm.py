@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from fk.core import testing
 from fk.core.testing import AWKWARD_ROWS, AWKWARD_WIDTHS, DTYPES, WIDE_WIDTHS, dtype_name
-from fk.norms import RMSNorm, rms_norm, rms_norm_ref
+from fk.norms import RMSNorm, rms_norm, rms_norm_and_input, rms_norm_ref
 from fk.norms.rms_norm import dw_partial_rows
 
 MODES = ("llama", "gemma")
@@ -339,3 +339,88 @@ def test_in_place_backward_module_and_compile(device: str) -> None:
     testing.assert_compile_matches_eager(loss, [x, norm.weight])
     with pytest.raises(TypeError, match="in_place_backward must be a bool"):
         rms_norm(x, norm.weight, in_place_backward=1)  # type: ignore[arg-type]
+
+
+# --- rms_norm_and_input: (rms_norm(x), x), x's second gradient added inside the backward kernel ----
+
+
+def _fk_and_input(mode: str) -> Callable[..., Any]:
+    return lambda x, w=None: rms_norm_and_input(x, w, EPS, casting_mode=mode)
+
+
+def _ref_and_input(mode: str) -> Callable[..., Any]:
+    # x * 1 (not x): an output that is an input would get no upstream gradient of its own.
+    return lambda x, w=None: (rms_norm_ref(x, w, EPS, mode), x * 1)
+
+
+@pytest.mark.parametrize("width", [1, 17, 1000, 4097, 16385])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
+def test_and_input_matches_reference(device: str, dtype: torch.dtype, mode: str, width: int) -> None:
+    args = _inputs((7, width), dtype, device, seed=width + 31)
+    testing.compare_with_reference(
+        _fk_and_input(mode), _ref_and_input(mode), args, arg_names=["x", "weight"], atols=_atols(width)
+    )
+
+
+@pytest.mark.parametrize("layout", ["row_strided", "transposed"])
+def test_and_input_non_contiguous_frozen_and_no_weight(device: str, layout: str) -> None:
+    x, w = _inputs((9, 130), torch.bfloat16, device, seed=33, weight_grad=False)
+    x = testing.with_layout(x, layout)
+    testing.compare_with_reference(_fk_and_input("llama"), _ref_and_input("llama"), [x, w], arg_names=["x", "weight"])
+    testing.compare_with_reference(_fk_and_input("gemma"), _ref_and_input("gemma"), [x], arg_names=["x"])
+
+
+def test_and_input_hands_on_x_without_a_copy(device: str) -> None:
+    x, w = _inputs((5, 64), torch.float32, device, seed=34)
+    h = x * 1.0
+    y, h_on = rms_norm_and_input(h, w, EPS)
+    assert h_on.data_ptr() == h.data_ptr() and h_on.shape == h.shape and h_on.stride() == h.stride()
+    assert h_on.grad_fn is not None and h_on.grad_fn is y.grad_fn
+    torch.testing.assert_close(y, rms_norm(h, w, EPS), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("used", ["y_only", "x_only"])
+def test_and_input_one_output_unused(device: str, used: str) -> None:
+    x, w = _inputs((5, 200), torch.float32, device, seed=35)
+    y, x_on = rms_norm_and_input(x, w, EPS)
+    out = y if used == "y_only" else x_on
+    dy = testing.random_tensor(out.shape, torch.float32, device, seed=36)
+    got = torch.autograd.grad(out, (x, w), dy, allow_unused=True)
+    xr, wr = (t.detach().double().requires_grad_() for t in (x, w))
+    want_out = rms_norm_ref(xr, wr, EPS) if used == "y_only" else xr * 1
+    want = torch.autograd.grad(want_out, (xr, wr), dy.double(), allow_unused=True)
+    for g, e in zip(got, want, strict=True):
+        assert (g is None) == (e is None)
+        if g is not None and e is not None:
+            torch.testing.assert_close(g.double(), e, rtol=1e-4, atol=1e-5)
+
+
+def test_and_input_in_a_residual_block(device: str) -> None:
+    # The use it is made for: h -> (norm(h), h), then h + f(norm(h)); gradients as with rms_norm.
+    x, w = _inputs((6, 96), torch.float32, device, seed=37)
+
+    def block(norm_and_input: Callable[..., Any]) -> tuple[torch.Tensor, ...]:
+        h = x * 1.5
+        y, residual = norm_and_input(h)
+        out = residual + torch.tanh(y) * 0.5
+        return (out, *torch.autograd.grad((out * out).sum(), (x, w)))
+
+    got = block(lambda h: rms_norm_and_input(h, w, EPS))
+    want = block(lambda h: (rms_norm(h, w, EPS), h))
+    for g, e in zip(got, want, strict=True):
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6)
+
+
+def test_and_input_bad_inputs_and_compile(device: str) -> None:
+    x, w = _inputs((6, 257), torch.float32, device, seed=38)
+    with pytest.raises(ValueError, match="weight must have shape"):
+        rms_norm_and_input(x, w[:-1])
+    with pytest.raises(ValueError, match="casting_mode must be one of"):
+        rms_norm_and_input(x, w, casting_mode="gema")
+
+    def loss(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        y, x_on = rms_norm_and_input(x * 2.0, w, EPS)
+        return (y * 3.0 + x_on).sum()
+
+    testing.assert_compile_matches_eager(loss, [x, w])

@@ -11,7 +11,8 @@ The output has the dtype of ``x``; the weight gradient has the dtype of ``weight
 the kernels accumulate in fp32.
 
 This file holds, in order: the reference, the Triton kernels, the launchers registered as custom
-ops, the functional API :func:`rms_norm` and the module :class:`RMSNorm`.
+ops, the functional APIs :func:`rms_norm` and :func:`rms_norm_and_input` (which also hands ``x``
+on, for a residual branch) and the module :class:`RMSNorm`.
 """
 
 from __future__ import annotations
@@ -556,6 +557,67 @@ def rms_norm(
     offset = _default_offset(casting_mode, offset)
     y, _ = _rms_norm(x, weight, eps, offset, casting_mode == "gemma", in_place_backward)
     return y
+
+
+class _RMSNormAndInput(torch.autograd.Function):
+    """Eager autograd for :func:`rms_norm_and_input`: outputs ``(y, x, rstd)``, the second being
+    ``x`` itself (autograd hands it on as a view of ``x`` whose gradient comes back here).
+
+    Backward, with dy and dx_on the gradients of y and of the returned x:
+        dx = rms_norm's dx(dy) + dx_on      (HAS_DRES: added inside the backward kernel)
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor | None, eps: float, offset: float, gemma: bool) -> Any:
+        y, rstd = launch_forward(x, weight, eps, offset, gemma)
+        ctx.save_for_backward(x, weight, rstd)
+        ctx.offset = offset
+        ctx.mark_non_differentiable(rstd)
+        ctx.set_materialize_grads(False)
+        return y, x, rstd
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor | None, dx_on: torch.Tensor | None, _drstd: Any) -> Any:
+        x, weight, rstd = ctx.saved_tensors
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if dy is None or not (need_dx or need_dw):  # y unused: x's gradient is the one handed on
+            return (dx_on if need_dx else None), None, None, None, None
+        dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        dw = launch_backward(dy, x, weight, rstd, ctx.offset, need_dw, dx, dres=dx_on)
+        return (dx if need_dx else None), (dw if need_dw else None), None, None, None
+
+
+def rms_norm_and_input(
+    x: torch.Tensor,
+    weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    *,
+    casting_mode: str = "llama",
+    offset: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rms_norm(x, weight, eps), x)``, for a residual stream that is normalized and also carried
+    on, as at the input of every pre-norm decoder layer::
+
+        y, residual = rms_norm_and_input(hidden_states, weight, eps)   # residual is hidden_states
+        ...                                                            # y -> attention
+        y2, residual = fused_add_rms_norm(attn_out, residual, ...)
+
+    The second output holds ``x``'s values without a copy (a view of ``x``). What it changes is
+    the backward: the gradient that reaches it is added to the norm's input gradient inside the
+    RMSNorm backward kernel, so ``x``'s two gradients cost no separate add (autograd would
+    otherwise add them in one more activation-sized pass).
+
+    Arguments are as in :func:`rms_norm`. Do not modify the returned ``x`` in place: it is a view
+    made by a custom autograd function, which PyTorch refuses to let you modify. Under
+    ``torch.compile`` this is ``(rms_norm(x, ...), x)`` (the compiler fuses the add itself).
+    """
+    eps = check_rms_norm_args(x, weight, eps, casting_mode, offset)
+    if not uses_kernel(x):
+        return rms_norm_ref(x, weight, eps, casting_mode, offset), x
+    if torch.compiler.is_compiling():
+        return rms_norm(x, weight, eps, casting_mode=casting_mode, offset=offset), x
+    y, x_on, _ = _RMSNormAndInput.apply(x, weight, eps, _default_offset(casting_mode, offset), casting_mode == "gemma")
+    return y, x_on
 
 
 # --- 5. Module ------------------------------------------------------------------------------------
