@@ -130,9 +130,11 @@ def weight_gradient_spy(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[bool]
     seen: dict[str, list[bool]] = {"norm": [], "head": []}
     norm_backward, head_buffers = rms.launch_backward, lce._accum_buffers
 
-    def spy_norm(dy: Any, x: Any, weight: Any, rstd: Any, offset: Any, compute_dw: bool, *rest: Any) -> Any:
+    def spy_norm(
+        dy: Any, x: Any, weight: Any, rstd: Any, offset: Any, compute_dw: bool, *rest: Any, **kwargs: Any
+    ) -> Any:
         seen["norm"].append(bool(compute_dw))
-        return norm_backward(dy, x, weight, rstd, offset, compute_dw, *rest)
+        return norm_backward(dy, x, weight, rstd, offset, compute_dw, *rest, **kwargs)
 
     def spy_head(hidden: Any, weight: Any, compute_dh: bool, compute_dw: bool, *rest: Any) -> Any:
         seen["head"].append(bool(compute_dw))

@@ -186,3 +186,39 @@ def test_add_norm_adds_the_mlp_residual_in_the_down_projection(
     patched.model.layers[1].mlp.register_forward_hook(lambda *_: seen.append(1))
     torch.testing.assert_close(patched(input_ids=ids, labels=labels).loss, stock(input_ids=ids, labels=labels).loss)
     assert residuals == [True, False] and seen == [1]  # layer 1's MLP ran as a module, with its hook
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma"])
+def test_add_norm_hands_the_layer_input_on_from_its_norm(
+    model_type: str, device: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With add_norm and rms_norm, a decoder layer's input norm is fk.norms.rms_norm_and_input,
+    whose backward adds the residual branch's gradient (stock's loss and gradients, Gemma's casting
+    and offset too); an input norm with a hook of its own is called as a module, and with the
+    rms_norm switch off the input norm stays stock."""
+    import fk.norms
+
+    stock = _model(model_type, device)
+    calls: list[int] = []
+    fused = fk.norms.rms_norm_and_input
+    monkeypatch.setattr(fk.norms, "rms_norm_and_input", lambda *a, **k: (calls.append(1), fused(*a, **k))[1])
+    ids, labels = _batch(device)
+    stock.zero_grad(set_to_none=True)
+    stock(input_ids=ids, labels=labels).loss.backward()
+    for rms_norm in (True, False):
+        patched = copy.deepcopy(stock)
+        patched.zero_grad(set_to_none=True)
+        counts = fk.hf.apply(patched, rms_norm=rms_norm, rope=False, qkv=False, swiglu=False, geglu=False, flce=False)
+        assert counts["add_norm"] == 2
+        patched(input_ids=ids, labels=labels).loss.backward()
+        grads = dict(patched.named_parameters())
+        for name, p in stock.named_parameters():
+            torch.testing.assert_close(grads[name].grad, p.grad, rtol=1e-5, atol=1e-6, msg=name)
+        assert len(calls) == (2 if rms_norm else 0)
+        calls.clear()
+    patched = copy.deepcopy(stock)
+    fk.hf.apply(patched, rope=False, qkv=False, flce=False)
+    seen: list[int] = []
+    patched.model.layers[1].input_layernorm.register_forward_hook(lambda *_: seen.append(1))
+    torch.testing.assert_close(patched(input_ids=ids, labels=labels).loss, stock(input_ids=ids, labels=labels).loss)
+    assert len(calls) == 1 and seen == [1]  # layer 1's input norm ran as a module, with its hook

@@ -312,22 +312,31 @@ def add_norm_forward(
     take it (see :func:`_add_norm_applies`), the stock forward runs. Where the MLP runs as one
     :func:`fk.glu.gated_mlp` (see :func:`_mlp_takes_residual`), the layer's second residual add
     happens in its down projection's matmul: ``gated_mlp(y, ..., residual=s)`` (a device copy of
-    ``s`` that the matmul accumulates into, instead of an add kernel)."""
+    ``s`` that the matmul accumulates into, instead of an add kernel). Where the input norm runs
+    fk's RMSNorm (see :func:`_input_norm_hands_on`), it is :func:`fk.norms.rms_norm_and_input`, which
+    hands the layer's input on as the residual: the gradient of that residual branch is added to
+    the norm's input gradient inside its backward kernel (stock: one add kernel in the backward)."""
     from fk.glu import gated_mlp
-    from fk.norms import fused_add_rms_norm
+    from fk.norms import fused_add_rms_norm, rms_norm_and_input
 
     norm = self.post_attention_layernorm
     if not _add_norm_applies(norm, hidden_states):
         return stock_forward(self, _STOCK, hidden_states, attention_mask, position_ids, past_key_values, use_cache,
                              position_embeddings, **kwargs)  # fmt: skip
-    residual = hidden_states
-    hidden_states = self.input_layernorm(hidden_states)
+    patch: ModelPatch = self._fk_hf_patch
+    if _input_norm_hands_on(self.input_layernorm, hidden_states):
+        eps = getattr(self.input_layernorm, patch.eps_attr)
+        hidden_states, residual = rms_norm_and_input(
+            hidden_states, self.input_layernorm.weight, eps, casting_mode=patch.casting_mode, offset=patch.offset
+        )
+    else:
+        residual = hidden_states
+        hidden_states = self.input_layernorm(hidden_states)
     hidden_states, _ = self.self_attn(
         hidden_states=hidden_states, attention_mask=attention_mask, position_ids=position_ids,
         past_key_values=past_key_values, use_cache=use_cache, position_embeddings=position_embeddings, **kwargs,
     )  # fmt: skip
     if isinstance(hidden_states, torch.Tensor) and hidden_states.dtype == residual.dtype:
-        patch: ModelPatch = self._fk_hf_patch
         eps = getattr(norm, patch.eps_attr)
         hidden_states, residual = fused_add_rms_norm(
             hidden_states, residual, norm.weight, eps, casting_mode=patch.casting_mode, offset=patch.offset
@@ -352,6 +361,26 @@ def _add_norm_applies(norm: torch.nn.Module, x: Any) -> bool:
     return isinstance(getattr(norm, "weight", None), torch.Tensor) and _computes_as_stock([norm], x)
 
 
+def _runs_fk_forward_alone(module: Any, kinds: tuple[str, ...]) -> bool:
+    """Whether calling ``module`` would run the fk forward of one of ``kinds`` and nothing else:
+    its class is the one fk set, with no forward on the instance, no hooks and the patch not
+    switched off."""
+    if module.__dict__.get(_KIND) not in kinds or _SWITCHED_OFF in module.__dict__ or "forward" in module.__dict__:
+        return False
+    return is_forward_class(type(module)) and not has_hooks(module)
+
+
+def _input_norm_hands_on(norm: Any, x: Any) -> bool:
+    """Whether a decoder layer's input norm can run as :func:`fk.norms.rms_norm_and_input` on the
+    layer input ``x``: calling ``norm`` would run fk's :func:`rms_norm_forward` and nothing else
+    (see :func:`_runs_fk_forward_alone`), and :func:`_add_norm_applies` holds (its weight then has
+    ``x``'s dtype, so that forward would run the kernel too). Not while ``torch.compile`` traces
+    (as in :func:`_mlp_takes_residual`)."""
+    if torch.compiler.is_compiling():
+        return False
+    return _runs_fk_forward_alone(norm, ("rms_norm",)) and _add_norm_applies(norm, x)
+
+
 def _mlp_takes_residual(mlp: Any, x: Any, residual: Any) -> str | None:
     """The activation (``"silu"``, ``"gelu_tanh"``, ``"gelu"``) with which ``residual + mlp(x)`` can
     be one :func:`fk.glu.gated_mlp` call with ``residual=``, or None. It can when calling ``mlp``
@@ -363,16 +392,13 @@ def _mlp_takes_residual(mlp: Any, x: Any, residual: Any) -> str | None:
     fuses the add itself)."""
     if torch.compiler.is_compiling():
         return None
-    kind = mlp.__dict__.get(_KIND)
-    if kind not in ("swiglu", "geglu") or _SWITCHED_OFF in mlp.__dict__ or "forward" in mlp.__dict__:
-        return None
-    if not is_forward_class(type(mlp)) or has_hooks(mlp) or hasattr(mlp, "gate_up_proj"):
+    if not _runs_fk_forward_alone(mlp, ("swiglu", "geglu")) or hasattr(mlp, "gate_up_proj"):
         return None
     if not (isinstance(x, torch.Tensor) and isinstance(residual, torch.Tensor) and _whole_mlp(mlp, x)):
         return None
     if residual.dtype != x.dtype or residual.shape != (*x.shape[:-1], mlp.down_proj.weight.shape[0]):
         return None
-    return "silu" if kind == "swiglu" else _geglu_activation(mlp)
+    return "silu" if mlp.__dict__[_KIND] == "swiglu" else _geglu_activation(mlp)
 
 
 def _whole_mlp(module: Any, x: torch.Tensor) -> bool:
