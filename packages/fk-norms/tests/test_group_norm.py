@@ -160,7 +160,7 @@ def test_rows_kernels_over_several_row_tiles(
 ) -> None:
     """(N, C) input in tiles of 4 samples, 3 tiles a backward program (the last one partly past
     the end): the rows kernels. The backward's only [N, C] buffer is dx; its dw and db partials
-    have one row per program."""
+    have one row per program (in one buffer for both)."""
     n, c, groups = 103, 48, 3  # 16 channels a group
     module = importlib.import_module("fk.norms.group_norm")
     monkeypatch.setattr(module, "ROWS_TILE_ELEMENTS", 64)  # 4 samples a tile: 26 tiles
@@ -174,7 +174,8 @@ def test_rows_kernels_over_several_row_tiles(
     dy = torch.ones_like(y)
     sizes = testing.allocation_sizes(lambda: y.backward(dy))
     assert testing.count_buffers(sizes, n * c * 4, device) == 1, sizes  # dx
-    assert testing.count_buffers(sizes, 9 * c * 4, device) == weight_grad + bias_grad, sizes  # partials
+    n_partials = weight_grad + bias_grad  # the partial rows of both, in one buffer
+    assert testing.count_buffers(sizes, max(n_partials, 1) * 9 * c * 4, device) == (n_partials > 0), sizes
 
 
 def test_zero_samples(device: str) -> None:

@@ -23,6 +23,7 @@ from fk.core import validate
 from fk.core.backend import uses_kernel
 from fk.core.launch import cdiv, multiprocessor_count, next_power_of_2
 from fk.core.ops import define_autograd_op
+from fk.core.reduce import sum_weight_and_bias_rows
 
 # --- 1. Reference ---------------------------------------------------------------------------------
 
@@ -451,17 +452,25 @@ def _group_norm_bwd(
         spread = row_tiles * num_groups // (4 * multiprocessor_count(x.device))
         tiles = max(1, min(ROWS_PER_PROGRAM // rows, spread))
         blocks = cdiv(n, rows * tiles)
-        dw_partial = torch.empty((blocks, c), dtype=torch.float32, device=x.device) if compute_dw else rstd
-        db_partial = torch.empty((blocks, c), dtype=torch.float32, device=x.device) if compute_db else rstd
+        # dw's and db's partial rows in one buffer (one sum_rows launch for both).
+        n_partials = int(compute_dw) + int(compute_db)
+        partials = torch.empty((n_partials, blocks, c), dtype=torch.float32, device=x.device) if n_partials else rstd
+        dw_partial = partials[0] if compute_dw else rstd
+        db_partial = partials[n_partials - 1] if compute_db else rstd
         _group_norm_rows_bwd_kernel[(blocks, num_groups)](
             dy3, x3, weight if weight is not None else x3, mean2, rstd2, dx3, dw_partial, db_partial,
             n, c, num_groups, c // num_groups,
             HAS_WEIGHT=weight is not None, COMPUTE_DX=compute_dx, COMPUTE_DW=compute_dw, COMPUTE_DB=compute_db,
             BLOCK_CG=block_cg, ROWS=rows, TILES=tiles, num_warps=num_warps,
         )  # fmt: skip
-        dw = dw_partial.sum(0).to(weight.dtype) if compute_dw and weight is not None else x.new_empty(0)
-        db = db_partial.sum(0).to(bias.dtype) if compute_db and bias is not None else x.new_empty(0)
-        return dx, dw, db
+        dw_sum, db_sum = sum_weight_and_bias_rows(
+            partials, weight if compute_dw else None, bias if compute_db else None
+        )
+        return (
+            dx,
+            (dw_sum if dw_sum is not None else x.new_empty(0)),
+            (db_sum if db_sum is not None else x.new_empty(0)),
+        )
     # The partial buffers hold one row per sample of a launch; launches of at most
     # samples_per_launch(c) samples keep them bounded, each launch's rows summed into fp32 totals.
     # A buffer that is not needed is never read or written: its COMPUTE_* flag is False.

@@ -22,6 +22,7 @@ from fk.core.backend import uses_kernel
 from fk.core.launch import RowTiling, as_rows, cdiv, row_reduction_grid, row_tiling
 from fk.core.matmul import column_sum
 from fk.core.ops import define_autograd_op
+from fk.core.reduce import sum_weight_and_bias_rows
 
 # --- 1. Reference ---------------------------------------------------------------------------------
 
@@ -403,8 +404,11 @@ def _layer_norm_bwd(
     alloc = torch.zeros if tiling.looped else torch.empty
     db_in_kernel = compute_db and not (tiling.looped and LOOPED_DB_BY_COLUMN_SUM)
     # A partial buffer that is not needed is never read or written: its COMPUTE_* flag is False.
-    dw_partial = alloc((n_programs, n_cols), dtype=torch.float32, device=x.device) if compute_dw else rstd
-    db_partial = alloc((n_programs, n_cols), dtype=torch.float32, device=x.device) if db_in_kernel else rstd
+    # dw's and db's partial rows in one buffer when both are summed (one sum_rows launch for both).
+    n_partials = int(compute_dw) + int(db_in_kernel)
+    partials = alloc((n_partials, n_programs, n_cols), dtype=torch.float32, device=x.device) if n_partials else rstd
+    dw_partial = partials[0] if compute_dw else rstd
+    db_partial = partials[n_partials - 1] if db_in_kernel else rstd
     _layer_norm_bwd_kernel[(n_programs,)](
         dy_rows, x_rows, weight if weight is not None else x_rows, mean, rstd,
         dx if compute_dx else x_rows, dw_partial, db_partial,
@@ -413,14 +417,10 @@ def _layer_norm_bwd(
         BLOCK_COLS=tiling.block_cols, ROWS=tiling.rows_per_tile, LOOPED=tiling.looped,
         num_warps=tiling.num_warps,
     )  # fmt: skip
-    dw = dw_partial.sum(0).to(weight.dtype) if compute_dw and weight is not None else x.new_empty(0)
-    if not compute_db or bias is None:
-        db = x.new_empty(0)
-    elif db_in_kernel:
-        db = db_partial.sum(0).to(bias.dtype)
-    else:
-        db = column_sum(dy_rows).to(bias.dtype)
-    return dx, dw, db
+    dw_sum, db_sum = sum_weight_and_bias_rows(partials, weight if compute_dw else None, bias if db_in_kernel else None)
+    if compute_db and bias is not None and not db_in_kernel:
+        db_sum = column_sum(dy_rows).to(bias.dtype)
+    return dx, (dw_sum if dw_sum is not None else x.new_empty(0)), (db_sum if db_sum is not None else x.new_empty(0))
 
 
 def _layer_norm_bwd_fake(

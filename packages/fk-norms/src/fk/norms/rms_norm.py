@@ -29,6 +29,7 @@ from fk.core import validate
 from fk.core.backend import uses_kernel
 from fk.core.launch import RowTiling, as_rows, cdiv, row_reduction_grid, row_tiling, writable_rows
 from fk.core.ops import define_autograd_op
+from fk.core.reduce import sum_rows
 
 CASTING_MODES = ("llama", "gemma")
 
@@ -420,7 +421,7 @@ def launch_backward(
     if not compute_dw:
         return None
     assert weight is not None
-    return partial.sum(0).to(weight.dtype)
+    return sum_rows(partial, weight.dtype)
 
 
 def _rms_norm_bwd(
