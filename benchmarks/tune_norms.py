@@ -30,12 +30,15 @@ WIDE_FWD_SPACE = {"FWD_MAX_BLOCK_COLS": [8192, 16384, 32768], "FWD_ELEMENTS_PER_
 WIDE_BWD_SPACE = {"BWD_MAX_BLOCK_COLS": [4096, 8192, 16384], "BWD_LOOPED_BLOCK_COLS": [4096, 8192],
                   "BWD_LOOPED_PROGRAMS_PER_SM": [1, 2, 4],
                   "BWD_ELEMENTS_PER_WARP": [256, 512]}  # fmt: skip
+# Rows at most the module's BWD_NARROW_COLS wide take settings of their own in the backward.
+NARROW_BWD_SPACE = {"BWD_NARROW_MIN_TILE": [1024, 2048, 4096], "BWD_NARROW_PROGRAMS_PER_SM": [4, 8, 16, 32]}
 WIDE = 16384  # widths from here on sweep the widest tile instead of the narrow-row grouping
 # With --frozen, a module that has settings of its own for the backward without dw (LayerNorm's wide
 # rows) sweeps those instead of the trainable ones.
 FROZEN_NAMES = {"BWD_MAX_BLOCK_COLS": "BWD_FROZEN_LOOPED_BLOCK_COLS",
                 "BWD_LOOPED_PROGRAMS_PER_SM": "BWD_FROZEN_LOOPED_PROGRAMS_PER_SM",
-                "BWD_PROGRAMS_PER_SM": "BWD_FROZEN_PROGRAMS_PER_SM"}  # fmt: skip
+                "BWD_PROGRAMS_PER_SM": "BWD_FROZEN_PROGRAMS_PER_SM",
+                "BWD_NARROW_PROGRAMS_PER_SM": "BWD_FROZEN_NARROW_PROGRAMS_PER_SM"}  # fmt: skip
 
 
 def call(op: str, x: torch.Tensor, trainable: bool) -> Callable[[], tuple[torch.Tensor, ...]]:
@@ -83,7 +86,7 @@ def main() -> None:
     # The module whose constants the variants set (FusedAddRMSNorm runs RMSNorm's kernels); the
     # module, not the function of the same name that fk.norms exports.
     module = importlib.import_module(f"fk.norms.{'rms_norm' if args.op == 'fused_add_rms_norm' else args.op}")
-    names = {*FWD_SPACE, *BWD_SPACE, *WIDE_FWD_SPACE, *WIDE_BWD_SPACE, *FROZEN_NAMES.values()}
+    names = {*FWD_SPACE, *BWD_SPACE, *NARROW_BWD_SPACE, *WIDE_FWD_SPACE, *WIDE_BWD_SPACE, *FROZEN_NAMES.values()}
     defaults = {k: getattr(module, k) for k in names if hasattr(module, k)}
     for width in args.widths:
         x = torch.randn(args.rows, width, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -93,6 +96,8 @@ def main() -> None:
             timed = fn if direction == "fwd" else functools.partial(forward_backward, fn, dy)
             if direction == "fwd":
                 space, nbytes = (WIDE_FWD_SPACE if width >= WIDE else FWD_SPACE), 4
+            elif width <= getattr(module, "BWD_NARROW_COLS", 0):
+                space, nbytes = NARROW_BWD_SPACE, 10
             else:
                 space, nbytes = (WIDE_BWD_SPACE if width >= WIDE else BWD_SPACE), 10
             if args.frozen:

@@ -283,6 +283,10 @@ BWD_ELEMENTS_PER_WARP = 512
 BWD_NARROW_COLS = 1024
 BWD_NARROW_MIN_TILE = 2048
 BWD_NARROW_PROGRAMS_PER_SM = 4
+# The same rows without partial rows to keep: more programs in flight. tune_norms.py --op
+# layer_norm --frozen on an H200 (16384 x 1024 bf16, forward+backward GPU time): 32 per SM took
+# 0.0571 to 0.0495 ms (benchmarks/results/experiments/norm_frozen_narrow_tune_h200.txt).
+BWD_FROZEN_NARROW_PROGRAMS_PER_SM = 32
 # Rows from BWD_WIDE_COLS wide up to one tile, keeping partial rows: one program per SM (the
 # partial rows then take Liger's memory). On an H200 (16384 rows, bf16, trainable forward+backward
 # GPU time; benchmarks/results/experiments/norm_partials_probe.py, output in norm_partials_h200.txt
@@ -369,7 +373,8 @@ def partial_rows(
     per_sm = BWD_PROGRAMS_PER_SM if keeps_partials else BWD_FROZEN_PROGRAMS_PER_SM
     if keeps_partials and n_cols >= BWD_WIDE_COLS:
         per_sm = BWD_WIDE_PROGRAMS_PER_SM
-    per_sm = BWD_NARROW_PROGRAMS_PER_SM if n_cols <= BWD_NARROW_COLS else per_sm
+    if n_cols <= BWD_NARROW_COLS:
+        per_sm = BWD_NARROW_PROGRAMS_PER_SM if keeps_partials else BWD_FROZEN_NARROW_PROGRAMS_PER_SM
     looped_per_sm = BWD_LOOPED_PROGRAMS_PER_SM if keeps_partials else BWD_FROZEN_LOOPED_PROGRAMS_PER_SM
     return row_reduction_grid(n_rows, tiling, device, per_sm, looped_per_sm)
 

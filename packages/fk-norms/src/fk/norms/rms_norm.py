@@ -286,6 +286,12 @@ FWD_ELEMENTS_PER_WARP = 512
 BWD_MAX_BLOCK_COLS = 16384  # the backward holds x, dy, s and dw: four fp32 tiles
 BWD_MIN_TILE = 4096
 BWD_PROGRAMS_PER_SM = 2  # rows that fit one tile
+# The same rows without a weight gradient, narrower than BWD_WIDE_COLS: more programs in flight.
+# tune_norms.py --op rms_norm --frozen on an H200 (16384 rows, bf16, forward+backward GPU time;
+# benchmarks/results/experiments/norm_frozen_narrow_tune_h200.txt): 4 per SM instead of 2 took
+# H=2048 from 0.102 to 0.092 ms and H=4096 from 0.191 to 0.174 ms (FusedAddRMSNorm: 0.136 to
+# 0.125, 0.256 to 0.237 ms); H=8192 is 0.333 ms either way.
+BWD_FROZEN_PROGRAMS_PER_SM = 4
 BWD_LOOPED_PROGRAMS_PER_SM = 1  # wider rows: few programs, so the rows they re-read stay in L2
 BWD_ELEMENTS_PER_WARP = 512
 # Rows at most BWD_NARROW_COLS wide: smaller tiles and more programs in flight. On an H200
@@ -294,6 +300,7 @@ BWD_ELEMENTS_PER_WARP = 512
 BWD_NARROW_COLS = 1024
 BWD_NARROW_MIN_TILE = 2048
 BWD_NARROW_PROGRAMS_PER_SM = 8
+BWD_FROZEN_NARROW_PROGRAMS_PER_SM = 32  # without a weight gradient: H=1024 0.0506 -> 0.0501 ms (as above)
 # Rows from BWD_WIDE_COLS wide up to one tile, with a weight gradient: one program per SM, so the
 # fp32 partial rows are as many as Liger's. On an H200 (16384 rows, bf16, trainable
 # forward+backward GPU time; benchmarks/results/experiments/norm_partials_probe.py, output in
@@ -375,7 +382,9 @@ def dw_partial_rows(n_rows: int, n_cols: int, device: torch.device, compute_dw: 
     """Programs of the backward's grid, which is also the number of rows of the fp32 partial buffer
     it allocates for the weight gradient (when ``compute_dw``)."""
     if n_cols <= BWD_NARROW_COLS:
-        per_sm = BWD_NARROW_PROGRAMS_PER_SM
+        per_sm = BWD_NARROW_PROGRAMS_PER_SM if compute_dw else BWD_FROZEN_NARROW_PROGRAMS_PER_SM
+    elif not compute_dw and n_cols < BWD_WIDE_COLS:
+        per_sm = BWD_FROZEN_PROGRAMS_PER_SM
     elif compute_dw and n_cols >= BWD_WIDE_COLS:
         per_sm = BWD_WIDE_PROGRAMS_PER_SM
     else:
