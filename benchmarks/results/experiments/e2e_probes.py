@@ -7,8 +7,11 @@ decided fk.hf's settings; their output on an H200 is in e2e_probes_h200.txt besi
   accumulation), the settings interleaved over 3 rounds of 5 timed steps on one model;
 - ``qkv``, ``add_norm``: step time with that fk.hf switch off and on, interleaved over 4 rounds;
 - ``host [stock|liger|fk]``: the host's time to enqueue one forward while the GPU spins on a long
-  sleep kernel (so the queue never drains and only the host is timed). A provider whose forward
-  synchronizes (Liger's loss does) shows the sleep in its time instead;
+  sleep kernel (so the queue never drains and only the host is timed), then one backward. A
+  provider whose forward synchronizes (Liger's loss does) shows the sleep in its time instead;
+- ``idle [stock|liger|fk]``: two training steps under torch.profiler (device activity only): per
+  step, the kernels' span, the time some kernel runs, and the idle time between kernels by gap
+  size, with the longest gaps, where they fall in the step and the kernels on either side;
 - ``copies [stock|liger|fk]``: one forward+backward under torch.profiler; the GPU time of the
   copy-like ops (cat, copy_, clone, contiguous, sum, add), each with the chain of CPU ops and
   Python frames that launched it and its input shapes, costliest first: where a step moves memory
@@ -118,16 +121,67 @@ def _trained(provider: str) -> tuple[Any, torch.Tensor]:
 
 def host(provider: str) -> None:
     model, tokens = _trained(provider)
-    times = []
+    forward, backward = [], []
     for _ in range(6):
         torch.cuda.synchronize()
-        torch.cuda._sleep(int(1.5e9))  # about a second of GPU time: the queue stays full
+        torch.cuda._sleep(int(3e9))  # about two seconds of GPU time: the queue stays full
         start = time.perf_counter()
         loss = model(input_ids=tokens, labels=tokens).loss
-        times.append(time.perf_counter() - start)
+        middle = time.perf_counter()
+        loss.backward()
+        forward.append(middle - start)
+        backward.append(time.perf_counter() - middle)
         torch.cuda.synchronize()
+        model.zero_grad(set_to_none=True)
         del loss
-    print(f"{provider}: host time to enqueue the forward {statistics.median(times) * 1e3:.1f} ms (median of 6)")
+    print(f"{provider}: host time to enqueue the forward {statistics.median(forward) * 1e3:.1f} ms, "
+          f"the backward {statistics.median(backward) * 1e3:.1f} ms (medians of 6)")  # fmt: skip
+
+
+GAP_BUCKETS_US = (2.0, 5.0, 20.0, 100.0, float("inf"))
+
+
+def idle(provider: str) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    model = _model(provider)
+    corpus = training.MarkovCorpus(128256, active=1024, branching=4)
+    opt = training.make_optimizer(model, 1e-4)
+    _steps(model, opt, corpus, steps=4, warmup=0)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run = training.train(model, corpus, steps=2, batch=4, seq=2048, lr=1e-4, optimizer=opt, first_step=100)
+    print(f"{provider}: profiled steps {[round(t * 1e3, 1) for t in run.step_seconds]} ms wall")
+    spans = sorted((e.time_range.start, e.time_range.end, e.name[:50]) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith("Optimizer."))  # fmt: skip
+    # The two steps are split at the longest gap (the host's synchronization between them).
+    gaps = [(spans[i + 1][0] - max(s[1] for s in spans[: i + 1]), i) for i in range(len(spans) - 1)]
+    split = max(gaps)[1] + 1
+    for step, kernels in enumerate((spans[:split], spans[split:])):
+        begin, busy_until, busy = kernels[0][0], kernels[0][1], kernels[0][1] - kernels[0][0]
+        buckets = collections.Counter[float]()
+        counts = collections.Counter[float]()
+        long_gaps = []
+        before = kernels[0][2]
+        for start, end, name in kernels[1:]:
+            gap = start - busy_until
+            if gap > 0:
+                bucket = next(b for b in GAP_BUCKETS_US if gap < b)
+                buckets[bucket] += gap
+                counts[bucket] += 1
+                if gap >= 100:
+                    long_gaps.append((gap, (start - begin) / 1e3, before, name))
+            busy += max(0.0, end - max(start, busy_until))
+            if end > busy_until:
+                busy_until, before = end, name
+        span = busy_until - begin
+        print(f"step {step}: {len(kernels)} kernels, first to last {span / 1e3:.2f} ms, busy {busy / 1e3:.2f} ms, "
+              f"idle {(span - busy) / 1e3:.2f} ms")  # fmt: skip
+        low = 0.0
+        for b in GAP_BUCKETS_US:
+            print(f"   gaps {low:5.0f}-{b:<5.0f} us: {counts[b]:5d}, {buckets[b] / 1e3:6.2f} ms")
+            low = b
+        for gap, at, before, after in sorted(long_gaps, reverse=True)[:12]:
+            print(f"   {gap / 1e3:6.3f} ms idle at {at:7.2f} ms  after {before}  before {after}")
 
 
 COPY_OPS = ("aten::cat", "aten::copy_", "aten::clone", "aten::contiguous", "aten::sum", "aten::add", "aten::add_")
@@ -172,6 +226,8 @@ def main() -> None:
         interleaved({k: lambda m, o=o: fk.hf.loss_options(m, **o) for k, o in options.items()}, rounds=3)
     elif what == "host":
         host(sys.argv[2])
+    elif what == "idle":
+        idle(sys.argv[2] if len(sys.argv) > 2 else "fk")
     elif what == "copies":
         copies(sys.argv[2] if len(sys.argv) > 2 else "fk")
     elif what in ("qkv", "add_norm"):
