@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from fk.core.backend import uses_kernel
-from fk.core.launch import cdiv
+from fk.core.launch import cdiv, next_power_of_2
 
 SUM_ROWS_BLOCK_ROWS = 64
 """Rows of the ``[BLOCK_ROWS, BLOCK_COLS]`` tile a program adds per step."""
@@ -25,6 +25,10 @@ SUM_ROWS_WIDE_COLS = 32768
 gradients then still get 64 programs or more. Chosen on an H200 at the partial buffers of
 RMSNorm's backward for 16384 rows (``benchmarks/results/experiments/partial_sums_h200.txt``, its
 last run): 1056 x 1024 partials 10.9 us with torch, 6.0 us here; 132 x 32768, 9.4 us and 6.6 us."""
+
+INTERPRETER_PROGRAMS = 4
+"""Column strips per group off the GPU (as ``fk.core.launch.multiprocessor_count`` there): in Triton's
+interpreter a 65536-wide gradient in 16-column strips was 4096 programs, seconds per backward."""
 
 
 @triton.jit
@@ -63,7 +67,10 @@ def _check_partials(partials: torch.Tensor, shape: str, ndim: int) -> None:
 
 def _launch(partials: torch.Tensor, outs: list[torch.Tensor]) -> None:
     n_rows, n_cols = partials.shape[-2:]
-    block_cols = 32 if n_cols >= SUM_ROWS_WIDE_COLS else 16
+    if partials.device.type == "cuda":
+        block_cols = 32 if n_cols >= SUM_ROWS_WIDE_COLS else 16
+    else:  # Triton's interpreter runs programs one after another, each tile a numpy array: a few wide strips
+        block_cols = next_power_of_2(cdiv(n_cols, INTERPRETER_PROGRAMS))
     _sum_rows_kernel[(cdiv(n_cols, block_cols), len(outs))](
         partials, outs[0], outs[-1], n_rows, n_cols,
         BLOCK_ROWS=SUM_ROWS_BLOCK_ROWS, BLOCK_COLS=block_cols, num_warps=4,
