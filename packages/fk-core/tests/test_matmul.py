@@ -8,7 +8,15 @@ import pytest
 import torch
 
 from fk.core import testing
-from fk.core.matmul import accumulate_mm, bf16_parts, column_sum, has_fp32_out_matmul, mm_bf16_fp32, split_bf16
+from fk.core.matmul import (
+    accumulate_mm,
+    bf16_parts,
+    column_sum,
+    has_fp32_out_matmul,
+    mm_bf16_fp32,
+    scaled_mm,
+    split_bf16,
+)
 
 
 def test_split_parts_sum_to_the_matrix() -> None:
@@ -18,6 +26,38 @@ def test_split_parts_sum_to_the_matrix() -> None:
     hi, mid, lo = parts.float().split(16)
     assert torch.equal(hi + mid + lo, w)  # fp32's 24 bits in 3 x 8: exact here
     assert not torch.equal(hi, w)  # the test tells a single bf16 rounding apart
+
+
+def test_two_parts_hold_16_bits() -> None:
+    w = testing.random_tensor((16, 300), torch.float32, "cpu", seed=1) * 0.03
+    parts = split_bf16(w, n_parts=2)
+    assert parts.dtype == torch.bfloat16 and parts.shape == (32, 300)
+    hi, mid = parts.float().split(16)
+    assert torch.equal(hi, w.to(torch.bfloat16).float())  # the first part is w in bf16
+    error = ((hi + mid) - w).abs()
+    assert (error <= 2.0**-16 * w.abs()).all()
+    assert error.max() > 0 and ((hi - w).abs() > 2.0**-16 * w.abs()).any()  # hi alone is not enough
+    with pytest.raises(ValueError, match="n_parts"):
+        split_bf16(w, n_parts=4)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=testing.dtype_name)
+def test_mm_bf16_fp32_rounds_once_into_out(device: str, dtype: torch.dtype) -> None:
+    x = testing.random_tensor((300, 4100), torch.bfloat16, device, seed=7)
+    w = testing.random_tensor((16, 4100), torch.float32, device, seed=8) * 4100**-0.5
+    out = torch.full((300, 16), float("nan"), dtype=dtype, device=device)
+    rounded = dtype != torch.float32  # two parts are enough for a result rounded to 16 bits
+    got = mm_bf16_fp32(x, w, bf16_parts(w, n_parts=2 if rounded else 3), out=out)
+    assert got is out
+    want = x.double() @ w.double().t()
+    if rounded:  # one rounding of the fp32 product (the two-part split's 2^-16 is far below it)
+        ulp = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}[dtype]
+        torch.testing.assert_close(got.double(), want, rtol=ulp, atol=ulp * 1e-2)
+        # The product of w rounded to bf16 (the split's first part alone) is outside that.
+        coarse = x.double() @ w.to(torch.bfloat16).double().t()
+        assert ((coarse - want).abs() > ulp * (want.abs() + 1e-2)).any()
+    else:
+        torch.testing.assert_close(got.double(), want, rtol=2e-6, atol=2e-6 * 4100**0.5)
 
 
 @pytest.mark.parametrize(("rows", "cols", "rank"), [(1, 7, 3), (33, 130, 16), (257, 4100, 8)])
@@ -47,6 +87,26 @@ def test_mm_bf16_fp32_takes_the_parts_split_once(device: str) -> None:
     # Chunks of rows against one split: the same rows as the unchunked product.
     chunked = torch.cat([mm_bf16_fp32(x[i : i + 32], w, parts) for i in range(0, 70, 32)])
     torch.testing.assert_close(chunked, whole, rtol=2e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("alpha", [1.0, 0.37])
+@pytest.mark.parametrize("out_dtype", ["same", "fp32"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=testing.dtype_name)
+def test_scaled_mm(device: str, dtype: torch.dtype, out_dtype: str, alpha: float) -> None:
+    a = testing.random_tensor((37, 1030), dtype, device, seed=9)
+    b = testing.random_tensor((1030, 19), dtype, device, seed=10)
+    want_dtype = dtype if out_dtype == "same" else torch.float32
+    got = scaled_mm(a, b, alpha, want_dtype)
+    assert got.dtype == want_dtype and got.shape == (37, 19)
+    want = alpha * (a.double() @ b.double())
+    fp32_sums = want_dtype == torch.float32 and (dtype == torch.float32 or has_fp32_out_matmul(a.device))
+    if fp32_sums:  # one fp32 result: a few fp32 ulps of the 1030-term sums
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * 1030**0.5)
+    else:  # a product in the inputs' dtype: one rounding of it
+        ulp = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}[dtype]
+        torch.testing.assert_close(got.double(), want, rtol=2 * ulp, atol=2 * ulp)
+    if alpha != 1.0:  # the scale is applied, not dropped
+        assert not torch.allclose(got.double(), want / alpha, rtol=0.1, atol=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

@@ -6,6 +6,8 @@
 - :func:`mm_bf16_fp32`: ``x @ w.T`` for a bf16 ``x`` and an fp32 ``w``, as ``x.float() @ w.T``
   computes it, without the fp32 copy of ``x`` (fk.lora: PEFT keeps LoRA weights in fp32 next to bf16
   activations, and casts the activations up).
+- :func:`scaled_mm`: ``alpha * (a @ b)`` in a given dtype, one kernel in eager mode (the scale is the
+  matmul's ``alpha``, an fp32 result the matmul's own output).
 - :func:`accumulate_mm`: ``acc (=|+=) a @ b`` with the sum kept in ``acc``'s dtype (fp32 sums of
   bf16 products over chunks of rows: fk.flce's weight gradient, fk.lora's chunked MLP).
 - :func:`column_sum`: the fp32 sum over the rows of a matrix (a bias gradient) without the staging
@@ -17,7 +19,9 @@ parts carry 3 x 8 significant bits, fp32 has 24. A bf16 x bf16 product is exact 
 bf16 matmul of ``x`` against the stacked parts, accumulated in fp32, gives ``x @ hi.T``,
 ``x @ mid.T`` and ``x @ lo.T``, whose sum is ``x.float() @ w.T`` up to the order of fp32 additions.
 ``x`` is read once, in bf16. (bf16 has fp32's exponent range, so no part under- or overflows where
-``w`` does not; fp16 inputs would, so they are not taken.)
+``w`` does not; fp16 inputs would, so they are not taken.) Where the product is rounded to bf16
+at once (fk.lora's rank-sized ``x A^T``), ``hi`` and ``mid`` suffice: they hold 16 significant bits
+of ``w``, so each element is off by at most 2^-16 of itself, 2^-8 of bf16's own rounding error.
 """
 
 from __future__ import annotations
@@ -42,37 +46,76 @@ def has_fp32_out_matmul(device: torch.device) -> bool:
     return device.type == "cuda" and _torch_has_out_dtype_matmul()
 
 
-def split_bf16(w: torch.Tensor) -> torch.Tensor:
-    """The fp32 ``w`` ``[r, K]`` as three bf16 parts stacked ``[3r, K]`` (hi, mid, lo) whose fp32 sum
-    is ``w`` (see the module docstring). Four kernels, written straight into the stacked buffer."""
+def split_bf16(w: torch.Tensor, n_parts: int = 3) -> torch.Tensor:
+    """The fp32 ``w`` ``[r, K]`` as bf16 parts stacked ``[n_parts * r, K]`` (hi, mid[, lo]) whose fp32
+    sum is ``w`` (three parts, see the module docstring) or ``w`` to 16 significant bits (two: the
+    error left is under 2^-16 of each element, for a product that is rounded to bf16 anyway).
+    The first ``r`` rows are ``w.to(torch.bfloat16)``. Two kernels for two parts, four for three,
+    written straight into the stacked buffer."""
+    if n_parts not in (2, 3):
+        raise ValueError(f"n_parts must be 2 or 3, got {n_parts}")
     r = w.shape[0]
-    parts = torch.empty((3 * r, w.shape[1]), dtype=torch.bfloat16, device=w.device)
-    hi, mid, lo = parts[:r], parts[r : 2 * r], parts[2 * r :]
+    parts = torch.empty((n_parts * r, w.shape[1]), dtype=torch.bfloat16, device=w.device)
+    hi, mid = parts[:r], parts[r : 2 * r]
     hi.copy_(w)
+    if n_parts == 2:
+        torch.sub(w, hi, out=mid)  # w - hi is exact in fp32, rounded to bf16 on the way out
+        return parts
     rest = w - hi  # exact in fp32
     mid.copy_(rest)
-    torch.sub(rest, mid, out=lo)  # rounded to bf16 on the way out
+    torch.sub(rest, mid, out=parts[2 * r :])  # rounded to bf16 on the way out
     return parts
 
 
-def bf16_parts(w: torch.Tensor) -> torch.Tensor | None:
+def bf16_parts(w: torch.Tensor, n_parts: int = 3) -> torch.Tensor | None:
     """:func:`split_bf16` of ``w`` where :func:`mm_bf16_fp32` uses the parts (a device with
     fp32-output matmuls), else None. A caller that multiplies several inputs by one ``w`` (chunks
     of rows) splits it once and passes the parts to each call."""
-    return split_bf16(w) if has_fp32_out_matmul(w.device) else None
+    return split_bf16(w, n_parts) if has_fp32_out_matmul(w.device) else None
 
 
-def mm_bf16_fp32(x: torch.Tensor, w: torch.Tensor, parts: torch.Tensor | None = None) -> torch.Tensor:
+def mm_bf16_fp32(
+    x: torch.Tensor, w: torch.Tensor, parts: torch.Tensor | None = None, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """``x.float() @ w.T`` in fp32, for ``x`` bf16 ``[M, K]`` and ``w`` fp32 ``[r, K]``, reading ``x``
-    once in bf16 (see the module docstring). ``parts``: :func:`bf16_parts` of ``w``, when the caller
-    has it. On a device without fp32-output matmuls it computes ``x.float() @ w.T`` itself."""
+    once in bf16 (see the module docstring). ``parts``: :func:`bf16_parts` of ``w`` (three parts, or
+    two where the result is rounded to bf16), when the caller has it. ``out``: an ``[M, r]`` buffer
+    of any float dtype that takes the fp32 result rounded once (one kernel sums the parts into it).
+    On a device without fp32-output matmuls it computes ``x.float() @ w.T`` itself."""
     if not has_fp32_out_matmul(x.device):
-        return torch.mm(x.float(), w.t())
+        product = torch.mm(x.float(), w.t())
+        return product if out is None else out.copy_(product)
     r = w.shape[0]
     if parts is None:
         parts = split_bf16(w)
-    out = torch.mm(x, parts.t(), out_dtype=torch.float32)  # [M, 3r]: x hi^T | x mid^T | x lo^T
-    return out.view(x.shape[0], 3, r).sum(1)
+    products = torch.mm(x, parts.t(), out_dtype=torch.float32)  # [M, n r]: x hi^T | x mid^T (| x lo^T)
+    if parts.shape[0] == 2 * r and out is not None:  # (a binary op sums in fp32 and rounds once into out;
+        return torch.add(products[:, :r], products[:, r:], out=out)  # a sum into out rounds each term first)
+    summed = products.view(x.shape[0], parts.shape[0] // r, r).sum(1)
+    return summed if out is None else out.copy_(summed)
+
+
+def scaled_mm(a: torch.Tensor, b: torch.Tensor, alpha: float, dtype: torch.dtype) -> torch.Tensor:
+    """``alpha * (a @ b)`` in ``dtype``, for ``a`` and ``b`` of one float dtype (a new tensor).
+
+    In eager mode one kernel: the scale is the matmul's ``alpha``, and an fp32 result from bf16/fp16
+    inputs is the matmul's own output where the device has fp32-output matmuls (the products are
+    then summed in fp32 and never rounded to the inputs' dtype). Elsewhere, and under
+    ``torch.compile`` (which fuses the scale and the cast itself), the product in the inputs' dtype,
+    scaled and cast.
+    """
+    shape = (a.shape[0], b.shape[1])
+    if torch.compiler.is_compiling():
+        return (torch.mm(a, b) * alpha).to(dtype)
+    fp32_out = dtype == torch.float32 and a.dtype != dtype and has_fp32_out_matmul(a.device)
+    out_dtype = dtype if fp32_out else a.dtype
+    if alpha == 1.0:
+        product = torch.mm(a, b, out_dtype=out_dtype) if fp32_out else torch.mm(a, b)
+    else:  # (beta=0: the uninitialized input is ignored, NaNs included)
+        unused = a.new_empty(shape, dtype=out_dtype)
+        kwargs = {"out_dtype": out_dtype} if fp32_out else {}
+        product = torch.addmm(unused, a, b, beta=0, alpha=alpha, **kwargs)
+    return product if product.dtype == dtype else product.to(dtype)
 
 
 def accumulate_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool) -> None:
