@@ -45,7 +45,7 @@ import torch.nn.functional as F
 
 from fk.core import validate
 from fk.core.backend import uses_kernel
-from fk.core.matmul import accumulate_mm, bf16_parts, column_sum, mm_bf16_fp32
+from fk.core.matmul import accumulate_mm, bf16_parts, column_sum, mm_bf16_fp32, scaled_mm
 from fk.glu import gated_act_backward_with_value, gated_act_forward, gated_act_ref, resolve_activation
 from fk.lora.masked_low_rank import add_masked_low_rank_, masked
 
@@ -112,19 +112,23 @@ def lora_mlp_ref(
 # --- 2. Launchers ---------------------------------------------------------------------------------
 #
 # Forward of one projection (x2 = x as [M, K], c = the activation dtype, l = the LoRA dtype):
-#   xa = d(x2.to(l)) A^T                         [M, r], in l     (d: dropout, mask m, 1/(1-p))
+#   y  = addmm(b, x2, W^T)                       [M, N], in c     (launched first: the long matmul)
+#   xa = d(x2.to(l)) A^T                         [M, r], in l, rounded to c   (d: dropout, mask m, 1/(1-p))
 #        (bf16 x2, fp32 A, no dropout, on a GPU: fk.core.matmul.mm_bf16_fp32 computes the same
-#        product reading x2 once in bf16, with no fp32 copy of it)
-#   y  = addmm(b, x2, W^T) ; y += s xa B^T ; y += s c_bias       [M, N], in c, one buffer
+#        product reading x2 once in bf16, with no fp32 copy of it, against a two-part split of A)
+#   y += s xa B^T ; y += s c_bias                one buffer
+# Kept for the backward: xa, and A and B cast to c (cast once here, not again in the backward).
 #
 # Backward, with upstream gradient dy [M, N] and G = dy B [M, r] (rank-sized):
 #   dB      = s dy^T xa                          [N, r]
 #   dc_bias = s sum_rows(dy)                     [N]
 #   dA      = s G^T d(x2)                        [r, K]   d(x2) = x2 * m / (1 - p), formed as
-#             (s G / (1 - p))^T (x2 * m): x2 * m exact in c, one pass, the factor on the [M, r] side
+#             (s G)^T (x2 * m) scaled by 1/(1-p): x2 * m exact in c, one pass
 #   dW      = dy^T x2                            [N, K]   only when W requires grad
 #   db      = sum_rows(dy)                       [N]      only when b requires grad
 #   dx      = dy W + s (G A) * m / (1 - p)       [M, K]
+# Each rank-sized matmul is one kernel (fk.core.matmul.scaled_mm): its scale is the matmul's alpha,
+# and dA and dB (fp32 next to bf16 activations) are the matmul's own fp32 output.
 # Under autocast, W, b, A, B and c_bias arrive cast to autocast's dtype, which is then c: x2 is cast
 # to c for the base matmul (and recast in the backward for dW), the LoRA branch casts x2 to lora_A's
 # own dtype for the dropout and the result to c, and dx is formed in c and cast to x's dtype.
@@ -162,97 +166,132 @@ def _lora_input_product(
     p: float,
     dd: torch.dtype,
     a_parts: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``xa = d(x2 in dd) A^T`` ``[M, r]`` in ``A``'s dtype, and the dropout mask (None without
-    dropout). ``A`` may be several projections' ``A``\\ s stacked (no dropout): ``x2`` is read once.
+    out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """``xa = d(x2 in dd) A^T`` ``[M, r]``, computed in ``A``'s dtype and rounded to ``xc``'s (the
+    compute dtype ``c``, in which every later use of ``xa`` runs); the dropout mask (None without
+    dropout); and ``A`` in ``c``. ``A`` may be several projections' ``A``\\ s stacked (no dropout):
+    ``x2`` is read once.
 
     ``xc`` is ``x2`` in the weight's dtype (``x2`` itself outside autocast); ``dd`` the dtype the
-    dropout is drawn in (``lora_A``'s own, before any autocast cast); ``a_parts`` the bf16 split of
-    ``A`` (``fk.core.matmul.bf16_parts``) when the caller made it once for several calls.
+    dropout is drawn in (``lora_A``'s own, before any autocast cast); ``a_parts`` the two-part bf16
+    split of ``A`` (``fk.core.matmul.bf16_parts``) when the caller made it once for several calls;
+    ``out`` an ``[M, r]`` buffer in ``c`` for ``xa``.
     """
+    c = xc.dtype
     if _bf16_split_applies(x2.dtype, lora_A, p, dd):
-        return mm_bf16_fp32(x2, lora_A, a_parts), None  # x2.float() @ A^T, on a GPU with no fp32 copy of x2
+        if a_parts is None:
+            a_parts = bf16_parts(lora_A, n_parts=2)
+        if out is None:
+            out = torch.empty((x2.shape[0], lora_A.shape[0]), dtype=c, device=x2.device)
+        # x2.float() @ A^T rounded to c; on a GPU one bf16 matmul and no fp32 copy of x2. The split's
+        # first part is A in bf16: A in c, free, when c is bf16.
+        a_c = a_parts[: lora_A.shape[0]] if a_parts is not None and c == torch.bfloat16 else lora_A.to(c)
+        return mm_bf16_fp32(x2, lora_A, a_parts, out=out), None, a_c
     mask = None
     xl = x2 if x2.dtype == dd else x2.to(dd)
-    if p == 0 and xl is x2 and lora_A.dtype == xc.dtype:
+    if p == 0 and xl is x2 and lora_A.dtype == c:
         xl = xc  # (autocast, no dropout: the base matmul's cast of x serves the LoRA branch too)
     if p > 0:
         xl, mask = torch.native_dropout(xl, p, True)
     if xl.dtype != lora_A.dtype:
         xl = xl.to(lora_A.dtype)
-    return torch.mm(xl, lora_A.t()), mask
+    xa = torch.mm(xl, lora_A.t())
+    if out is not None:
+        xa = out.copy_(xa)
+    return (xa if xa.dtype == c else xa.to(c)), mask, lora_A.to(c)
+
+
+class _LowRank(NamedTuple):
+    """What one projection's forward keeps of its LoRA branch for the backward, all but the mask in
+    the compute dtype ``c`` (cast once in the forward, so the backward casts nothing)."""
+
+    xa: torch.Tensor
+    """``d(x) A^T`` ``[M, r]``."""
+    mask: torch.Tensor | None
+    """The dropout mask (bool, ``[M, K]``), or None."""
+    a_c: torch.Tensor
+    """``A`` ``[r, K]``."""
+    b_c: torch.Tensor
+    """``B`` ``[N, r]``."""
 
 
 def _lora_input_products(
     x2: torch.Tensor, xc: torch.Tensor, lora_As: list[torch.Tensor], config: Any
-) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
-    """(xa's, masks) of projections that share ``x2`` (``config``: ``(s, p, dd)`` each). Those
-    without dropout whose ``A``\\ s share a dtype take one matmul against their stacked ``A``\\ s, so
-    ``x2`` is read once for all of them; each ``xa`` is then a column block of its result.
-    Dropout masks are drawn projection by projection, in order, as PEFT draws them."""
-    xas: list[Any] = [None] * len(config)
-    masks: list[torch.Tensor | None] = [None] * len(config)
-    for group in _stackable(config, lora_As):
+) -> tuple[list[torch.Tensor], list[torch.Tensor | None], list[torch.Tensor]]:
+    """(xa's, masks, A's in ``c``) of projections that share ``x2`` (``config``: ``(s, p, dd)``
+    each). Those without dropout whose ``A``\\ s share a dtype take one matmul against their stacked
+    ``A``\\ s, so ``x2`` is read once for all of them; each ``xa`` is then a column block of its
+    result (and each ``A`` in ``c`` a row block of the stack's). Dropout masks are drawn projection
+    by projection, in order, as PEFT draws them."""
+    n = len(config)
+    xas: list[Any] = [None] * n
+    masks: list[torch.Tensor | None] = [None] * n
+    a_cs: list[Any] = [None] * n
+    for group in _stackable(config, [a.dtype for a in lora_As]):
         stacked = torch.cat([lora_As[i] for i in group]) if len(group) > 1 else lora_As[group[0]]
-        xa, _ = _lora_input_product(x2, xc, stacked, 0.0, config[group[0]][2])
-        for i, block in zip(group, xa.split([lora_As[i].shape[0] for i in group], dim=1), strict=True):
-            xas[i] = block
+        xa, _, a_c = _lora_input_product(x2, xc, stacked, 0.0, config[group[0]][2])
+        start = 0
+        for i in group:
+            rank = lora_As[i].shape[0]
+            xas[i], a_cs[i] = xa[:, start : start + rank], a_c[start : start + rank]
+            start += rank
     cast: dict[torch.dtype, torch.Tensor] = {}  # x2 in each dropout dtype, cast once for all projections
     for i, (_, p, dd) in enumerate(config):
         if p > 0:
             if dd not in cast:
                 cast[dd] = x2 if x2.dtype == dd else x2.to(dd)
-            xas[i], masks[i] = _lora_input_product(cast[dd], xc, lora_As[i], p, dd)
-    return xas, masks
+            xas[i], masks[i], a_cs[i] = _lora_input_product(cast[dd], xc, lora_As[i], p, dd)
+    return xas, masks, a_cs
 
 
-def _stackable(config: Any, lora_As: list[Any]) -> list[list[int]]:
-    """Indices of the projections without dropout, grouped by (``A``'s dtype, dropout dtype): the
-    ones whose rank-sized terms can be stacked (a None in ``lora_As`` leaves a projection out)."""
+def _stackable(config: Any, lora_dtypes: list[torch.dtype | None]) -> list[list[int]]:
+    """Indices of the projections without dropout, grouped by (LoRA weights' dtype, dropout dtype):
+    the ones whose rank-sized terms can be stacked (a None in ``lora_dtypes`` leaves one out)."""
     groups: dict[tuple[torch.dtype, torch.dtype], list[int]] = {}
     for i, (_, p, dd) in enumerate(config):
-        if lora_As[i] is not None and p == 0:
-            groups.setdefault((lora_As[i].dtype, dd), []).append(i)
+        ld = lora_dtypes[i]
+        if ld is not None and p == 0:
+            groups.setdefault((ld, dd), []).append(i)
     return list(groups.values())
 
 
 def _base_out(
     xc: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """``xc W^T + b`` in ``xc``'s dtype (into ``out`` when given)."""
+    """``xc W^T + b`` in ``xc``'s dtype (into ``out`` when given).
+
+    The forwards launch these base matmuls before any of the LoRA branch's small kernels (without
+    dropout, :func:`_base_first`): the GPU then starts on the long matmuls while the host queues the
+    rest, instead of waiting for the host through a string of short kernels at the start of a call.
+    """
     if bias is None:
         return torch.mm(xc, weight.t(), out=out)
     return torch.addmm(bias, xc, weight.t(), out=out)
 
 
+def _base_first(config: Any) -> bool:
+    """Whether the forward launches the base matmuls of projections of one input (``config``: their
+    ``(s, p, dd)``) before their LoRA inputs: without dropout, where those take rank-sized buffers
+    only. With dropout, the LoRA input's [M, K] buffers (``x`` cast, dropped) are formed and freed
+    first, so they never coexist with the base outputs."""
+    return all(p == 0 for _, p, _ in config)
+
+
 def _add_lora_out(
-    y: torch.Tensor, xa: torch.Tensor, lora_B: torch.Tensor, lora_bias: torch.Tensor | None, scaling: float
+    y: torch.Tensor, xa: torch.Tensor, b_c: torch.Tensor, lora_bias: torch.Tensor | None, scaling: float
 ) -> torch.Tensor:
-    """``y += s xa B^T + s c`` in ``y``'s dtype, in place; returns ``y``."""
-    c = y.dtype
-    y.addmm_(xa.to(c), lora_B.to(c).t(), alpha=scaling)
-    if lora_bias is not None:
-        y.add_(lora_bias.to(c), alpha=scaling)
-    return y
-
-
-def _proj_out(
-    xc: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    xa: torch.Tensor,
-    lora_B: torch.Tensor,
-    lora_bias: torch.Tensor | None,
-    scaling: float,
-) -> torch.Tensor:
-    """``y = xc W^T + b + s xa B^T + s c`` ``[M, N]`` in ``xc``'s dtype, one buffer.
+    """``y += s xa B^T + s c`` in ``y``'s dtype (``xa`` and ``B`` in it already), in place; returns ``y``.
 
     (The base matmul writes ``y`` first and the rank-``r`` product is added into it. In the other
     order, with the base GEMM reading ``y`` in its epilogue, ``torch.compile``'s bf16 outputs
     under autocast came out a bf16 rounding away from eager's on CPU, which
     ``test_compile_fullgraph_matches_eager`` does not allow.)
     """
-    return _add_lora_out(_base_out(xc, weight, bias), xa, lora_B, lora_bias, scaling)
+    y.addmm_(xa, b_c.t(), alpha=scaling)
+    if lora_bias is not None:
+        y.add_(lora_bias.to(y.dtype), alpha=scaling)
+    return y
 
 
 def _proj_fwd(
@@ -266,20 +305,24 @@ def _proj_fwd(
     scaling: float,
     p: float,
     dd: torch.dtype,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """One projection of ``x2`` ``[M, K]``: (y ``[M, N]``, xa ``[M, r]``, dropout mask or None)."""
-    xa, mask = _lora_input_product(x2, xc, lora_A, p, dd)
-    return _proj_out(xc, weight, bias, xa, lora_B, lora_bias, scaling), xa, mask
+) -> tuple[torch.Tensor, _LowRank]:
+    """One projection of ``x2`` ``[M, K]``: (y ``[M, N]``, what its backward keeps)."""
+    y = _base_out(xc, weight, bias) if p == 0 else None  # (see _base_first)
+    xa, mask, a_c = _lora_input_product(x2, xc, lora_A, p, dd)
+    if y is None:
+        y = _base_out(xc, weight, bias)
+    b_c = lora_B.to(xc.dtype)
+    return _add_lora_out(y, xa, b_c, lora_bias, scaling), _LowRank(xa, mask, a_c, b_c)
 
 
-def _scaled_lora_grad(dy: torch.Tensor, lora_B: torch.Tensor, scaling: float) -> torch.Tensor:
+def _scaled_lora_grad(dy: torch.Tensor, b_c: torch.Tensor, scaling: float) -> torch.Tensor:
     """``s G = s dy B`` ``[M, r]``: the rank-sized term both ``dA`` and ``dx`` are formed from."""
-    return torch.mm(dy, lora_B.to(dy.dtype)) * scaling
+    return scaled_mm(dy, b_c, scaling, dy.dtype)
 
 
 def _kept_input(x2: torch.Tensor, mask: torch.Tensor | None, dd: torch.dtype, c: torch.dtype) -> torch.Tensor:
     """``x2 * m`` in ``c``: the LoRA input as the forward dropped it, without dropout's ``1 / (1 - p)``
-    (``dA = (s G)^T d(x2)`` takes that factor on the rank-sized ``s G`` instead). Under autocast the
+    (``dA = (s G)^T d(x2)`` takes that factor as the matmul's scale instead). Under autocast the
     forward's LoRA input was ``x2`` cast to ``dd``; here it goes on to ``c``. The mask's zeros and
     ones change no value, so ``x2 * m`` is exact and one pass over ``x2``, in ``c`` (not in ``dd``,
     which may be fp32 next to bf16 activations)."""
@@ -292,10 +335,8 @@ def _proj_bwd_params(
     x2: torch.Tensor | None,
     xc: torch.Tensor | None,
     weight: torch.Tensor,
-    lora_A: torch.Tensor,
-    lora_B: torch.Tensor,
-    xa: torch.Tensor,
-    mask: torch.Tensor | None,
+    low: _LowRank,
+    lora_dtype: torch.dtype,
     scaling: float,
     p: float,
     dd: torch.dtype,
@@ -303,35 +344,33 @@ def _proj_bwd_params(
     gs: torch.Tensor | None,
 ) -> list[torch.Tensor | None]:
     """The parameter gradients of :func:`_proj_fwd`: [dW, db, dA, dB, dlora_bias], None where not
-    in ``needs`` (the same five flags). ``x2`` is needed only for dA, ``xc`` (``x2`` in ``dy``'s
-    dtype) only for dW, ``gs`` (:func:`_scaled_lora_grad`) only for dA."""
+    in ``needs`` (the same five flags); the LoRA ones in ``lora_dtype``. ``x2`` is needed only for
+    dA, ``xc`` (``x2`` in ``dy``'s dtype) only for dW, ``gs`` (:func:`_scaled_lora_grad`) only for dA."""
     need_dw, need_db, need_da, need_dbb, need_dlb = needs
-    c = dy.dtype
     grads: list[torch.Tensor | None] = [None] * 5
     if need_dw:
         assert xc is not None
-        grads[0] = torch.mm(dy.t(), xc).to(weight.dtype)
+        grads[0] = scaled_mm(dy.t(), xc, 1.0, weight.dtype)
     if need_db or need_dlb:
         col_sum = column_sum(dy)
         if need_db:
             grads[1] = col_sum.to(weight.dtype)
         if need_dlb:
-            grads[4] = (col_sum * scaling).to(lora_B.dtype)
+            grads[4] = (col_sum * scaling).to(lora_dtype)
     if need_dbb:
-        grads[3] = torch.mm(dy.t(), xa.to(c) * scaling).to(lora_B.dtype)
+        grads[3] = scaled_mm(dy.t(), low.xa, scaling, lora_dtype)
     if need_da:
         assert gs is not None and x2 is not None
-        gs_kept = gs if mask is None else gs * (1.0 / (1.0 - p))
-        grads[2] = torch.mm(gs_kept.t(), _kept_input(x2, mask, dd, c)).to(lora_A.dtype)
+        kept = 1.0 if low.mask is None else 1.0 / (1.0 - p)
+        grads[2] = scaled_mm(gs.t(), _kept_input(x2, low.mask, dd, dy.dtype), kept, lora_dtype)
     return grads
 
 
 def _proj_bwd_input(
-    dy: torch.Tensor, weight: torch.Tensor, lora_A: torch.Tensor, gs: torch.Tensor, mask: torch.Tensor | None, p: float
+    dy: torch.Tensor, weight: torch.Tensor, a_c: torch.Tensor, gs: torch.Tensor, mask: torch.Tensor | None, p: float
 ) -> torch.Tensor:
-    """``dx = dy W + (s G A) * m / (1 - p)``, a new buffer (the order of :func:`_proj_out`)."""
+    """``dx = dy W + (s G A) * m / (1 - p)``, a new buffer (the order of :func:`_add_lora_out`)."""
     dx = torch.mm(dy, weight)
-    a_c = lora_A.to(dy.dtype)
     if mask is None:
         return dx.addmm_(gs, a_c)
     return add_masked_low_rank_(dx, gs, a_c, mask, 1.0 / (1.0 - p))
@@ -341,9 +380,9 @@ def _shared_input_bwd(
     dys: list[torch.Tensor | None],
     x2: torch.Tensor,
     xc: torch.Tensor | None,
-    weights: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
-    xas: list[torch.Tensor],
-    masks: list[torch.Tensor | None],
+    weights: list[torch.Tensor],
+    lows: list[_LowRank],
+    lora_dtypes: list[torch.dtype],
     config: Any,
     needs: list[tuple[bool, ...]],
     need_dx: bool,
@@ -351,8 +390,9 @@ def _shared_input_bwd(
     """Backward of the projections of one input ``x2`` (q, k, v; gate, up; or one alone): returns
     (dx, [dW, db, dA, dB, dlora_bias] of each projection).
 
-    ``dys[i]`` ``[M, N_i]`` (None: projection i got no gradient), ``weights[i]`` = (W, A, B),
-    ``needs[i]`` its five flags; ``xc`` is ``x2`` in the gradients' dtype (needed for dW only).
+    ``dys[i]`` ``[M, N_i]`` (None: projection i got no gradient), ``weights[i]`` its base weight,
+    ``lows[i]`` what its forward kept, ``lora_dtypes[i]`` its LoRA weights' dtype, ``needs[i]`` its
+    five flags; ``xc`` is ``x2`` in the gradients' dtype (needed for dW only).
     dx is one buffer: the ``dy W`` terms first, then the rank-sized ``s G A`` terms. For the
     projections without dropout those are stacked, as in the forward: their ``dA``\\ s come from one
     matmul that reads ``x2`` once, and their ``s G A`` terms go into dx with one ``addmm_``.
@@ -364,38 +404,47 @@ def _shared_input_bwd(
     c = dys[live[0]].dtype  # type: ignore[union-attr]
     gss: list[Any] = [None] * n
     grads: list[list[torch.Tensor | None]] = [[None] * _SLOTS for _ in range(n)]
-    groups = _stackable(config, [weights[i][1] if i in live else None for i in range(n)])
+    groups = _stackable(config, [lora_dtypes[i] if i in live else None for i in range(n)])
     stacked_da = {i for group in groups for i in group}
     for i in live:
         dy = dys[i]
         assert dy is not None
-        (w, a, b), (s, p, dd) = weights[i], config[i]
+        s, p, dd = config[i]
         if need_dx or needs[i][2]:
-            gss[i] = _scaled_lora_grad(dy, b, s)
+            gss[i] = _scaled_lora_grad(dy, lows[i].b_c, s)
         own_needs = (*needs[i][:2], needs[i][2] and i not in stacked_da, *needs[i][3:])
-        grads[i] = _proj_bwd_params(dy, x2, xc, w, a, b, xas[i], masks[i], s, p, dd, own_needs, gss[i])
+        grads[i] = _proj_bwd_params(dy, x2, xc, weights[i], lows[i], lora_dtypes[i], s, p, dd, own_needs, gss[i])
+    stacked_gs: dict[tuple[int, ...], torch.Tensor] = {}  # [s G_i | s G_j | ...], concatenated once
+
+    def gs_of(indices: list[int]) -> torch.Tensor:
+        key = tuple(indices)
+        if key not in stacked_gs:
+            stacked_gs[key] = torch.cat([gss[i] for i in indices], dim=1) if len(indices) > 1 else gss[indices[0]]
+        return stacked_gs[key]
+
     for group in groups:
         group = [i for i in group if needs[i][2]]
-        if group:  # dA of projections without dropout: one read of d(x2) = x2
-            gs = torch.cat([gss[i] for i in group], dim=1) if len(group) > 1 else gss[group[0]]
-            da = torch.mm(gs.t(), _kept_input(x2, None, config[group[0]][2], c))
-            for i, block in zip(group, da.split([weights[i][1].shape[0] for i in group]), strict=True):
-                grads[i][2] = block.to(weights[i][1].dtype)
+        if group:  # dA of projections without dropout: one read of d(x2) = x2, for all of them
+            da = scaled_mm(gs_of(group).t(), _kept_input(x2, None, config[group[0]][2], c), 1.0, lora_dtypes[group[0]])
+            start = 0
+            for i in group:
+                rank = lows[i].a_c.shape[0]
+                grads[i][2] = da[start : start + rank] if len(group) > 1 else da
+                start += rank
     if not need_dx:
         return None, grads
     dx: torch.Tensor | None = None
-    for i in live:  # the base terms first (the order of _proj_out)
-        dx = torch.mm(dys[i], weights[i][0]) if dx is None else dx.addmm_(dys[i], weights[i][0])  # type: ignore[arg-type]
+    for i in live:  # the base terms first (the order of _add_lora_out)
+        dx = torch.mm(dys[i], weights[i]) if dx is None else dx.addmm_(dys[i], weights[i])  # type: ignore[arg-type]
     assert dx is not None
-    plain = [i for i in live if masks[i] is None]
+    plain = [i for i in live if lows[i].mask is None]
     if plain:  # s G A of the projections without dropout: one pass over dx
-        gs = torch.cat([gss[i] for i in plain], dim=1) if len(plain) > 1 else gss[plain[0]]
-        a_c = torch.cat([weights[i][1].to(c) for i in plain]) if len(plain) > 1 else weights[plain[0]][1].to(c)
-        dx.addmm_(gs, a_c)
+        a_c = torch.cat([lows[i].a_c for i in plain]) if len(plain) > 1 else lows[plain[0]].a_c
+        dx.addmm_(gs_of(plain), a_c)
     for i in live:
-        mask = masks[i]
+        mask = lows[i].mask
         if mask is not None:
-            add_masked_low_rank_(dx, gss[i], weights[i][1].to(c), mask, 1.0 / (1.0 - config[i][1]))
+            add_masked_low_rank_(dx, gss[i], lows[i].a_c, mask, 1.0 / (1.0 - config[i][1]))
     return dx, grads
 
 
@@ -434,26 +483,32 @@ class _LoRAProjections(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, config: tuple[tuple[float, float, torch.dtype], ...], *params: Any) -> Any:
+        n = len(config)
         x2 = x.reshape(-1, x.shape[-1])
         c = params[0].dtype
         xc = x2 if x2.dtype == c else x2.to(c)
-        xas, masks = _lora_input_products(x2, xc, [params[_SLOTS * i + 2] for i in range(len(config))], config)
-        outs = []
+        base_first = _base_first(config)
+        ys = [_base_out(xc, params[_SLOTS * i], params[_SLOTS * i + 1]) for i in range(n)] if base_first else []
+        xas, masks, a_cs = _lora_input_products(x2, xc, [params[_SLOTS * i + 2] for i in range(n)], config)
+        if not base_first:
+            ys = [_base_out(xc, params[_SLOTS * i], params[_SLOTS * i + 1]) for i in range(n)]
+        outs, b_cs = [], []
         for i, (s, _, _) in enumerate(config):
-            w, b, _, bb, lb = params[_SLOTS * i : _SLOTS * (i + 1)]
-            y = _proj_out(xc, w, b, xas[i], bb, lb, s)
+            b_cs.append(params[_SLOTS * i + 3].to(c))
+            y = _add_lora_out(ys[i], xas[i], b_cs[-1], params[_SLOTS * i + 4], s)
             outs.append(y.view(*x.shape[:-1], y.shape[-1]))
-        weights = [t for i in range(len(config)) for t in (params[_SLOTS * i], params[_SLOTS * i + 2], params[_SLOTS * i + 3])]  # fmt: skip
-        ctx.save_for_backward(x, *weights, *xas, *masks)
+        ctx.save_for_backward(x, *params[0::_SLOTS], *xas, *masks, *a_cs, *b_cs)
         ctx.config = config
+        ctx.lora_dtypes = [params[_SLOTS * i + 2].dtype for i in range(n)]
         ctx.set_materialize_grads(False)
         return tuple(outs)
 
     @staticmethod
     def backward(ctx: Any, *dys: Any) -> Any:
         n = len(ctx.config)
-        saved = ctx.saved_tensors
-        x, weights, xas, masks = saved[0], saved[1 : 1 + 3 * n], saved[1 + 3 * n : 1 + 4 * n], saved[1 + 4 * n :]
+        x, *saved = ctx.saved_tensors
+        weights = saved[:n]
+        lows = [_LowRank(*saved[n + i :: n]) for i in range(n)]  # (xa, mask, a_c, b_c) of projection i
         x2 = x.reshape(-1, x.shape[-1])
         c = weights[0].dtype
         xc = _cast_if_needed(x2, c, any(ctx.needs_input_grad[2::_SLOTS]))
@@ -461,9 +516,8 @@ class _LoRAProjections(torch.autograd.Function):
         needs = [ctx.needs_input_grad[2 + _SLOTS * i : 2 + _SLOTS * (i + 1)] for i in range(n)]
         with _autocast_off(x.device.type):
             dx, grads = _shared_input_bwd(
-                dys2, x2, xc, [weights[3 * i : 3 * i + 3] for i in range(n)], list(xas), list(masks),
-                ctx.config, needs, ctx.needs_input_grad[0],
-            )  # fmt: skip
+                dys2, x2, xc, list(weights), lows, ctx.lora_dtypes, ctx.config, needs, ctx.needs_input_grad[0]
+            )
         if dx is not None:
             dx = dx.view(x.shape).to(x.dtype)
         return (dx, None, *(g for projection in grads for g in projection))
@@ -502,25 +556,27 @@ def _down_forward_in_chunks(
     lbd: torch.Tensor | None,
     sd: float,
     dd: torch.dtype,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, _LowRank]:
     """The down projection of ``h = act(gate) * up`` (no dropout), ``rows`` rows at a time:
-    returns (y, xa) as :func:`_proj_fwd` would for the whole ``h``.
+    returns (y, what the backward keeps) as :func:`_proj_fwd` would for the whole ``h``.
 
-    Each chunk writes its rows of the base product into ``y`` and forms its rows of ``xa`` (against
-    ``A`` split once, on the ``mm_bf16_fp32`` path); the rank-sized ``s xa B^T`` is then added to
-    all rows at once. Per chunk: the activation and two matmuls.
+    Each chunk writes its rows of the base product into ``y`` and its rows of ``xa`` into one
+    ``[M, r]`` buffer (against ``A`` split once, on the ``mm_bf16_fp32`` path); the rank-sized
+    ``s xa B^T`` is then added to all rows at once. Per chunk: the activation and two matmuls.
     """
-    y = torch.empty((gate.shape[0], wd.shape[0]), dtype=gate.dtype, device=gate.device)
-    a_parts = bf16_parts(ad) if _bf16_split_applies(gate.dtype, ad, 0.0, dd) else None
-    xas = []
+    c = gate.dtype
+    y = torch.empty((gate.shape[0], wd.shape[0]), dtype=c, device=gate.device)
+    xa = torch.empty((gate.shape[0], ad.shape[0]), dtype=c, device=gate.device)
+    a_parts = bf16_parts(ad, n_parts=2) if _bf16_split_applies(c, ad, 0.0, dd) else None
+    a_c = ad.to(c)
     for start in range(0, gate.shape[0], rows):
         part = slice(start, start + rows)
         h = gated_act_forward(gate[part], up[part], act)
         _base_out(h, wd, bd, out=y[part])
-        xas.append(_lora_input_product(h, h, ad, 0.0, dd, a_parts)[0])
+        a_c = _lora_input_product(h, h, ad, 0.0, dd, a_parts, out=xa[part])[2]
         del h
-    xa = torch.cat(xas)
-    return _add_lora_out(y, xa, bbd, lbd, sd), xa
+    b_c = bbd.to(c)
+    return _add_lora_out(y, xa, b_c, lbd, sd), _LowRank(xa, None, a_c, b_c)
 
 
 def _down_backward(
@@ -529,10 +585,8 @@ def _down_backward(
     up: torch.Tensor,
     act: str,
     wd: torch.Tensor,
-    ad: torch.Tensor,
-    bd: torch.Tensor,
-    xa_d: torch.Tensor,
-    m_d: torch.Tensor | None,
+    low: _LowRank,
+    lora_dtype: torch.dtype,
     sd: float,
     pd: float,
     dd: torch.dtype,
@@ -548,17 +602,17 @@ def _down_backward(
     ``h``. Without d gate and d up, ``h`` is recomputed alone.
     """
     need_gu, param_needs = needs[0], needs[1:]
-    gs = _scaled_lora_grad(dy2, bd, sd) if need_gu or param_needs[2] else None
+    gs = _scaled_lora_grad(dy2, low.b_c, sd) if need_gu or param_needs[2] else None
     dgate = dup = None
     written = False
     if need_gu:
         assert gs is not None
-        dh = _proj_bwd_input(dy2, wd, ad, gs, m_d, pd)
+        dh = _proj_bwd_input(dy2, wd, low.a_c, gs, low.mask, pd)
         dgate, dup, h, written = gated_act_backward_with_value(dh, gate, up, act, inplace=True)
         del dh  # (its buffer holds h now)
     else:
         h = gated_act_forward(gate, up, act)
-    grads = _proj_bwd_params(dy2, h, h, wd, ad, bd, xa_d, m_d, sd, pd, dd, param_needs, gs)
+    grads = _proj_bwd_params(dy2, h, h, wd, low, lora_dtype, sd, pd, dd, param_needs, gs)
     return grads, dgate, dup, written
 
 
@@ -569,9 +623,8 @@ def _down_backward_in_chunks(
     act: str,
     rows: int,
     wd: torch.Tensor,
-    ad: torch.Tensor,
-    bd: torch.Tensor,
-    xa_d: torch.Tensor,
+    low: _LowRank,
+    lora_dtype: torch.dtype,
     sd: float,
     dd: torch.dtype,
     needs: tuple[bool, ...],
@@ -586,19 +639,17 @@ def _down_backward_in_chunks(
     the chunks in fp32 (``fk.core.matmul.accumulate_mm``).
     """
     need_gu, (need_dw, need_db, need_da, need_dbb, need_dlb) = needs[0], needs[1:]
-    c = dy2.dtype
-    gs = _scaled_lora_grad(dy2, bd, sd) if need_gu or need_da else None
-    grads = _proj_bwd_params(dy2, None, None, wd, ad, bd, xa_d, None, sd, 0.0, dd,
+    gs = _scaled_lora_grad(dy2, low.b_c, sd) if need_gu or need_da else None
+    grads = _proj_bwd_params(dy2, None, None, wd, low, lora_dtype, sd, 0.0, dd,
                              (False, need_db, False, need_dbb, need_dlb), gs)  # fmt: skip
-    a_c = ad.to(c) if need_gu else None  # cast once for all chunks
     n_inter = gate.shape[1]
-    acc_da = torch.empty((ad.shape[0], n_inter), dtype=torch.float32, device=gate.device) if need_da else None
+    acc_da = torch.empty((low.a_c.shape[0], n_inter), dtype=torch.float32, device=gate.device) if need_da else None
     acc_dw = torch.empty((wd.shape[0], n_inter), dtype=torch.float32, device=gate.device) if need_dw else None
     for start in range(0, gate.shape[0], rows):
         part = slice(start, start + rows)
         if need_gu:
-            assert gs is not None and a_c is not None
-            dh = _proj_bwd_input(dy2[part], wd, a_c, gs[part], None, 0.0)  # dy Wd + s G Ad (a_c: no cast)
+            assert gs is not None
+            dh = _proj_bwd_input(dy2[part], wd, low.a_c, gs[part], None, 0.0)  # dy Wd + s G Ad
             dg, du, h, written = gated_act_backward_with_value(dh, gate[part], up[part], act, inplace=True)
             del dh  # (its buffer holds h now)
             if not written:
@@ -616,7 +667,7 @@ def _down_backward_in_chunks(
     if acc_dw is not None:
         grads[0] = acc_dw.to(wd.dtype)
     if acc_da is not None:
-        grads[2] = acc_da.to(ad.dtype)
+        grads[2] = acc_da.to(lora_dtype)
     return grads
 
 
@@ -632,21 +683,28 @@ class _LoRAMLP(torch.autograd.Function):
         act, (sg, pg, dg), (su, pu, du), (sd, pd, dd) = config
         x2 = x.reshape(-1, x.shape[-1])
         wg, bg, ag, bbg, lbg, wu, bu, au, bbu, lbu, wd, bd, ad, bbd, lbd = params
-        xc = x2 if x2.dtype == wg.dtype else x2.to(wg.dtype)
-        (xa_g, xa_u), (m_g, m_u) = _lora_input_products(x2, xc, [ag, au], ((sg, pg, dg), (su, pu, du)))
-        gate = _proj_out(xc, wg, bg, xa_g, bbg, lbg, sg)
-        up = _proj_out(xc, wu, bu, xa_u, bbu, lbu, su)
+        c = wg.dtype
+        xc = x2 if x2.dtype == c else x2.to(c)
+        base_first = _base_first(config[1:3])
+        if base_first:
+            gate, up = _base_out(xc, wg, bg), _base_out(xc, wu, bu)
+        (xa_g, xa_u), (m_g, m_u), (ac_g, ac_u) = _lora_input_products(x2, xc, [ag, au], ((sg, pg, dg), (su, pu, du)))
+        if not base_first:
+            gate, up = _base_out(xc, wg, bg), _base_out(xc, wu, bu)
+        low_g, low_u = _LowRank(xa_g, m_g, ac_g, bbg.to(c)), _LowRank(xa_u, m_u, ac_u, bbu.to(c))
+        _add_lora_out(gate, xa_g, low_g.b_c, lbg, sg)
+        _add_lora_out(up, xa_u, low_u.b_c, lbu, su)
         del xc
         rows = _mlp_chunk_rows(gate, pd)
         if rows >= gate.shape[0]:
             h = gated_act_forward(gate, up, act)
-            y, xa_d, m_d = _proj_fwd(h, h, wd, bd, ad, bbd, lbd, sd, pd, dd)
+            y, low_d = _proj_fwd(h, h, wd, bd, ad, bbd, lbd, sd, pd, dd)
             del h  # recomputed in the backward
         else:  # h a chunk of rows at a time: never [M, I] at once
-            y, xa_d = _down_forward_in_chunks(gate, up, act, rows, wd, bd, ad, bbd, lbd, sd, dd)
-            m_d = None
-        ctx.save_for_backward(x, gate, up, wg, ag, bbg, wu, au, bbu, wd, ad, bbd, xa_g, xa_u, xa_d, m_g, m_u, m_d)
+            y, low_d = _down_forward_in_chunks(gate, up, act, rows, wd, bd, ad, bbd, lbd, sd, dd)
+        ctx.save_for_backward(x, gate, up, wg, wu, wd, *low_g, *low_u, *low_d)
         ctx.config = config
+        ctx.lora_dtypes = (ag.dtype, au.dtype, ad.dtype)
         return y.view(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
@@ -657,7 +715,9 @@ class _LoRAMLP(torch.autograd.Function):
     @staticmethod
     def _backward(ctx: Any, dy: torch.Tensor) -> Any:
         act, (sg, pg, dg), (su, pu, du), (sd, pd, dd) = ctx.config
-        x, gate, up, wg, ag, bg, wu, au, bu, wd, ad, bd, xa_g, xa_u, xa_d, m_g, m_u, m_d = ctx.saved_tensors
+        x, gate, up, wg, wu, wd, *lows = ctx.saved_tensors
+        low_g, low_u, low_d = _LowRank(*lows[0:4]), _LowRank(*lows[4:8]), _LowRank(*lows[8:12])
+        ld_g, ld_u, ld_d = ctx.lora_dtypes
         needs = ctx.needs_input_grad
         need_dx = needs[0]
         need_gu = need_dx or any(needs[2:12])
@@ -666,12 +726,10 @@ class _LoRAMLP(torch.autograd.Function):
         rows = _mlp_chunk_rows(gate, pd)
         chunked = rows < gate.shape[0] and uses_kernel(gate) and not torch.compiler.is_compiling()
         if chunked:  # eager: (dg, du) of each chunk of rows written over its gate and up rows
-            grads_d = _down_backward_in_chunks(dy2, gate, up, act, rows, wd, ad, bd, xa_d, sd, dd, down_needs)
+            grads_d = _down_backward_in_chunks(dy2, gate, up, act, rows, wd, low_d, ld_d, sd, dd, down_needs)
             dgate, dup, written = (gate, up, True) if need_gu else (None, None, False)
         else:
-            grads_d, dgate, dup, written = _down_backward(
-                dy2, gate, up, act, wd, ad, bd, xa_d, m_d, sd, pd, dd, down_needs
-            )
+            grads_d, dgate, dup, written = _down_backward(dy2, gate, up, act, wd, low_d, ld_d, sd, pd, dd, down_needs)
         grads_g: list[torch.Tensor | None] = [None] * _SLOTS
         grads_u: list[torch.Tensor | None] = [None] * _SLOTS
         dx = None
@@ -682,7 +740,7 @@ class _LoRAMLP(torch.autograd.Function):
             x2 = x.reshape(-1, x.shape[-1])
             xc = _cast_if_needed(x2, wg.dtype, needs[2] or needs[7])
             dx, (grads_g, grads_u) = _shared_input_bwd(
-                [dgate, dup], x2, xc, [(wg, ag, bg), (wu, au, bu)], [xa_g, xa_u], [m_g, m_u],
+                [dgate, dup], x2, xc, [wg, wu], [low_g, low_u], [ld_g, ld_u],
                 ((sg, pg, dg), (su, pu, du)), [needs[2:7], needs[7:12]], need_dx,
             )  # fmt: skip
         if dx is not None:
