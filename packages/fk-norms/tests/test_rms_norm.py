@@ -62,7 +62,8 @@ def test_wide_rows_match_reference(device: str, dtype: torch.dtype, mode: str, w
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
 def test_wide_one_tile_rows_match_reference(device: str, dtype: torch.dtype) -> None:
-    # Rows from BWD_WIDE_COLS up to one tile take one backward program per SM: more rows than programs.
+    # Rows from BWD_WIDE_COLS up to one tile take one backward program per SM: more rows than programs;
+    # their tile of 16384 columns loads the weight per tile when dw is computed (BWD_WEIGHT_PER_TILE_COLS).
     args = _inputs((9, 9000), dtype, device, seed=9000)
     testing.compare_with_reference(_fk("llama"), _ref("llama"), args, arg_names=["x", "weight"])
 

@@ -198,6 +198,7 @@ def _rms_norm_bwd_kernel(
     BLOCK_COLS: tl.constexpr,
     ROWS: tl.constexpr,  # rows per tile (1 when LOOPED)
     LOOPED: tl.constexpr,  # the row is wider than BLOCK_COLS: two passes over column tiles
+    WEIGHT_PER_TILE: tl.constexpr,  # load the weight for every tile (from L1/L2), not once per program
 ):
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
@@ -207,10 +208,12 @@ def _rms_norm_bwd_kernel(
     if not LOOPED:
         col_mask = cols < n_cols
         s = tl.full([BLOCK_COLS], 1.0, tl.float32)
-        if HAS_WEIGHT:
+        if HAS_WEIGHT and not WEIGHT_PER_TILE:
             s = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32) + offset
         dw_acc = tl.zeros([BLOCK_COLS], dtype=tl.float32)
         for tile in range(pid, n_tiles, n_programs):
+            if HAS_WEIGHT and WEIGHT_PER_TILE:  # (one fewer row-wide value held across the loop)
+                s = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32) + offset
             rows = tile * ROWS + tl.arange(0, ROWS)
             row_mask = rows < n_rows
             rows64 = rows.to(tl.int64)[:, None]
@@ -310,6 +313,10 @@ BWD_FROZEN_NARROW_PROGRAMS_PER_SM = 32  # without a weight gradient: H=1024 0.05
 # 25-50% at 1 per SM (H=4096: 0.200 -> 0.255 ms), so they keep the settings above.
 BWD_WIDE_COLS = 8192
 BWD_WIDE_PROGRAMS_PER_SM = 1
+# One-tile rows at least this wide, with a weight gradient, load the weight for every tile instead
+# of holding it next to x, dy and the dw accumulator: at 16384 columns those four tiles took 128
+# registers a thread and spilled (44 spills; 0 without the dw accumulator).
+BWD_WEIGHT_PER_TILE_COLS = 16384
 
 
 @functools.lru_cache(maxsize=256)
@@ -425,7 +432,7 @@ def launch_backward(
         n_rows, n_cols, dy_rows.stride(0), x_rows.stride(0), dres_rows.stride(0), dx_rows.stride(0), offset,
         HAS_DRES=dres is not None, HAS_WEIGHT=weight is not None, COMPUTE_DW=compute_dw,
         BLOCK_COLS=tiling.block_cols, ROWS=tiling.rows_per_tile, LOOPED=tiling.looped,
-        num_warps=tiling.num_warps,
+        WEIGHT_PER_TILE=compute_dw and tiling.block_cols >= BWD_WEIGHT_PER_TILE_COLS, num_warps=tiling.num_warps,
     )  # fmt: skip
     if not compute_dw:
         return None
