@@ -113,8 +113,10 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, alpha: float, dtype: torch.dtype
         product = torch.mm(a, b, out_dtype=out_dtype) if fp32_out else torch.mm(a, b)
     else:  # (beta=0: the uninitialized input is ignored, NaNs included)
         unused = a.new_empty(shape, dtype=out_dtype)
-        kwargs = {"out_dtype": out_dtype} if fp32_out else {}
-        product = torch.addmm(unused, a, b, beta=0, alpha=alpha, **kwargs)
+        if fp32_out:
+            product = torch.addmm(unused, a, b, beta=0, alpha=alpha, out_dtype=out_dtype)
+        else:
+            product = torch.addmm(unused, a, b, beta=0, alpha=alpha)
     return product if product.dtype == dtype else product.to(dtype)
 
 
