@@ -159,6 +159,18 @@ def _bf16_split_applies(x_dtype: torch.dtype, lora_A: torch.Tensor, p: float, dd
     return p == 0 and x_dtype == torch.bfloat16 and lora_A.dtype == dd == torch.float32
 
 
+def _lora_a_operands(
+    x_dtype: torch.dtype, lora_A: torch.Tensor, p: float, dd: torch.dtype, c: torch.dtype
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """(the two-part bf16 split of ``A`` where :func:`_lora_input_product` uses it, else None; ``A``
+    in the compute dtype ``c``, kept for the backward). The split's first part is ``A`` in bf16, so
+    with bf16 activations ``A`` in ``c`` costs nothing more."""
+    a_parts = bf16_parts(lora_A, n_parts=2) if _bf16_split_applies(x_dtype, lora_A, p, dd) else None
+    if a_parts is not None and c == torch.bfloat16:
+        return a_parts, a_parts[: lora_A.shape[0]]
+    return a_parts, lora_A.to(c)
+
+
 def _lora_input_product(
     x2: torch.Tensor,
     xc: torch.Tensor,
@@ -167,27 +179,22 @@ def _lora_input_product(
     dd: torch.dtype,
     a_parts: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``xa = d(x2 in dd) A^T`` ``[M, r]``, computed in ``A``'s dtype and rounded to ``xc``'s (the
-    compute dtype ``c``, in which every later use of ``xa`` runs); the dropout mask (None without
-    dropout); and ``A`` in ``c``. ``A`` may be several projections' ``A``\\ s stacked (no dropout):
-    ``x2`` is read once.
+    compute dtype ``c``, in which every later use of ``xa`` runs), and the dropout mask (None
+    without dropout). ``A`` may be several projections' ``A``\\ s stacked (no dropout): ``x2`` is
+    read once.
 
     ``xc`` is ``x2`` in the weight's dtype (``x2`` itself outside autocast); ``dd`` the dtype the
     dropout is drawn in (``lora_A``'s own, before any autocast cast); ``a_parts`` the two-part bf16
-    split of ``A`` (``fk.core.matmul.bf16_parts``) when the caller made it once for several calls;
-    ``out`` an ``[M, r]`` buffer in ``c`` for ``xa``.
+    split of ``A`` (:func:`_lora_a_operands`); ``out`` an ``[M, r]`` buffer in ``c`` for ``xa``.
     """
     c = xc.dtype
     if _bf16_split_applies(x2.dtype, lora_A, p, dd):
-        if a_parts is None:
-            a_parts = bf16_parts(lora_A, n_parts=2)
         if out is None:
             out = torch.empty((x2.shape[0], lora_A.shape[0]), dtype=c, device=x2.device)
-        # x2.float() @ A^T rounded to c; on a GPU one bf16 matmul and no fp32 copy of x2. The split's
-        # first part is A in bf16: A in c, free, when c is bf16.
-        a_c = a_parts[: lora_A.shape[0]] if a_parts is not None and c == torch.bfloat16 else lora_A.to(c)
-        return mm_bf16_fp32(x2, lora_A, a_parts, out=out), None, a_c
+        # x2.float() @ A^T rounded to c; on a GPU one bf16 matmul and no fp32 copy of x2.
+        return mm_bf16_fp32(x2, lora_A, a_parts, out=out), None
     mask = None
     xl = x2 if x2.dtype == dd else x2.to(dd)
     if p == 0 and xl is x2 and lora_A.dtype == c:
@@ -198,8 +205,8 @@ def _lora_input_product(
         xl = xl.to(lora_A.dtype)
     xa = torch.mm(xl, lora_A.t())
     if out is not None:
-        xa = out.copy_(xa)
-    return (xa if xa.dtype == c else xa.to(c)), mask, lora_A.to(c)
+        return out.copy_(xa), mask
+    return (xa if xa.dtype == c else xa.to(c)), mask
 
 
 class _LowRank(NamedTuple):
@@ -230,7 +237,8 @@ def _lora_input_products(
     a_cs: list[Any] = [None] * n
     for group in _stackable(config, [a.dtype for a in lora_As]):
         stacked = torch.cat([lora_As[i] for i in group]) if len(group) > 1 else lora_As[group[0]]
-        xa, _, a_c = _lora_input_product(x2, xc, stacked, 0.0, config[group[0]][2])
+        a_parts, a_c = _lora_a_operands(x2.dtype, stacked, 0.0, config[group[0]][2], xc.dtype)
+        xa, _ = _lora_input_product(x2, xc, stacked, 0.0, config[group[0]][2], a_parts)
         start = 0
         for i in group:
             rank = lora_As[i].shape[0]
@@ -241,7 +249,8 @@ def _lora_input_products(
         if p > 0:
             if dd not in cast:
                 cast[dd] = x2 if x2.dtype == dd else x2.to(dd)
-            xas[i], masks[i], a_cs[i] = _lora_input_product(cast[dd], xc, lora_As[i], p, dd)
+            xas[i], masks[i] = _lora_input_product(cast[dd], xc, lora_As[i], p, dd)
+            a_cs[i] = lora_As[i].to(xc.dtype)
     return xas, masks, a_cs
 
 
@@ -308,7 +317,8 @@ def _proj_fwd(
 ) -> tuple[torch.Tensor, _LowRank]:
     """One projection of ``x2`` ``[M, K]``: (y ``[M, N]``, what its backward keeps)."""
     y = _base_out(xc, weight, bias) if p == 0 else None  # (see _base_first)
-    xa, mask, a_c = _lora_input_product(x2, xc, lora_A, p, dd)
+    a_parts, a_c = _lora_a_operands(x2.dtype, lora_A, p, dd, xc.dtype)
+    xa, mask = _lora_input_product(x2, xc, lora_A, p, dd, a_parts)
     if y is None:
         y = _base_out(xc, weight, bias)
     b_c = lora_B.to(xc.dtype)
@@ -567,13 +577,12 @@ def _down_forward_in_chunks(
     c = gate.dtype
     y = torch.empty((gate.shape[0], wd.shape[0]), dtype=c, device=gate.device)
     xa = torch.empty((gate.shape[0], ad.shape[0]), dtype=c, device=gate.device)
-    a_parts = bf16_parts(ad, n_parts=2) if _bf16_split_applies(c, ad, 0.0, dd) else None
-    a_c = ad.to(c)
+    a_parts, a_c = _lora_a_operands(c, ad, 0.0, dd, c)  # (split once for all chunks)
     for start in range(0, gate.shape[0], rows):
         part = slice(start, start + rows)
         h = gated_act_forward(gate[part], up[part], act)
         _base_out(h, wd, bd, out=y[part])
-        a_c = _lora_input_product(h, h, ad, 0.0, dd, a_parts, out=xa[part])[2]
+        _lora_input_product(h, h, ad, 0.0, dd, a_parts, out=xa[part])
         del h
     b_c = bbd.to(c)
     return _add_lora_out(y, xa, b_c, lbd, sd), _LowRank(xa, None, a_c, b_c)
