@@ -6,12 +6,13 @@ decided fk.hf's settings; their output on an H200 is in e2e_probes_h200.txt besi
 - ``budgets``: step time and peak memory per fused-loss budget (fk.hf.loss_options with bf16
   accumulation), the settings interleaved over 3 rounds of 5 timed steps on one model;
 - ``qkv``, ``add_norm``: step time with that fk.hf switch off and on, interleaved over 4 rounds;
-- ``host [stock|liger|fk]``: the host's time to enqueue one forward while the GPU spins on a long
-  sleep kernel (so the queue never drains and only the host is timed), then one backward. A
+- ``host [stock|liger|fk] [lora]``: the host's time to enqueue one forward while the GPU spins on a
+  long sleep kernel (so the queue never drains and only the host is timed), then one backward. A
   provider whose forward synchronizes (Liger's loss does) shows the sleep in its time instead;
-- ``idle [stock|liger|fk]``: two training steps under torch.profiler (device activity only): per
-  step, the kernels' span, the time some kernel runs, and the idle time between kernels by gap
+- ``idle [stock|liger|fk] [lora]``: two training steps under torch.profiler (device activity only):
+  per step, the kernels' span, the time some kernel runs, and the idle time between kernels by gap
   size, with the longest gaps, where they fall in the step and the kernels on either side;
+  ``lora``: on bench_e2e.py's PEFT LoRA model (r=16 on every linear layer, fp32 adapters) instead;
 - ``copies [stock|liger|fk]``: one forward+backward under torch.profiler; the GPU time of the
   copy-like ops (cat, copy_, clone, contiguous, sum, add), each with the chain of CPU ops and
   Python frames that launched it and its input shapes, costliest first: where a step moves memory
@@ -36,13 +37,13 @@ from fk.hf import training
 GIB = 2**30
 
 
-def _model(provider: str = "fk") -> Any:
+def _model(provider: str = "fk", lora: bool = False) -> Any:
     if provider == "liger":
         from liger_kernel.transformers import apply_liger_kernel_to_llama
 
         apply_liger_kernel_to_llama()
     shape = training.SHAPES["llama-3.2-1b"]
-    model = training.build_model(shape, dtype=torch.bfloat16, device="cuda", seed=0, max_positions=2048)
+    model = training.build_model(shape, dtype=torch.bfloat16, device="cuda", seed=0, max_positions=2048, lora=lora)
     if provider == "fk":
         fk.hf.apply(model)
     return model
@@ -110,17 +111,17 @@ def interleaved(settings: dict[str, Any], rounds: int) -> None:
               f"min {min(t) * 1e3:.2f}  n={len(t)}  peak {peaks[name]:.3f} GiB")  # fmt: skip
 
 
-def _trained(provider: str) -> tuple[Any, torch.Tensor]:
+def _trained(provider: str, lora: bool = False) -> tuple[Any, torch.Tensor]:
     """The provider's model after 3 training steps, and a batch of 4 x 2048 tokens for it."""
-    model = _model(provider)
+    model = _model(provider, lora)
     corpus = training.MarkovCorpus(128256, active=1024, branching=4)
     opt = training.make_optimizer(model, 1e-4)
     _steps(model, opt, corpus, steps=3, warmup=0)
     return model, corpus.batch(7, 4, 2048).cuda()
 
 
-def host(provider: str) -> None:
-    model, tokens = _trained(provider)
+def host(provider: str, lora: bool = False) -> None:
+    model, tokens = _trained(provider, lora)
     forward, backward = [], []
     for _ in range(6):
         torch.cuda.synchronize()
@@ -134,23 +135,25 @@ def host(provider: str) -> None:
         torch.cuda.synchronize()
         model.zero_grad(set_to_none=True)
         del loss
-    print(f"{provider}: host time to enqueue the forward {statistics.median(forward) * 1e3:.1f} ms, "
+    print(f"{provider}{' lora' if lora else ''}: host time to enqueue the forward {statistics.median(forward) * 1e3:.1f} ms, "
           f"the backward {statistics.median(backward) * 1e3:.1f} ms (medians of 6)")  # fmt: skip
 
 
 GAP_BUCKETS_US = (2.0, 5.0, 20.0, 100.0, float("inf"))
 
 
-def idle(provider: str) -> None:
+def idle(provider: str, lora: bool = False) -> None:
     from torch.profiler import ProfilerActivity, profile
 
-    model = _model(provider)
+    model = _model(provider, lora)
     corpus = training.MarkovCorpus(128256, active=1024, branching=4)
     opt = training.make_optimizer(model, 1e-4)
     _steps(model, opt, corpus, steps=4, warmup=0)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         run = training.train(model, corpus, steps=2, batch=4, seq=2048, lr=1e-4, optimizer=opt, first_step=100)
-    print(f"{provider}: profiled steps {[round(t * 1e3, 1) for t in run.step_seconds]} ms wall")
+    print(
+        f"{provider}{' lora' if lora else ''}: profiled steps {[round(t * 1e3, 1) for t in run.step_seconds]} ms wall"
+    )
     spans = sorted((e.time_range.start, e.time_range.end, e.name[:50]) for e in prof.events()
                    if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith("Optimizer."))  # fmt: skip
     # The two steps are split at the longest gap (the host's synchronization between them).
@@ -225,9 +228,9 @@ def main() -> None:
                                      for mib in (512, 384, 256)}}  # fmt: skip
         interleaved({k: lambda m, o=o: fk.hf.loss_options(m, **o) for k, o in options.items()}, rounds=3)
     elif what == "host":
-        host(sys.argv[2])
+        host(sys.argv[2], "lora" in sys.argv[3:])
     elif what == "idle":
-        idle(sys.argv[2] if len(sys.argv) > 2 else "fk")
+        idle(sys.argv[2] if len(sys.argv) > 2 else "fk", "lora" in sys.argv[3:])
     elif what == "copies":
         copies(sys.argv[2] if len(sys.argv) > 2 else "fk")
     elif what in ("qkv", "add_norm"):
