@@ -24,7 +24,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, overload
 
 from fk.hf.auto import AutoModelForCausalLM
-from fk.hf.patching import SWITCHES, ModelPatch, patched_modules
+from fk.hf.patching import OFF_BY_DEFAULT, SWITCHES, ModelPatch, patched_modules
 
 if TYPE_CHECKING:
     from fk.hf.trainer import FkCallback
@@ -63,26 +63,29 @@ def _patch_for(model_type: str) -> ModelPatch:
 
 
 def _check_switches(switches: dict[str, Any]) -> dict[str, bool]:
-    """``switches`` with every one of :data:`SWITCHES` (true unless given); ``TypeError`` for an
-    unknown name or a value that is not a bool."""
+    """``switches`` with every one of :data:`SWITCHES` (true unless given, or false unless given
+    for those in :data:`OFF_BY_DEFAULT`); ``TypeError`` for an unknown name or a value that is not
+    a bool."""
     unknown = sorted(set(switches) - set(SWITCHES))
     if unknown:
         raise TypeError(f"unknown fk.hf switch(es) {', '.join(unknown)}; the switches are {', '.join(SWITCHES)}")
     for name, value in switches.items():
         if not isinstance(value, bool):
             raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
-    return {name: switches.get(name, True) for name in SWITCHES}
+    return {name: switches.get(name, name not in OFF_BY_DEFAULT) for name in SWITCHES}
 
 
 @overload
 def apply(
     model: str, *, rms_norm: bool = ..., layer_norm: bool = ..., swiglu: bool = ..., geglu: bool = ...,
     rope: bool = ..., qkv: bool = ..., add_norm: bool = ..., flce: bool = ..., lora: bool = ...,
+    recompute_norms: bool = ...,
 ) -> list[str]: ...  # fmt: skip
 @overload
 def apply(
     model: Any, *, rms_norm: bool = ..., layer_norm: bool = ..., swiglu: bool = ..., geglu: bool = ...,
     rope: bool = ..., qkv: bool = ..., add_norm: bool = ..., flce: bool = ..., lora: bool = ...,
+    recompute_norms: bool = ...,
 ) -> dict[str, int]: ...  # fmt: skip
 def apply(
     model: Any,
@@ -96,6 +99,7 @@ def apply(
     add_norm: bool = True,
     flce: bool = True,
     lora: bool = True,
+    recompute_norms: bool = False,
 ) -> dict[str, int] | list[str]:
     """Patch the built Hugging Face model ``model`` in place with fk's kernels, or (``model`` a
     model type) the family's classes.
@@ -135,6 +139,12 @@ def apply(
             :func:`fk.lora.lora_mlp` instead of the ``swiglu``/``geglu`` patch); no effect on a
             model without LoRA layers. Frozen base weights (norms, LM head) get no gradient: fk's
             kernels compute only the gradients that ``requires_grad`` asks for.
+        recompute_norms: off by default. In the decoder layers ``add_norm`` patches, the two
+            RMSNorm outputs are formed again in the backward from the norms' inputs instead of
+            kept from the forward (see :mod:`fk.hf.recompute`): two ``[tokens, hidden]``
+            activations less per layer, for two norm forward passes in the backward. Not under
+            ``torch.compile``, nor with activation checkpointing or offloading (whose
+            saved-tensor hooks it would shadow); there it does nothing.
 
     Only modules are patched (each one's class swapped for a subclass with fk's ``forward``, see
     :mod:`fk.hf.patching`): parameters, buffers and the
@@ -157,6 +167,7 @@ def apply(
             "add_norm": add_norm,
             "flce": flce,
             "lora": lora,
+            "recompute_norms": recompute_norms,
         }
     )
     if isinstance(model, str):

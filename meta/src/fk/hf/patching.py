@@ -35,6 +35,13 @@ What each switch replaces (for the families in :mod:`fk.hf.models`):
   :func:`is_pre_norm_decoder`: Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Gemma) adds the
   attention's output to the residual stream inside its post-attention RMSNorm with
   :func:`fk.norms.fused_add_rms_norm` (see :func:`add_norm_forward`).
+- ``recompute_norms`` (off unless turned on): in each decoder layer the ``add_norm`` switch
+  patched, the outputs of the two RMSNorms are not kept for the backward: the projections'
+  backward forms them again from the norms' inputs, which the norms keep anyway (see
+  :mod:`fk.hf.recompute`). Two ``[tokens, hidden]`` activations less per layer, for two norm
+  forward passes more in the backward. Where the input norm is not fk's
+  :func:`fk.norms.rms_norm_and_input` (the ``rms_norm`` switch off), only the post-attention
+  norm's output is recomputed.
 - ``flce``: the causal-LM forward computes the loss with :func:`fk.flce.linear_cross_entropy` on
   the final hidden states, without materializing the logits (see :func:`causal_lm_forward`);
   a family whose logits are soft-capped (Gemma 2 and 3) passes ``config.final_logit_softcapping``
@@ -53,6 +60,7 @@ What each switch replaces (for the families in :mod:`fk.hf.models`):
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import inspect
@@ -74,7 +82,9 @@ from fk.core.forward import (
     swapped,
 )
 
-SWITCHES = ("rms_norm", "layer_norm", "swiglu", "geglu", "rope", "qkv", "add_norm", "flce", "lora")
+SWITCHES = ("rms_norm", "layer_norm", "swiglu", "geglu", "rope", "qkv", "add_norm", "flce", "lora", "recompute_norms")
+OFF_BY_DEFAULT = ("recompute_norms",)
+"""The switches that are off unless turned on (the others are on unless turned off)."""
 
 _KIND = "_fk_hf_kind"
 _LORA = "_fk_hf_lora_report"
@@ -88,6 +98,8 @@ _AUX_LOSS = "_fk_hf_load_balancing_loss_func"
 """Attribute of a patched mixture-of-experts causal LM: its modeling module's ``load_balancing_loss_func``."""
 _GROUP = "_fk_hf_projection_group"
 """Attribute of a projection the ``qkv`` switch patched: ``(its SharedInputGroup, its index there)``."""
+_RECOMPUTE = "_fk_hf_recompute_norms"
+"""Attribute of a decoder layer the ``add_norm`` switch patched with ``recompute_norms`` on."""
 _SWITCHED_OFF = "_fk_hf_switched_off"
 """Attribute of a reverted module whose fk forward stays under another's wrapper, switched off."""
 
@@ -317,6 +329,7 @@ def add_norm_forward(
     hands the layer's input on as the residual: the gradient of that residual branch is added to
     the norm's input gradient inside its backward kernel (stock: one add kernel in the backward)."""
     from fk.glu import gated_mlp
+    from fk.hf.recompute import recomputed
     from fk.norms import fused_add_rms_norm, rms_norm_and_input
 
     norm = self.post_attention_layernorm
@@ -324,33 +337,52 @@ def add_norm_forward(
         return stock_forward(self, _STOCK, hidden_states, attention_mask, position_ids, past_key_values, use_cache,
                              position_embeddings, **kwargs)  # fmt: skip
     patch: ModelPatch = self._fk_hf_patch
+    recompute = _RECOMPUTE in self.__dict__
+    input_norm: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
     if _input_norm_hands_on(self.input_layernorm, hidden_states):
         eps = getattr(self.input_layernorm, patch.eps_attr)
         hidden_states, residual = rms_norm_and_input(
             hidden_states, self.input_layernorm.weight, eps, casting_mode=patch.casting_mode, offset=patch.offset
         )
+        if recompute:
+            input_norm = recomputed(hidden_states, _rms_norm_of(residual, self.input_layernorm.weight, eps, patch))
     else:
         residual = hidden_states
         hidden_states = self.input_layernorm(hidden_states)
-    hidden_states, _ = self.self_attn(
-        hidden_states=hidden_states, attention_mask=attention_mask, position_ids=position_ids,
-        past_key_values=past_key_values, use_cache=use_cache, position_embeddings=position_embeddings, **kwargs,
-    )  # fmt: skip
+    with input_norm:
+        hidden_states, _ = self.self_attn(
+            hidden_states=hidden_states, attention_mask=attention_mask, position_ids=position_ids,
+            past_key_values=past_key_values, use_cache=use_cache, position_embeddings=position_embeddings, **kwargs,
+        )  # fmt: skip
+    post_norm: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
     if isinstance(hidden_states, torch.Tensor) and hidden_states.dtype == residual.dtype:
         eps = getattr(norm, patch.eps_attr)
         hidden_states, residual = fused_add_rms_norm(
             hidden_states, residual, norm.weight, eps, casting_mode=patch.casting_mode, offset=patch.offset
         )
+        if recompute:
+            post_norm = recomputed(hidden_states, _rms_norm_of(residual, norm.weight, eps, patch))
     else:  # an attention output of another dtype (stock promotes in the add): stock's steps
         hidden_states = residual + hidden_states
         residual = hidden_states
         hidden_states = norm(hidden_states)
-    activation = _mlp_takes_residual(self.mlp, hidden_states, residual)
-    if activation is not None:
-        weights = (self.mlp.gate_proj.weight, self.mlp.up_proj.weight, self.mlp.down_proj.weight)
-        return gated_mlp(hidden_states, *weights, activation, residual=residual)
-    hidden_states = self.mlp(hidden_states)
+    with post_norm:
+        activation = _mlp_takes_residual(self.mlp, hidden_states, residual)
+        if activation is not None:
+            weights = (self.mlp.gate_proj.weight, self.mlp.up_proj.weight, self.mlp.down_proj.weight)
+            return gated_mlp(hidden_states, *weights, activation, residual=residual)
+        hidden_states = self.mlp(hidden_states)
     return residual + hidden_states
+
+
+def _rms_norm_of(x: torch.Tensor, weight: torch.Tensor, eps: float, patch: ModelPatch) -> Callable[[], torch.Tensor]:
+    """``fk.norms.rms_norm(x, weight, eps)`` with the family's casting and offset, to be called
+    later (in the backward, by :func:`fk.hf.recompute.recomputed`): the output that
+    :func:`fk.norms.rms_norm_and_input` and :func:`fk.norms.fused_add_rms_norm` gave, formed again
+    from the input they keep for their own backward."""
+    from fk.norms import rms_norm
+
+    return functools.partial(rms_norm, x, weight, eps, casting_mode=patch.casting_mode, offset=patch.offset)
 
 
 def _add_norm_applies(norm: torch.nn.Module, x: Any) -> bool:
@@ -713,6 +745,8 @@ def patched_modules(model: torch.nn.Module) -> dict[str, int]:
     for module in model.modules():
         if is_patched(module):
             counts[module.__dict__[_KIND]] += 1
+        if _RECOMPUTE in module.__dict__:
+            counts["recompute_norms"] += 1
         report = module.__dict__.get(_LORA)
         if report is not None:
             counts["lora"] += report.n_patched
@@ -733,7 +767,7 @@ def revert(model: torch.nn.Module) -> int:
             restored += fk.lora.unpatch(module)
         if not is_patched(module):
             continue
-        for key in (_KIND, "_fk_hf_patch", _AUX_LOSS, _GROUP):
+        for key in (_KIND, "_fk_hf_patch", _AUX_LOSS, _GROUP, _RECOMPUTE):
             module.__dict__.pop(key, None)
         if restore_class(module):
             module.__dict__.pop(_STOCK, None)
@@ -806,6 +840,8 @@ def apply_patch(model: torch.nn.Module, patch: ModelPatch, switches: dict[str, b
         elif (switches["add_norm"] and is_pre_norm_decoder(module)
               and isinstance(getattr(module, "post_attention_layernorm", None), norms)):  # fmt: skip
             _set_forward(module, "add_norm", add_norm_forward, patch)
+            if switches["recompute_norms"]:
+                module.__dict__[_RECOMPUTE] = True
         elif switches["flce"] and isinstance(module, heads):
             _set_forward(module, "flce", _flce_forward(), patch)
             if patch.router_aux_loss:
