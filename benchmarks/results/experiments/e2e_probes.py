@@ -1,18 +1,24 @@
 """Probes of bench_e2e.py's full fine-tune (Llama-3.2-1B shape, batch 4 x 2048, bf16, AdamW) that
 decided fk.hf's settings; their output on an H200 is in e2e_probes_h200.txt beside this file.
 
-- ``phases [fk|liger] [budget MiB]``: memory by phase of one step (static, after the forward, the
+- ``phases [fk|liger] [budget MiB] [recompute_norms]``: memory by phase of one step (static, after the forward, the
   forward's and backward's peaks) and what autograd saves, by shape;
+- ``saved [fk|liger|stock]``: what one forward saves for the backward, by the autograd nodes that
+  hold each storage (read from the graph: a custom Function's ``saved_tensors``, a built-in node's
+  ``_saved_*`` attributes), largest first: which op keeps which activation;
 - ``budgets``: step time and peak memory per fused-loss budget (fk.hf.loss_options with bf16
   accumulation), the settings interleaved over 3 rounds of 5 timed steps on one model;
-- ``qkv``, ``add_norm``: step time with that fk.hf switch off and on, interleaved over 4 rounds;
+- ``qkv``, ``add_norm``, ``recompute_norms``: step time with that fk.hf switch off and on,
+  interleaved over 4 rounds;
 - ``host [stock|liger|fk] [lora]``: the host's time to enqueue one forward while the GPU spins on a
   long sleep kernel (so the queue never drains and only the host is timed), then one backward. A
   provider whose forward synchronizes (Liger's loss does) shows the sleep in its time instead;
-- ``idle [stock|liger|fk] [lora]``: two training steps under torch.profiler (device activity only):
-  per step, the kernels' span, the time some kernel runs, and the idle time between kernels by gap
-  size, with the longest gaps, where they fall in the step and the kernels on either side;
-  ``lora``: on bench_e2e.py's PEFT LoRA model (r=16 on every linear layer, fp32 adapters) instead;
+- ``idle [stock|liger|fk] [lora] [recompute_norms] [by_kernel]``: two training steps under
+  torch.profiler (device activity only): per step, the kernels' span, the time some kernel runs,
+  and the idle time between kernels by gap size, with the longest gaps, where they fall in the
+  step and the kernels on either side; ``lora``: on bench_e2e.py's PEFT LoRA model (r=16 on every
+  linear layer, fp32 adapters) instead; ``recompute_norms``: fk with that switch on;
+  ``by_kernel``: also the first step's GPU time by kernel name;
 - ``copies [stock|liger|fk]``: one forward+backward under torch.profiler; the GPU time of the
   copy-like ops (cat, copy_, clone, contiguous, sum, add), each with the chain of CPU ops and
   Python frames that launched it and its input shapes, costliest first: where a step moves memory
@@ -24,6 +30,7 @@ Run on a GPU:  python benchmarks/results/experiments/e2e_probes.py budgets
 from __future__ import annotations
 
 import collections
+import contextlib
 import statistics
 import sys
 import time
@@ -37,7 +44,7 @@ from fk.hf import training
 GIB = 2**30
 
 
-def _model(provider: str = "fk", lora: bool = False) -> Any:
+def _model(provider: str = "fk", lora: bool = False, recompute: bool = False) -> Any:
     if provider == "liger":
         from liger_kernel.transformers import apply_liger_kernel_to_llama
 
@@ -45,7 +52,7 @@ def _model(provider: str = "fk", lora: bool = False) -> Any:
     shape = training.SHAPES["llama-3.2-1b"]
     model = training.build_model(shape, dtype=torch.bfloat16, device="cuda", seed=0, max_positions=2048, lora=lora)
     if provider == "fk":
-        fk.hf.apply(model)
+        fk.hf.apply(model, recompute_norms=recompute)
     return model
 
 
@@ -53,8 +60,8 @@ def _steps(model: Any, opt: Any, corpus: Any, steps: int = 7, warmup: int = 2) -
     return training.train(model, corpus, steps=steps, warmup=warmup, batch=4, seq=2048, lr=1e-4, optimizer=opt)
 
 
-def phases(provider: str, budget_mib: int) -> None:
-    model = _model(provider)
+def phases(provider: str, budget_mib: int, recompute: bool = False) -> None:
+    model = _model(provider, recompute=recompute)
     if budget_mib:
         fk.hf.loss_options(model, memory_budget=budget_mib << 20, accum_dtype=torch.bfloat16)
     corpus = training.MarkovCorpus(128256, active=1024, branching=4)
@@ -81,7 +88,7 @@ def phases(provider: str, budget_mib: int) -> None:
     loss.backward()
     torch.cuda.synchronize()
     bwd_peak = torch.cuda.max_memory_allocated()
-    print(f"{provider} budget {budget_mib} MiB: static {static / GIB:.3f}  after fwd {after_fwd / GIB:.3f} "
+    print(f"{provider}{' recompute_norms' if recompute else ''} budget {budget_mib} MiB: static {static / GIB:.3f}  after fwd {after_fwd / GIB:.3f} "
           f"fwd peak {fwd_peak / GIB:.3f}  bwd peak {bwd_peak / GIB:.3f} GiB")  # fmt: skip
     by_shape: collections.Counter[tuple[Any, str]] = collections.Counter()
     count: collections.Counter[tuple[Any, str]] = collections.Counter()
@@ -91,6 +98,53 @@ def phases(provider: str, budget_mib: int) -> None:
     print(f"saved {sum(by_shape.values()) / GIB:.3f} GiB in {len(saved)} storages")
     for key, nbytes in by_shape.most_common(14):
         print(f"   {nbytes / GIB:7.3f} GiB  x{count[key]:3d}  {key}")
+
+
+def saved_by_node(provider: str) -> None:
+    model, tokens = _trained(provider)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    loss = model(input_ids=tokens, labels=tokens).loss
+    holders: dict[int, set[str]] = collections.defaultdict(set)
+    info: dict[int, tuple[tuple[int, ...], str, int]] = {}
+    seen: set[Any] = set()
+    stack = [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        stack += [n for n, _ in node.next_functions]
+        name = type(node).__name__
+        tensors: list[Any] = []
+        if hasattr(node, "saved_tensors"):
+            with contextlib.suppress(RuntimeError):
+                tensors += list(node.saved_tensors)
+        for attr in dir(node):
+            if attr.startswith("_saved_"):
+                try:
+                    value = getattr(node, attr)
+                except RuntimeError:
+                    continue
+                tensors += value if isinstance(value, (list, tuple)) else [value]
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and t.device.type == "cuda":
+                ptr = t.untyped_storage().data_ptr()
+                if ptr in params:
+                    continue
+                holders[ptr].add(name)
+                info[ptr] = (tuple(t.shape), str(t.dtype).removeprefix("torch."), t.untyped_storage().nbytes())
+    groups: collections.Counter[tuple[Any, ...]] = collections.Counter()
+    count: collections.Counter[tuple[Any, ...]] = collections.Counter()
+    for ptr, names in holders.items():
+        _shape, dtype, nbytes = info[ptr]
+        key = (nbytes, dtype, " + ".join(sorted(names)))
+        groups[key] += nbytes
+        count[key] += 1
+    print(f"{provider}: saved {sum(groups.values()) / GIB:.3f} GiB in {len(holders)} storages (parameters aside)")
+    for (nbytes, dtype, names), total in groups.most_common(30):
+        print(
+            f"   {total / GIB:7.3f} GiB  x{count[(nbytes, dtype, names)]:3d} of {nbytes / 2**20:8.2f} MiB {dtype:9s} {names}"
+        )
 
 
 def interleaved(settings: dict[str, Any], rounds: int) -> None:
@@ -111,9 +165,9 @@ def interleaved(settings: dict[str, Any], rounds: int) -> None:
               f"min {min(t) * 1e3:.2f}  n={len(t)}  peak {peaks[name]:.3f} GiB")  # fmt: skip
 
 
-def _trained(provider: str, lora: bool = False) -> tuple[Any, torch.Tensor]:
+def _trained(provider: str, lora: bool = False, recompute: bool = False) -> tuple[Any, torch.Tensor]:
     """The provider's model after 3 training steps, and a batch of 4 x 2048 tokens for it."""
-    model = _model(provider, lora)
+    model = _model(provider, lora, recompute)
     corpus = training.MarkovCorpus(128256, active=1024, branching=4)
     opt = training.make_optimizer(model, 1e-4)
     _steps(model, opt, corpus, steps=3, warmup=0)
@@ -142,17 +196,17 @@ def host(provider: str, lora: bool = False) -> None:
 GAP_BUCKETS_US = (2.0, 5.0, 20.0, 100.0, float("inf"))
 
 
-def idle(provider: str, lora: bool = False) -> None:
+def idle(provider: str, lora: bool = False, recompute: bool = False) -> None:
     from torch.profiler import ProfilerActivity, profile
 
-    model = _model(provider, lora)
+    model = _model(provider, lora, recompute)
     corpus = training.MarkovCorpus(128256, active=1024, branching=4)
     opt = training.make_optimizer(model, 1e-4)
     _steps(model, opt, corpus, steps=4, warmup=0)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         run = training.train(model, corpus, steps=2, batch=4, seq=2048, lr=1e-4, optimizer=opt, first_step=100)
     print(
-        f"{provider}{' lora' if lora else ''}: profiled steps {[round(t * 1e3, 1) for t in run.step_seconds]} ms wall"
+        f"{provider}{' lora' if lora else ''}{' recompute_norms' if recompute else ''}: profiled steps {[round(t * 1e3, 1) for t in run.step_seconds]} ms wall"
     )
     spans = sorted((e.time_range.start, e.time_range.end, e.name[:50]) for e in prof.events()
                    if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith("Optimizer."))  # fmt: skip
@@ -185,6 +239,13 @@ def idle(provider: str, lora: bool = False) -> None:
             low = b
         for gap, at, before, after in sorted(long_gaps, reverse=True)[:12]:
             print(f"   {gap / 1e3:6.3f} ms idle at {at:7.2f} ms  after {before}  before {after}")
+        if step == 0 and "by_kernel" in sys.argv:
+            by_name, n_of = collections.Counter[str](), collections.Counter[str]()
+            for start, end, name in kernels:
+                by_name[name] += end - start
+                n_of[name] += 1
+            for name, total in by_name.most_common(40):
+                print(f"   {total / 1e3:8.3f} ms  x{n_of[name]:4d}  {name}")
 
 
 COPY_OPS = ("aten::cat", "aten::copy_", "aten::clone", "aten::contiguous", "aten::sum", "aten::add", "aten::add_")
@@ -222,7 +283,10 @@ def copies(provider: str) -> None:
 def main() -> None:
     what = sys.argv[1]
     if what == "phases":
-        phases(sys.argv[2] if len(sys.argv) > 2 else "fk", int(sys.argv[3]) if len(sys.argv) > 3 else 0)
+        budget = int(sys.argv[3]) if len(sys.argv) > 3 else 0
+        phases(sys.argv[2] if len(sys.argv) > 2 else "fk", budget, "recompute_norms" in sys.argv[4:])
+    elif what == "saved":
+        saved_by_node(sys.argv[2] if len(sys.argv) > 2 else "fk")
     elif what == "budgets":
         options = {"default": {}, **{f"{mib} MiB": {"memory_budget": mib << 20, "accum_dtype": torch.bfloat16}
                                      for mib in (512, 384, 256)}}  # fmt: skip
@@ -230,10 +294,10 @@ def main() -> None:
     elif what == "host":
         host(sys.argv[2], "lora" in sys.argv[3:])
     elif what == "idle":
-        idle(sys.argv[2] if len(sys.argv) > 2 else "fk", "lora" in sys.argv[3:])
+        idle(sys.argv[2] if len(sys.argv) > 2 else "fk", "lora" in sys.argv[3:], "recompute_norms" in sys.argv[3:])
     elif what == "copies":
         copies(sys.argv[2] if len(sys.argv) > 2 else "fk")
-    elif what in ("qkv", "add_norm"):
+    elif what in ("qkv", "add_norm", "recompute_norms"):
         switch = what
         interleaved(
             {f"{switch}={on}": lambda m, on=on: fk.hf.apply(m, **{switch: on}) for on in (False, True)}, rounds=4
