@@ -129,6 +129,19 @@ def test_frozen_weight_forward_allocates_no_weight_buffer(device: str) -> None:
     assert testing.count_buffers(sizes, V * H * 4, device) == 1, sizes  # the check can see the accumulator
 
 
+def test_chunks_are_balanced_and_aligned_within_the_budget() -> None:
+    """With the token count known, chunks of equal size in whole multiples of CHUNK_ALIGN where the
+    budget allows (never more chunks, never over the budget); else the budget's own size."""
+    vocab, mib = 128256, 1 << 20
+    assert chunk_tokens_for(256 * mib, vocab, 2) == 1040  # the budget alone: 1046 rounded down to 8
+    for budget, n, want in [(256, 8192, 1024), (512, 8192, 2048), (1024, 8192, 4096), (256, 1000, 1040),
+                            (256, 8000, 1024), (256, 1041, 640), (256, 100000, 1040)]:  # fmt: skip
+        got = chunk_tokens_for(budget * mib, vocab, 2, n)
+        most = chunk_tokens_for(budget * mib, vocab, 2)
+        assert got == want, (budget, n, got)
+        assert got <= most and -(-n // got) == -(-n // most)  # within the budget, no more chunks
+
+
 def test_one_logits_buffer_serves_every_chunk(device: str) -> None:
     """Memory is bounded by one chunk of logits, not two: the chunks share one buffer."""
     n = 61

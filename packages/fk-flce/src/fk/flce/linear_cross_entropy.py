@@ -118,11 +118,22 @@ def _scale_cast_kernel(src_ptr, dst_ptr, scale_ptr, n_elements, BLOCK: tl.conste
 SCALE_CAST_BLOCK = 4096
 
 
-def _scale_cast(src: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    dst = torch.empty(src.shape, dtype=dtype, device=src.device)
+def _scale_cast(
+    src: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``src * scale`` (``scale``: one fp32 value on the device) rounded to ``dtype``, into ``out``
+    (contiguous, ``src``'s shape and ``dtype``; may be ``src`` itself) or a new tensor. In place
+    this replaces ``src.mul_(scale)``, which for a bf16 ``src`` and an fp32 ``scale`` takes
+    PyTorch's generic mixed-dtype path: 1.2 ms for the 0.5 GiB head gradient of a 128256 x 2048
+    vocabulary on an H200, where this pass takes about 0.25 ms. Written in place, ``src``'s version
+    counter goes up as an in-place op's would: a second backward that would read the scaled
+    buffer raises autograd's in-place error."""
+    dst = torch.empty(src.shape, dtype=dtype, device=src.device) if out is None else out
     n = src.numel()
     if n:
         _scale_cast_kernel[(cdiv(n, SCALE_CAST_BLOCK),)](src, dst, scale, n, BLOCK=SCALE_CAST_BLOCK, num_warps=8)
+    if dst is src:
+        torch.autograd.graph.increment_version(src)
     return dst
 
 
@@ -381,8 +392,8 @@ def _lce_bwd(
     scale = grad_loss.float().reshape(1)
     if not need_dh:
         dh = _nothing(hidden)
-    elif inplace:
-        dh = dh_saved.mul_(scale)  # our own buffer: scaled where it is, without an fp32 temporary
+    elif inplace:  # our own buffer: scaled where it is, without an fp32 temporary
+        dh = _scale_cast(dh_saved, scale, dh_saved.dtype, out=dh_saved)
     else:
         dh = (dh_saved * scale).to(hidden.dtype)
     if not need_dw:
@@ -390,7 +401,7 @@ def _lce_bwd(
     elif logits_grad.numel():
         dw = torch.mm(logits_grad.t(), (hidden * scale).to(hidden.dtype))
     elif inplace and dw_saved.dtype == weight.dtype:
-        dw = dw_saved.mul_(scale)
+        dw = _scale_cast(dw_saved, scale, weight.dtype, out=dw_saved)
     else:
         dw = _scale_cast(dw_saved, scale, weight.dtype)
     db = (db_saved * scale).to(bias.dtype) if need_db and bias is not None else _nothing(hidden)
@@ -481,11 +492,26 @@ _linear_cross_entropy = define_autograd_op(
 # --- 4. Functional API ----------------------------------------------------------------------------
 
 
-def chunk_tokens_for(memory_budget: int, n_classes: int, itemsize: int) -> int:
+CHUNK_ALIGN = 128
+"""Balanced chunks are a multiple of this many tokens: whole tiles of the chunk matmuls."""
+
+
+def chunk_tokens_for(memory_budget: int, n_classes: int, itemsize: int, n_tokens: int | None = None) -> int:
     """Tokens per chunk so that a chunk of logits fits ``memory_budget`` bytes (at least 1; a
-    multiple of 8 when more than 8, which keeps the matmuls aligned)."""
-    tokens = max(1, memory_budget // max(1, n_classes * itemsize))
-    return tokens - tokens % 8 if tokens > 8 else tokens
+    multiple of 8 when more than 8, which keeps the matmuls aligned).
+
+    Given ``n_tokens`` (more than one chunk holds), the chunks are balanced: as many chunks as the
+    budget needs, of equal size rounded up to a multiple of :data:`CHUNK_ALIGN` where that still
+    fits the budget. 8192 tokens of a 128256-word vocabulary in bf16 with 256 MiB: 8 chunks of
+    1024 tokens rather than 7 of 1040 and one of 912, whose rows fill no whole matmul tile.
+    """
+    most = max(1, memory_budget // max(1, n_classes * itemsize))
+    most = most - most % 8 if most > 8 else most
+    if n_tokens is None or n_tokens <= most:
+        return most
+    even = cdiv(n_tokens, cdiv(n_tokens, most))
+    aligned = cdiv(even, CHUNK_ALIGN) * CHUNK_ALIGN
+    return aligned if aligned <= most else most
 
 
 def check_inputs(
@@ -598,9 +624,11 @@ def linear_cross_entropy(
             hidden2d = hidden2d.contiguous()
         grad_on = torch.is_grad_enabled()
         in_forward = grad_on and reduction != "none"
+        # (Balanced chunks in eager mode only: under torch.compile the token count may be symbolic.)
+        n_tokens = None if torch.compiler.is_compiling() else hidden2d.shape[0]
         loss, z_loss, lse, correct, *_ = _linear_cross_entropy(
             hidden2d, weight, bias, target.reshape(-1), class_weight, num_items, *options, reduction,
-            return_accuracy, chunk_tokens_for(memory_budget, n_classes, hidden.element_size()),
+            return_accuracy, chunk_tokens_for(memory_budget, n_classes, hidden.element_size(), n_tokens),
             accum_dtype != weight.dtype, in_forward and hidden.requires_grad, in_forward and weight.requires_grad,
             in_forward and bias is not None and bias.requires_grad,
         )  # fmt: skip
