@@ -716,6 +716,30 @@ def test_logits_when_asked_or_without_labels(device: str) -> None:
             patched(input_ids=ids, skip_logits=True)
 
 
+def test_fused_training_forward_builds_no_cache_unless_asked(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fused path (training, labels) runs the model with ``use_cache=False`` unless the caller
+    gives ``use_cache`` or a cache (stock builds one nobody reads); the loss is stock's either way,
+    and the stock path (evaluation, or logits asked for) keeps stock's cache."""
+    stock = _model("llama", device)
+    assert stock.config.use_cache
+    patched = copy.deepcopy(stock)
+    fk.hf.apply(patched)
+    seen: list[Any] = []
+    inner = type(patched.model).forward
+    monkeypatch.setattr(type(patched.model), "forward", lambda self, *a, **k: (seen.append(k["use_cache"]), inner(self, *a, **k))[1])  # fmt: skip
+    ids, labels = _batch(device)
+    want = stock(input_ids=ids, labels=labels)
+    assert want.past_key_values is not None  # stock's training forward builds one
+    seen.clear()  # (stock's model is of the same class)
+    out = patched(input_ids=ids, labels=labels)
+    torch.testing.assert_close(out.loss, want.loss, **TOL)
+    assert out.past_key_values is None and seen == [False]
+    assert patched(input_ids=ids, labels=labels, use_cache=True).past_key_values is not None and seen[-1] is True
+    assert patched(input_ids=ids, labels=labels, skip_logits=False).past_key_values is not None and seen[-1] is None
+    patched.eval()
+    assert patched(input_ids=ids, labels=labels).past_key_values is not None and seen[-1] is None
+
+
 @pytest.mark.parametrize("model_type", ["llama", "gemma2", "gemma3_text", "phi3", "mixtral", "stablelm"])
 def test_generation_unchanged(model_type: str, device: str) -> None:
     """Greedy decoding with a KV cache (the rotary path at one new position; Gemma's local and
