@@ -13,7 +13,7 @@ frozen). Providers, each in its own subprocess (Liger patches transformers' clas
   (RMSNorm, RoPE, SwiGLU, fused linear cross entropy: its defaults);
 - ``fk``: ``fk.hf.apply(model)`` on the built model (on the PEFT model in ``lora`` mode, which
   fuses the LoRA layers with fk.lora too);
-- ``fk-lowmem``: the same, plus ``fk.hf.loss_options(model, memory_budget=256 << 20,
+- ``fk-lowmem``: the same, plus ``fk.hf.loss_options(model, memory_budget=384 << 20,
   accum_dtype=torch.bfloat16)``: the fused loss in chunks of logits, for less memory.
 
 Measured per (mode, provider): tokens/s from the median wall-clock time of ``--steps`` steps after
@@ -55,8 +55,8 @@ from fk.hf import training
 
 NAME = "e2e"
 PROVIDERS = ("stock", "liger", "fk", "fk-lowmem")
-LOWMEM_LOSS_OPTIONS = {"memory_budget": 256 << 20, "accum_dtype": torch.bfloat16}
-"""fk-lowmem: fk with the fused loss in 256 MiB chunks of logits, the head's gradient summed in bf16."""
+LOWMEM_LOSS_OPTIONS = {"memory_budget": 384 << 20, "accum_dtype": torch.bfloat16}
+"""fk-lowmem: fk with the fused loss in 384 MiB chunks of logits, the head's gradient summed in bf16."""
 MODES = ("full", "lora")
 BATCHES = (4, 6, 8, 12, 16, 20, 24, 32, 40, 48, 64, 80, 96)
 """Batch sizes (sequences of ``--seq`` tokens) the largest-batch search tries, in this order."""

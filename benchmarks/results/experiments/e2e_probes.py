@@ -18,7 +18,8 @@ decided fk.hf's settings; their output on an H200 is in e2e_probes_h200.txt besi
   and the idle time between kernels by gap size, with the longest gaps, where they fall in the
   step and the kernels on either side; ``lora``: on bench_e2e.py's PEFT LoRA model (r=16 on every
   linear layer, fp32 adapters) instead; ``recompute_norms``: fk with that switch on;
-  ``by_kernel``: also the first step's GPU time by kernel name;
+  ``by_kernel``: also the first step's GPU time by kernel name; ``around=TEXT``: the kernels on
+  either side of each kernel whose name holds TEXT (the first step);
 - ``copies [stock|liger|fk]``: one forward+backward under torch.profiler; the GPU time of the
   copy-like ops (cat, copy_, clone, contiguous, sum, add), each with the chain of CPU ops and
   Python frames that launched it and its input shapes, costliest first: where a step moves memory
@@ -239,6 +240,14 @@ def idle(provider: str, lora: bool = False, recompute: bool = False) -> None:
             low = b
         for gap, at, before, after in sorted(long_gaps, reverse=True)[:12]:
             print(f"   {gap / 1e3:6.3f} ms idle at {at:7.2f} ms  after {before}  before {after}")
+        around = [a.split("=", 1)[1] for a in sys.argv if a.startswith("around=")]
+        if step == 0 and around:  # the kernels on either side of each kernel whose name has that text
+            sides = collections.Counter[tuple[str, str]]()
+            for i, (_, _, name) in enumerate(kernels):
+                if around[0] in name and 0 < i < len(kernels) - 1:
+                    sides[(kernels[i - 1][2], kernels[i + 1][2])] += 1
+            for (before, after), n in sides.most_common(10):
+                print(f"   x{n:3d}  after {before}  before {after}")
         if step == 0 and "by_kernel" in sys.argv:
             by_name, n_of = collections.Counter[str](), collections.Counter[str]()
             for start, end, name in kernels:
