@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import fk.hf
 
@@ -400,6 +401,42 @@ def test_tied_embeddings_and_gradient_checkpointing(device: str) -> None:
     torch.testing.assert_close(got.loss, want.loss, **TOL)
     for name, grad in want_grads.items():
         torch.testing.assert_close(got_grads[name], grad, **TOL, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_tied_embedding_takes_a_sparse_gradient_on_the_fused_path(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the fused path a tied, trainable embedding is looked up with sparse=True: the weight's
+    .grad is dense and stock's, over two accumulated micro-batches too; an untied or frozen
+    embedding, and the stock path, look up as stock (dense)."""
+    sparse_flags: list[bool] = []
+    lookup = F.embedding
+
+    def spy(*args: Any, **kwargs: Any) -> torch.Tensor:
+        sparse_flags.append(bool(kwargs.get("sparse", args[6] if len(args) > 6 else False)))
+        return lookup(*args, **kwargs)
+
+    monkeypatch.setattr(F, "embedding", spy)
+    stock = _model("llama", device, tie_word_embeddings=True)
+    patched = copy.deepcopy(stock)
+    fk.hf.apply(patched)
+    ids, labels = _batch(device)
+    ids2, labels2 = _batch(device, seed=2)
+    for model in (stock, patched):
+        model.zero_grad(set_to_none=True)
+        for i, t in ((ids, labels), (ids2, labels2)):  # two micro-batches into one .grad
+            model(input_ids=i, labels=t).loss.backward()
+    assert sparse_flags == [False, False, True, True]
+    grads = dict(patched.named_parameters())
+    for name, p in stock.named_parameters():
+        assert grads[name].grad.layout == torch.strided, name
+        torch.testing.assert_close(grads[name].grad, p.grad, **TOL, msg=name)
+    sparse_flags.clear()
+    patched(input_ids=ids, labels=labels, skip_logits=False)  # the stock path
+    patched.model.embed_tokens.weight.requires_grad_(False)
+    patched(input_ids=ids, labels=labels)  # frozen: no gradient to make sparse
+    untied = _model("llama", device)
+    fk.hf.apply(untied)
+    untied(input_ids=ids, labels=labels)
+    assert sparse_flags == [False, False, False]
 
 
 @pytest.mark.parametrize("model_type", ["gemma2", "phi3"])
