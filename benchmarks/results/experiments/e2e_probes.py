@@ -13,6 +13,8 @@ decided fk.hf's settings; their output on an H200 is in e2e_probes_h200.txt besi
 - ``host [stock|liger|fk] [lora]``: the host's time to enqueue one forward while the GPU spins on a
   long sleep kernel (so the queue never drains and only the host is timed), then one backward. A
   provider whose forward synchronizes (Liger's loss does) shows the sleep in its time instead;
+- ``pyprofile [stock|liger|fk] [lora]``: cProfile of one forward's host path (GPU asleep), by
+  own and by cumulative time;
 - ``idle [stock|liger|fk] [lora] [recompute_norms] [by_kernel]``: two training steps under
   torch.profiler (device activity only): per step, the kernels' span, the time some kernel runs,
   and the idle time between kernels by gap size, with the longest gaps, where they fall in the
@@ -194,6 +196,28 @@ def host(provider: str, lora: bool = False) -> None:
           f"the backward {statistics.median(backward) * 1e3:.1f} ms (medians of 6)")  # fmt: skip
 
 
+def pyprofile(provider: str, lora: bool = False) -> None:
+    """cProfile of one forward's host path, the GPU asleep (as in :func:`host`): the Python
+    functions by own time and by cumulative time."""
+    import cProfile
+    import io
+    import pstats
+
+    model, tokens = _trained(provider, lora)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(3e9))
+    profiler = cProfile.Profile()
+    profiler.enable()
+    loss = model(input_ids=tokens, labels=tokens).loss
+    profiler.disable()
+    torch.cuda.synchronize()
+    del loss
+    for key in ("tottime", "cumtime"):
+        out = io.StringIO()
+        pstats.Stats(profiler, stream=out).sort_stats(key).print_stats(28)
+        print("\n".join(line[:160] for line in out.getvalue().splitlines() if line.strip()))
+
+
 GAP_BUCKETS_US = (2.0, 5.0, 20.0, 100.0, float("inf"))
 
 
@@ -302,6 +326,8 @@ def main() -> None:
         interleaved({k: lambda m, o=o: fk.hf.loss_options(m, **o) for k, o in options.items()}, rounds=3)
     elif what == "host":
         host(sys.argv[2], "lora" in sys.argv[3:])
+    elif what == "pyprofile":
+        pyprofile(sys.argv[2], "lora" in sys.argv[3:])
     elif what == "idle":
         idle(sys.argv[2] if len(sys.argv) > 2 else "fk", "lora" in sys.argv[3:], "recompute_norms" in sys.argv[3:])
     elif what == "copies":

@@ -637,7 +637,10 @@ def causal_lm_forward(
     most configs have it, stock's training forward copies every layer's keys and values into a
     new cache that nothing reads (two concatenations a layer: 0.9 ms of a 116 ms Llama-3.2-1B
     step on an H200, ``benchmarks/results/experiments/e2e_probes_h200.txt``); ``past_key_values``
-    is then None in the output.
+    is then None in the output. (Without a cache and without an attention mask, transformers'
+    mask code looks for packed sequences in the position ids, which waits for the GPU once per
+    forward, as stock's forward does whenever it runs without a cache; with an attention mask,
+    stock's and fk's forwards both wait once in the mask code anyway.)
 
     Also on the fused path, an input embedding tied to the head (see :func:`_sparse_tied_embedding`)
     is looked up with ``sparse=True`` and handed to the model as ``inputs_embeds``: its gradient is
