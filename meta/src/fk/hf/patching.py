@@ -646,8 +646,8 @@ def causal_lm_forward(
     is looked up with ``sparse=True`` and handed to the model as ``inputs_embeds``: its gradient is
     then the rows of the batch's tokens, which autograd adds to the head's dense gradient (the two
     meet before the weight's ``.grad``, which stays dense), where stock's dense embedding gradient
-    fills a vocabulary-sized zero buffer, scatters into it, and is added whole (0.5 ms of a
-    Llama-3.2-1B step on an H200, 128256 x 2048).
+    fills a vocabulary-sized zero buffer, scatters into it, and is added whole: about 0.7 ms of a
+    Llama-3.2-1B step on an H200 (128256 x 2048), against the sparse gradient's 0.16 ms index-add.
     """
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
