@@ -388,9 +388,18 @@ def allocation_sizes(fn: Callable[[], Any]) -> list[int]:
 
     Each allocation is counted once, by the op that makes it (``self_*`` memory: an op's children
     are not counted again), so two buffers of one size show up twice.
+
+    On CUDA the matmul libraries' workspaces are allocated first (cuBLAS and cuBLASLt allocate
+    theirs through PyTorch's allocator at their first call in a process): otherwise the first
+    matmul ``fn`` runs would report its output and a workspace as one allocation, and whether it
+    does would depend on which test ran first in the process.
     """
     from torch.profiler import ProfilerActivity, profile
 
+    if torch.cuda.is_available():
+        a = torch.ones(8, 8, device="cuda")
+        torch.mm(a, a)  # cuBLAS
+        torch.addmm(a[0], a, a)  # cuBLASLt (the bias epilogue)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     with profile(activities=activities, profile_memory=True) as prof:
         fn()
