@@ -239,11 +239,9 @@ def _lora_input_products(
         stacked = torch.cat([lora_As[i] for i in group]) if len(group) > 1 else lora_As[group[0]]
         a_parts, a_c = _lora_a_operands(x2.dtype, stacked, 0.0, config[group[0]][2], xc.dtype)
         xa, _ = _lora_input_product(x2, xc, stacked, 0.0, config[group[0]][2], a_parts)
-        start = 0
-        for i in group:
-            rank = lora_As[i].shape[0]
-            xas[i], a_cs[i] = xa[:, start : start + rank], a_c[start : start + rank]
-            start += rank
+        ranks = [lora_As[i].shape[0] for i in group]
+        for i, xa_i, a_c_i in zip(group, _blocks(xa, ranks, 1), _blocks(a_c, ranks, 0), strict=True):
+            xas[i], a_cs[i] = xa_i, a_c_i
     cast: dict[torch.dtype, torch.Tensor] = {}  # x2 in each dropout dtype, cast once for all projections
     for i, (_, p, dd) in enumerate(config):
         if p > 0:
@@ -252,6 +250,18 @@ def _lora_input_products(
             xas[i], masks[i] = _lora_input_product(cast[dd], xc, lora_As[i], p, dd)
             a_cs[i] = lora_As[i].to(xc.dtype)
     return xas, masks, a_cs
+
+
+def _blocks(t: torch.Tensor, sizes: list[int], dim: int) -> list[torch.Tensor]:
+    """``t`` cut along ``dim`` into consecutive blocks of ``sizes`` (views; ``t`` itself when one
+    block covers it): the projections' shares of a result computed for their stacked weights."""
+    if len(sizes) == 1 and sizes[0] == t.shape[dim]:
+        return [t]
+    blocks, start = [], 0
+    for size in sizes:
+        blocks.append(t.narrow(dim, start, size))
+        start += size
+    return blocks
 
 
 def _stackable(config: Any, lora_dtypes: list[torch.dtype | None]) -> list[list[int]]:
@@ -287,6 +297,24 @@ def _base_first(config: Any) -> bool:
     return all(p == 0 for _, p, _ in config)
 
 
+def _base_outs_and_lora_inputs(
+    x2: torch.Tensor,
+    xc: torch.Tensor,
+    bases: list[tuple[torch.Tensor, torch.Tensor | None]],
+    lora_As: list[torch.Tensor],
+    config: Any,
+) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor | None], list[torch.Tensor]]:
+    """(base outputs ``xc W^T + b`` for ``bases``' ``(W, b)``, then :func:`_lora_input_products`'
+    xa's, masks and A's in ``c``) of projections that share ``x2``, launched in the order
+    :func:`_base_first` gives."""
+    first = _base_first(config)
+    ys = [_base_out(xc, w, b) for w, b in bases] if first else []
+    xas, masks, a_cs = _lora_input_products(x2, xc, lora_As, config)
+    if not first:
+        ys = [_base_out(xc, w, b) for w, b in bases]
+    return ys, xas, masks, a_cs
+
+
 def _add_lora_out(
     y: torch.Tensor, xa: torch.Tensor, b_c: torch.Tensor, lora_bias: torch.Tensor | None, scaling: float
 ) -> torch.Tensor:
@@ -316,11 +344,7 @@ def _proj_fwd(
     dd: torch.dtype,
 ) -> tuple[torch.Tensor, _LowRank]:
     """One projection of ``x2`` ``[M, K]``: (y ``[M, N]``, what its backward keeps)."""
-    y = _base_out(xc, weight, bias) if p == 0 else None  # (see _base_first)
-    a_parts, a_c = _lora_a_operands(x2.dtype, lora_A, p, dd, xc.dtype)
-    xa, mask = _lora_input_product(x2, xc, lora_A, p, dd, a_parts)
-    if y is None:
-        y = _base_out(xc, weight, bias)
+    (y,), (xa,), (mask,), (a_c,) = _base_outs_and_lora_inputs(x2, xc, [(weight, bias)], [lora_A], ((scaling, p, dd),))
     b_c = lora_B.to(xc.dtype)
     return _add_lora_out(y, xa, b_c, lora_bias, scaling), _LowRank(xa, mask, a_c, b_c)
 
@@ -436,11 +460,8 @@ def _shared_input_bwd(
         group = [i for i in group if needs[i][2]]
         if group:  # dA of projections without dropout: one read of d(x2) = x2, for all of them
             da = scaled_mm(gs_of(group).t(), _kept_input(x2, None, config[group[0]][2], c), 1.0, lora_dtypes[group[0]])
-            start = 0
-            for i in group:
-                rank = lows[i].a_c.shape[0]
-                grads[i][2] = da[start : start + rank] if len(group) > 1 else da
-                start += rank
+            for i, da_i in zip(group, _blocks(da, [lows[i].a_c.shape[0] for i in group], 0), strict=True):
+                grads[i][2] = da_i
     if not need_dx:
         return None, grads
     dx: torch.Tensor | None = None
@@ -497,11 +518,9 @@ class _LoRAProjections(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1])
         c = params[0].dtype
         xc = x2 if x2.dtype == c else x2.to(c)
-        base_first = _base_first(config)
-        ys = [_base_out(xc, params[_SLOTS * i], params[_SLOTS * i + 1]) for i in range(n)] if base_first else []
-        xas, masks, a_cs = _lora_input_products(x2, xc, [params[_SLOTS * i + 2] for i in range(n)], config)
-        if not base_first:
-            ys = [_base_out(xc, params[_SLOTS * i], params[_SLOTS * i + 1]) for i in range(n)]
+        bases = [(params[_SLOTS * i], params[_SLOTS * i + 1]) for i in range(n)]
+        lora_As = [params[_SLOTS * i + 2] for i in range(n)]
+        ys, xas, masks, a_cs = _base_outs_and_lora_inputs(x2, xc, bases, lora_As, config)
         outs, b_cs = [], []
         for i, (s, _, _) in enumerate(config):
             b_cs.append(params[_SLOTS * i + 3].to(c))
@@ -689,17 +708,14 @@ class _LoRAMLP(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, config: tuple[Any, ...], *params: Any) -> Any:
-        act, (sg, pg, dg), (su, pu, du), (sd, pd, dd) = config
+        act, (sg, _, _), (su, _, _), (sd, pd, dd) = config
         x2 = x.reshape(-1, x.shape[-1])
         wg, bg, ag, bbg, lbg, wu, bu, au, bbu, lbu, wd, bd, ad, bbd, lbd = params
         c = wg.dtype
         xc = x2 if x2.dtype == c else x2.to(c)
-        base_first = _base_first(config[1:3])
-        if base_first:
-            gate, up = _base_out(xc, wg, bg), _base_out(xc, wu, bu)
-        (xa_g, xa_u), (m_g, m_u), (ac_g, ac_u) = _lora_input_products(x2, xc, [ag, au], ((sg, pg, dg), (su, pu, du)))
-        if not base_first:
-            gate, up = _base_out(xc, wg, bg), _base_out(xc, wu, bu)
+        (gate, up), (xa_g, xa_u), (m_g, m_u), (ac_g, ac_u) = _base_outs_and_lora_inputs(
+            x2, xc, [(wg, bg), (wu, bu)], [ag, au], config[1:3]
+        )
         low_g, low_u = _LowRank(xa_g, m_g, ac_g, bbg.to(c)), _LowRank(xa_u, m_u, ac_u, bbu.to(c))
         _add_lora_out(gate, xa_g, low_g.b_c, lbg, sg)
         _add_lora_out(up, xa_u, low_u.b_c, lbu, su)
