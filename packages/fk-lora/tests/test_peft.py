@@ -423,6 +423,42 @@ def test_float64_lora_weights_under_autocast_fall_back(device: str, caplog: pyte
     assert any("lora_A dtype torch.float64 under autocast" in r.getMessage() for r in caplog.records)
 
 
+def test_float64_lora_weights_fall_back(device: str, caplog: pytest.LogCaptureFixture) -> None:
+    """Outside autocast too, float64 LoRA weights (PEFT casts the input to them) take PEFT's forward
+    with a log line, not an error from fk.lora's argument checks."""
+    model = _model(device)
+    o_proj = _layer(model).self_attn.o_proj
+    o_proj.lora_A["default"].double()
+    o_proj.lora_B["default"].double()
+    x = testing.random_tensor((2, 3, HIDDEN), torch.float32, device, seed=8)
+    with torch.no_grad():
+        want = _o(model, x)[0]
+    fk.lora.patch(model)
+    with caplog.at_level(logging.INFO, logger="fk.lora"), torch.no_grad():
+        got = _o(model, x)[0]
+    fk.lora.unpatch(model)
+    assert torch.equal(got, want)
+    assert any("lora_A dtype torch.float64 (fk.lora takes" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("block", ["o", "qkv", "mlp"])
+def test_patched_module_names_a_wrong_input_width(device: str, block: str) -> None:
+    """A patched module called on an input of the wrong width raises a ValueError that says what
+    the weight takes, before any launch (the checks of parameters read from PEFT are lighter)."""
+    model = _model(device)
+    fk.lora.patch(model)
+    layer = _layer(model)
+    x = testing.random_tensor((2, 3, HIDDEN + 1), torch.float32, device, seed=8)
+    call = {
+        "o": lambda: layer.self_attn.o_proj(x),
+        "qkv": lambda: layer.self_attn.q_proj(x),
+        "mlp": lambda: layer.mlp(x),
+    }
+    with pytest.raises(ValueError, match=f"takes {HIDDEN} input features, got x of shape"):
+        call[block]()
+    fk.lora.unpatch(model)
+
+
 def test_mixed_batch_adapter_names_match_peft(device: str) -> None:
     """PEFT's mixed-batch inference hands ``adapter_names`` to each LoRA layer through forward
     pre-hooks: the fused MLP (and QKV group) must not skip them."""

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -840,6 +841,23 @@ def _check_parts(
     return (scaling, p, a.dtype), params
 
 
+def _module_parts(
+    prefix: str, x: torch.Tensor, parts: LoRAWeights, cast: torch.dtype | None = None
+) -> tuple[tuple[float, float, torch.dtype], list[Any]]:
+    """:func:`_check_parts` for parameters that ``fk.lora.patch``'s forwards read from a PEFT
+    ``lora.Linear`` (``fk.lora.patching._call_parts``, which checked their kinds and float dtypes
+    and PEFT's scaling and dropout): only the input's width against the weight is checked here,
+    the one mistake a caller of a patched module can make. (The full checks took 8.2 us a
+    projection against 0.9 us, each call, on the 2-core CPU machine this project tests on.)"""
+    w, b, a, bb, s, p, lb = parts
+    if x.shape[-1] != w.shape[1]:
+        raise ValueError(f"{prefix}weight takes {w.shape[1]} input features, got x of shape {tuple(x.shape)}")
+    params = [w, b, a, bb, lb]
+    if cast is not None:  # as autocast casts each F.linear's operands (autograd sees the casts)
+        params = [t if t is None or t.dtype == cast else t.to(cast) for t in params]
+    return (s, p, a.dtype), params
+
+
 def _apply(fn: Any, x: torch.Tensor, config: tuple[Any, ...], params: list[Any]) -> Any:
     """``fn.apply(x, config, *params)`` with autocast disabled (the operands are already cast)."""
     with _autocast_off(x.device.type):
@@ -895,13 +913,20 @@ lora_o = lora_linear
 def lora_projections(x: torch.Tensor, *parts: LoRAWeights) -> tuple[torch.Tensor, ...]:
     """Several LoRA projections of one input ``x`` (one per :class:`LoRAWeights`), with one ``dx``
     accumulation in the backward. Dropout masks are drawn in the order of ``parts``."""
+    return module_projections(x, parts, from_module=False)
+
+
+def module_projections(x: torch.Tensor, parts: Sequence[LoRAWeights], *, from_module: bool) -> tuple[torch.Tensor, ...]:
+    """:func:`lora_projections`; ``from_module``: ``parts`` were read from PEFT modules by
+    ``fk.lora.patch``'s forwards, which checked them (:func:`_module_parts`)."""
     x = _check_x(x)
     if not parts:
         raise ValueError("lora_projections needs at least one LoRAWeights")
     cast = _autocast_dtype(x)
+    check = _module_parts if from_module else _check_parts
     configs, flat = [], []
     for i, p in enumerate(parts):
-        cfg, params = _check_parts(f"parts[{i}].", x, p, cast)
+        cfg, params = check("" if from_module else f"parts[{i}].", x, p, cast)
         configs.append(cfg)
         flat += params
     return tuple(_apply(_LoRAProjections, x, tuple(configs), flat))
@@ -941,14 +966,28 @@ def lora_mlp(
     runs in fk.glu's Triton kernel; its output is not kept for the backward but recomputed from
     the gate and up projections. Dropout masks are drawn in the order gate, up, down.
     """
+    return module_mlp(x, gate_parts, up_parts, down_parts, activation, from_module=False)
+
+
+def module_mlp(
+    x: torch.Tensor,
+    gate_parts: LoRAWeights,
+    up_parts: LoRAWeights,
+    down_parts: LoRAWeights,
+    activation: str,
+    *,
+    from_module: bool,
+) -> torch.Tensor:
+    """:func:`lora_mlp`; ``from_module`` as in :func:`module_projections`."""
     x = _check_x(x)
     act = _resolve_mlp_activation(activation)
     cast = _autocast_dtype(x)
-    cfg_g, pg = _check_parts("gate_parts.", x, gate_parts, cast)
-    cfg_u, pu = _check_parts("up_parts.", x, up_parts, cast)
+    check = _module_parts if from_module else _check_parts
+    cfg_g, pg = check("gate_parts.", x, gate_parts, cast)
+    cfg_u, pu = check("up_parts.", x, up_parts, cast)
     n_inter = pg[0].shape[0]
     if pu[0].shape[0] != n_inter:
         raise ValueError(f"up_parts.weight must have {n_inter} rows (gate_parts.weight's), got shape {tuple(pu[0].shape)}")  # fmt: skip
     h_like = x.new_empty((1, n_inter), dtype=pg[0].dtype) if x.ndim else x
-    cfg_d, pd = _check_parts("down_parts.", h_like, down_parts, cast)
+    cfg_d, pd = check("down_parts.", h_like, down_parts, cast)
     return _apply(_LoRAMLP, x, (act, cfg_g, cfg_u, cfg_d), [*pg, *pu, *pd])
