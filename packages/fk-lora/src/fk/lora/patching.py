@@ -27,8 +27,9 @@ At every call the patched forward checks that the module is still plain LoRA (an
 MLP, that no hooks are registered on its projections, which the fused call would skip: PEFT's
 mixed-batch ``adapter_names`` arrive through such hooks): one active adapter,
 not merged, adapters enabled, no LoRA variant (DoRA, ...), a ``torch.nn.Linear`` base layer
-(not a bitsandbytes quantized one), the base weight in the input's dtype (any float dtype under
-autocast, which casts every operand, as fk.lora's functions then do), and PEFT's input dtype
+(not a bitsandbytes quantized one), base and LoRA weights in fp32, fp16 or bf16, the base weight
+in the input's dtype (any of those under autocast, which casts every operand, as fk.lora's
+functions then do), and PEFT's input dtype
 casting enabled where the LoRA weights' dtype is not the input's. Otherwise
 it runs PEFT's own forward, and says so once per module and reason on the ``fk.lora`` logger.
 Modules that can never take the fused path (quantized, DoRA at patch time) are left alone and
