@@ -165,11 +165,10 @@ def _call_parts(module: Any, x: Any) -> LoRAWeights | str:
             if autocast:  # (it leaves other dtypes alone, so PEFT's branch runs in them)
                 return f"{what} dtype {t.dtype} under autocast (autocast casts fp32, fp16 and bf16 only)"
             return f"{what} dtype {t.dtype} (fk.lora takes fp32, fp16 and bf16)"
-    if not autocast:
-        if weight.dtype != x.dtype:
-            return f"base weight dtype {weight.dtype} differs from the input's {x.dtype}"
-        if lora_a_w.dtype != x.dtype and not getattr(module, "cast_input_dtype_enabled", True):
-            return "input dtype casting is disabled"
+    if not autocast and weight.dtype != x.dtype:
+        return f"base weight dtype {weight.dtype} differs from the input's {x.dtype}"
+    if lora_a_w.dtype != x.dtype and not getattr(module, "cast_input_dtype_enabled", True):
+        return "input dtype casting is disabled"
     return LoRAWeights(
         weight, base._parameters.get("bias"), lora_a_w, lora_b_w, float(module.scaling[name]), p, lora_b.get("bias")
     )
