@@ -441,6 +441,24 @@ def test_float64_lora_weights_fall_back(device: str, caplog: pytest.LogCaptureFi
     assert any("lora_A dtype torch.float64 (fk.lora takes" in r.getMessage() for r in caplog.records)
 
 
+def test_disabled_input_dtype_casting_falls_back_under_autocast(device: str, caplog: pytest.LogCaptureFixture) -> None:
+    """PEFT's ``disable_input_dtype_casting`` (a bf16 input kept as it is before fp32 LoRA weights)
+    takes PEFT's forward, with a log line, under autocast as without it."""
+    model = _model(device)
+    o_proj = _layer(model).self_attn.o_proj
+    o_proj.cast_input_dtype_enabled = False
+    x = testing.random_tensor((2, 3, HIDDEN), torch.bfloat16, device, seed=8)
+    autocast = torch.autocast(torch.device(device).type, dtype=torch.bfloat16)
+    with autocast, torch.no_grad():
+        want = _o(model, x)[0]
+    fk.lora.patch(model)
+    with caplog.at_level(logging.INFO, logger="fk.lora"), autocast, torch.no_grad():
+        got = _o(model, x)[0]
+    fk.lora.unpatch(model)
+    assert torch.equal(got, want)
+    assert any("input dtype casting is disabled" in r.getMessage() for r in caplog.records)
+
+
 @pytest.mark.parametrize("block", ["o", "qkv", "mlp"])
 def test_patched_module_names_a_wrong_input_width(device: str, block: str) -> None:
     """A patched module called on an input of the wrong width raises a ValueError that says what
