@@ -194,9 +194,9 @@ def test_sft_trainer_with_peft_config(
     pytest.importorskip("datasets", reason="TRL's SFTTrainer needs `datasets` (fk[testing] brings it)")
     trl = pytest.importorskip("trl", reason="needs TRL (`pip install trl`; fk[testing] brings it)")
     peft = pytest.importorskip("peft")
-    fused_mlp = fk.lora.patching.lora_mlp
+    fused_mlp = fk.lora.patching.module_mlp
     mlp_calls = []
-    monkeypatch.setattr(fk.lora.patching, "lora_mlp", lambda *a, **k: mlp_calls.append(1) or fused_mlp(*a, **k))
+    monkeypatch.setattr(fk.lora.patching, "module_mlp", lambda *a, **k: mlp_calls.append(1) or fused_mlp(*a, **k))
 
     def train(callbacks: list[Any]) -> Any:
         args = trl.SFTConfig(
