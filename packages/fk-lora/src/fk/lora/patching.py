@@ -130,8 +130,9 @@ def _call_parts(module: Any, x: Any) -> LoRAWeights | str:
 
     This runs at every call of every patched module, so it reads submodules and parameters from
     ``_modules`` and ``_parameters``: through the attributes (``nn.Module.__getattr__``, and PEFT's
-    ``get_base_layer``, which ends on a raised ``AttributeError``) it took 29.7 us a call against
-    6.5 us on the 2-core CPU machine this project tests on. The checks are the same."""
+    ``get_base_layer``, which ends on a raised ``AttributeError``) it took 19-33 us a call against
+    5-8 us on the 2-core CPU machine this project tests on
+    (``benchmarks/results/experiments/lora_checks_probe.py``). The checks are the same."""
     if module.disable_adapters:
         return "adapters are disabled"
     if module.merged:
