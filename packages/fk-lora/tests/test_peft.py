@@ -8,6 +8,7 @@ float64 run replays the dropout masks that PEFT drew, so fk matches only if it d
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 from collections.abc import Callable, Sequence
@@ -404,6 +405,24 @@ def test_patch_twice_is_one_patch(device: str, dtype: torch.dtype) -> None:
     assert all("forward" not in m.__dict__ for m in model.modules())
 
 
+def _assert_o_falls_back(
+    model: nn.Module, x: torch.Tensor, caplog: pytest.LogCaptureFixture, reason: str, autocast: bool
+) -> None:
+    """The patched o_proj on ``x`` (under bf16 autocast when ``autocast``) gives PEFT's output
+    exactly, and fk.lora logs ``reason`` for taking PEFT's forward."""
+    context = (
+        torch.autocast(torch.device(x.device).type, dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+    )
+    with context, torch.no_grad():
+        want = _o(model, x)[0]
+    fk.lora.patch(model)
+    with caplog.at_level(logging.INFO, logger="fk.lora"), context, torch.no_grad():
+        got = _o(model, x)[0]
+    fk.lora.unpatch(model)
+    assert torch.equal(got, want)
+    assert any(reason in r.getMessage() for r in caplog.records)
+
+
 def test_float64_lora_weights_under_autocast_fall_back(device: str, caplog: pytest.LogCaptureFixture) -> None:
     """Autocast leaves float64 operands alone, so PEFT's LoRA branch then runs in float64: fk.lora
     cannot cast as autocast does and runs PEFT's forward, with a log line."""
@@ -412,15 +431,7 @@ def test_float64_lora_weights_under_autocast_fall_back(device: str, caplog: pyte
     o_proj.lora_A["default"].double()
     o_proj.lora_B["default"].double()
     x = testing.random_tensor((2, 3, HIDDEN), torch.float32, device, seed=8)
-    autocast = torch.autocast(torch.device(device).type, dtype=torch.bfloat16)
-    with autocast, torch.no_grad():
-        want = _o(model, x)[0]
-    fk.lora.patch(model)
-    with caplog.at_level(logging.INFO, logger="fk.lora"), autocast, torch.no_grad():
-        got = _o(model, x)[0]
-    fk.lora.unpatch(model)
-    assert torch.equal(got, want)
-    assert any("lora_A dtype torch.float64 under autocast" in r.getMessage() for r in caplog.records)
+    _assert_o_falls_back(model, x, caplog, "lora_A dtype torch.float64 under autocast", autocast=True)
 
 
 def test_float64_lora_weights_fall_back(device: str, caplog: pytest.LogCaptureFixture) -> None:
@@ -431,32 +442,16 @@ def test_float64_lora_weights_fall_back(device: str, caplog: pytest.LogCaptureFi
     o_proj.lora_A["default"].double()
     o_proj.lora_B["default"].double()
     x = testing.random_tensor((2, 3, HIDDEN), torch.float32, device, seed=8)
-    with torch.no_grad():
-        want = _o(model, x)[0]
-    fk.lora.patch(model)
-    with caplog.at_level(logging.INFO, logger="fk.lora"), torch.no_grad():
-        got = _o(model, x)[0]
-    fk.lora.unpatch(model)
-    assert torch.equal(got, want)
-    assert any("lora_A dtype torch.float64 (fk.lora takes" in r.getMessage() for r in caplog.records)
+    _assert_o_falls_back(model, x, caplog, "lora_A dtype torch.float64 (fk.lora takes", autocast=False)
 
 
 def test_disabled_input_dtype_casting_falls_back_under_autocast(device: str, caplog: pytest.LogCaptureFixture) -> None:
     """PEFT's ``disable_input_dtype_casting`` (a bf16 input kept as it is before fp32 LoRA weights)
     takes PEFT's forward, with a log line, under autocast as without it."""
     model = _model(device)
-    o_proj = _layer(model).self_attn.o_proj
-    o_proj.cast_input_dtype_enabled = False
+    _layer(model).self_attn.o_proj.cast_input_dtype_enabled = False
     x = testing.random_tensor((2, 3, HIDDEN), torch.bfloat16, device, seed=8)
-    autocast = torch.autocast(torch.device(device).type, dtype=torch.bfloat16)
-    with autocast, torch.no_grad():
-        want = _o(model, x)[0]
-    fk.lora.patch(model)
-    with caplog.at_level(logging.INFO, logger="fk.lora"), autocast, torch.no_grad():
-        got = _o(model, x)[0]
-    fk.lora.unpatch(model)
-    assert torch.equal(got, want)
-    assert any("input dtype casting is disabled" in r.getMessage() for r in caplog.records)
+    _assert_o_falls_back(model, x, caplog, "input dtype casting is disabled", autocast=True)
 
 
 @pytest.mark.parametrize("block", ["o", "qkv", "mlp"])
