@@ -70,6 +70,8 @@ def test_time_ms_needs_cuda() -> None:
         bench.time_ms(lambda: None)
     with pytest.raises(RuntimeError, match="CUDA"):
         bench.time_stats_ms(lambda: None)
+    with pytest.raises(RuntimeError, match="CUDA"):
+        bench.graph_time_us(lambda: None)
 
 
 @needs_no_cuda
@@ -106,6 +108,22 @@ def test_gpu_only_leaves_the_host_out() -> None:
     assert plain > 0.9 and gpu < 0.2, (plain, gpu)
     with pytest.raises(RuntimeError, match="head start"):  # every call's host path too long
         bench.time_ms(lambda: time.sleep(0.6e-3 * bench.HOST_HEAD_START_MS), warmup=0, rep=2, gpu_only=True)
+
+
+@pytest.mark.gpu
+def test_graph_time_counts_the_gpu_work_of_one_call() -> None:
+    """Calls of a 50 us spin kernel replayed from a CUDA graph: 50 us a call, whatever the host (a
+    1 ms Python wait per call does not count: it runs at capture, not at replay)."""
+    spin = bench._spin_cycles(0.05)
+
+    def call() -> None:
+        time.sleep(1e-3)
+        torch.cuda._sleep(spin)
+
+    us = bench.graph_time_us(call, calls=10, replays=3)
+    assert 40 < us < 70, us
+    with pytest.raises(ValueError, match="calls"):
+        bench.graph_time_us(call, calls=0)
 
 
 # ------------------------------------------------------------------------------------------ records

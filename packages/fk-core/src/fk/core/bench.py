@@ -21,6 +21,8 @@ Timing (:func:`time_ms`, :func:`time_stats_ms`)
     instead of accumulating. The GPU is synchronized once after the last event,
     and the median over the repetitions is reported (p20/p80/min are available): the median ignores
     the occasional call slowed by clock changes or other work on the machine.
+    :func:`graph_time_us`, for tuning tools, replays calls captured in a CUDA graph instead: GPU
+    work only, back to back, warm caches.
 
 Ceilings (:func:`measure_ceilings`)
     Achieved bandwidth and FLOP rate only mean something next to what the same GPU reaches in the
@@ -66,6 +68,7 @@ __all__ = [
     "copy_bandwidth_tbps",
     "environment",
     "fraction",
+    "graph_time_us",
     "markdown_table",
     "matmul_tflops",
     "measure_ceilings",
@@ -237,6 +240,35 @@ def time_ms(
     stats = time_stats_ms(fn, warmup=warmup, rep=rep, flush_l2=flush_l2, grad_to_none=grad_to_none,
                           gpu_only=gpu_only, head_start_ms=head_start_ms)  # fmt: skip
     return stats.median
+
+
+def graph_time_us(fn: Callable[[], object], *, calls: int = 20, replays: int = 5) -> float:
+    """GPU microseconds per call of ``fn()``, captured ``calls`` times in one CUDA graph and replayed.
+
+    For tuning kernels whose GPU time is shorter than their host path: the replays launch no
+    Python, so the GPU work alone counts, back to back and with warm caches (no L2 flush, unlike
+    :func:`time_ms`). ``fn`` must be capturable: no host synchronization, no allocation whose size
+    changes between calls. It runs 3 times before the capture (compilation, the caching allocator)
+    and once after it. Raises ``RuntimeError`` when CUDA is unavailable.
+    """
+    _require_cuda("graph_time_us")
+    if calls < 1 or replays < 1:
+        raise ValueError(f"need calls >= 1 and replays >= 1, got calls={calls}, replays={replays}")
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / (calls * replays)
 
 
 def fresh_compile(fn: Callable[..., Any]) -> Callable[..., Any]:
