@@ -1,96 +1,112 @@
 """Sweep the launch parameters of fk's RMSNorm or LayerNorm backward alone, timed without host cost
-(a development tool; its results picked the BWD_* defaults of fk.norms.rms_norm).
+(a development tool; its results picked the BWD_* defaults of fk.norms.rms_norm and layer_norm).
 
 bench_rms_norm.py and bench_norms.py time forward+backward calls, which at narrow rows measure the
 host (Python, the autograd engine, Triton's launch path) more than the kernel. Here 20 calls of
-the backward launcher (kernel plus the partial-sum reductions; trainable weight) are captured in a
-CUDA graph and replayed, so only GPU time counts. It prints the module's own settings' time per
-shape, then every variant's time relative to the best, sorted by the worst ratio over all shapes.
+the backward launcher (kernel plus the partial-sum reductions) are captured in a CUDA graph and
+replayed, so only GPU time counts. Three modes: ``trainable`` (weight gradient), ``frozen`` (none)
+and, for RMSNorm, ``residual`` (FusedAddRMSNorm's backward: trainable, plus the residual's
+gradient added to dx).
 
-Run:  python benchmarks/tune_norm_backward.py [--op rms_norm|layer_norm]
+For each mode it prints the module's own settings' time per shape (and, with ``--baseline FILE``,
+the time of another version of the module's file, e.g. the committed one, loaded beside it), then
+every variant of SPACE relative to the best, sorted by its worst ratio over the shapes.
+
+Run:  python benchmarks/tune_norm_backward.py [--op rms_norm|layer_norm] [--modes trainable frozen]
+      [--baseline path/to/old/rms_norm.py]
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import itertools
 from collections.abc import Callable
 from types import ModuleType
 
 import torch
 
-SPACE = {"BWD_PROGRAMS_PER_SM": [2, 4, 8], "BWD_ELEMENTS_PER_WARP": [128, 256, 512], "BWD_MIN_TILE": [2048, 4096]}
-SHAPES = [(8192, 2048), (16384, 1024), (16384, 2048), (16384, 4096), (16384, 8192), (16384, 16384), (2048, 4096)]
-CALLS = 20
+from fk.core import bench
 
-
-def graph_time_us(fn: Callable[[], object], calls: int = CALLS, replays: int = 5) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (calls * replays)
-
-
-NARROW = ("BWD_NARROW_MIN_TILE", "BWD_NARROW_PROGRAMS_PER_SM")
-"""RMSNorm's settings for narrow rows: set to the swept values too, so that every width sees the variant."""
+SPACE = {
+    "trainable": {"BWD_PROGRAMS_PER_SM": [1, 2], "BWD_MIN_TILE": [4096, 8192, 16384],
+                  "BWD_ELEMENTS_PER_WARP": [512, 1024, 2048]},
+    "frozen": {"BWD_FROZEN_PROGRAMS_PER_SM": [2, 4, 8], "BWD_FROZEN_MIN_TILE": [2048, 4096, 8192]},
+}  # fmt: skip
+SPACE["residual"] = SPACE["trainable"]
+WIDTHS = [512, 1024, 2048, 4096, 8192, 16384]
+ROWS = 16384
 
 
 def configure(module: ModuleType, values: dict[str, int]) -> None:
     for key, value in values.items():
+        if not hasattr(module, key):
+            raise AttributeError(f"{module.__name__} has no setting {key}")
         setattr(module, key, value)
-    if hasattr(module, NARROW[0]):
-        setattr(module, NARROW[0], values["BWD_MIN_TILE"])
-        setattr(module, NARROW[1], values["BWD_PROGRAMS_PER_SM"])
     module._bwd_tiling.cache_clear()
 
 
-def backward_call(module: ModuleType, op: str, rows: int, width: int) -> Callable[[], object]:
-    x = torch.randn(rows, width, device="cuda", dtype=torch.bfloat16)
+def backward_call(module: ModuleType, op: str, mode: str, width: int) -> Callable[[], object]:
+    """The backward launcher of ``module`` on fresh [ROWS, width] bf16 tensors."""
+    x = torch.randn(ROWS, width, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(width, device="cuda", dtype=torch.bfloat16)
     dy = torch.randn_like(x)
+    trainable = mode != "frozen"
     if op == "rms_norm":
         dx = torch.empty_like(x)
+        dres = torch.randn_like(x) if mode == "residual" else None
         _, rstd = module.launch_forward(x, w, 1e-6, 0.0, False)
-        return lambda: module.launch_backward(dy, x, w, rstd, 0.0, True, dx)
+        return lambda: module.launch_backward(dy, x, w, rstd, 0.0, trainable, dx, dres)
     b = torch.randn(width, device="cuda", dtype=torch.bfloat16)
     _, mean, rstd = module._layer_norm_fwd(x, w, b, 1e-5)
-    return lambda: module._layer_norm_bwd(dy, x, w, b, mean, rstd, True, True, True)
+    return lambda: module._layer_norm_bwd(dy, x, w, b, mean, rstd, True, trainable, trainable)
+
+
+def load_file(path: str, name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def sweep(module: ModuleType, baseline: ModuleType | None, op: str, mode: str) -> None:
+    space = SPACE[mode]
+    saved = {k: getattr(module, k) for k in space}
+    variants = [dict(zip(space, values, strict=True)) for values in itertools.product(*space.values())]
+    times: dict[tuple[int, ...], dict[int, float]] = {}
+    print(f"--- {op} {mode}: {ROWS} rows, bf16, backward GPU time (us)")
+    for width in WIDTHS:
+        call = backward_call(module, op, mode, width)
+        for variant in variants:
+            configure(module, variant)
+            times.setdefault(tuple(variant.values()), {})[width] = bench.graph_time_us(call)
+        configure(module, saved)
+        us = bench.graph_time_us(call)
+        line = f"H={width}: the module's settings {us:.1f} us"
+        if baseline is not None:
+            old = bench.graph_time_us(backward_call(baseline, op, mode, width))
+            line += f", baseline {old:.1f} us (x{old / us:.3f})"
+        print(line)
+    best = {w: min(t[w] for t in times.values()) for w in WIDTHS}
+    print(f"{tuple(space)}: time / best at H = " + ", ".join(map(str, WIDTHS)))
+    for key, t in sorted(times.items(), key=lambda kv: max(kv[1][w] / best[w] for w in WIDTHS))[:10]:
+        print(key, " ".join(f"{t[w] / best[w]:.3f}" for w in WIDTHS))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--op", choices=["rms_norm", "layer_norm"], default="rms_norm")
+    parser.add_argument("--modes", nargs="+", choices=list(SPACE), default=["trainable", "frozen"])
+    parser.add_argument("--baseline", help="another version of the op's module file, timed beside it")
     args = parser.parse_args()
     module = importlib.import_module(f"fk.norms.{args.op}")
-    saved = {k: getattr(module, k) for k in (*SPACE, *NARROW) if hasattr(module, k)}
-    variants = [dict(zip(SPACE, values, strict=True)) for values in itertools.product(*SPACE.values())]
-    times: dict[tuple[int, ...], dict[tuple[int, int], float]] = {}
-    for rows, width in SHAPES:
-        call = backward_call(module, args.op, rows, width)
-        for variant in variants:
-            configure(module, variant)
-            times.setdefault(tuple(variant.values()), {})[rows, width] = graph_time_us(call)
-        for key, value in saved.items():
-            setattr(module, key, value)
-        module._bwd_tiling.cache_clear()
-        us = graph_time_us(call)
-        print(f"{rows} x {width}: the module's settings {us:.1f} us ({6 * rows * width / us / 1e6:.2f} TB/s)")
-    best = {shape: min(t[shape] for t in times.values()) for shape in map(tuple, SHAPES)}
-    print(f"{tuple(SPACE)}: time / best at " + ", ".join(f"{r}x{w}" for r, w in SHAPES))
-    for key, t in sorted(times.items(), key=lambda kv: max(kv[1][s] / best[s] for s in best)):
-        print(key, " ".join(f"{t[s] / best[s]:.3f}" for s in best))
+    baseline = load_file(args.baseline, f"baseline_{args.op}") if args.baseline else None
+    for mode in args.modes:
+        if mode == "residual" and args.op != "rms_norm":
+            raise SystemExit("--modes residual is RMSNorm's (FusedAddRMSNorm's backward)")
+        sweep(module, baseline, args.op, mode)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,10 @@ of LayerNorm's bias gradient), next to Liger Kernel's in the same process. 16384
 
 (FusedAddRMSNorm runs RMSNorm's kernels: its rows are RMSNorm's settings, backward of y alone.)
 
+It sets the settings RMSNorm had before its backward prefetched (BWD_NARROW_PROGRAMS_PER_SM and
+BWD_NARROW_COLS, gone since): it runs against fk.norms as of 10494ad, not later
+(``norm_backward_prefetch_h200.txt`` is the sweep that replaced those settings).
+
 Run on a GPU:  python benchmarks/results/experiments/norm_partials_probe.py [widths ...]
 """
 

@@ -11,7 +11,7 @@ import torch
 from fk.core import testing
 from fk.core.testing import AWKWARD_ROWS, AWKWARD_WIDTHS, DTYPES, WIDE_WIDTHS, dtype_name
 from fk.norms import FusedAddRMSNorm, fused_add_rms_norm, fused_add_rms_norm_ref, rms_norm_ref
-from fk.norms.rms_norm import dw_partial_rows
+from fk.norms.rms_norm import _bwd_tiling, dw_partial_rows
 
 EPS = 1e-6
 NAMES = ["x", "residual", "weight"]
@@ -53,6 +53,15 @@ def test_matches_reference(device: str, dtype: torch.dtype, mode: str, width: in
     assert result.names == ["output0", "output1", "grad of x", "grad of residual", "grad of weight"]
 
 
+@pytest.mark.parametrize("width", [100, 1500])
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
+def test_every_program_takes_several_tiles(device: str, dtype: torch.dtype, width: int) -> None:
+    # As RMSNorm's test of the same name, with the residual's gradient added to dx.
+    rows = (3 * dw_partial_rows(1 << 30, width, torch.device(device)) + 1) * _bwd_tiling(width).rows_per_tile - 1
+    args = _inputs((rows, width), dtype, device, seed=width)
+    testing.compare_with_reference(_fk(), _ref(), args, arg_names=NAMES)
+
+
 @pytest.mark.parametrize("width", WIDE_WIDTHS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
 def test_wide_rows_match_reference(device: str, dtype: torch.dtype, width: int) -> None:
@@ -62,7 +71,7 @@ def test_wide_rows_match_reference(device: str, dtype: torch.dtype, width: int) 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
 def test_wide_one_tile_rows_match_reference(device: str, dtype: torch.dtype) -> None:
-    # Rows from BWD_WIDE_COLS up to one tile take one backward program per SM: more rows than programs.
+    # Rows of one 16384-column tile, more than the backward's programs (no prefetch at that width).
     args = _inputs((9, 9000), dtype, device, seed=9000)
     testing.compare_with_reference(_fk(), _ref(), args, arg_names=NAMES)
 

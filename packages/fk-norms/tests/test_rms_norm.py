@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from fk.core import testing
 from fk.core.testing import AWKWARD_ROWS, AWKWARD_WIDTHS, DTYPES, WIDE_WIDTHS, dtype_name
 from fk.norms import RMSNorm, rms_norm, rms_norm_and_input, rms_norm_ref
-from fk.norms.rms_norm import dw_partial_rows
+from fk.norms.rms_norm import _bwd_tiling, dw_partial_rows
 
 MODES = ("llama", "gemma")
 EPS = 1e-6
@@ -62,9 +62,20 @@ def test_wide_rows_match_reference(device: str, dtype: torch.dtype, mode: str, w
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
 def test_wide_one_tile_rows_match_reference(device: str, dtype: torch.dtype) -> None:
-    # Rows from BWD_WIDE_COLS up to one tile take one backward program per SM: more rows than programs;
-    # their tile of 16384 columns loads the weight per tile when dw is computed (BWD_WEIGHT_PER_TILE_COLS).
+    # Rows of one 16384-column tile, more than the backward's programs: with dw the weight is loaded
+    # for every tile (BWD_WEIGHT_PER_TILE_COLS) and the loop does not prefetch (BWD_PREFETCH_MAX_COLS).
     args = _inputs((9, 9000), dtype, device, seed=9000)
+    testing.compare_with_reference(_fk("llama"), _ref("llama"), args, arg_names=["x", "weight"])
+
+
+@pytest.mark.parametrize("width", [100, 1500])  # 64 rows a tile (dw summed in 2-D), and 4
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
+def test_every_program_takes_several_tiles(device: str, dtype: torch.dtype, width: int) -> None:
+    # With a weight gradient, every program of the backward's persistent grid gets three row tiles
+    # or more, the last one partial: its loop computes tiles it prefetched, and prefetches one
+    # past the end.
+    rows = (3 * dw_partial_rows(1 << 30, width, torch.device(device)) + 1) * _bwd_tiling(width).rows_per_tile - 1
+    args = _inputs((rows, width), dtype, device, seed=width)
     testing.compare_with_reference(_fk("llama"), _ref("llama"), args, arg_names=["x", "weight"])
 
 

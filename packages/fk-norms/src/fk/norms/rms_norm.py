@@ -177,6 +177,17 @@ def _rms_norm_fwd_kernel(
 
 
 @triton.jit
+def _load_x_dy(x_ptr, dy_ptr, tile, n_rows, x_row_stride, dy_row_stride, cols, col_mask, ROWS: tl.constexpr):
+    """x and dy of row tile ``tile`` (``[ROWS, BLOCK_COLS]``, their own dtype; rows past the end are 0)."""
+    rows = tile * ROWS + tl.arange(0, ROWS)
+    rows64 = rows.to(tl.int64)[:, None]
+    mask = (rows < n_rows)[:, None] & col_mask[None, :]
+    x = tl.load(x_ptr + rows64 * x_row_stride + cols[None, :], mask=mask, other=0.0)
+    dy = tl.load(dy_ptr + rows64 * dy_row_stride + cols[None, :], mask=mask, other=0.0)
+    return x, dy
+
+
+@triton.jit
 def _rms_norm_bwd_kernel(
     dy_ptr,  # [M, H] upstream gradient, row stride dy_row_stride, unit column stride
     x_ptr,  # [M, H] forward input, row stride x_row_stride, unit column stride
@@ -199,6 +210,8 @@ def _rms_norm_bwd_kernel(
     ROWS: tl.constexpr,  # rows per tile (1 when LOOPED)
     LOOPED: tl.constexpr,  # the row is wider than BLOCK_COLS: two passes over column tiles
     WEIGHT_PER_TILE: tl.constexpr,  # load the weight for every tile (from L1/L2), not once per program
+    ACC_2D: tl.constexpr,  # accumulate dw in a [ROWS, BLOCK_COLS] tile (tiles of many short rows)
+    PREFETCH: tl.constexpr,  # load the next tile's x and dy before computing this one's
 ):
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
@@ -210,16 +223,30 @@ def _rms_norm_bwd_kernel(
         s = tl.full([BLOCK_COLS], 1.0, tl.float32)
         if HAS_WEIGHT and not WEIGHT_PER_TILE:
             s = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32) + offset
-        dw_acc = tl.zeros([BLOCK_COLS], dtype=tl.float32)
+        if ACC_2D:  # one sum over the tile's rows at the end, not a cross-warp sum at every tile
+            dw_acc_2d = tl.zeros([ROWS, BLOCK_COLS], dtype=tl.float32)
+        else:
+            dw_acc = tl.zeros([BLOCK_COLS], dtype=tl.float32)
+        # Software prefetch: each step loads the next tile's x and dy before it computes its own,
+        # so the loads of one tile are always in flight (one program per SM keeps memory busy).
+        if PREFETCH:
+            x_next, dy_next = _load_x_dy(x_ptr, dy_ptr, pid, n_rows, x_row_stride, dy_row_stride, cols, col_mask,
+                                         ROWS)  # fmt: skip
         for tile in range(pid, n_tiles, n_programs):
+            if PREFETCH:
+                x, dy = x_next, dy_next
+                x_next, dy_next = _load_x_dy(x_ptr, dy_ptr, tile + n_programs, n_rows, x_row_stride, dy_row_stride,
+                                             cols, col_mask, ROWS)  # fmt: skip
+            else:
+                x, dy = _load_x_dy(x_ptr, dy_ptr, tile, n_rows, x_row_stride, dy_row_stride, cols, col_mask, ROWS)
+            x = x.to(tl.float32)
+            dy = dy.to(tl.float32)
             if HAS_WEIGHT and WEIGHT_PER_TILE:  # (one fewer row-wide value held across the loop)
                 s = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32) + offset
             rows = tile * ROWS + tl.arange(0, ROWS)
             row_mask = rows < n_rows
             rows64 = rows.to(tl.int64)[:, None]
             mask = row_mask[:, None] & col_mask[None, :]
-            x = tl.load(x_ptr + rows64 * x_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            dy = tl.load(dy_ptr + rows64 * dy_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
             rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
             xhat = x * rstd[:, None]
             g = dy * s[None, :]
@@ -229,8 +256,13 @@ def _rms_norm_bwd_kernel(
                 dx += tl.load(dres_ptr + rows64 * dres_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
             tl.store(dx_ptr + rows64 * dx_row_stride + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
             if COMPUTE_DW:
-                dw_acc += tl.sum(dy * xhat, axis=0)
+                if ACC_2D:
+                    dw_acc_2d += dy * xhat
+                else:
+                    dw_acc += tl.sum(dy * xhat, axis=0)
         if COMPUTE_DW:
+            if ACC_2D:
+                dw_acc = tl.sum(dw_acc_2d, axis=0)
             tl.store(partial_row + cols, dw_acc, mask=col_mask)
     else:
         for row in range(pid, n_rows, n_programs):
@@ -287,36 +319,39 @@ FWD_RESIDUAL_MAX_BLOCK_COLS = 32768
 FWD_MIN_TILE = 4096  # narrow rows are grouped into tiles of at least this many elements
 FWD_ELEMENTS_PER_WARP = 512
 BWD_MAX_BLOCK_COLS = 16384  # the backward holds x, dy, s and dw: four fp32 tiles
-BWD_MIN_TILE = 4096
-BWD_PROGRAMS_PER_SM = 2  # rows that fit one tile
-# The same rows without a weight gradient, narrower than BWD_WIDE_COLS: more programs in flight.
-# tune_norms.py --op rms_norm --frozen on an H200 (16384 rows, bf16, forward+backward GPU time;
-# benchmarks/results/experiments/norm_frozen_narrow_tune_h200.txt): 4 per SM instead of 2 took
-# H=2048 from 0.102 to 0.092 ms and H=4096 from 0.191 to 0.174 ms (FusedAddRMSNorm: 0.136 to
-# 0.125, 0.256 to 0.237 ms); H=8192 is 0.333 ms either way.
-BWD_FROZEN_PROGRAMS_PER_SM = 4
 BWD_LOOPED_PROGRAMS_PER_SM = 1  # wider rows: few programs, so the rows they re-read stay in L2
-BWD_ELEMENTS_PER_WARP = 512
-# Rows at most BWD_NARROW_COLS wide: smaller tiles and more programs in flight. On an H200
-# (benchmarks/tune_norm_backward.py: the backward alone, timed by CUDA-graph replay), this took
-# 16384 x 1024 from 98 to 42 us, and the settings above took 16384 x 2048 from 88 to 69 us.
-BWD_NARROW_COLS = 1024
-BWD_NARROW_MIN_TILE = 2048
-BWD_NARROW_PROGRAMS_PER_SM = 8
-BWD_FROZEN_NARROW_PROGRAMS_PER_SM = 32  # without a weight gradient: H=1024 0.0506 -> 0.0501 ms (as above)
-# Rows from BWD_WIDE_COLS wide up to one tile, with a weight gradient: one program per SM, so the
-# fp32 partial rows are as many as Liger's. On an H200 (16384 rows, bf16, trainable
-# forward+backward GPU time; benchmarks/results/experiments/norm_partials_probe.py, output in
-# norm_partials_h200.txt there) that was also faster than 2 per SM: H=8192 0.400 -> 0.394 ms,
-# 12288 0.716 -> 0.710, 16384 0.851 -> 0.845 (FusedAddRMSNorm 0.650 -> 0.645, 1.074 -> 1.068,
-# 1.360 -> 1.358), peak memory 520.4 -> 516.2 MB at 8192 (Liger's: 516.2). Narrower rows lose
-# 25-50% at 1 per SM (H=4096: 0.200 -> 0.255 ms), so they keep the settings above.
-BWD_WIDE_COLS = 8192
-BWD_WIDE_PROGRAMS_PER_SM = 1
+# With a weight gradient, the backward's persistent grid has one program per SM: each keeps one
+# fp32 partial row of dw, as many as Liger's. To keep memory busy with that few programs, the loop
+# prefetches the next tile, for rows up to BWD_PREFETCH_MAX_COLS wide. Tiles have at least
+# BWD_MIN_TILE elements, one warp per BWD_ELEMENTS_PER_WARP, and those of at least BWD_ACC_2D_ROWS
+# rows accumulate dw in 2-D. benchmarks/tune_norm_backward.py on an H200 (the backward alone,
+# 16384 rows, bf16; benchmarks/results/experiments/norm_backward_prefetch_h200.txt) against the
+# settings before (8 programs per SM up to H=1024, 2 up to 4096, then 1, without prefetch):
+# H=512 34.8 -> 18.7 us, 1024 36.2 -> 35.4, 2048 62.7 -> 63.2, 4096 118.9 -> 113.3, 8192 248 -> 214;
+# FusedAddRMSNorm's 39 -> 25, 48 -> 42, 81 -> 75, 174 -> 142, 351 -> 269. At 16384 columns the
+# prefetched tiles spill (6.9 ms against 0.57), so those rows do not prefetch.
+BWD_PROGRAMS_PER_SM = 1
+BWD_MIN_TILE = 8192
+BWD_ELEMENTS_PER_WARP = 1024
+BWD_PREFETCH_MAX_COLS = 8192
+BWD_ACC_2D_ROWS = 8
 # One-tile rows at least this wide, with a weight gradient, load the weight for every tile instead
 # of holding it next to x, dy and the dw accumulator: at 16384 columns those four tiles took 128
 # registers a thread and spilled (44 spills; 0 without the dw accumulator).
 BWD_WEIGHT_PER_TILE_COLS = 16384
+# Without a weight gradient there are no partial rows, and more programs without prefetch were
+# faster at every width (the same sweep: prefetching took 0.70-0.99x the time of these settings).
+# tune_norms.py --op rms_norm --frozen on an H200 (benchmarks/results/experiments/
+# norm_frozen_narrow_tune_h200.txt): 4 per SM instead of 2 took H=2048 from 0.102 to 0.092 ms and
+# H=4096 from 0.191 to 0.174 ms forward+backward; at H <= 1024, 32 per SM with tiles of 2048.
+BWD_FROZEN_NARROW_COLS = 1024
+BWD_FROZEN_NARROW_MIN_TILE = 2048
+BWD_FROZEN_NARROW_PROGRAMS_PER_SM = 32
+BWD_FROZEN_MIN_TILE = 4096
+BWD_FROZEN_ELEMENTS_PER_WARP = 512
+BWD_FROZEN_PROGRAMS_PER_SM = 4
+BWD_FROZEN_WIDE_COLS = 8192  # from this width on, 2 programs per SM
+BWD_FROZEN_WIDE_PROGRAMS_PER_SM = 2
 
 
 @functools.lru_cache(maxsize=256)
@@ -327,10 +362,14 @@ def _fwd_tiling(n_cols: int, has_residual: bool = False) -> RowTiling:
 
 
 @functools.lru_cache(maxsize=256)
-def _bwd_tiling(n_cols: int) -> RowTiling:
-    min_tile = BWD_NARROW_MIN_TILE if n_cols <= BWD_NARROW_COLS else BWD_MIN_TILE
+def _bwd_tiling(n_cols: int, compute_dw: bool = True) -> RowTiling:
+    if compute_dw:
+        min_tile, per_warp = BWD_MIN_TILE, BWD_ELEMENTS_PER_WARP
+    else:
+        min_tile = BWD_FROZEN_NARROW_MIN_TILE if n_cols <= BWD_FROZEN_NARROW_COLS else BWD_FROZEN_MIN_TILE
+        per_warp = BWD_FROZEN_ELEMENTS_PER_WARP
     return row_tiling(n_cols, max_block_cols=BWD_MAX_BLOCK_COLS, min_tile_elements=min_tile,
-                      elements_per_warp=BWD_ELEMENTS_PER_WARP, name="x")  # fmt: skip
+                      elements_per_warp=per_warp, name="x")  # fmt: skip
 
 
 def launch_forward(
@@ -388,15 +427,15 @@ def _rms_norm_fwd_fake(
 def dw_partial_rows(n_rows: int, n_cols: int, device: torch.device, compute_dw: bool = True) -> int:
     """Programs of the backward's grid, which is also the number of rows of the fp32 partial buffer
     it allocates for the weight gradient (when ``compute_dw``)."""
-    if n_cols <= BWD_NARROW_COLS:
-        per_sm = BWD_NARROW_PROGRAMS_PER_SM if compute_dw else BWD_FROZEN_NARROW_PROGRAMS_PER_SM
-    elif not compute_dw and n_cols < BWD_WIDE_COLS:
-        per_sm = BWD_FROZEN_PROGRAMS_PER_SM
-    elif compute_dw and n_cols >= BWD_WIDE_COLS:
-        per_sm = BWD_WIDE_PROGRAMS_PER_SM
-    else:
+    if compute_dw:
         per_sm = BWD_PROGRAMS_PER_SM
-    return row_reduction_grid(n_rows, _bwd_tiling(n_cols), device, per_sm, BWD_LOOPED_PROGRAMS_PER_SM)
+    elif n_cols <= BWD_FROZEN_NARROW_COLS:
+        per_sm = BWD_FROZEN_NARROW_PROGRAMS_PER_SM
+    elif n_cols < BWD_FROZEN_WIDE_COLS:
+        per_sm = BWD_FROZEN_PROGRAMS_PER_SM
+    else:
+        per_sm = BWD_FROZEN_WIDE_PROGRAMS_PER_SM
+    return row_reduction_grid(n_rows, _bwd_tiling(n_cols, compute_dw), device, per_sm, BWD_LOOPED_PROGRAMS_PER_SM)
 
 
 def launch_backward(
@@ -420,7 +459,7 @@ def launch_backward(
         return torch.zeros_like(weight) if compute_dw and weight is not None else None
     dx_rows = dx.view(n_rows, n_cols)
     dres_rows = as_rows(dres) if dres is not None else x_rows
-    tiling = _bwd_tiling(n_cols)
+    tiling = _bwd_tiling(n_cols, compute_dw)
     n_programs = dw_partial_rows(n_rows, n_cols, x.device, compute_dw)
     if compute_dw:
         alloc = torch.zeros if tiling.looped else torch.empty
@@ -432,7 +471,9 @@ def launch_backward(
         n_rows, n_cols, dy_rows.stride(0), x_rows.stride(0), dres_rows.stride(0), dx_rows.stride(0), offset,
         HAS_DRES=dres is not None, HAS_WEIGHT=weight is not None, COMPUTE_DW=compute_dw,
         BLOCK_COLS=tiling.block_cols, ROWS=tiling.rows_per_tile, LOOPED=tiling.looped,
-        WEIGHT_PER_TILE=compute_dw and tiling.block_cols >= BWD_WEIGHT_PER_TILE_COLS, num_warps=tiling.num_warps,
+        WEIGHT_PER_TILE=compute_dw and tiling.block_cols >= BWD_WEIGHT_PER_TILE_COLS,
+        ACC_2D=compute_dw and tiling.rows_per_tile >= BWD_ACC_2D_ROWS,
+        PREFETCH=compute_dw and tiling.block_cols <= BWD_PREFETCH_MAX_COLS, num_warps=tiling.num_warps,
     )  # fmt: skip
     if not compute_dw:
         return None
