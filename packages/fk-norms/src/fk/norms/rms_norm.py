@@ -30,6 +30,7 @@ from fk.core.backend import uses_kernel
 from fk.core.launch import RowTiling, as_rows, cdiv, row_reduction_grid, row_tiling, writable_rows
 from fk.core.ops import define_autograd_op
 from fk.core.reduce import sum_rows
+from fk.core.tiles import load_row_tile
 
 CASTING_MODES = ("llama", "gemma")
 
@@ -177,17 +178,6 @@ def _rms_norm_fwd_kernel(
 
 
 @triton.jit
-def _load_x_dy(x_ptr, dy_ptr, tile, n_rows, x_row_stride, dy_row_stride, cols, col_mask, ROWS: tl.constexpr):
-    """x and dy of row tile ``tile`` (``[ROWS, BLOCK_COLS]``, their own dtype; rows past the end are 0)."""
-    rows = tile * ROWS + tl.arange(0, ROWS)
-    rows64 = rows.to(tl.int64)[:, None]
-    mask = (rows < n_rows)[:, None] & col_mask[None, :]
-    x = tl.load(x_ptr + rows64 * x_row_stride + cols[None, :], mask=mask, other=0.0)
-    dy = tl.load(dy_ptr + rows64 * dy_row_stride + cols[None, :], mask=mask, other=0.0)
-    return x, dy
-
-
-@triton.jit
 def _rms_norm_bwd_kernel(
     dy_ptr,  # [M, H] upstream gradient, row stride dy_row_stride, unit column stride
     x_ptr,  # [M, H] forward input, row stride x_row_stride, unit column stride
@@ -230,15 +220,16 @@ def _rms_norm_bwd_kernel(
         # Software prefetch: each step loads the next tile's x and dy before it computes its own,
         # so the loads of one tile are always in flight (one program per SM keeps memory busy).
         if PREFETCH:
-            x_next, dy_next = _load_x_dy(x_ptr, dy_ptr, pid, n_rows, x_row_stride, dy_row_stride, cols, col_mask,
-                                         ROWS)  # fmt: skip
+            x_next = load_row_tile(x_ptr, pid, n_rows, x_row_stride, cols, col_mask, ROWS)
+            dy_next = load_row_tile(dy_ptr, pid, n_rows, dy_row_stride, cols, col_mask, ROWS)
         for tile in range(pid, n_tiles, n_programs):
             if PREFETCH:
                 x, dy = x_next, dy_next
-                x_next, dy_next = _load_x_dy(x_ptr, dy_ptr, tile + n_programs, n_rows, x_row_stride, dy_row_stride,
-                                             cols, col_mask, ROWS)  # fmt: skip
+                x_next = load_row_tile(x_ptr, tile + n_programs, n_rows, x_row_stride, cols, col_mask, ROWS)
+                dy_next = load_row_tile(dy_ptr, tile + n_programs, n_rows, dy_row_stride, cols, col_mask, ROWS)
             else:
-                x, dy = _load_x_dy(x_ptr, dy_ptr, tile, n_rows, x_row_stride, dy_row_stride, cols, col_mask, ROWS)
+                x = load_row_tile(x_ptr, tile, n_rows, x_row_stride, cols, col_mask, ROWS)
+                dy = load_row_tile(dy_ptr, tile, n_rows, dy_row_stride, cols, col_mask, ROWS)
             x = x.to(tl.float32)
             dy = dy.to(tl.float32)
             if HAS_WEIGHT and WEIGHT_PER_TILE:  # (one fewer row-wide value held across the loop)

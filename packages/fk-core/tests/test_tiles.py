@@ -1,0 +1,36 @@
+"""fk.core.tiles: the Triton helpers row-wise kernels share, called from a test kernel."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from fk.core.tiles import load_row_tile
+
+
+@triton.jit
+def _copy_tiles_kernel(src_ptr, dst_ptr, n_rows, n_cols, src_row_stride, tile_offset, BLOCK_COLS: tl.constexpr,
+                       ROWS: tl.constexpr):  # fmt: skip
+    """dst's tile t = src's tile t + tile_offset (dst contiguous, [n_rows, n_cols])."""
+    tile = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_COLS)
+    col_mask = cols < n_cols
+    values = load_row_tile(src_ptr, tile + tile_offset, n_rows, src_row_stride, cols, col_mask, ROWS)
+    rows = tile * ROWS + tl.arange(0, ROWS)
+    mask = (rows < n_rows)[:, None] & col_mask[None, :]
+    tl.store(dst_ptr + rows[:, None] * n_cols + cols[None, :], values, mask=mask)
+
+
+@pytest.mark.parametrize("tile_offset", [0, 1])
+def test_load_row_tile_reads_its_rows_and_zeros_past_the_end(device: str, tile_offset: int) -> None:
+    rows, cols, tile_rows = 11, 5, 4  # three tiles, the last one partial; columns padded to 8
+    wide = torch.arange(rows * 9, dtype=torch.float32, device=device).view(rows, 9) + 1
+    src = wide[:, 2 : 2 + cols]  # row stride 9
+    dst = torch.full((rows, cols), -1.0, device=device)
+    _copy_tiles_kernel[(3,)](src, dst, rows, cols, src.stride(0), tile_offset, BLOCK_COLS=8, ROWS=tile_rows)
+    expected = torch.zeros(rows, cols, device=device)
+    shifted = tile_offset * tile_rows
+    expected[: rows - shifted] = src[shifted:]  # tiles past the last row read as zeros
+    torch.testing.assert_close(dst, expected, rtol=0, atol=0)
