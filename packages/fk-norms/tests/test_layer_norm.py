@@ -79,8 +79,24 @@ def test_large_mean_small_spread(device: str, width: int) -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
 def test_wide_one_tile_rows_match_reference(device: str, dtype: torch.dtype) -> None:
-    # Rows from BWD_WIDE_COLS up to one tile take one backward program per SM: more rows than programs.
+    # Rows of one 16384-column tile, more than the backward's programs (no prefetch at that width).
     args = _inputs((9, 9000), dtype, device, seed=9000)
+    testing.compare_with_reference(_fk(), _ref(), args, arg_names=NAMES)
+
+
+@pytest.mark.parametrize(("weight_grad", "bias_grad"), [(True, True), (False, True)], ids=["trainable", "bias-only"])
+@pytest.mark.parametrize("width", [100, 1500])  # 64 rows a tile (dw and db summed in 2-D), and 4
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
+def test_every_program_takes_several_tiles(
+    device: str, dtype: torch.dtype, width: int, weight_grad: bool, bias_grad: bool
+) -> None:
+    # Every program of the backward's persistent grid gets three row tiles or more, the last one
+    # partial: its loop computes tiles it prefetched, and prefetches one past the end. With the
+    # weight frozen (and x needing no gradient) the loop prefetches dy alone.
+    rows = (3 * partial_rows(1 << 30, width, torch.device(device)) + 1) * _bwd_tiling(width).rows_per_tile - 1
+    args = _inputs((rows, width), dtype, device, seed=width, weight_grad=weight_grad, bias_grad=bias_grad)
+    if not weight_grad:
+        args[0].requires_grad_(False)
     testing.compare_with_reference(_fk(), _ref(), args, arg_names=NAMES)
 
 

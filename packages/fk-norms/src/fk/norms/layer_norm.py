@@ -23,6 +23,7 @@ from fk.core.launch import RowTiling, as_rows, cdiv, row_reduction_grid, row_til
 from fk.core.matmul import column_sum
 from fk.core.ops import define_autograd_op
 from fk.core.reduce import sum_weight_and_bias_rows
+from fk.core.tiles import load_row_tile
 
 # --- 1. Reference ---------------------------------------------------------------------------------
 
@@ -173,6 +174,8 @@ def _layer_norm_bwd_kernel(
     BLOCK_COLS: tl.constexpr,
     ROWS: tl.constexpr,  # rows per tile (1 when LOOPED)
     LOOPED: tl.constexpr,  # the row is wider than BLOCK_COLS: two passes over column tiles
+    ACC_2D: tl.constexpr,  # accumulate dw and db in [ROWS, BLOCK_COLS] tiles (tiles of many short rows)
+    PREFETCH: tl.constexpr,  # load the next tile's dy and x before computing this one's
 ):
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
@@ -185,16 +188,36 @@ def _layer_norm_bwd_kernel(
         w = tl.full([BLOCK_COLS], 1.0, tl.float32)
         if HAS_WEIGHT:
             w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-        dw_acc = tl.zeros([BLOCK_COLS], dtype=tl.float32)
-        db_acc = tl.zeros([BLOCK_COLS], dtype=tl.float32)
+        if ACC_2D:  # one sum over the tile's rows at the end, not a cross-warp sum at every tile
+            dw_acc_2d = tl.zeros([ROWS, BLOCK_COLS], dtype=tl.float32)
+            db_acc_2d = tl.zeros([ROWS, BLOCK_COLS], dtype=tl.float32)
+        else:
+            dw_acc = tl.zeros([BLOCK_COLS], dtype=tl.float32)
+            db_acc = tl.zeros([BLOCK_COLS], dtype=tl.float32)
+        # Software prefetch: each step loads the next tile's dy (and x) before it computes its own,
+        # so the loads of one tile are always in flight (one program per SM keeps memory busy).
+        if PREFETCH:
+            dy_next = load_row_tile(dy_ptr, pid, n_rows, dy_row_stride, cols, col_mask, ROWS)
+            if COMPUTE_DX or COMPUTE_DW:
+                x_next = load_row_tile(x_ptr, pid, n_rows, x_row_stride, cols, col_mask, ROWS)
         for tile in range(pid, n_tiles, n_programs):
+            if PREFETCH:
+                dy = dy_next
+                dy_next = load_row_tile(dy_ptr, tile + n_programs, n_rows, dy_row_stride, cols, col_mask, ROWS)
+                if COMPUTE_DX or COMPUTE_DW:
+                    x = x_next
+                    x_next = load_row_tile(x_ptr, tile + n_programs, n_rows, x_row_stride, cols, col_mask, ROWS)
+            else:
+                dy = load_row_tile(dy_ptr, tile, n_rows, dy_row_stride, cols, col_mask, ROWS)
+                if COMPUTE_DX or COMPUTE_DW:
+                    x = load_row_tile(x_ptr, tile, n_rows, x_row_stride, cols, col_mask, ROWS)
+            dy = dy.to(tl.float32)
             rows = tile * ROWS + tl.arange(0, ROWS)
             row_mask = rows < n_rows
             rows64 = rows.to(tl.int64)[:, None]
             mask = row_mask[:, None] & col_mask[None, :]
-            dy = tl.load(dy_ptr + rows64 * dy_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
             if COMPUTE_DX or COMPUTE_DW:
-                x = tl.load(x_ptr + rows64 * x_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+                x = x.to(tl.float32)
                 mean = tl.load(mean_ptr + rows, mask=row_mask, other=0.0)
                 rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
                 xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
@@ -205,9 +228,18 @@ def _layer_norm_bwd_kernel(
                     dx = (g - mean_g[:, None] - xhat * mean_gx[:, None]) * rstd[:, None]
                     tl.store(dx_ptr + rows64 * n_cols + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
                 if COMPUTE_DW:
-                    dw_acc += tl.sum(dy * xhat, axis=0)
+                    if ACC_2D:
+                        dw_acc_2d += dy * xhat
+                    else:
+                        dw_acc += tl.sum(dy * xhat, axis=0)
             if COMPUTE_DB:
-                db_acc += tl.sum(dy, axis=0)
+                if ACC_2D:
+                    db_acc_2d += dy
+                else:
+                    db_acc += tl.sum(dy, axis=0)
+        if ACC_2D:
+            dw_acc = tl.sum(dw_acc_2d, axis=0)
+            db_acc = tl.sum(db_acc_2d, axis=0)
         if COMPUTE_DW:
             tl.store(dw_row + cols, dw_acc, mask=col_mask)
         if COMPUTE_DB:
@@ -265,44 +297,47 @@ def _layer_norm_bwd_kernel(
 # --- 3. Launchers, registered as custom ops -------------------------------------------------------
 
 # Launch parameters. The forward holds rows of up to 32768 in one tile (on an H200, tune_norms.py,
-# that beat column tiles at H=32768, unlike RMSNorm's forward). The backward's come from
-# benchmarks/tune_norm_backward.py --op layer_norm on an H100: against the former settings,
-# 16384 x 1024 3x faster, 16384 x 2048 1.2x. Rows at most BWD_NARROW_COLS wide take smaller tiles,
-# more programs. The widest row held in one tile (BWD_MAX_BLOCK_COLS) is from
-# benchmarks/tune_norms.py --op layer_norm on an H200 (16384 rows, bf16, trainable, GPU time):
-# 16384 instead of 8192 took forward+backward from 1.52 to 1.22 ms at H=16384, and from 3.15 to
-# 2.52 ms at H=32768 (column tiles of 16384 instead of 8192).
+# that beat column tiles at H=32768, unlike RMSNorm's forward). The widest row the backward holds in
+# one tile (BWD_MAX_BLOCK_COLS) is from benchmarks/tune_norms.py --op layer_norm on an H200 (16384
+# rows, bf16, trainable, GPU time): 16384 instead of 8192 took forward+backward from 1.52 to
+# 1.22 ms at H=16384, and from 3.15 to 2.52 ms at H=32768 (column tiles of 16384 instead of 8192).
 FWD_MAX_BLOCK_COLS = 32768  # widest row the forward holds in one tile
 FWD_MIN_TILE = 2048  # narrow rows are grouped into tiles of at least this many elements
 FWD_ELEMENTS_PER_WARP = 512
 BWD_MAX_BLOCK_COLS = 16384
-BWD_MIN_TILE = 4096
-BWD_PROGRAMS_PER_SM = 2  # rows that fit one tile
 BWD_LOOPED_PROGRAMS_PER_SM = 1  # wider rows: few programs, so the rows they re-read stay in L2
-BWD_ELEMENTS_PER_WARP = 512
-BWD_NARROW_COLS = 1024
-BWD_NARROW_MIN_TILE = 2048
-BWD_NARROW_PROGRAMS_PER_SM = 4
-# The same rows without partial rows to keep: more programs in flight. tune_norms.py --op
-# layer_norm --frozen on an H200 (16384 x 1024 bf16, forward+backward GPU time): 32 per SM took
-# 0.0571 to 0.0495 ms (benchmarks/results/experiments/norm_frozen_narrow_tune_h200.txt).
-BWD_FROZEN_NARROW_PROGRAMS_PER_SM = 32
-# Rows from BWD_WIDE_COLS wide up to one tile, keeping partial rows: one program per SM (the
-# partial rows then take Liger's memory). On an H200 (16384 rows, bf16, trainable forward+backward
-# GPU time; benchmarks/results/experiments/norm_partials_probe.py, output in norm_partials_h200.txt
-# there): H=8192 0.441 -> 0.432 ms, 12288 1.064 -> 1.051, 16384 1.205 -> 1.192 against 2 per SM;
-# peak memory 528.7 -> 520.4 MB at 8192, 1057.3 -> 1040.8 at 16384 (Liger's: 520.4, 1040.8).
-# Narrower rows lose 20-30% at 1 per SM (H=4096: 0.217 -> 0.273 ms) and keep the settings above.
-BWD_WIDE_COLS = 8192
-BWD_WIDE_PROGRAMS_PER_SM = 1
-# A backward that keeps no partial rows (frozen weight and bias; or a frozen weight and a wide-row
-# db left to a column sum) has nothing to keep in L2, so it runs more programs, and without dw rows
-# wider than one tile walk 8192-column tiles. tune_norms.py --op layer_norm
-# --frozen on an H200 (16384 rows, bf16, forward+backward GPU time): 8 programs per SM instead of
-# 2 took H=2048 from 0.106 to 0.092 ms and H=4096 from 0.195 to 0.180 ms (H=8192: 0.350 either
-# way); at H=32768, 8192-column tiles and 4 programs per SM took 2.04 ms to 1.58 ms. The forward's
+# A backward that keeps partial rows (dw, or db summed in the kernel) runs one program per SM, as
+# RMSNorm's (see BWD_PROGRAMS_PER_SM there): each program keeps one fp32 partial row of dw and one
+# of db, as many as Liger's. For rows up to BWD_PREFETCH_MAX_COLS wide the loop prefetches the next
+# tile, tiles have at least BWD_MIN_TILE elements, one warp per BWD_ELEMENTS_PER_WARP, and those of
+# at least BWD_ACC_2D_ROWS rows accumulate in 2-D; wider rows take BWD_WIDE_MIN_TILE and
+# BWD_WIDE_ELEMENTS_PER_WARP without prefetch. benchmarks/tune_norm_backward.py --op layer_norm on
+# an H200 (the backward alone, 16384 rows, bf16; benchmarks/results/experiments/
+# norm_backward_prefetch_h200.txt), against the settings before (4 programs per SM up to H=1024,
+# 2 up to 4096, without prefetch): H=512 52.4 -> 23.3 us, 1024 36.0 -> 39.6, 2048 67.3 -> 74.0,
+# 4096 127.4 -> 132.6. Two programs per SM would have kept the narrow rows' speed (1024: 36.1 us)
+# at twice the partial rows; LayerNorm's forward+backward there is still 1.17-1.24x the fastest
+# peer's (norms.json, 2026-11-24T12:56). With prefetch, rows of 8192 took 279 us against 270 without.
+BWD_PROGRAMS_PER_SM = 1
+BWD_MIN_TILE = 8192
+BWD_ELEMENTS_PER_WARP = 1024
+BWD_PREFETCH_MAX_COLS = 4096
+BWD_ACC_2D_ROWS = 8
+BWD_WIDE_MIN_TILE = 4096
+BWD_WIDE_ELEMENTS_PER_WARP = 512
+# Without partial rows to keep, more programs in flight and no prefetch. tune_norms.py --op
+# layer_norm --frozen on an H200 (16384 rows, bf16, forward+backward GPU time): 32 programs per SM
+# at H <= 1024 took 16384 x 1024 from 0.0571 to 0.0495 ms
+# (benchmarks/results/experiments/norm_frozen_narrow_tune_h200.txt); 8 per SM instead of 2 took
+# H=2048 from 0.106 to 0.092 ms and H=4096 from 0.195 to 0.180 ms (H=8192: 0.350 either way); at
+# H=32768, 8192-column tiles and 4 programs per SM took 2.04 ms to 1.58 ms. The forward's
 # FWD_MIN_TILE of 2048 (was 4096) took H=1024 from 0.0237 to 0.0215 ms and H=2048 from 0.0385 to
 # 0.0378 ms.
+BWD_FROZEN_NARROW_COLS = 1024
+BWD_FROZEN_NARROW_MIN_TILE = 2048
+BWD_FROZEN_NARROW_PROGRAMS_PER_SM = 32
+BWD_FROZEN_MIN_TILE = 4096
+BWD_FROZEN_ELEMENTS_PER_WARP = 512
 BWD_FROZEN_PROGRAMS_PER_SM = 8
 BWD_FROZEN_LOOPED_BLOCK_COLS = 8192
 BWD_FROZEN_LOOPED_PROGRAMS_PER_SM = 4
@@ -320,14 +355,25 @@ def _fwd_tiling(n_cols: int) -> RowTiling:
                       elements_per_warp=FWD_ELEMENTS_PER_WARP, name="x")  # fmt: skip
 
 
+def _keeps_partials(n_cols: int, compute_dw: bool, compute_db: bool) -> bool:
+    """Whether the backward keeps fp32 partial rows: for dw, or for a db summed in the kernel (wide
+    rows leave db to a column sum, see LOOPED_DB_BY_COLUMN_SUM)."""
+    looped = n_cols > BWD_MAX_BLOCK_COLS
+    return compute_dw or (compute_db and not (looped and LOOPED_DB_BY_COLUMN_SUM))
+
+
 @functools.lru_cache(maxsize=256)
-def _bwd_tiling(n_cols: int, compute_dw: bool = True) -> RowTiling:
-    min_tile = BWD_NARROW_MIN_TILE if n_cols <= BWD_NARROW_COLS else BWD_MIN_TILE
-    max_cols = BWD_MAX_BLOCK_COLS
-    if not compute_dw and n_cols > BWD_MAX_BLOCK_COLS:
-        max_cols = BWD_FROZEN_LOOPED_BLOCK_COLS
+def _bwd_tiling(n_cols: int, keeps_partials: bool = True) -> RowTiling:
+    if keeps_partials:
+        narrow = n_cols <= BWD_PREFETCH_MAX_COLS
+        return row_tiling(n_cols, max_block_cols=BWD_MAX_BLOCK_COLS,
+                          min_tile_elements=BWD_MIN_TILE if narrow else BWD_WIDE_MIN_TILE,
+                          elements_per_warp=BWD_ELEMENTS_PER_WARP if narrow else BWD_WIDE_ELEMENTS_PER_WARP,
+                          name="x")  # fmt: skip
+    min_tile = BWD_FROZEN_NARROW_MIN_TILE if n_cols <= BWD_FROZEN_NARROW_COLS else BWD_FROZEN_MIN_TILE
+    max_cols = BWD_MAX_BLOCK_COLS if n_cols <= BWD_MAX_BLOCK_COLS else BWD_FROZEN_LOOPED_BLOCK_COLS
     return row_tiling(n_cols, max_block_cols=max_cols, min_tile_elements=min_tile,
-                      elements_per_warp=BWD_ELEMENTS_PER_WARP, name="x")  # fmt: skip
+                      elements_per_warp=BWD_FROZEN_ELEMENTS_PER_WARP, name="x")  # fmt: skip
 
 
 def _layer_norm_fwd(
@@ -368,15 +414,13 @@ def partial_rows(
     """Programs of the backward's grid, which is also the number of rows of each fp32 partial
     buffer (dw, db) it allocates, when it allocates one. A backward that keeps no partial rows (no
     dw, and no db or a db left to a column sum) runs the frozen settings."""
-    tiling = _bwd_tiling(n_cols, compute_dw)
-    keeps_partials = compute_dw or (compute_db and not (tiling.looped and LOOPED_DB_BY_COLUMN_SUM))
-    per_sm = BWD_PROGRAMS_PER_SM if keeps_partials else BWD_FROZEN_PROGRAMS_PER_SM
-    if keeps_partials and n_cols >= BWD_WIDE_COLS:
-        per_sm = BWD_WIDE_PROGRAMS_PER_SM
-    if n_cols <= BWD_NARROW_COLS:
-        per_sm = BWD_NARROW_PROGRAMS_PER_SM if keeps_partials else BWD_FROZEN_NARROW_PROGRAMS_PER_SM
-    looped_per_sm = BWD_LOOPED_PROGRAMS_PER_SM if keeps_partials else BWD_FROZEN_LOOPED_PROGRAMS_PER_SM
-    return row_reduction_grid(n_rows, tiling, device, per_sm, looped_per_sm)
+    keeps_partials = _keeps_partials(n_cols, compute_dw, compute_db)
+    if keeps_partials:
+        per_sm, looped_per_sm = BWD_PROGRAMS_PER_SM, BWD_LOOPED_PROGRAMS_PER_SM
+    else:
+        per_sm = BWD_FROZEN_NARROW_PROGRAMS_PER_SM if n_cols <= BWD_FROZEN_NARROW_COLS else BWD_FROZEN_PROGRAMS_PER_SM
+        looped_per_sm = BWD_FROZEN_LOOPED_PROGRAMS_PER_SM
+    return row_reduction_grid(n_rows, _bwd_tiling(n_cols, keeps_partials), device, per_sm, looped_per_sm)
 
 
 def _layer_norm_bwd(
@@ -404,7 +448,8 @@ def _layer_norm_bwd(
         dw = torch.zeros_like(weight) if compute_dw and weight is not None else x.new_empty(0)
         db = torch.zeros_like(bias) if compute_db and bias is not None else x.new_empty(0)
         return dx, dw, db
-    tiling = _bwd_tiling(n_cols, compute_dw)
+    keeps_partials = _keeps_partials(n_cols, compute_dw, compute_db)
+    tiling = _bwd_tiling(n_cols, keeps_partials)
     n_programs = partial_rows(n_rows, n_cols, x.device, compute_dw, compute_db)
     alloc = torch.zeros if tiling.looped else torch.empty
     db_in_kernel = compute_db and not (tiling.looped and LOOPED_DB_BY_COLUMN_SUM)
@@ -420,7 +465,8 @@ def _layer_norm_bwd(
         n_rows, n_cols, dy_rows.stride(0), x_rows.stride(0),
         HAS_WEIGHT=weight is not None, COMPUTE_DX=compute_dx, COMPUTE_DW=compute_dw, COMPUTE_DB=db_in_kernel,
         BLOCK_COLS=tiling.block_cols, ROWS=tiling.rows_per_tile, LOOPED=tiling.looped,
-        num_warps=tiling.num_warps,
+        ACC_2D=keeps_partials and tiling.rows_per_tile >= BWD_ACC_2D_ROWS,
+        PREFETCH=keeps_partials and tiling.block_cols <= BWD_PREFETCH_MAX_COLS, num_warps=tiling.num_warps,
     )  # fmt: skip
     dw_sum, db_sum = sum_weight_and_bias_rows(partials, weight if compute_dw else None, bias if db_in_kernel else None)
     if compute_db and bias is not None and not db_in_kernel:
