@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib
 import itertools
 import sys
+from collections.abc import Callable
 
 import torch
 
@@ -27,33 +28,41 @@ SPACE = {"ROWS_TILE_ELEMENTS": [2048, 4096, 8192, 16384], "ROWS_ELEMENTS_PER_WAR
 TRAINABLE_SPACE = {**SPACE, "ROWS_PARTIALS_TILE_ELEMENTS": [2048, 4096], "ROWS_PER_PROGRAM": [512, 2048]}
 
 
-def main() -> None:
+def case(width: int, trainable: bool) -> tuple[Callable[[], None], list[torch.Tensor]]:
+    """(forward+backward of fk's GroupNorm on a fresh (ROWS, width) bf16 input, its leaves)."""
     import fk.norms
 
+    x = torch.randn(ROWS, width, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.ones(width, device="cuda", dtype=torch.bfloat16, requires_grad=trainable)
+    b = torch.zeros(width, device="cuda", dtype=torch.bfloat16, requires_grad=trainable)
+    dy = torch.randn_like(x)
+    return lambda: fk.norms.group_norm(x, GROUPS, w, b, 1e-6).backward(dy), [x, w, b]
+
+
+def measure(fwd_bwd: Callable[[], None], leaves: list[torch.Tensor]) -> tuple[float, float]:
+    """(GPU ms, peak MB above the inputs) of one forward+backward."""
+    ms = bench.time_ms(fwd_bwd, warmup=5, rep=20, grad_to_none=leaves, gpu_only=True)
+    for t in leaves:
+        t.grad = None
+    peak = bench.peak_memory_bytes(fwd_bwd) / 2**20
+    for t in leaves:
+        t.grad = None
+    return ms, peak
+
+
+def main() -> None:
     module = importlib.import_module("fk.norms.group_norm")
     defaults = {k: getattr(module, k) for k in TRAINABLE_SPACE}
     copy = bench.copy_bandwidth_tbps()
     widths = [int(w) for w in sys.argv[1:]] or [4096, 8192, 16384, 32768]
     for width, trainable in itertools.product(widths, (False, True)):
-        x = torch.randn(ROWS, width, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        w = torch.ones(width, device="cuda", dtype=torch.bfloat16, requires_grad=trainable)
-        b = torch.zeros(width, device="cuda", dtype=torch.bfloat16, requires_grad=trainable)
-        dy = torch.randn_like(x)
-
-        def fwd_bwd(x: torch.Tensor = x, w: torch.Tensor = w, b: torch.Tensor = b, dy: torch.Tensor = dy) -> None:
-            fk.norms.group_norm(x, GROUPS, w, b, 1e-6).backward(dy)
-
+        fwd_bwd, leaves = case(width, trainable)
         space = TRAINABLE_SPACE if trainable else SPACE
         results = []
         for values in [{}, *(dict(zip(space, v, strict=True)) for v in itertools.product(*space.values()))]:
             for key, value in {**defaults, **values}.items():
                 setattr(module, key, value)
-            ms = bench.time_ms(fwd_bwd, warmup=5, rep=20, grad_to_none=[x, w, b], gpu_only=True)
-            for t in (x, w, b):
-                t.grad = None
-            peak = bench.peak_memory_bytes(fwd_bwd) / 2**20
-            for t in (x, w, b):
-                t.grad = None
+            ms, peak = measure(fwd_bwd, leaves)
             results.append({"GPU ms": round(ms, 4), "copy%": round(100 * bench.tbps(10 * ROWS * width, ms) / copy, 1),
                             "MB": round(peak, 1), "variant": str(values or "module defaults")})  # fmt: skip
         for key, value in defaults.items():

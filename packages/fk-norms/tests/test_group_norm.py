@@ -178,6 +178,38 @@ def test_rows_kernels_over_several_row_tiles(
     assert testing.count_buffers(sizes, max(n_partials, 1) * 9 * c * 4, device) == (n_partials > 0), sizes
 
 
+def test_rows_backward_bounds_its_partial_rows(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rows kernels' dw and db partial rows within ROWS_PARTIAL_BYTES: programs take more tiles
+    (here 7 of 4 samples where ROWS_PER_PROGRAM says 3) so that there are 4 partial rows of each."""
+    n, c, groups = 103, 48, 3
+    module = importlib.import_module("fk.norms.group_norm")
+    monkeypatch.setattr(module, "ROWS_TILE_ELEMENTS", 64)
+    monkeypatch.setattr(module, "ROWS_PARTIALS_TILE_ELEMENTS", 64)  # 4 samples a tile: 26 tiles
+    monkeypatch.setattr(module, "ROWS_PER_PROGRAM", 12)
+    monkeypatch.setattr(module, "multiprocessor_count", lambda device: 4)
+    monkeypatch.setattr(module, "ROWS_PARTIAL_BYTES", 2 * 4 * c * 4)
+    x, w, b = _inputs((n, c), torch.float32, device, seed=22)
+    testing.compare_with_reference(_fk(groups), _ref(groups), [x, w, b], arg_names=NAMES)
+    y = group_norm(x, groups, w, b)
+    sizes = testing.allocation_sizes(lambda: y.backward(torch.ones_like(y)))
+    assert testing.count_buffers(sizes, 2 * 4 * c * 4, device) == 1, sizes  # dw's and db's 4 rows each
+    assert testing.count_buffers(sizes, 2 * 9 * c * 4, device) == 0, sizes  # not 9 programs' worth
+
+
+def test_rows_kernels_save_no_statistics(device: str) -> None:
+    """(N, C) input: the forward keeps no (N, G) mean and rstd for the backward, which recomputes
+    them as the forward does (here with a mean far from zero, where a careless formula loses digits)."""
+    n, c, groups = 256, 96, 4
+    x = testing.random_tensor((n, c), torch.float32, device, seed=6, scale=0.01, offset=300.0, requires_grad=True)
+    w = testing.random_tensor((c,), torch.float32, device, seed=7, offset=1.0, requires_grad=True)
+    b = testing.random_tensor((c,), torch.float32, device, seed=8, requires_grad=True)
+    testing.compare_with_reference(_fk(groups), _ref(groups), [x, w, b], arg_names=NAMES)
+    sizes = testing.allocation_sizes(lambda: group_norm(x, groups, w, b))
+    assert testing.count_buffers([n * c * 4], n * groups * 4, device) == 0  # the sizes are told apart
+    assert testing.count_buffers(sizes, n * c * 4, device) == 1, sizes  # y: the profiler sees the forward
+    assert testing.count_buffers(sizes, n * groups * 4, device) == 0, sizes  # no mean, no rstd
+
+
 def test_zero_samples(device: str) -> None:
     x = torch.empty(0, 4, 3, device=device, requires_grad=True)
     w = torch.ones(4, device=device, requires_grad=True)

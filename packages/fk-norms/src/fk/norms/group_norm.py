@@ -77,7 +77,10 @@ def group_norm_ref(
 # contiguous channels of a token), one program per group would hold Cg elements, a few dozen. So
 # for groups of at most ROWS_MAX_GROUP channels the rows kernels take [ROWS, Cg] tiles (ROWS
 # samples of one group), the statistics being row sums in registers. The forward takes one tile
-# per program. The backward takes TILES tiles one after another (ROWS_PER_PROGRAM samples) and
+# per program and saves no statistics: the backward, which loads the same whole groups, recomputes
+# them (two row sums of a tile it holds anyway), so the rows path keeps no [N, G] fp32 mean and
+# rstd alive between forward and backward (4 MiB at N=16384, G=32). The backward takes several
+# tiles one after another (ROWS_PER_PROGRAM samples, or more for wide C: ROWS_PARTIAL_BYTES) and
 # adds dy * xhat and dy into [ROWS, Cg] fp32 accumulators, summed over their rows once, after the
 # loop, into one partial row per program, which the launcher sums: N / 512 partial rows where the
 # general backward writes one per sample. (Summing each tile over its rows inside the loop, a
@@ -233,11 +236,8 @@ def _group_norm_rows_fwd_kernel(
     w_ptr,  # [C] weight (unused when HAS_WEIGHT is False)
     b_ptr,  # [C] bias (unused when HAS_BIAS is False)
     y_ptr,  # [N, C] output, contiguous
-    mean_ptr,  # [N, G] fp32 output
-    rstd_ptr,  # [N, G] fp32 output
     n_rows,
     n_channels,
-    n_groups,
     n_group_channels,  # Cg
     eps,
     HAS_WEIGHT: tl.constexpr,
@@ -264,8 +264,6 @@ def _group_norm_rows_fwd_kernel(
         b = tl.load(b_ptr + channels, mask=col_mask, other=0.0).to(tl.float32)
     y = d * rstd[:, None] * w[None, :] + b[None, :]
     tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
-    tl.store(mean_ptr + rows * n_groups + group, mean, mask=row_mask)
-    tl.store(rstd_ptr + rows * n_groups + group, rstd, mask=row_mask)
 
 
 @triton.jit
@@ -273,22 +271,20 @@ def _group_norm_rows_bwd_kernel(
     dy_ptr,  # [N, C] upstream gradient, contiguous
     x_ptr,  # [N, C] forward input, contiguous
     w_ptr,  # [C] weight (unused when HAS_WEIGHT is False)
-    mean_ptr,  # [N, G] fp32, from the forward
-    rstd_ptr,  # [N, G] fp32, from the forward
     dx_ptr,  # [N, C] output, contiguous (unused when COMPUTE_DX is False)
-    dw_partial_ptr,  # [cdiv(N, ROWS * TILES), C] fp32: this program's sum of dy * xhat, per channel
-    db_partial_ptr,  # [cdiv(N, ROWS * TILES), C] fp32: this program's sum of dy, per channel
+    dw_partial_ptr,  # [programs along N, C] fp32: this program's sum of dy * xhat, per channel
+    db_partial_ptr,  # [programs along N, C] fp32: this program's sum of dy, per channel
     n_rows,
     n_channels,
-    n_groups,
     n_group_channels,
+    eps,
+    tiles_per_program,  # [ROWS, Cg] tiles per program, one after another
     HAS_WEIGHT: tl.constexpr,
     COMPUTE_DX: tl.constexpr,
     COMPUTE_DW: tl.constexpr,
     COMPUTE_DB: tl.constexpr,
     BLOCK_CG: tl.constexpr,
     ROWS: tl.constexpr,
-    TILES: tl.constexpr,  # [ROWS, Cg] tiles per program, one after another
 ):
     block, group = tl.program_id(0), tl.program_id(1)
     cols = tl.arange(0, BLOCK_CG)
@@ -299,16 +295,18 @@ def _group_norm_rows_bwd_kernel(
         w = tl.load(w_ptr + channels, mask=col_mask, other=0.0).to(tl.float32)
     dw_sum = tl.zeros([ROWS, BLOCK_CG], dtype=tl.float32)  # summed over rows once, after the loop
     db_sum = tl.zeros([ROWS, BLOCK_CG], dtype=tl.float32)
-    for tile in range(TILES):
-        rows = (block * TILES + tile) * ROWS + tl.arange(0, ROWS)
+    for tile in range(tiles_per_program):
+        rows = (block * tiles_per_program + tile) * ROWS + tl.arange(0, ROWS)
         row_mask = rows < n_rows
         mask = row_mask[:, None] & col_mask[None, :]
         offs = rows.to(tl.int64)[:, None] * n_channels + channels[None, :]
         dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        mean = tl.load(mean_ptr + rows * n_groups + group, mask=row_mask, other=0.0)
-        rstd = tl.load(rstd_ptr + rows * n_groups + group, mask=row_mask, other=0.0)
-        xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+        # The forward's statistics, recomputed as it computes them (the whole group is in the tile).
+        mean = tl.sum(x, axis=1) / n_group_channels
+        d = tl.where(mask, x - mean[:, None], 0.0)
+        rstd = tl.rsqrt(tl.sum(d * d, axis=1) / n_group_channels + eps)
+        xhat = d * rstd[:, None]
         if COMPUTE_DX:
             g = dy * w[None, :]
             mean_g = tl.sum(g, axis=1) / n_group_channels
@@ -355,6 +353,15 @@ ROWS_TILE_ELEMENTS = 4096
 ROWS_PARTIALS_TILE_ELEMENTS = 2048
 ROWS_ELEMENTS_PER_WARP = 512
 ROWS_PER_PROGRAM = 512  # the backward's samples per program: its dw/db partials have cdiv(N, 512) rows
+# ... or more samples per program, so that the dw and db partial rows take at most this many bytes
+# together: at C = 16384 and 32768 (16384 samples) 512 samples a program kept 4 and 8 MiB of them,
+# 2 and 6 MiB over Liger's peak. With the cap, C = 32768 leaves 8 programs per group, which need
+# tiles of at least ROWS_PARTIALS_MIN_ROWS samples to keep memory busy: on an H200
+# (benchmarks/results/experiments/group_norm_partial_cap_probe.py, output beside it; trainable
+# forward+backward GPU time) 2.41 ms with tiles of 2 samples, 1.81 ms with 4, and 1.72 ms without
+# the cap (at 2056 MB against 2050).
+ROWS_PARTIAL_BYTES = 2 << 20
+ROWS_PARTIALS_MIN_ROWS = 4
 
 
 def _takes_rows(n_group_channels: int, n_spatial: int) -> bool:
@@ -365,7 +372,10 @@ def _takes_rows(n_group_channels: int, n_spatial: int) -> bool:
 def _rows_tile(n_group_channels: int, partials: bool = False) -> tuple[int, int, int]:
     """(BLOCK_CG, ROWS, num_warps) of the rows kernels (``partials``: a backward that sums dw or db)."""
     block = next_power_of_2(n_group_channels)
-    rows = max(1, (ROWS_PARTIALS_TILE_ELEMENTS if partials else ROWS_TILE_ELEMENTS) // block)
+    if partials:
+        rows = max(ROWS_PARTIALS_MIN_ROWS, ROWS_PARTIALS_TILE_ELEMENTS // block)
+    else:
+        rows = max(1, ROWS_TILE_ELEMENTS // block)
     return block, rows, max(1, min(MAX_WARPS, block * rows // ROWS_ELEMENTS_PER_WARP))
 
 
@@ -383,19 +393,19 @@ def _as_ncs(t: torch.Tensor) -> torch.Tensor:
 def _group_norm_fwd(
     x: torch.Tensor, num_groups: int, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Forward launcher: returns (y with x's shape and dtype, mean and rstd fp32 of shape (N, G))."""
+    """Forward launcher: returns (y with x's shape and dtype, mean, rstd): fp32 of shape (N, G), or
+    empty where the rows kernels take the groups (their backward recomputes them)."""
     n, c = x.shape[0], x.shape[1]
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    mean = torch.empty((n, num_groups), dtype=torch.float32, device=x.device)
-    rstd = torch.empty((n, num_groups), dtype=torch.float32, device=x.device)
+    mean, rstd = _stats_buffers(x, num_groups)
     if x.numel() == 0:
         return y, mean, rstd
     x3 = _as_ncs(x)
     if _takes_rows(c // num_groups, x3.shape[2]):
         block_cg, rows, num_warps = _rows_tile(c // num_groups)
         _group_norm_rows_fwd_kernel[(cdiv(n, rows), num_groups)](
-            x3, weight if weight is not None else x3, bias if bias is not None else x3, y, mean, rstd,
-            n, c, num_groups, c // num_groups, eps,
+            x3, weight if weight is not None else x3, bias if bias is not None else x3, y,
+            n, c, c // num_groups, eps,
             HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, BLOCK_CG=block_cg, ROWS=rows,
             num_warps=num_warps,
         )  # fmt: skip
@@ -410,12 +420,18 @@ def _group_norm_fwd(
     return y, mean, rstd
 
 
+def _stats_buffers(x: torch.Tensor, num_groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward's mean and rstd outputs: (N, G) fp32, or empty for the rows kernels."""
+    spatial = math.prod(x.shape[2:])
+    shape = (0,) if _takes_rows(x.shape[1] // num_groups, spatial) else (x.shape[0], num_groups)
+    mean = torch.empty(shape, dtype=torch.float32, device=x.device)
+    return mean, torch.empty(shape, dtype=torch.float32, device=x.device)
+
+
 def _group_norm_fwd_fake(
     x: torch.Tensor, num_groups: int, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    mean = torch.empty((x.shape[0], num_groups), dtype=torch.float32, device=x.device)
-    return y, mean, torch.empty((x.shape[0], num_groups), dtype=torch.float32, device=x.device)
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device), *_stats_buffers(x, num_groups)
 
 
 def _group_norm_bwd(
@@ -426,13 +442,15 @@ def _group_norm_bwd(
     bias: torch.Tensor | None,
     mean: torch.Tensor,
     rstd: torch.Tensor,
+    eps: float,
     compute_dx: bool,
     compute_dw: bool,
     compute_db: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward launcher: returns (dx, dw, db); each one not computed is an empty tensor.
 
-    ``bias`` is not read: it gives db its dtype (and says whether there is one).
+    ``bias`` is not read: it gives db its dtype (and says whether there is one). ``eps`` is for the
+    rows kernels, which recompute the statistics (``mean`` and ``rstd`` are empty there).
     """
     n, c = x.shape[0], x.shape[1]
     compute_dw = compute_dw and weight is not None
@@ -444,24 +462,26 @@ def _group_norm_bwd(
         return dx, dw, db
     x3, dy3 = _as_ncs(x), _as_ncs(dy)
     dx3 = dx.view(x3.shape) if compute_dx else x3
-    mean2, rstd2 = mean.view(n, num_groups), rstd.view(n, num_groups)
     if _takes_rows(c // num_groups, x3.shape[2]):
         block_cg, rows, num_warps = _rows_tile(c // num_groups, compute_dw or compute_db)
-        # ROWS_PER_PROGRAM samples a program, fewer where that would leave under 4 programs an SM.
+        # ROWS_PER_PROGRAM samples a program, fewer where that would leave under 4 programs an SM,
+        # more where the partial rows would outgrow ROWS_PARTIAL_BYTES (wide C).
         row_tiles = cdiv(n, rows)
         spread = row_tiles * num_groups // (4 * multiprocessor_count(x.device))
         tiles = max(1, min(ROWS_PER_PROGRAM // rows, spread))
-        blocks = cdiv(n, rows * tiles)
-        # dw's and db's partial rows in one buffer (one sum_rows launch for both).
         n_partials = int(compute_dw) + int(compute_db)
+        if n_partials:
+            tiles = max(tiles, cdiv(row_tiles, max(1, ROWS_PARTIAL_BYTES // (n_partials * c * 4))))
+        blocks = cdiv(row_tiles, tiles)
+        # dw's and db's partial rows in one buffer (one sum_rows launch for both).
         partials = torch.empty((n_partials, blocks, c), dtype=torch.float32, device=x.device) if n_partials else rstd
         dw_partial = partials[0] if compute_dw else rstd
         db_partial = partials[n_partials - 1] if compute_db else rstd
         _group_norm_rows_bwd_kernel[(blocks, num_groups)](
-            dy3, x3, weight if weight is not None else x3, mean2, rstd2, dx3, dw_partial, db_partial,
-            n, c, num_groups, c // num_groups,
+            dy3, x3, weight if weight is not None else x3, dx3, dw_partial, db_partial,
+            n, c, c // num_groups, eps, tiles,
             HAS_WEIGHT=weight is not None, COMPUTE_DX=compute_dx, COMPUTE_DW=compute_dw, COMPUTE_DB=compute_db,
-            BLOCK_CG=block_cg, ROWS=rows, TILES=tiles, num_warps=num_warps,
+            BLOCK_CG=block_cg, ROWS=rows, num_warps=num_warps,
         )  # fmt: skip
         dw_sum, db_sum = sum_weight_and_bias_rows(
             partials, weight if compute_dw else None, bias if compute_db else None
@@ -471,6 +491,7 @@ def _group_norm_bwd(
             (dw_sum if dw_sum is not None else x.new_empty(0)),
             (db_sum if db_sum is not None else x.new_empty(0)),
         )
+    mean2, rstd2 = mean.view(n, num_groups), rstd.view(n, num_groups)
     # The partial buffers hold one row per sample of a launch; launches of at most
     # samples_per_launch(c) samples keep them bounded, each launch's rows summed into fp32 totals.
     # A buffer that is not needed is never read or written: its COMPUTE_* flag is False.
@@ -506,6 +527,7 @@ def _group_norm_bwd_fake(
     bias: torch.Tensor | None,
     mean: torch.Tensor,
     rstd: torch.Tensor,
+    eps: float,
     compute_dx: bool,
     compute_dw: bool,
     compute_db: bool,
@@ -517,9 +539,10 @@ def _group_norm_bwd_fake(
 
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
-    x, num_groups, weight, bias, _eps = inputs
+    x, num_groups, weight, bias, eps = inputs
     ctx.save_for_backward(x, weight, bias, output[1], output[2])
     ctx.num_groups = num_groups
+    ctx.eps = eps
     ctx.mark_non_differentiable(output[1], output[2])
     ctx.set_materialize_grads(False)
 
@@ -529,7 +552,7 @@ def _backward(run_backward: Any, ctx: Any, dy: torch.Tensor | None, _dmean: Any,
     need_dx, _, need_dw, need_db = ctx.needs_input_grad[:4]
     if dy is None or not (need_dx or need_dw or need_db):
         return None, None, None, None, None
-    dx, dw, db = run_backward(dy, x, ctx.num_groups, weight, bias, mean, rstd, need_dx, need_dw, need_db)
+    dx, dw, db = run_backward(dy, x, ctx.num_groups, weight, bias, mean, rstd, ctx.eps, need_dx, need_dw, need_db)
     return (dx if need_dx else None), None, (dw if need_dw else None), (db if need_db else None), None
 
 
