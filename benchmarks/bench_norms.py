@@ -11,6 +11,10 @@ run, and peak memory. Bytes counted (the minimum any implementation must move, b
   the backward reads dy, d(residual), the new residual and writes one gradient (16*M*H in all).
   (Parameters, statistics and parameter gradients are O(H) or O(M) and not counted.)
 
+Forward+backward takes the inputs' gradients with ``torch.autograd.grad``, as a layer inside a
+model hands them on, not into leaves' ``.grad`` (FusedAddRMSNorm's x and residual get one gradient
+tensor; ``.backward()`` would copy it into the second leaf's ``.grad``, two more passes).
+
 Liger Kernel runs with ``in_place=False`` where it has the option (its default writes dx over dy,
 which a timing loop that reuses dy would have to pay a copy for). A provider that is not installed,
 or an op that Liger 0.8.5 lacks, is recorded as a row with ``status="not available"``.
@@ -193,7 +197,10 @@ def measure(record: bench.BenchRecord, copy_tbps: float, op: Op, name: str, fn: 
         fn(*args)
 
     def forward_backward() -> None:
-        torch.autograd.backward(_outputs(fn(*args)), dys)
+        # torch.autograd.grad, not .backward(): the gradients come back as an inner layer's backward
+        # hands them on, without accumulating into .grad. FusedAddRMSNorm returns one tensor as the
+        # gradient of both x and the residual; .backward() into two leaves copies it for the second.
+        torch.autograd.grad(_outputs(fn(*args)), grads, dys)
 
     # A provider that takes over SLOW_CALL_S a call (Liger's GroupNorm at these shapes: seconds) gets
     # SLOW_REP repetitions, so that the whole table fits in one run; its median is still a median.
