@@ -12,6 +12,7 @@ import torch
 from fk.core import testing
 from fk.core.testing import dtype_name
 from fk.lora import LoRAWeights, lora_linear, lora_linear_ref, lora_mlp, lora_mlp_ref, lora_qkv
+from fk.lora.lora import module_mlp
 
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
 
@@ -381,6 +382,9 @@ def test_bad_inputs_name_the_argument(device: str) -> None:
         lora_mlp(x, parts, parts, parts, activation="relu")
     with pytest.raises(ValueError, match=r"^down_parts.weight must have shape \(40, 40\)"):
         lora_mlp(x, parts, parts, parts)
+    # The patched forwards' entry point checks only widths, without a tensor for the intermediate.
+    with pytest.raises(ValueError, match=r"^down_parts.weight takes 48 input features, gate_parts.weight gives 40"):
+        module_mlp(x, parts, parts, parts, "swiglu", from_module=True)
     if device == "cuda":
         with pytest.raises(ValueError, match=r"^lora_A must be on the device of x"):
             lora_linear(x, w, b, a.cpu(), bb, 2.0)

@@ -850,9 +850,14 @@ def _module_parts(
     the one mistake a caller of a patched module can make. (The full checks took 7 us a projection
     against 0.7 us, each call, on the 2-core CPU machine this project tests on:
     ``benchmarks/results/experiments/lora_checks_probe.py``.)"""
+    if x.shape[-1] != parts[0].shape[1]:
+        raise ValueError(f"{prefix}weight takes {parts[0].shape[1]} input features, got x of shape {tuple(x.shape)}")
+    return _module_params(parts, cast)
+
+
+def _module_params(parts: LoRAWeights, cast: torch.dtype | None) -> tuple[tuple[float, float, torch.dtype], list[Any]]:
+    """The config and parameters of :func:`_module_parts`, without the width check."""
     w, b, a, bb, s, p, lb = parts
-    if x.shape[-1] != w.shape[1]:
-        raise ValueError(f"{prefix}weight takes {w.shape[1]} input features, got x of shape {tuple(x.shape)}")
     params = [w, b, a, bb, lb]
     if cast is not None:  # as autocast casts each F.linear's operands (autograd sees the casts)
         params = [t if t is None or t.dtype == cast else t.to(cast) for t in params]
@@ -989,6 +994,11 @@ def module_mlp(
     n_inter = pg[0].shape[0]
     if pu[0].shape[0] != n_inter:
         raise ValueError(f"up_parts.weight must have {n_inter} rows (gate_parts.weight's), got shape {tuple(pu[0].shape)}")  # fmt: skip
-    h_like = x.new_empty((1, n_inter), dtype=pg[0].dtype) if x.ndim else x
-    cfg_d, pd = check("down_parts.", h_like, down_parts, cast)
+    if from_module:  # the intermediate's width is all there is to check: no tensor stands in for it
+        if down_parts[0].shape[1] != n_inter:
+            raise ValueError(f"down_parts.weight takes {down_parts[0].shape[1]} input features, gate_parts.weight gives {n_inter}")  # fmt: skip
+        cfg_d, pd = _module_params(down_parts, cast)
+    else:
+        h_like = x.new_empty((1, n_inter), dtype=pg[0].dtype) if x.ndim else x
+        cfg_d, pd = _check_parts("down_parts.", h_like, down_parts, cast)
     return _apply(_LoRAMLP, x, (act, cfg_g, cfg_u, cfg_d), [*pg, *pu, *pd])
