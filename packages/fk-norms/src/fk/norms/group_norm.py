@@ -78,8 +78,8 @@ def group_norm_ref(
 # for groups of at most ROWS_MAX_GROUP channels the rows kernels take [ROWS, Cg] tiles (ROWS
 # samples of one group), the statistics being row sums in registers. The forward takes one tile
 # per program and saves no statistics: the backward, which loads the same whole groups, recomputes
-# them (two row sums of a tile it holds anyway), so the rows path keeps no [N, G] fp32 mean and
-# rstd alive between forward and backward (4 MiB at N=16384, G=32). The backward takes several
+# them in the one reduction that also gives its own two row sums, so the rows path keeps no [N, G]
+# fp32 mean and rstd alive between forward and backward (4 MiB at N=16384, G=32). The backward takes several
 # tiles one after another (ROWS_PER_PROGRAM samples, or more for wide C: ROWS_PARTIAL_BYTES) and
 # adds dy * xhat and dy into [ROWS, Cg] fp32 accumulators, summed over their rows once, after the
 # loop, into one partial row per program, which the launcher sums: N / 512 partial rows where the
@@ -267,6 +267,12 @@ def _group_norm_rows_fwd_kernel(
 
 
 @triton.jit
+def _add_4(a0, a1, a2, a3, b0, b1, b2, b3):
+    """Four sums in one ``tl.reduce``."""
+    return a0 + b0, a1 + b1, a2 + b2, a3 + b3
+
+
+@triton.jit
 def _group_norm_rows_bwd_kernel(
     dy_ptr,  # [N, C] upstream gradient, contiguous
     x_ptr,  # [N, C] forward input, contiguous
@@ -302,15 +308,20 @@ def _group_norm_rows_bwd_kernel(
         offs = rows.to(tl.int64)[:, None] * n_channels + channels[None, :]
         dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        # The forward's statistics, recomputed as it computes them (the whole group is in the tile).
-        mean = tl.sum(x, axis=1) / n_group_channels
-        d = tl.where(mask, x - mean[:, None], 0.0)
-        rstd = tl.rsqrt(tl.sum(d * d, axis=1) / n_group_channels + eps)
-        xhat = d * rstd[:, None]
+        # The forward's statistics, recomputed from the tile (it holds whole groups), and the two
+        # row sums dx needs, in one reduction: sums of xs, xs^2, g and g * xs over each row, with
+        # xs = x - k and k one of the row's own values (so E[xs^2] - E[xs]^2 loses no digits to a
+        # mean far from zero). Then mean = k + E[xs], mean(g * xhat) = r (E[g xs] - E[xs] E[g]).
+        k = tl.load(x_ptr + rows.to(tl.int64) * n_channels + group * n_group_channels, mask=row_mask, other=0.0)
+        xs = tl.where(mask, x - k.to(tl.float32)[:, None], 0.0)
+        g = dy * w[None, :]
+        sum_xs, sum_xs2, sum_g, sum_gxs = tl.reduce((xs, xs * xs, g, g * xs), 1, _add_4)
+        mean_xs = sum_xs / n_group_channels
+        rstd = tl.rsqrt(tl.maximum(sum_xs2 / n_group_channels - mean_xs * mean_xs, 0.0) + eps)
+        xhat = tl.where(mask, (xs - mean_xs[:, None]) * rstd[:, None], 0.0)
         if COMPUTE_DX:
-            g = dy * w[None, :]
-            mean_g = tl.sum(g, axis=1) / n_group_channels
-            mean_gx = tl.sum(g * xhat, axis=1) / n_group_channels
+            mean_g = sum_g / n_group_channels
+            mean_gx = rstd * (sum_gxs / n_group_channels - mean_xs * mean_g)
             dx = (g - mean_g[:, None] - xhat * mean_gx[:, None]) * rstd[:, None]
             tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
         if COMPUTE_DW:
