@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import copy
+import functools
+import inspect
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -117,6 +120,56 @@ def test_qkv_group_computes_once_and_splits_on_another_input(device: str, monkey
     torch.testing.assert_close(attn.q_proj(x), stock_attn.q_proj(x))
     assert not calls  # split: each projection computes alone from now on
     assert fk.hf.revert(model) == 6 + 2 and type(attn.q_proj) is torch.nn.Linear  # the projections, the decoder layers
+
+
+def _renaming(old: str, new: str) -> Any:
+    """A decorator as transformers' ``deprecate_kwarg(old, new_name=new)``: a ``functools.wraps``
+    closure over the function it wraps, which passes ``old=`` on as ``new=``."""
+
+    def decorator(fn: Any) -> Any:
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if old in kwargs:
+                kwargs[new] = kwargs.pop(old)
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    return decorator
+
+
+def test_add_norm_recognizes_both_decoder_forwards_under_wrappers() -> None:
+    """The pre-norm decoder forward of transformers up to 5.23 (past_key_values) and of 5.24
+    (cache, under a renamed-argument deprecation wrapper) both get add_norm; the patched forward
+    keeps the wrapper, now around fk's function. A wrapper that does not hold what it wraps in its
+    closure gets no patch."""
+    from fk.hf import patching
+
+    cache_form = _renaming("past_key_values", "cache")(patching._pre_norm_decoder_forward_cache)
+    for stock, fk_forward in ((patching._pre_norm_decoder_forward, patching.add_norm_forward),
+                              (cache_form, patching.add_norm_forward_cache)):  # fmt: skip
+        patched = patching._add_norm_forward_for(stock)
+        assert patched is not None and inspect.unwrap(patched) is fk_forward
+        assert (patched is fk_forward) == (stock is patching._pre_norm_decoder_forward)
+    rewrapped = patching._add_norm_forward_for(cache_form)
+    seen: dict[str, Any] = {}
+    rewrapped_inner = inspect.unwrap(rewrapped)
+    assert rewrapped.__code__ is cache_form.__code__ and rewrapped_inner is patching.add_norm_forward_cache
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        seen.update(kwargs)
+
+    wrapped_spy = patching._rewrapped(cache_form, spy)
+    assert wrapped_spy is not None
+    wrapped_spy(None, None, past_key_values="kv")  # the copied wrapper still renames the argument
+    assert seen == {"cache": "kv"}
+
+    def opaque(*args: Any, **kwargs: Any) -> Any:  # a wrapper that reaches the function another way
+        return patching._pre_norm_decoder_forward(*args, **kwargs)
+
+    opaque.__wrapped__ = patching._pre_norm_decoder_forward  # type: ignore[attr-defined]
+    assert patching._add_norm_forward_for(opaque) is None
+    assert patching._add_norm_forward_for(patching.add_norm_forward) is None  # not a stock forward
 
 
 @pytest.mark.parametrize("model_type", ["llama", "gemma"])

@@ -293,18 +293,104 @@ def _pre_norm_decoder_forward(  # LlamaDecoderLayer's forward (transformers 5.2x
     return hidden_states
 
 
-def is_pre_norm_decoder(module: torch.nn.Module) -> bool:
-    """Whether ``type(module).forward`` (under ``transformers``' checkpointing wrapper) is exactly
-    :func:`_pre_norm_decoder_forward`: the same bytecode, names and arguments (annotations and
-    docstrings aside). Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE and Gemma decoder layers are."""
-    code = getattr(inspect.unwrap(type(module).forward), "__code__", None)
-    want = _pre_norm_decoder_forward.__code__
+# The same forward from transformers 5.24 on, where past_key_values is named cache. The templates are
+# compared by bytecode (is_pre_norm_decoder), so each is written out as transformers writes it.
+def _pre_norm_decoder_forward_cache(
+    self: Any,
+    hidden_states: Any,
+    attention_mask: Any = None,
+    position_ids: Any = None,
+    cache: Any = None,
+    use_cache: Any = False,
+    position_embeddings: Any = None,
+    **kwargs: Any,
+) -> Any:
+    residual = hidden_states
+    hidden_states = self.input_layernorm(hidden_states)
+    hidden_states, _ = self.self_attn(
+        hidden_states=hidden_states,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        cache=cache,
+        use_cache=use_cache,
+        position_embeddings=position_embeddings,
+        **kwargs,
+    )
+    hidden_states = residual + hidden_states
+    residual = hidden_states
+    hidden_states = self.post_attention_layernorm(hidden_states)
+    hidden_states = self.mlp(hidden_states)
+    hidden_states = residual + hidden_states
+    return hidden_states
+
+
+def _same_code(fn: Any, template: Callable[..., Any]) -> bool:
+    """Whether function ``fn`` has ``template``'s bytecode, names and arguments (annotations and
+    docstrings aside)."""
+    code, want = getattr(fn, "__code__", None), template.__code__
     star_args = inspect.CO_VARARGS | inspect.CO_VARKEYWORDS  # (the other flags: __future__ imports, ...)
     return (
         code is not None
         and code.co_flags & star_args == want.co_flags & star_args
         and all(getattr(code, a) == getattr(want, a) for a in ("co_code", "co_names", "co_varnames", "co_argcount"))
     )
+
+
+def is_pre_norm_decoder(module: torch.nn.Module) -> bool:
+    """Whether ``type(module).forward`` (under the wrappers ``transformers`` puts on it: gradient
+    checkpointing, renamed-argument deprecation) is exactly :func:`_pre_norm_decoder_forward`, or
+    its transformers 5.24 form with ``cache`` for ``past_key_values``. Llama, Mistral, Qwen2, Qwen3,
+    Qwen3-MoE and Gemma decoder layers are."""
+    return _add_norm_forward_for(type(module).forward) is not None
+
+
+@functools.cache
+def _add_norm_forward_for(stock: Callable[..., Any]) -> Callable[..., Any] | None:
+    """The ``add_norm`` forward that replaces ``stock`` (a decoder layer's forward), under the same
+    wrappers (see :func:`_rewrapped`), or None when ``stock`` is not a pre-norm decoder forward."""
+    inner = inspect.unwrap(stock)
+    for template, forward in ((_pre_norm_decoder_forward, add_norm_forward),
+                              (_pre_norm_decoder_forward_cache, add_norm_forward_cache)):  # fmt: skip
+        if _same_code(inner, template):
+            return _rewrapped(stock, forward)
+    return None
+
+
+def _rewrapped(outer: Any, new_inner: Callable[..., Any]) -> Callable[..., Any] | None:
+    """``outer`` with the function at the bottom of its ``__wrapped__`` chain replaced by
+    ``new_inner``: each wrapper (a closure over the function it wraps, as ``functools.wraps``
+    decorators make) is copied with that closure cell pointing at the new function below it. So a
+    patched forward keeps ``transformers``' decorators (its renamed-argument deprecation, say).
+    None where a wrapper holds what it wraps some other way (then nothing is patched)."""
+    wrapped = getattr(outer, "__wrapped__", None)
+    if wrapped is None:
+        return new_inner
+    below = _rewrapped(wrapped, new_inner)
+    cells = getattr(outer, "__closure__", None) or ()
+    if below is None or not isinstance(outer, types.FunctionType):
+        return None
+    found = False
+    new_cells = []
+    for cell in cells:
+        try:
+            held = cell.cell_contents
+        except ValueError:  # an empty cell
+            held = None
+        if held is wrapped:
+            found = True
+            new_cells.append(types.CellType(below))
+        else:
+            new_cells.append(cell)
+    if not found:
+        return None
+    fn = types.FunctionType(outer.__code__, outer.__globals__, outer.__name__, outer.__defaults__, tuple(new_cells))
+    fn.__kwdefaults__ = outer.__kwdefaults__
+    fn.__dict__.update(outer.__dict__)
+    fn.__wrapped__ = below  # type: ignore[attr-defined]
+    fn.__qualname__ = outer.__qualname__
+    fn.__doc__ = outer.__doc__
+    fn.__module__ = outer.__module__
+    return fn
 
 
 def add_norm_forward(
@@ -317,6 +403,29 @@ def add_norm_forward(
     position_embeddings: Any = None,
     **kwargs: Any,
 ) -> Any:
+    """:func:`_add_norm` with the arguments of :func:`_pre_norm_decoder_forward`."""
+    attention_kwargs = dict(attention_mask=attention_mask, position_ids=position_ids, past_key_values=past_key_values,
+                            use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)  # fmt: skip
+    return _add_norm(self, hidden_states, attention_kwargs)
+
+
+def add_norm_forward_cache(
+    self: Any,
+    hidden_states: Any,
+    attention_mask: Any = None,
+    position_ids: Any = None,
+    cache: Any = None,
+    use_cache: Any = False,
+    position_embeddings: Any = None,
+    **kwargs: Any,
+) -> Any:
+    """:func:`_add_norm` with the arguments of :func:`_pre_norm_decoder_forward_cache` (transformers 5.24)."""
+    attention_kwargs = dict(attention_mask=attention_mask, position_ids=position_ids, cache=cache,
+                            use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)  # fmt: skip
+    return _add_norm(self, hidden_states, attention_kwargs)
+
+
+def _add_norm(self: Any, hidden_states: Any, attention_kwargs: dict[str, Any]) -> Any:
     """A pre-norm decoder layer's forward (see :func:`is_pre_norm_decoder`) with the attention's
     residual add inside the post-attention RMSNorm: ``y, s = fk.norms.fused_add_rms_norm(attn,
     residual)`` computes ``s = residual + attn`` and ``y = rms_norm(s)`` in one pass, and its
@@ -335,8 +444,7 @@ def add_norm_forward(
 
     norm = self.post_attention_layernorm
     if not _add_norm_applies(norm, hidden_states):
-        return stock_forward(self, _STOCK, hidden_states, attention_mask, position_ids, past_key_values, use_cache,
-                             position_embeddings, **kwargs)  # fmt: skip
+        return stock_forward(self, _STOCK, hidden_states, **attention_kwargs)
     patch: ModelPatch = self._fk_hf_patch
     recompute = _RECOMPUTE in self.__dict__
     input_norm: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
@@ -351,10 +459,7 @@ def add_norm_forward(
         residual = hidden_states
         hidden_states = self.input_layernorm(hidden_states)
     with input_norm:
-        hidden_states, _ = self.self_attn(
-            hidden_states=hidden_states, attention_mask=attention_mask, position_ids=position_ids,
-            past_key_values=past_key_values, use_cache=use_cache, position_embeddings=position_embeddings, **kwargs,
-        )  # fmt: skip
+        hidden_states, _ = self.self_attn(hidden_states=hidden_states, **attention_kwargs)
     post_norm: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
     if isinstance(hidden_states, torch.Tensor) and hidden_states.dtype == residual.dtype:
         eps = getattr(norm, patch.eps_attr)
@@ -465,10 +570,12 @@ def _mlp_activation(module: Any, patch: ModelPatch) -> str | None:
 @functools.cache
 def _rope_forward(stock: Callable[..., Any]) -> Callable[..., Any] | None:
     """A copy of ``stock`` (an attention forward) whose global ``apply_rotary_pos_emb`` is fk's,
-    or None when ``stock`` does not call a global of that name itself (a wrapped function). One
-    copy per ``stock`` (so the patched class is made once per attention class)."""
+    under the same wrappers (see :func:`_rewrapped`), or None when the function under them does not
+    call a global of that name itself. One copy per ``stock`` (so the patched class is made once
+    per attention class)."""
     from fk.rope import apply_rotary_pos_emb
 
+    outer, stock = stock, inspect.unwrap(stock)  # (transformers 5.24 wraps it: renamed-argument deprecation)
     if not isinstance(stock, types.FunctionType) or "apply_rotary_pos_emb" not in stock.__code__.co_names:
         return None
     # The copy's globals are a module of their own, registered under its own name: torch.compile
@@ -483,7 +590,7 @@ def _rope_forward(stock: Callable[..., Any]) -> Callable[..., Any] | None:
     fn.__kwdefaults__ = stock.__kwdefaults__
     fn.__qualname__ = stock.__qualname__
     fn.__doc__ = stock.__doc__
-    return fn
+    return _rewrapped(outer, fn)
 
 
 def _keep_last(hidden_states: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
@@ -876,9 +983,9 @@ def apply_patch(model: torch.nn.Module, patch: ModelPatch, switches: dict[str, b
                 _set_forward(module, "rope", fn, patch)
             if switches["qkv"]:
                 _group_projections(module, patch)
-        elif (switches["add_norm"] and is_pre_norm_decoder(module)
+        elif (switches["add_norm"] and (add_norm := _add_norm_forward_for(type(module).forward)) is not None
               and isinstance(getattr(module, "post_attention_layernorm", None), norms)):  # fmt: skip
-            _set_forward(module, "add_norm", add_norm_forward, patch)
+            _set_forward(module, "add_norm", add_norm, patch)
             if switches["recompute_norms"]:
                 module.__dict__[_RECOMPUTE] = True
         elif switches["flce"] and isinstance(module, heads):
