@@ -366,12 +366,11 @@ def _rewrapped(outer: Any, new_inner: Callable[..., Any]) -> Callable[..., Any] 
     if wrapped is None:
         return new_inner
     below = _rewrapped(wrapped, new_inner)
-    cells = getattr(outer, "__closure__", None) or ()
     if below is None or not isinstance(outer, types.FunctionType):
         return None
     found = False
     new_cells = []
-    for cell in cells:
+    for cell in outer.__closure__ or ():
         try:
             held = cell.cell_contents
         except ValueError:  # an empty cell
@@ -383,14 +382,21 @@ def _rewrapped(outer: Any, new_inner: Callable[..., Any]) -> Callable[..., Any] 
             new_cells.append(cell)
     if not found:
         return None
-    fn = types.FunctionType(outer.__code__, outer.__globals__, outer.__name__, outer.__defaults__, tuple(new_cells))
-    fn.__kwdefaults__ = outer.__kwdefaults__
+    fn = _function_copy(outer, outer.__globals__, tuple(new_cells))
     fn.__dict__.update(outer.__dict__)
-    fn.__wrapped__ = below  # type: ignore[attr-defined]
-    fn.__qualname__ = outer.__qualname__
-    fn.__doc__ = outer.__doc__
+    fn.__wrapped__ = below
     fn.__module__ = outer.__module__
     return fn
+
+
+def _function_copy(fn: types.FunctionType, globals_: dict[str, Any], closure: tuple[Any, ...] | None) -> Any:
+    """``fn`` with other globals or closure cells: the same code, name, defaults, qualified name
+    and docstring."""
+    copy = types.FunctionType(fn.__code__, globals_, fn.__name__, fn.__defaults__, closure)
+    copy.__kwdefaults__ = fn.__kwdefaults__
+    copy.__qualname__ = fn.__qualname__
+    copy.__doc__ = fn.__doc__
+    return copy
 
 
 def add_norm_forward(
@@ -586,11 +592,7 @@ def _rope_forward(stock: Callable[..., Any]) -> Callable[..., Any] | None:
     namespace.__dict__.update({k: v for k, v in stock.__globals__.items() if k not in ("__name__", "__spec__")})
     namespace.apply_rotary_pos_emb = apply_rotary_pos_emb  # type: ignore[attr-defined]
     sys.modules[name] = namespace
-    fn = types.FunctionType(stock.__code__, namespace.__dict__, stock.__name__, stock.__defaults__, stock.__closure__)
-    fn.__kwdefaults__ = stock.__kwdefaults__
-    fn.__qualname__ = stock.__qualname__
-    fn.__doc__ = stock.__doc__
-    return _rewrapped(outer, fn)
+    return _rewrapped(outer, _function_copy(stock, namespace.__dict__, stock.__closure__))
 
 
 def _keep_last(hidden_states: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
