@@ -1,5 +1,6 @@
-"""Sweep the launch parameters of fk's RMSNorm or LayerNorm backward alone, timed without host cost
-(a development tool; its results picked the BWD_* defaults of fk.norms.rms_norm and layer_norm).
+"""Sweep the launch parameters of fk's RMSNorm, LayerNorm or PolyNorm backward alone, timed
+without host cost (a development tool; its results picked the BWD_* defaults of fk.norms.rms_norm,
+layer_norm and poly_norm).
 
 bench_rms_norm.py and bench_norms.py time forward+backward calls, which at narrow rows measure the
 host (Python, the autograd engine, Triton's launch path) more than the kernel. Here 20 calls of
@@ -12,8 +13,8 @@ For each mode it prints the module's own settings' time per shape (and, with ``-
 the time of another version of the module's file, e.g. the committed one, loaded beside it), then
 every variant of SPACE relative to the best, sorted by its worst ratio over the shapes.
 
-Run:  python benchmarks/tune_norm_backward.py [--op rms_norm|layer_norm] [--modes trainable frozen]
-      [--baseline path/to/old/rms_norm.py]
+Run:  python benchmarks/tune_norm_backward.py [--op rms_norm|layer_norm|poly_norm]
+      [--modes trainable frozen] [--top N] [--baseline path/to/old/rms_norm.py]
 """
 
 from __future__ import annotations
@@ -35,6 +36,13 @@ SPACE = {
     "frozen": {"BWD_FROZEN_PROGRAMS_PER_SM": [2, 4, 8], "BWD_FROZEN_MIN_TILE": [2048, 4096, 8192]},
 }  # fmt: skip
 SPACE["residual"] = SPACE["trainable"]
+# PolyNorm's weight and bias gradients are four scalars per program (16-byte partial rows), so the
+# question there is how few programs keep memory busy.
+POLY_NORM_SPACE = {
+    "trainable": {"BWD_PROGRAMS_PER_SM": [1, 2, 4, 8], "BWD_MIN_TILE": [2048, 4096, 8192],
+                  "BWD_ELEMENTS_PER_WARP": [256, 512, 1024]},
+    "frozen": {"BWD_MIN_TILE": [2048, 4096, 8192], "BWD_ELEMENTS_PER_WARP": [512, 1024]},
+}  # fmt: skip
 WIDTHS = [512, 1024, 2048, 4096, 8192, 16384]
 ROWS = 16384
 
@@ -58,6 +66,13 @@ def backward_call(module: ModuleType, op: str, mode: str, width: int) -> Callabl
         dres = torch.randn_like(x) if mode == "residual" else None
         _, rstd = module.launch_forward(x, w, 1e-6, 0.0, False)
         return lambda: module.launch_backward(dy, x, w, rstd, 0.0, trainable, dx, dres)
+    if op == "poly_norm":
+        w3, b1 = (
+            torch.randn(3, device="cuda", dtype=torch.bfloat16),
+            torch.randn(1, device="cuda", dtype=torch.bfloat16),
+        )
+        _, rstd = module._poly_norm_fwd(x, w3, b1, 1e-6)
+        return lambda: module._poly_norm_bwd(dy, x, w3, b1, rstd, True, trainable, trainable)
     b = torch.randn(width, device="cuda", dtype=torch.bfloat16)
     _, mean, rstd = module._layer_norm_fwd(x, w, b, 1e-5)
     return lambda: module._layer_norm_bwd(dy, x, w, b, mean, rstd, True, trainable, trainable)
@@ -71,8 +86,8 @@ def load_file(path: str, name: str) -> ModuleType:
     return module
 
 
-def sweep(module: ModuleType, baseline: ModuleType | None, op: str, mode: str) -> None:
-    space = SPACE[mode]
+def sweep(module: ModuleType, baseline: ModuleType | None, op: str, mode: str, top: int) -> None:
+    space = POLY_NORM_SPACE[mode] if op == "poly_norm" else SPACE[mode]
     saved = {k: getattr(module, k) for k in space}
     variants = [dict(zip(space, values, strict=True)) for values in itertools.product(*space.values())]
     times: dict[tuple[int, ...], dict[int, float]] = {}
@@ -91,22 +106,23 @@ def sweep(module: ModuleType, baseline: ModuleType | None, op: str, mode: str) -
         print(line)
     best = {w: min(t[w] for t in times.values()) for w in WIDTHS}
     print(f"{tuple(space)}: time / best at H = " + ", ".join(map(str, WIDTHS)))
-    for key, t in sorted(times.items(), key=lambda kv: max(kv[1][w] / best[w] for w in WIDTHS))[:10]:
+    for key, t in sorted(times.items(), key=lambda kv: max(kv[1][w] / best[w] for w in WIDTHS))[:top]:
         print(key, " ".join(f"{t[w] / best[w]:.3f}" for w in WIDTHS))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--op", choices=["rms_norm", "layer_norm"], default="rms_norm")
+    parser.add_argument("--op", choices=["rms_norm", "layer_norm", "poly_norm"], default="rms_norm")
     parser.add_argument("--modes", nargs="+", choices=list(SPACE), default=["trainable", "frozen"])
     parser.add_argument("--baseline", help="another version of the op's module file, timed beside it")
+    parser.add_argument("--top", type=int, default=10, help="variants to print per mode, best first")
     args = parser.parse_args()
     module = importlib.import_module(f"fk.norms.{args.op}")
     baseline = load_file(args.baseline, f"baseline_{args.op}") if args.baseline else None
     for mode in args.modes:
         if mode == "residual" and args.op != "rms_norm":
             raise SystemExit("--modes residual is RMSNorm's (FusedAddRMSNorm's backward)")
-        sweep(module, baseline, args.op, mode)
+        sweep(module, baseline, args.op, mode, args.top)
 
 
 if __name__ == "__main__":

@@ -259,6 +259,11 @@ BWD_MAX_BLOCK_COLS = 16384  # the widest row the backward holds in one tile (x a
 BWD_LOOPED_BLOCK_COLS = 4096  # column tiles of wider rows
 BWD_MIN_TILE = 2048
 BWD_ELEMENTS_PER_WARP = 512
+# 8 programs per SM, each with a 16-byte row of dw/db partial sums: 17 KB on an H200, 13 KB more
+# than Liger's peak. The backward needs that many programs in flight: with 2 per SM (4.2 KB) the
+# best tiling took 1.41x, 1.43x and 1.36x the time at H = 1024, 2048 and 4096, and neither
+# prefetching the next tile (RMSNorm's scheme) nor one tl.reduce for the row sums made it faster
+# (tune_norm_backward.py --op poly_norm; benchmarks/results/experiments/poly_norm_backward_tune_h200.txt).
 BWD_PROGRAMS_PER_SM = 8
 BWD_LOOPED_PROGRAMS_PER_SM = 4
 
