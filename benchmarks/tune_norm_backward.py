@@ -14,7 +14,7 @@ the time of another version of the module's file, e.g. the committed one, loaded
 every variant of SPACE relative to the best, sorted by its worst ratio over the shapes.
 
 Run:  python benchmarks/tune_norm_backward.py [--op rms_norm|layer_norm|poly_norm]
-      [--modes trainable frozen] [--top N] [--baseline path/to/old/rms_norm.py]
+      [--modes trainable frozen] [--top N] [--space looped] [--widths H ...] [--baseline path/to/old/rms_norm.py]
 """
 
 from __future__ import annotations
@@ -36,6 +36,15 @@ SPACE = {
     "frozen": {"BWD_FROZEN_PROGRAMS_PER_SM": [2, 4, 8], "BWD_FROZEN_MIN_TILE": [2048, 4096, 8192]},
 }  # fmt: skip
 SPACE["residual"] = SPACE["trainable"]
+# --space looped: RMSNorm's and FusedAddRMSNorm's backward with a weight gradient for rows wider than
+# one tile, with the settings of the widest rows at every looped width (run it with --widths 32768
+# 65536).
+LOOPED_SPACE = {
+    "trainable": {"BWD_WIDEST_MIN_COLS": [16385], "BWD_WIDEST_ROWS": [1, 2, 4],
+                  "BWD_WIDEST_BLOCK_COLS": [4096, 8192, 16384], "BWD_ELEMENTS_PER_WARP": [512, 1024],
+                  "BWD_LOOPED_MAX_WARPS": [16, 32]},
+}  # fmt: skip
+LOOPED_SPACE["residual"] = LOOPED_SPACE["trainable"]
 # PolyNorm's weight and bias gradients are four scalars per program (16-byte partial rows), so the
 # question there is how few programs keep memory busy.
 POLY_NORM_SPACE = {
@@ -86,13 +95,15 @@ def load_file(path: str, name: str) -> ModuleType:
     return module
 
 
-def sweep(module: ModuleType, baseline: ModuleType | None, op: str, mode: str, top: int) -> None:
-    space = POLY_NORM_SPACE[mode] if op == "poly_norm" else SPACE[mode]
+def sweep(
+    module: ModuleType, baseline: ModuleType | None, op: str, mode: str, top: int, looped: bool, widths: list[int]
+) -> None:
+    space = LOOPED_SPACE[mode] if looped else POLY_NORM_SPACE[mode] if op == "poly_norm" else SPACE[mode]
     saved = {k: getattr(module, k) for k in space}
     variants = [dict(zip(space, values, strict=True)) for values in itertools.product(*space.values())]
     times: dict[tuple[int, ...], dict[int, float]] = {}
     print(f"--- {op} {mode}: {ROWS} rows, bf16, backward GPU time (us)")
-    for width in WIDTHS:
+    for width in widths:
         call = backward_call(module, op, mode, width)
         for variant in variants:
             configure(module, variant)
@@ -104,10 +115,10 @@ def sweep(module: ModuleType, baseline: ModuleType | None, op: str, mode: str, t
             old = bench.graph_time_us(backward_call(baseline, op, mode, width))
             line += f", baseline {old:.1f} us (x{old / us:.3f})"
         print(line)
-    best = {w: min(t[w] for t in times.values()) for w in WIDTHS}
-    print(f"{tuple(space)}: time / best at H = " + ", ".join(map(str, WIDTHS)))
-    for key, t in sorted(times.items(), key=lambda kv: max(kv[1][w] / best[w] for w in WIDTHS))[:top]:
-        print(key, " ".join(f"{t[w] / best[w]:.3f}" for w in WIDTHS))
+    best = {w: min(t[w] for t in times.values()) for w in widths}
+    print(f"{tuple(space)}: time / best at H = " + ", ".join(map(str, widths)))
+    for key, t in sorted(times.items(), key=lambda kv: max(kv[1][w] / best[w] for w in widths))[:top]:
+        print(key, " ".join(f"{t[w] / best[w]:.3f}" for w in widths))
 
 
 def main() -> None:
@@ -116,13 +127,17 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", choices=list(SPACE), default=["trainable", "frozen"])
     parser.add_argument("--baseline", help="another version of the op's module file, timed beside it")
     parser.add_argument("--top", type=int, default=10, help="variants to print per mode, best first")
+    parser.add_argument("--space", choices=["default", "looped"], default="default", help="see LOOPED_SPACE")
+    parser.add_argument("--widths", type=int, nargs="+", default=WIDTHS)
     args = parser.parse_args()
     module = importlib.import_module(f"fk.norms.{args.op}")
     baseline = load_file(args.baseline, f"baseline_{args.op}") if args.baseline else None
     for mode in args.modes:
         if mode == "residual" and args.op != "rms_norm":
             raise SystemExit("--modes residual is RMSNorm's (FusedAddRMSNorm's backward)")
-        sweep(module, baseline, args.op, mode, args.top)
+        if args.space == "looped" and (args.op != "rms_norm" or mode == "frozen"):
+            raise SystemExit("--space looped is RMSNorm's, with --modes trainable and residual")
+        sweep(module, baseline, args.op, mode, args.top, args.space == "looped", args.widths)
 
 
 if __name__ == "__main__":

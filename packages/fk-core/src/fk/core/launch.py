@@ -35,7 +35,7 @@ class RowTiling:
 
     block_cols: columns in a tile, a power of two.
     looped: True when one row needs several column tiles (the kernel loops over them).
-    rows_per_tile: rows processed together in one tile (1 when ``looped``).
+    rows_per_tile: rows processed together in one tile (:func:`row_tiling` gives 1 when ``looped``).
     num_warps: warps per program.
     """
 

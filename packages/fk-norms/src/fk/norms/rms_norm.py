@@ -197,7 +197,7 @@ def _rms_norm_bwd_kernel(
     HAS_WEIGHT: tl.constexpr,
     COMPUTE_DW: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
-    ROWS: tl.constexpr,  # rows per tile (1 when LOOPED)
+    ROWS: tl.constexpr,  # rows per tile
     LOOPED: tl.constexpr,  # the row is wider than BLOCK_COLS: two passes over column tiles
     WEIGHT_PER_TILE: tl.constexpr,  # load the weight for every tile (from L1/L2), not once per program
     ACC_2D: tl.constexpr,  # accumulate dw in a [ROWS, BLOCK_COLS] tile (tiles of many short rows)
@@ -256,46 +256,56 @@ def _rms_norm_bwd_kernel(
                 dw_acc = tl.sum(dw_acc_2d, axis=0)
             tl.store(partial_row + cols, dw_acc, mask=col_mask)
     else:
-        for row in range(pid, n_rows, n_programs):
-            row64 = tl.cast(row, tl.int64)
-            x_row = x_ptr + row64 * x_row_stride
-            dy_row = dy_ptr + row64 * dy_row_stride
-            dx_row = dx_ptr + row64 * dx_row_stride
-            dres_row = dres_ptr + row64 * dres_row_stride
-            rstd = tl.load(rstd_ptr + row)
-            # Pass 1: c = (1/H) sum_j g_j xhat_j. Pass 2 re-reads the row, mostly from L2.
-            gx = tl.zeros([BLOCK_COLS], dtype=tl.float32)
+        # Rows wider than one tile, ROWS of them at a time: pass 1 sums g * xhat over the column
+        # tiles, pass 2 re-reads the rows (mostly from L2) and writes dx. The program's partial
+        # row of dw is read and written once per pass-2 tile, so ROWS > 1 divides that L2 traffic.
+        rows_in_tile = tl.arange(0, ROWS)
+        for tile in range(pid, n_tiles, n_programs):
+            rows = tile * ROWS + rows_in_tile
+            row_mask = rows < n_rows
+            rows64 = rows.to(tl.int64)[:, None]
+            x_rows = x_ptr + rows64 * x_row_stride
+            dy_rows = dy_ptr + rows64 * dy_row_stride
+            rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
+            # Pass 1: c = (1/H) sum_j g_j xhat_j. Pass 2 re-reads the rows, mostly from L2.
+            gx = tl.zeros([ROWS, BLOCK_COLS], dtype=tl.float32)
             for start in range(0, n_cols, BLOCK_COLS):
                 c_idx = start + cols
-                m = c_idx < n_cols
-                # evict_last: keep the row in L2 for pass 2.
-                x = tl.load(x_row + c_idx, mask=m, other=0.0, eviction_policy="evict_last").to(tl.float32)
-                dy = tl.load(dy_row + c_idx, mask=m, other=0.0, eviction_policy="evict_last").to(tl.float32)
+                m = row_mask[:, None] & (c_idx < n_cols)[None, :]
+                # evict_last: keep the rows in L2 for pass 2.
+                x = tl.load(x_rows + c_idx[None, :], mask=m, other=0.0, eviction_policy="evict_last").to(tl.float32)
+                dy = tl.load(dy_rows + c_idx[None, :], mask=m, other=0.0, eviction_policy="evict_last")
                 s = tl.full([BLOCK_COLS], 1.0, tl.float32)
                 if HAS_WEIGHT:
-                    s = tl.load(w_ptr + c_idx, mask=m, other=0.0).to(tl.float32) + offset
-                gx += dy * s * x
-            c = tl.sum(gx, axis=0) * rstd / n_cols
+                    s = tl.load(w_ptr + c_idx, mask=c_idx < n_cols, other=0.0).to(tl.float32) + offset
+                gx += dy.to(tl.float32) * s[None, :] * x
+            c = tl.sum(gx, axis=1) * rstd / n_cols
             # Pass 2 walks the tiles backwards: the ones pass 1 read last are likeliest in L2.
             n_col_tiles = tl.cdiv(n_cols, BLOCK_COLS)
             for back in range(0, n_col_tiles):
                 c_idx = (n_col_tiles - 1 - back) * BLOCK_COLS + cols
-                m = c_idx < n_cols
+                col_m = c_idx < n_cols
+                m = row_mask[:, None] & col_m[None, :]
                 # Last use of x and dy: evict_first. dx streams out without displacing them.
-                x = tl.load(x_row + c_idx, mask=m, other=0.0, eviction_policy="evict_first").to(tl.float32)
-                dy = tl.load(dy_row + c_idx, mask=m, other=0.0, eviction_policy="evict_first").to(tl.float32)
+                x = tl.load(x_rows + c_idx[None, :], mask=m, other=0.0, eviction_policy="evict_first").to(tl.float32)
+                dy = tl.load(dy_rows + c_idx[None, :], mask=m, other=0.0, eviction_policy="evict_first")
+                dy = dy.to(tl.float32)
                 s = tl.full([BLOCK_COLS], 1.0, tl.float32)
                 if HAS_WEIGHT:
-                    s = tl.load(w_ptr + c_idx, mask=m, other=0.0).to(tl.float32) + offset
-                xhat = x * rstd
-                dx = (dy * s - xhat * c) * rstd
+                    s = tl.load(w_ptr + c_idx, mask=col_m, other=0.0).to(tl.float32) + offset
+                xhat = x * rstd[:, None]
+                dx = (dy * s[None, :] - xhat * c[:, None]) * rstd[:, None]
                 if HAS_DRES:
-                    dx += tl.load(dres_row + c_idx, mask=m, other=0.0, eviction_policy="evict_first").to(tl.float32)
-                tl.store(dx_row + c_idx, dx.to(dx_ptr.dtype.element_ty), mask=m, eviction_policy="evict_first")
+                    dres = tl.load(dres_ptr + rows64 * dres_row_stride + c_idx[None, :], mask=m, other=0.0,
+                                   eviction_policy="evict_first")  # fmt: skip
+                    dx += dres.to(tl.float32)
+                tl.store(dx_ptr + rows64 * dx_row_stride + c_idx[None, :], dx.to(dx_ptr.dtype.element_ty), mask=m,
+                         eviction_policy="evict_first")  # fmt: skip
                 if COMPUTE_DW:
                     # This program's own partial row (no other program touches it), kept in L2.
-                    acc = tl.load(partial_row + c_idx, mask=m, other=0.0, eviction_policy="evict_last")
-                    tl.store(partial_row + c_idx, acc + dy * xhat, mask=m, eviction_policy="evict_last")
+                    acc = tl.load(partial_row + c_idx, mask=col_m, other=0.0, eviction_policy="evict_last")
+                    acc += tl.sum(dy * xhat, axis=0)
+                    tl.store(partial_row + c_idx, acc, mask=col_m, eviction_policy="evict_last")
 
 
 # --- 3. Launchers, registered as custom ops -------------------------------------------------------
@@ -311,6 +321,18 @@ FWD_MIN_TILE = 4096  # narrow rows are grouped into tiles of at least this many 
 FWD_ELEMENTS_PER_WARP = 512
 BWD_MAX_BLOCK_COLS = 16384  # the backward holds x, dy, s and dw: four fp32 tiles
 BWD_LOOPED_PROGRAMS_PER_SM = 1  # wider rows: few programs, so the rows they re-read stay in L2
+# Wider rows are taken one at a time in column tiles of BWD_MAX_BLOCK_COLS, except, with a weight
+# gradient, rows of at least BWD_WIDEST_MIN_COLS: BWD_WIDEST_ROWS at a time in column tiles of
+# BWD_WIDEST_BLOCK_COLS (at most BWD_LOOPED_MAX_WARPS warps), which divides the reads and writes
+# of the program's partial row of dw in L2. tune_norm_backward.py --space looped on an H200 (the
+# backward alone, 16384 rows, bf16; benchmarks/results/experiments/norm_looped_rows_h200.txt):
+# 4 rows in tiles of 4096 took H=65536 from 4.12 to 3.17 ms (FusedAddRMSNorm 4.61 -> 3.55 ms), and
+# H=32768 2-3% longer (1.49 -> 1.52 ms). Without a weight gradient, no setting beat one row in
+# tiles of 16384 in both runs.
+BWD_WIDEST_MIN_COLS = 32769
+BWD_WIDEST_ROWS = 4
+BWD_WIDEST_BLOCK_COLS = 4096
+BWD_LOOPED_MAX_WARPS = 16
 # With a weight gradient, the backward's persistent grid has one program per SM: each keeps one
 # fp32 partial row of dw, as many as Liger's. To keep memory busy with that few programs, the loop
 # prefetches the next tile, for rows up to BWD_PREFETCH_MAX_COLS wide. Tiles have at least
@@ -359,6 +381,11 @@ def _bwd_tiling(n_cols: int, compute_dw: bool = True) -> RowTiling:
     else:
         min_tile = BWD_FROZEN_NARROW_MIN_TILE if n_cols <= BWD_FROZEN_NARROW_COLS else BWD_FROZEN_MIN_TILE
         per_warp = BWD_FROZEN_ELEMENTS_PER_WARP
+    if compute_dw and n_cols >= BWD_WIDEST_MIN_COLS:
+        elements = BWD_WIDEST_ROWS * BWD_WIDEST_BLOCK_COLS
+        num_warps = max(1, min(BWD_LOOPED_MAX_WARPS, elements // per_warp))
+        return RowTiling(block_cols=BWD_WIDEST_BLOCK_COLS, looped=True, rows_per_tile=BWD_WIDEST_ROWS,
+                         num_warps=num_warps)  # fmt: skip
     return row_tiling(n_cols, max_block_cols=BWD_MAX_BLOCK_COLS, min_tile_elements=min_tile,
                       elements_per_warp=per_warp, name="x")  # fmt: skip
 
@@ -457,14 +484,15 @@ def launch_backward(
         partial = alloc((n_programs, n_cols), dtype=torch.float32, device=x.device)
     else:
         partial = rstd  # never read or written: COMPUTE_DW is False
+    one_tile = not tiling.looped
     _rms_norm_bwd_kernel[(n_programs,)](
         dy_rows, x_rows, dres_rows, weight if weight is not None else x_rows, rstd, dx_rows, partial,
         n_rows, n_cols, dy_rows.stride(0), x_rows.stride(0), dres_rows.stride(0), dx_rows.stride(0), offset,
         HAS_DRES=dres is not None, HAS_WEIGHT=weight is not None, COMPUTE_DW=compute_dw,
         BLOCK_COLS=tiling.block_cols, ROWS=tiling.rows_per_tile, LOOPED=tiling.looped,
-        WEIGHT_PER_TILE=compute_dw and tiling.block_cols >= BWD_WEIGHT_PER_TILE_COLS,
-        ACC_2D=compute_dw and tiling.rows_per_tile >= BWD_ACC_2D_ROWS,
-        PREFETCH=compute_dw and tiling.block_cols <= BWD_PREFETCH_MAX_COLS, num_warps=tiling.num_warps,
+        WEIGHT_PER_TILE=one_tile and compute_dw and tiling.block_cols >= BWD_WEIGHT_PER_TILE_COLS,
+        ACC_2D=one_tile and compute_dw and tiling.rows_per_tile >= BWD_ACC_2D_ROWS,
+        PREFETCH=one_tile and compute_dw and tiling.block_cols <= BWD_PREFETCH_MAX_COLS, num_warps=tiling.num_warps,
     )  # fmt: skip
     if not compute_dw:
         return None
