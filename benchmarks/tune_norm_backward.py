@@ -36,15 +36,14 @@ SPACE = {
     "frozen": {"BWD_FROZEN_PROGRAMS_PER_SM": [2, 4, 8], "BWD_FROZEN_MIN_TILE": [2048, 4096, 8192]},
 }  # fmt: skip
 SPACE["residual"] = SPACE["trainable"]
-# --space looped: RMSNorm's and FusedAddRMSNorm's backward with a weight gradient for rows wider than
-# one tile, with the settings of the widest rows at every looped width (run it with --widths 32768
-# 65536).
+# --space looped: the backward with a weight gradient for rows taken several at a time in column
+# tiles (BWD_WIDEST_*), applied from the narrowest of --widths on (e.g. --widths 16384 32768 65536).
 LOOPED_SPACE = {
-    "trainable": {"BWD_WIDEST_MIN_COLS": [16385], "BWD_WIDEST_ROWS": [1, 2, 4],
-                  "BWD_WIDEST_BLOCK_COLS": [4096, 8192, 16384], "BWD_ELEMENTS_PER_WARP": [512, 1024],
-                  "BWD_LOOPED_MAX_WARPS": [16, 32]},
+    "rms_norm": {"BWD_WIDEST_ROWS": [1, 2, 4], "BWD_WIDEST_BLOCK_COLS": [4096, 8192, 16384],
+                 "BWD_ELEMENTS_PER_WARP": [512, 1024], "BWD_WIDEST_MAX_WARPS": [16, 32]},
+    "layer_norm": {"BWD_WIDEST_ROWS": [1, 2, 4], "BWD_WIDEST_BLOCK_COLS": [4096, 8192, 16384],
+                   "BWD_WIDE_ELEMENTS_PER_WARP": [512], "BWD_WIDEST_MAX_WARPS": [16]},
 }  # fmt: skip
-LOOPED_SPACE["residual"] = LOOPED_SPACE["trainable"]
 # PolyNorm's weight and bias gradients are four scalars per program (16-byte partial rows), so the
 # question there is how few programs keep memory busy.
 POLY_NORM_SPACE = {
@@ -98,7 +97,10 @@ def load_file(path: str, name: str) -> ModuleType:
 def sweep(
     module: ModuleType, baseline: ModuleType | None, op: str, mode: str, top: int, looped: bool, widths: list[int]
 ) -> None:
-    space = LOOPED_SPACE[mode] if looped else POLY_NORM_SPACE[mode] if op == "poly_norm" else SPACE[mode]
+    if looped:
+        space = {"BWD_WIDEST_MIN_COLS": [min(widths)], **LOOPED_SPACE[op]}
+    else:
+        space = POLY_NORM_SPACE[mode] if op == "poly_norm" else SPACE[mode]
     saved = {k: getattr(module, k) for k in space}
     variants = [dict(zip(space, values, strict=True)) for values in itertools.product(*space.values())]
     times: dict[tuple[int, ...], dict[int, float]] = {}
@@ -116,6 +118,7 @@ def sweep(
             line += f", baseline {old:.1f} us (x{old / us:.3f})"
         print(line)
     best = {w: min(t[w] for t in times.values()) for w in widths}
+    print("best (us) at H = " + ", ".join(f"{w}: {best[w]:.1f}" for w in widths))
     print(f"{tuple(space)}: time / best at H = " + ", ".join(map(str, widths)))
     for key, t in sorted(times.items(), key=lambda kv: max(kv[1][w] / best[w] for w in widths))[:top]:
         print(key, " ".join(f"{t[w] / best[w]:.3f}" for w in widths))
@@ -135,8 +138,8 @@ def main() -> None:
     for mode in args.modes:
         if mode == "residual" and args.op != "rms_norm":
             raise SystemExit("--modes residual is RMSNorm's (FusedAddRMSNorm's backward)")
-        if args.space == "looped" and (args.op != "rms_norm" or mode == "frozen"):
-            raise SystemExit("--space looped is RMSNorm's, with --modes trainable and residual")
+        if args.space == "looped" and (args.op not in LOOPED_SPACE or mode == "frozen"):
+            raise SystemExit("--space looped is RMSNorm's and LayerNorm's, with --modes trainable (and residual)")
         sweep(module, baseline, args.op, mode, args.top, args.space == "looped", args.widths)
 
 

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from fk.core import testing
 from fk.core.testing import AWKWARD_ROWS, AWKWARD_WIDTHS, DTYPES, WIDE_WIDTHS, dtype_name
 from fk.norms import LayerNorm, layer_norm, layer_norm_ref
-from fk.norms.layer_norm import _bwd_tiling, partial_rows
+from fk.norms.layer_norm import BWD_WIDEST_MIN_COLS, _bwd_tiling, partial_rows
 
 EPS = 1e-5
 NAMES = ["x", "weight", "bias"]
@@ -81,6 +81,19 @@ def test_large_mean_small_spread(device: str, width: int) -> None:
 def test_wide_one_tile_rows_match_reference(device: str, dtype: torch.dtype) -> None:
     # Rows of one 16384-column tile, more than the backward's programs (no prefetch at that width).
     args = _inputs((9, 9000), dtype, device, seed=9000)
+    testing.compare_with_reference(_fk(), _ref(), args, arg_names=NAMES)
+
+
+@pytest.mark.parametrize("bias_grad", [True, False], ids=["trainable", "bias-frozen"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
+def test_widest_rows_several_at_a_time(device: str, dtype: torch.dtype, bias_grad: bool) -> None:
+    # Rows of at least BWD_WIDEST_MIN_COLS with a weight gradient: the looped backward takes several
+    # rows a tile (BWD_WIDEST_ROWS), every program two tiles or more, the last one partial.
+    width = BWD_WIDEST_MIN_COLS + 1
+    tiling = _bwd_tiling(width)
+    assert tiling.looped and tiling.rows_per_tile > 1 and width % tiling.block_cols != 0
+    rows = (2 * partial_rows(1 << 30, width, torch.device(device)) + 1) * tiling.rows_per_tile - 1
+    args = _inputs((rows, width), dtype, device, seed=17, bias_grad=bias_grad)
     testing.compare_with_reference(_fk(), _ref(), args, arg_names=NAMES)
 
 

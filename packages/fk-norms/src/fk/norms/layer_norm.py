@@ -172,7 +172,7 @@ def _layer_norm_bwd_kernel(
     COMPUTE_DW: tl.constexpr,
     COMPUTE_DB: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
-    ROWS: tl.constexpr,  # rows per tile (1 when LOOPED)
+    ROWS: tl.constexpr,  # rows per tile
     LOOPED: tl.constexpr,  # the row is wider than BLOCK_COLS: two passes over column tiles
     ACC_2D: tl.constexpr,  # accumulate dw and db in [ROWS, BLOCK_COLS] tiles (tiles of many short rows)
     PREFETCH: tl.constexpr,  # load the next tile's dy and x before computing this one's
@@ -245,53 +245,63 @@ def _layer_norm_bwd_kernel(
         if COMPUTE_DB:
             tl.store(db_row + cols, db_acc, mask=col_mask)
     else:
+        # Rows wider than one tile, ROWS of them at a time: pass 1 sums over the column tiles, pass 2
+        # re-reads the rows (mostly from L2) and writes dx. The program's partial rows are read and
+        # written once per pass-2 tile, so ROWS > 1 divides that L2 traffic.
+        n_tiles = tl.cdiv(n_rows, ROWS)
         n_col_tiles = tl.cdiv(n_cols, BLOCK_COLS)
-        for row in range(pid, n_rows, n_programs):
-            row64 = tl.cast(row, tl.int64)
-            x_row = x_ptr + row64 * x_row_stride
-            dy_row = dy_ptr + row64 * dy_row_stride
-            dx_row = dx_ptr + row64 * n_cols
-            mean = tl.load(mean_ptr + row)
-            rstd = tl.load(rstd_ptr + row)
+        for tile in range(pid, n_tiles, n_programs):
+            rows = tile * ROWS + tl.arange(0, ROWS)
+            row_mask = rows < n_rows
+            rows64 = rows.to(tl.int64)[:, None]
+            x_rows = x_ptr + rows64 * x_row_stride
+            dy_rows = dy_ptr + rows64 * dy_row_stride
+            mean = tl.load(mean_ptr + rows, mask=row_mask, other=0.0)[:, None]
+            rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)[:, None]
             if COMPUTE_DX:
-                # Pass 1: mean(g) and mean(g * xhat). Pass 2 re-reads the row, mostly from L2.
-                sum_g = tl.zeros([BLOCK_COLS], dtype=tl.float32)
-                sum_gx = tl.zeros([BLOCK_COLS], dtype=tl.float32)
+                # Pass 1: mean(g) and mean(g * xhat). Pass 2 re-reads the rows, mostly from L2.
+                sum_g = tl.zeros([ROWS, BLOCK_COLS], dtype=tl.float32)
+                sum_gx = tl.zeros([ROWS, BLOCK_COLS], dtype=tl.float32)
                 for start in range(0, n_cols, BLOCK_COLS):
                     c_idx = start + cols
-                    m = c_idx < n_cols
-                    # evict_last: keep the row in L2 for pass 2.
-                    x = tl.load(x_row + c_idx, mask=m, other=0.0, eviction_policy="evict_last").to(tl.float32)
-                    dy = tl.load(dy_row + c_idx, mask=m, other=0.0, eviction_policy="evict_last").to(tl.float32)
-                    g = dy
+                    col_m = c_idx < n_cols
+                    m = row_mask[:, None] & col_m[None, :]
+                    # evict_last: keep the rows in L2 for pass 2.
+                    x = tl.load(x_rows + c_idx[None, :], mask=m, other=0.0, eviction_policy="evict_last")
+                    dy = tl.load(dy_rows + c_idx[None, :], mask=m, other=0.0, eviction_policy="evict_last")
+                    g = dy.to(tl.float32)
                     if HAS_WEIGHT:
-                        g = dy * tl.load(w_ptr + c_idx, mask=m, other=0.0).to(tl.float32)
+                        g = g * tl.load(w_ptr + c_idx, mask=col_m, other=0.0).to(tl.float32)[None, :]
                     sum_g += g
-                    sum_gx += g * tl.where(m, (x - mean) * rstd, 0.0)
-                mean_g = tl.sum(sum_g, axis=0) / n_cols
-                mean_gx = tl.sum(sum_gx, axis=0) / n_cols
+                    sum_gx += g * tl.where(m, (x.to(tl.float32) - mean) * rstd, 0.0)
+                mean_g = (tl.sum(sum_g, axis=1) / n_cols)[:, None]
+                mean_gx = (tl.sum(sum_gx, axis=1) / n_cols)[:, None]
             # Pass 2 walks the tiles backwards: the ones pass 1 read last are likeliest in L2.
             for back in range(0, n_col_tiles):
                 c_idx = (n_col_tiles - 1 - back) * BLOCK_COLS + cols
-                m = c_idx < n_cols
+                col_m = c_idx < n_cols
+                m = row_mask[:, None] & col_m[None, :]
                 # Last use of x and dy: evict_first. dx streams out without displacing them.
-                dy = tl.load(dy_row + c_idx, mask=m, other=0.0, eviction_policy="evict_first").to(tl.float32)
+                dy = tl.load(dy_rows + c_idx[None, :], mask=m, other=0.0, eviction_policy="evict_first")
+                dy = dy.to(tl.float32)
                 if COMPUTE_DX or COMPUTE_DW:
-                    x = tl.load(x_row + c_idx, mask=m, other=0.0, eviction_policy="evict_first").to(tl.float32)
-                    xhat = tl.where(m, (x - mean) * rstd, 0.0)
+                    x = tl.load(x_rows + c_idx[None, :], mask=m, other=0.0, eviction_policy="evict_first")
+                    xhat = tl.where(m, (x.to(tl.float32) - mean) * rstd, 0.0)
                     if COMPUTE_DX:
                         g = dy
                         if HAS_WEIGHT:
-                            g = dy * tl.load(w_ptr + c_idx, mask=m, other=0.0).to(tl.float32)
+                            g = dy * tl.load(w_ptr + c_idx, mask=col_m, other=0.0).to(tl.float32)[None, :]
                         dx = (g - mean_g - xhat * mean_gx) * rstd
-                        tl.store(dx_row + c_idx, dx.to(dx_ptr.dtype.element_ty), mask=m, eviction_policy="evict_first")
+                        tl.store(dx_ptr + rows64 * n_cols + c_idx[None, :], dx.to(dx_ptr.dtype.element_ty), mask=m,
+                                 eviction_policy="evict_first")  # fmt: skip
                     if COMPUTE_DW:
                         # This program's own partial row (no other program touches it), kept in L2.
-                        acc = tl.load(dw_row + c_idx, mask=m, other=0.0, eviction_policy="evict_last")
-                        tl.store(dw_row + c_idx, acc + dy * xhat, mask=m, eviction_policy="evict_last")
+                        acc = tl.load(dw_row + c_idx, mask=col_m, other=0.0, eviction_policy="evict_last")
+                        acc += tl.sum(dy * xhat, axis=0)
+                        tl.store(dw_row + c_idx, acc, mask=col_m, eviction_policy="evict_last")
                 if COMPUTE_DB:
-                    acc = tl.load(db_row + c_idx, mask=m, other=0.0, eviction_policy="evict_last")
-                    tl.store(db_row + c_idx, acc + dy, mask=m, eviction_policy="evict_last")
+                    acc = tl.load(db_row + c_idx, mask=col_m, other=0.0, eviction_policy="evict_last")
+                    tl.store(db_row + c_idx, acc + tl.sum(dy, axis=0), mask=col_m, eviction_policy="evict_last")
 
 
 # --- 3. Launchers, registered as custom ops -------------------------------------------------------
@@ -301,6 +311,8 @@ def _layer_norm_bwd_kernel(
 # one tile (BWD_MAX_BLOCK_COLS) is from benchmarks/tune_norms.py --op layer_norm on an H200 (16384
 # rows, bf16, trainable, GPU time): 16384 instead of 8192 took forward+backward from 1.52 to
 # 1.22 ms at H=16384, and from 3.15 to 2.52 ms at H=32768 (column tiles of 16384 instead of 8192).
+# Since then a backward with a weight gradient takes rows from BWD_WIDEST_MIN_COLS on several at a
+# time in narrower column tiles (below), which beat both at those widths.
 FWD_MAX_BLOCK_COLS = 32768  # widest row the forward holds in one tile
 FWD_MIN_TILE = 2048  # narrow rows are grouped into tiles of at least this many elements
 FWD_ELEMENTS_PER_WARP = 512
@@ -347,6 +359,17 @@ BWD_FROZEN_LOOPED_PROGRAMS_PER_SM = 4
 # (one more read of dy), and the kernel keeps dw's partial rows only. On an H200, 16384 rows, bf16,
 # forward+backward: H=32768 4.44 -> 3.15 ms, H=16384 1.62 -> 1.51 ms (native 3.04 / 1.50 ms).
 LOOPED_DB_BY_COLUMN_SUM = True
+# With a weight gradient, rows of at least BWD_WIDEST_MIN_COLS are taken BWD_WIDEST_ROWS at a time,
+# in column tiles of BWD_WIDEST_BLOCK_COLS (at most 16 warps): fewer L2 reads and writes of the
+# partial rows per row (see RMSNorm's setting of that name), and db left to the column sum.
+# tune_norm_backward.py --op layer_norm --space looped on an H200 (the backward alone, 16384 rows,
+# bf16; benchmarks/results/experiments/norm_looped_rows_h200.txt), against one tile per row at
+# H=16384 and one row at a time in 16384-column tiles above: H=16384 928 -> 783 us, 32768 1865 ->
+# 1755 us, 65536 4776 -> 3669 us.
+BWD_WIDEST_MIN_COLS = 16384
+BWD_WIDEST_ROWS = 4
+BWD_WIDEST_BLOCK_COLS = 4096
+BWD_WIDEST_MAX_WARPS = 16
 
 
 @functools.lru_cache(maxsize=256)
@@ -355,15 +378,25 @@ def _fwd_tiling(n_cols: int) -> RowTiling:
                       elements_per_warp=FWD_ELEMENTS_PER_WARP, name="x")  # fmt: skip
 
 
+def _widest(n_cols: int, compute_dw: bool) -> bool:
+    """Whether the backward takes several rows at a time in column tiles (BWD_WIDEST_*)."""
+    return compute_dw and n_cols >= BWD_WIDEST_MIN_COLS
+
+
 def _keeps_partials(n_cols: int, compute_dw: bool, compute_db: bool) -> bool:
     """Whether the backward keeps fp32 partial rows: for dw, or for a db summed in the kernel (wide
     rows leave db to a column sum, see LOOPED_DB_BY_COLUMN_SUM)."""
-    looped = n_cols > BWD_MAX_BLOCK_COLS
+    looped = n_cols > BWD_MAX_BLOCK_COLS or _widest(n_cols, compute_dw)
     return compute_dw or (compute_db and not (looped and LOOPED_DB_BY_COLUMN_SUM))
 
 
 @functools.lru_cache(maxsize=256)
-def _bwd_tiling(n_cols: int, keeps_partials: bool = True) -> RowTiling:
+def _bwd_tiling(n_cols: int, keeps_partials: bool = True, compute_dw: bool = True) -> RowTiling:
+    if keeps_partials and _widest(n_cols, compute_dw):
+        elements = BWD_WIDEST_ROWS * BWD_WIDEST_BLOCK_COLS
+        num_warps = max(1, min(BWD_WIDEST_MAX_WARPS, elements // BWD_WIDE_ELEMENTS_PER_WARP))
+        return RowTiling(block_cols=BWD_WIDEST_BLOCK_COLS, looped=True, rows_per_tile=BWD_WIDEST_ROWS,
+                         num_warps=num_warps)  # fmt: skip
     if keeps_partials:
         narrow = n_cols <= BWD_PREFETCH_MAX_COLS
         return row_tiling(n_cols, max_block_cols=BWD_MAX_BLOCK_COLS,
@@ -420,7 +453,7 @@ def partial_rows(
     else:
         per_sm = BWD_FROZEN_NARROW_PROGRAMS_PER_SM if n_cols <= BWD_FROZEN_NARROW_COLS else BWD_FROZEN_PROGRAMS_PER_SM
         looped_per_sm = BWD_FROZEN_LOOPED_PROGRAMS_PER_SM
-    return row_reduction_grid(n_rows, _bwd_tiling(n_cols, keeps_partials), device, per_sm, looped_per_sm)
+    return row_reduction_grid(n_rows, _bwd_tiling(n_cols, keeps_partials, compute_dw), device, per_sm, looped_per_sm)
 
 
 def _layer_norm_bwd(
@@ -449,7 +482,7 @@ def _layer_norm_bwd(
         db = torch.zeros_like(bias) if compute_db and bias is not None else x.new_empty(0)
         return dx, dw, db
     keeps_partials = _keeps_partials(n_cols, compute_dw, compute_db)
-    tiling = _bwd_tiling(n_cols, keeps_partials)
+    tiling = _bwd_tiling(n_cols, keeps_partials, compute_dw)
     n_programs = partial_rows(n_rows, n_cols, x.device, compute_dw, compute_db)
     alloc = torch.zeros if tiling.looped else torch.empty
     db_in_kernel = compute_db and not (tiling.looped and LOOPED_DB_BY_COLUMN_SUM)
@@ -459,14 +492,16 @@ def _layer_norm_bwd(
     partials = alloc((n_partials, n_programs, n_cols), dtype=torch.float32, device=x.device) if n_partials else rstd
     dw_partial = partials[0] if compute_dw else rstd
     db_partial = partials[n_partials - 1] if db_in_kernel else rstd
+    one_tile = not tiling.looped
     _layer_norm_bwd_kernel[(n_programs,)](
         dy_rows, x_rows, weight if weight is not None else x_rows, mean, rstd,
         dx if compute_dx else x_rows, dw_partial, db_partial,
         n_rows, n_cols, dy_rows.stride(0), x_rows.stride(0),
         HAS_WEIGHT=weight is not None, COMPUTE_DX=compute_dx, COMPUTE_DW=compute_dw, COMPUTE_DB=db_in_kernel,
         BLOCK_COLS=tiling.block_cols, ROWS=tiling.rows_per_tile, LOOPED=tiling.looped,
-        ACC_2D=keeps_partials and tiling.rows_per_tile >= BWD_ACC_2D_ROWS,
-        PREFETCH=keeps_partials and tiling.block_cols <= BWD_PREFETCH_MAX_COLS, num_warps=tiling.num_warps,
+        ACC_2D=one_tile and keeps_partials and tiling.rows_per_tile >= BWD_ACC_2D_ROWS,
+        PREFETCH=one_tile and keeps_partials and tiling.block_cols <= BWD_PREFETCH_MAX_COLS,
+        num_warps=tiling.num_warps,
     )  # fmt: skip
     dw_sum, db_sum = sum_weight_and_bias_rows(partials, weight if compute_dw else None, bias if db_in_kernel else None)
     if compute_db and bias is not None and not db_in_kernel:

@@ -323,7 +323,7 @@ BWD_MAX_BLOCK_COLS = 16384  # the backward holds x, dy, s and dw: four fp32 tile
 BWD_LOOPED_PROGRAMS_PER_SM = 1  # wider rows: few programs, so the rows they re-read stay in L2
 # Wider rows are taken one at a time in column tiles of BWD_MAX_BLOCK_COLS, except, with a weight
 # gradient, rows of at least BWD_WIDEST_MIN_COLS: BWD_WIDEST_ROWS at a time in column tiles of
-# BWD_WIDEST_BLOCK_COLS (at most BWD_LOOPED_MAX_WARPS warps), which divides the reads and writes
+# BWD_WIDEST_BLOCK_COLS (at most BWD_WIDEST_MAX_WARPS warps), which divides the reads and writes
 # of the program's partial row of dw in L2. tune_norm_backward.py --space looped on an H200 (the
 # backward alone, 16384 rows, bf16; benchmarks/results/experiments/norm_looped_rows_h200.txt):
 # 4 rows in tiles of 4096 took H=65536 from 4.12 to 3.17 ms (FusedAddRMSNorm 4.61 -> 3.55 ms), and
@@ -332,7 +332,7 @@ BWD_LOOPED_PROGRAMS_PER_SM = 1  # wider rows: few programs, so the rows they re-
 BWD_WIDEST_MIN_COLS = 32769
 BWD_WIDEST_ROWS = 4
 BWD_WIDEST_BLOCK_COLS = 4096
-BWD_LOOPED_MAX_WARPS = 16
+BWD_WIDEST_MAX_WARPS = 16
 # With a weight gradient, the backward's persistent grid has one program per SM: each keeps one
 # fp32 partial row of dw, as many as Liger's. To keep memory busy with that few programs, the loop
 # prefetches the next tile, for rows up to BWD_PREFETCH_MAX_COLS wide. Tiles have at least
@@ -383,7 +383,7 @@ def _bwd_tiling(n_cols: int, compute_dw: bool = True) -> RowTiling:
         per_warp = BWD_FROZEN_ELEMENTS_PER_WARP
     if compute_dw and n_cols >= BWD_WIDEST_MIN_COLS:
         elements = BWD_WIDEST_ROWS * BWD_WIDEST_BLOCK_COLS
-        num_warps = max(1, min(BWD_LOOPED_MAX_WARPS, elements // per_warp))
+        num_warps = max(1, min(BWD_WIDEST_MAX_WARPS, elements // per_warp))
         return RowTiling(block_cols=BWD_WIDEST_BLOCK_COLS, looped=True, rows_per_tile=BWD_WIDEST_ROWS,
                          num_warps=num_warps)  # fmt: skip
     return row_tiling(n_cols, max_block_cols=BWD_MAX_BLOCK_COLS, min_tile_elements=min_tile,
