@@ -43,6 +43,8 @@ LOOPED_SPACE = {
                  "BWD_ELEMENTS_PER_WARP": [512, 1024], "BWD_WIDEST_MAX_WARPS": [16, 32]},
     "layer_norm": {"BWD_WIDEST_ROWS": [1, 2, 4], "BWD_WIDEST_BLOCK_COLS": [4096, 8192, 16384],
                    "BWD_WIDE_ELEMENTS_PER_WARP": [512], "BWD_WIDEST_MAX_WARPS": [16]},
+    # PolyNorm's rows wider than 16384, one at a time: its programs per SM and column tiles.
+    "poly_norm": {"BWD_LOOPED_PROGRAMS_PER_SM": [1, 2, 4], "BWD_LOOPED_BLOCK_COLS": [2048, 4096, 8192]},
 }  # fmt: skip
 # PolyNorm's weight and bias gradients are four scalars per program (16-byte partial rows), so the
 # question there is how few programs keep memory busy.
@@ -98,7 +100,9 @@ def sweep(
     module: ModuleType, baseline: ModuleType | None, op: str, mode: str, top: int, looped: bool, widths: list[int]
 ) -> None:
     if looped:
-        space = {"BWD_WIDEST_MIN_COLS": [min(widths)], **LOOPED_SPACE[op]}
+        space = dict(LOOPED_SPACE[op])
+        if op != "poly_norm":
+            space = {"BWD_WIDEST_MIN_COLS": [min(widths)], **space}
     else:
         space = POLY_NORM_SPACE[mode] if op == "poly_norm" else SPACE[mode]
     saved = {k: getattr(module, k) for k in space}
@@ -139,7 +143,9 @@ def main() -> None:
         if mode == "residual" and args.op != "rms_norm":
             raise SystemExit("--modes residual is RMSNorm's (FusedAddRMSNorm's backward)")
         if args.space == "looped" and (args.op not in LOOPED_SPACE or mode == "frozen"):
-            raise SystemExit("--space looped is RMSNorm's and LayerNorm's, with --modes trainable (and residual)")
+            raise SystemExit(
+                "--space looped is for RMSNorm, LayerNorm and PolyNorm, with --modes trainable (and residual)"
+            )
         sweep(module, baseline, args.op, mode, args.top, args.space == "looped", args.widths)
 
 
