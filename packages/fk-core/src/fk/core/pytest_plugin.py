@@ -6,6 +6,9 @@
 - It registers the ``gpu`` marker: a test marked ``@pytest.mark.gpu`` needs a CUDA device and is
   skipped elsewhere.
 - It provides the ``device`` fixture: ``"cuda"`` where a GPU is present, else ``"cpu"``.
+- It loads the hypothesis profile ``fk``: property tests draw the same examples on every run, so
+  a run (CI's included) can be repeated exactly. ``--hypothesis-profile fk-explore`` draws new
+  examples each run, to search further.
 """
 
 from __future__ import annotations
@@ -19,6 +22,15 @@ HAS_CUDA = torch.cuda.is_available()
 
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+try:
+    from hypothesis import settings
+except ImportError:  # fk-core's testing extra brings hypothesis; tests that use it import it anyway
+    pass
+else:
+    settings.register_profile("fk", derandomize=True)
+    settings.register_profile("fk-explore", derandomize=False)
+    settings.load_profile("fk")  # hypothesis's --hypothesis-profile option, given, loads its profile later
 
 
 def pytest_configure(config: pytest.Config) -> None:
