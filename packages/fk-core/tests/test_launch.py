@@ -5,8 +5,10 @@ import torch
 
 from fk.core.launch import (
     MAX_TILE_ELEMENTS,
+    RowTiling,
     as_rows,
     cdiv,
+    looped_rows_tiling,
     next_power_of_2,
     persistent_grid,
     row_reduction_grid,
@@ -78,6 +80,16 @@ def test_writable_rows_refuses_copies_and_overlap() -> None:
 @pytest.mark.parametrize(("a", "b", "expected"), [(0, 4, 0), (1, 4, 1), (4, 4, 1), (5, 4, 2), (16384, 2, 8192)])
 def test_cdiv(a: int, b: int, expected: int) -> None:
     assert cdiv(a, b) == expected
+
+
+def test_looped_rows_tiling() -> None:
+    tiling = looped_rows_tiling(4096, 4, elements_per_warp=1024)
+    assert tiling == RowTiling(block_cols=4096, looped=True, rows_per_tile=4, num_warps=16)
+    assert looped_rows_tiling(4096, 4, elements_per_warp=512).num_warps == 16  # at most max_warps
+    assert looped_rows_tiling(4096, 4, elements_per_warp=512, max_warps=32).num_warps == 32
+    assert row_reduction_grid(10**6, tiling, torch.device("cpu"), 2, 1) == 4  # looped: 1 per "SM"
+    with pytest.raises(ValueError, match="block_cols must be a power of two"):
+        looped_rows_tiling(3000, 2, elements_per_warp=512)
 
 
 def test_row_reduction_grid() -> None:

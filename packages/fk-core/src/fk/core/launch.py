@@ -35,7 +35,8 @@ class RowTiling:
 
     block_cols: columns in a tile, a power of two.
     looped: True when one row needs several column tiles (the kernel loops over them).
-    rows_per_tile: rows processed together in one tile (:func:`row_tiling` gives 1 when ``looped``).
+    rows_per_tile: rows processed together in one tile (:func:`row_tiling` gives 1 when ``looped``;
+        :func:`looped_rows_tiling` several).
     num_warps: warps per program.
     """
 
@@ -73,9 +74,26 @@ def row_tiling(
             raise ValueError(f"{name} has rows of {n_cols} elements; this kernel handles at most {max_block_cols}")
         block = max_block_cols
     rows = 1 if looped else max(1, min_tile_elements // block)
-    elements = block * rows
-    num_warps = max(1, min(max_warps, elements // elements_per_warp))
+    num_warps = _num_warps(block * rows, elements_per_warp, max_warps)
     return RowTiling(block_cols=block, looped=looped, rows_per_tile=rows, num_warps=num_warps)
+
+
+def looped_rows_tiling(
+    block_cols: int, rows_per_tile: int, *, elements_per_warp: int, max_warps: int = 16
+) -> RowTiling:
+    """A looped tiling that takes ``rows_per_tile`` rows at a time, in column tiles of
+    ``block_cols`` (a power of two), with one warp per ``elements_per_warp`` elements of the
+    ``[rows_per_tile, block_cols]`` tile (at most ``max_warps``). For a kernel whose looped path
+    keeps a per-program partial row updated once per column tile: several rows a tile divide
+    those updates (fk.norms' RMSNorm and LayerNorm backwards)."""
+    if block_cols < 1 or block_cols & (block_cols - 1):
+        raise ValueError(f"block_cols must be a power of two, got {block_cols}")
+    num_warps = _num_warps(block_cols * rows_per_tile, elements_per_warp, max_warps)
+    return RowTiling(block_cols=block_cols, looped=True, rows_per_tile=rows_per_tile, num_warps=num_warps)
+
+
+def _num_warps(tile_elements: int, elements_per_warp: int, max_warps: int) -> int:
+    return max(1, min(max_warps, tile_elements // elements_per_warp))
 
 
 @functools.cache

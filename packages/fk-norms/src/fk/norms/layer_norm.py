@@ -19,7 +19,7 @@ import triton.language as tl
 
 from fk.core import validate
 from fk.core.backend import uses_kernel
-from fk.core.launch import RowTiling, as_rows, cdiv, row_reduction_grid, row_tiling
+from fk.core.launch import RowTiling, as_rows, cdiv, looped_rows_tiling, row_reduction_grid, row_tiling
 from fk.core.matmul import column_sum
 from fk.core.ops import define_autograd_op
 from fk.core.reduce import sum_weight_and_bias_rows
@@ -393,10 +393,8 @@ def _keeps_partials(n_cols: int, compute_dw: bool, compute_db: bool) -> bool:
 @functools.lru_cache(maxsize=256)
 def _bwd_tiling(n_cols: int, keeps_partials: bool = True, compute_dw: bool = True) -> RowTiling:
     if keeps_partials and _widest(n_cols, compute_dw):
-        elements = BWD_WIDEST_ROWS * BWD_WIDEST_BLOCK_COLS
-        num_warps = max(1, min(BWD_WIDEST_MAX_WARPS, elements // BWD_WIDE_ELEMENTS_PER_WARP))
-        return RowTiling(block_cols=BWD_WIDEST_BLOCK_COLS, looped=True, rows_per_tile=BWD_WIDEST_ROWS,
-                         num_warps=num_warps)  # fmt: skip
+        return looped_rows_tiling(BWD_WIDEST_BLOCK_COLS, BWD_WIDEST_ROWS, elements_per_warp=BWD_WIDE_ELEMENTS_PER_WARP,
+                                  max_warps=BWD_WIDEST_MAX_WARPS)  # fmt: skip
     if keeps_partials:
         narrow = n_cols <= BWD_PREFETCH_MAX_COLS
         return row_tiling(n_cols, max_block_cols=BWD_MAX_BLOCK_COLS,

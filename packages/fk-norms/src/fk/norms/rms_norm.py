@@ -27,7 +27,7 @@ import triton.language as tl
 
 from fk.core import validate
 from fk.core.backend import uses_kernel
-from fk.core.launch import RowTiling, as_rows, cdiv, row_reduction_grid, row_tiling, writable_rows
+from fk.core.launch import RowTiling, as_rows, cdiv, looped_rows_tiling, row_reduction_grid, row_tiling, writable_rows
 from fk.core.ops import define_autograd_op
 from fk.core.reduce import sum_rows
 from fk.core.tiles import load_row_tile
@@ -382,10 +382,8 @@ def _bwd_tiling(n_cols: int, compute_dw: bool = True) -> RowTiling:
         min_tile = BWD_FROZEN_NARROW_MIN_TILE if n_cols <= BWD_FROZEN_NARROW_COLS else BWD_FROZEN_MIN_TILE
         per_warp = BWD_FROZEN_ELEMENTS_PER_WARP
     if compute_dw and n_cols >= BWD_WIDEST_MIN_COLS:
-        elements = BWD_WIDEST_ROWS * BWD_WIDEST_BLOCK_COLS
-        num_warps = max(1, min(BWD_WIDEST_MAX_WARPS, elements // per_warp))
-        return RowTiling(block_cols=BWD_WIDEST_BLOCK_COLS, looped=True, rows_per_tile=BWD_WIDEST_ROWS,
-                         num_warps=num_warps)  # fmt: skip
+        return looped_rows_tiling(BWD_WIDEST_BLOCK_COLS, BWD_WIDEST_ROWS, elements_per_warp=per_warp,
+                                  max_warps=BWD_WIDEST_MAX_WARPS)  # fmt: skip
     return row_tiling(n_cols, max_block_cols=BWD_MAX_BLOCK_COLS, min_tile_elements=min_tile,
                       elements_per_warp=per_warp, name="x")  # fmt: skip
 
