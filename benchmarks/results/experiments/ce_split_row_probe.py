@@ -6,9 +6,10 @@ passes (two reads and a write), with no help from the L2 at any launch setting. 
 columns is split into G = cdiv(V, CHUNK) chunks, one per program (G programs a row, P / G rows in
 flight). Each chunk of each row has a state word: 0 unclaimed, 1 its owner is loading it, 2 a helper
 is reading it, 3 its (max, sum of exp) is published. Each program:
-  1. claims its chunk (0 -> 1), loads it (kept in registers), publishes its partial sums (-> 3);
-     if a helper had claimed it (2), it loads it all the same and leaves the publishing to the helper;
-  2. polls the row's states, at most ``max_spins`` times, until all G are published;
+  1. claims its chunk (0 -> 1) and publishes its partial sums (-> 3, and the row's count + 1);
+     if a helper had claimed it (2), it leaves the publishing to the helper. The chunk itself
+     (kept in registers) was loaded during the previous row's wait;
+  2. polls the row's count, at most ``max_spins`` times, until all G are published;
   3. if they are not (a partner not resident, or Triton's interpreter, which runs programs one
      after another), it becomes a helper: it claims every unclaimed chunk (0 -> 2), reads it and
      publishes its partial sums, with the same code as the owner (so the same bits), then waits for
@@ -16,6 +17,8 @@ is reading it, 3 its (max, sum of exp) is published. Each program:
   4. combines the G partials into the log-sum-exp and overwrites its chunk with the gradient.
 A chunk is published only after its last read, so no gradient overwrites logits someone still
 needs, and every wait without a bound is on a program that is running, so nothing deadlocks.
+(The first version, without the count and the early load, is in git; its output on an H100 is
+ce_split_row_v1_h100.txt: 47.5% of copy at best.)
 
 Run on a GPU: python benchmarks/results/experiments/ce_split_row_probe.py
 """
@@ -44,15 +47,19 @@ def _load_chunk(row_ptr, chunk, n_cols, CHUNK: tl.constexpr):
 
 
 @triton.jit
-def _all_published(state_ptr, k, N_CHUNKS: tl.constexpr):
-    # Atomic reads with acquire semantics: the partial sums loaded after them are the published ones.
-    states = tl.atomic_add(state_ptr + k, 0, mask=k < N_CHUNKS, sem="acquire")
-    return tl.min(tl.where(k < N_CHUNKS, states, 3), axis=0) == 3
+def _publish(slot, states, counts, j, m, s):
+    """Store chunk j's partial sums, mark them published and count them (release: whoever reads the
+    count or the state with acquire then sees the sums)."""
+    tl.store(slot + 2 * j, m)
+    tl.store(slot + 2 * j + 1, s)
+    tl.debug_barrier()  # every thread's stores before the release (CUTLASS's semaphore does the same)
+    tl.atomic_xchg(states + j, 3, sem="release")
+    tl.atomic_add(counts, 1, sem="release")
 
 
 @triton.jit
 def _split_row_kernel(
-    x_ptr, target_ptr, lse_ptr, partial_ptr, state_ptr, fallback_ptr,
+    x_ptr, target_ptr, lse_ptr, partial_ptr, state_ptr, count_ptr, fallback_ptr,
     n_rows, n_cols, stride, scale, max_spins,
     CHUNK: tl.constexpr, N_CHUNKS: tl.constexpr, N_CHUNKS_POW2: tl.constexpr,
 ):  # fmt: skip
@@ -63,41 +70,42 @@ def _split_row_kernel(
     cols = chunk * CHUNK + tl.arange(0, CHUNK)
     mask = cols < n_cols
     k = tl.arange(0, N_CHUNKS_POW2)
+    # Each program's chunk of its next row is loaded before the current row's wait: the load is in
+    # flight while the program waits for its partners.
+    x_next = tl.load(x_ptr + tl.cast(first_row, tl.int64) * stride + cols, mask=mask & (first_row < n_rows),
+                     other=-float("inf"))  # fmt: skip
     for row in range(first_row, n_rows, rows_in_flight):
         row64 = tl.cast(row, tl.int64)
         base = x_ptr + row64 * stride
         slot = partial_ptr + row64 * N_CHUNKS * 2
         states = state_ptr + row64 * N_CHUNKS
+        counts = count_ptr + row
         label = tl.load(target_ptr + row).to(tl.int32)
-        # 1. Claim, load and publish this program's chunk (a helper may have claimed it: then the
-        #    helper publishes it, and this program only keeps its chunk for the gradient).
-        old = tl.atomic_cas(states + chunk, 0, 1, sem="acq_rel")
-        z = _load_chunk(base, chunk, n_cols, CHUNK)
-        if old == 0:
+        z = x_next.to(tl.float32)
+        after = row + rows_in_flight
+        x_next = tl.load(x_ptr + tl.cast(after, tl.int64) * stride + cols, mask=mask & (after < n_rows),
+                         other=-float("inf"))  # fmt: skip
+        # 1. Claim and publish this program's chunk (loaded already: only this program writes it, so
+        #    it may load before claiming). A helper may have claimed it: then the helper publishes it.
+        if tl.atomic_cas(states + chunk, 0, 1, sem="acq_rel") == 0:
             m, s = _partial(z)
-            tl.store(slot + 2 * chunk, m)
-            tl.store(slot + 2 * chunk + 1, s)
-            tl.debug_barrier()  # every thread's stores before the release (CUTLASS's semaphore does the same)
-            tl.atomic_xchg(states + chunk, 3, sem="release")
+            _publish(slot, states, counts, chunk, m, s)
         # 2. Wait a bounded while for the other chunks' partials.
-        done = _all_published(states, k, N_CHUNKS)
+        arrived = tl.atomic_add(counts, 0, sem="acquire")
         spins = 0
-        while (done == 0) & (spins < max_spins):
-            done = _all_published(states, k, N_CHUNKS)
+        while (arrived < N_CHUNKS) & (spins < max_spins):
+            arrived = tl.atomic_add(counts, 0, sem="acquire")
             spins += 1
         # 3. Not all in: compute the unclaimed ones here (nobody has read them, so nobody has
         #    written their gradient), then wait for the claimed ones, whose claimers are running
         #    and wait for nothing before they publish.
-        if done == 0:
+        if arrived < N_CHUNKS:
             tl.atomic_add(fallback_ptr, 1)
             for j in range(0, N_CHUNKS):
                 if tl.atomic_cas(states + j, 0, 2, sem="acq_rel") == 0:
                     mj, sj = _partial(_load_chunk(base, j, n_cols, CHUNK))
-                    tl.store(slot + 2 * j, mj)
-                    tl.store(slot + 2 * j + 1, sj)
-                    tl.debug_barrier()
-                    tl.atomic_xchg(states + j, 3, sem="release")
-            while _all_published(states, k, N_CHUNKS) == 0:
+                    _publish(slot, states, counts, j, mj, sj)
+            while tl.atomic_add(counts, 0, sem="acquire") < N_CHUNKS:
                 pass
         # 4. Every chunk of the row has been read (a chunk is published only after its last read):
         #    combine the partials and overwrite this chunk with its gradient.
@@ -121,10 +129,14 @@ def split_row_pass(
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
     in_flight = max(1, min(rows, sms * per_sm // n_chunks))
     partial = torch.empty(rows, n_chunks, 2, device=x.device)
-    states = torch.zeros(rows, n_chunks, dtype=torch.int32, device=x.device) if states is None else states.zero_()
+    # One zeroed buffer: a state word per chunk, then a count per row.
+    if states is None:
+        states = torch.zeros(rows * (n_chunks + 1), dtype=torch.int32, device=x.device)
+    else:
+        states.zero_()
     fallbacks = torch.zeros(1, dtype=torch.int32, device=x.device) if fallbacks is None else fallbacks
     _split_row_kernel[(in_flight * n_chunks,)](
-        x, t, lse, partial, states, fallbacks, rows, cols, x.stride(0), 1.0, max_spins,
+        x, t, lse, partial, states, states[rows * n_chunks :], fallbacks, rows, cols, x.stride(0), 1.0, max_spins,
         CHUNK=chunk, N_CHUNKS=n_chunks, N_CHUNKS_POW2=triton.next_power_of_2(n_chunks), num_warps=warps,
     )  # fmt: skip
     return partial
@@ -170,12 +182,12 @@ def main() -> None:
     tokens, vocab = 8192, 128256
     x, t, lse = data(tokens, vocab)
     nbytes = 2 * x.numel() * 2
-    states = torch.zeros(tokens, triton.cdiv(vocab, 2048), dtype=torch.int32, device="cuda")
+    states = torch.zeros(tokens * (triton.cdiv(vocab, 2048) + 1), dtype=torch.int32, device="cuda")
     fb = torch.zeros(1, dtype=torch.int32, device="cuda")
     results = []
-    for chunk, warps, per_sm in itertools.product((2048, 4096, 8192, 16384), (4, 8, 16, 32), (1, 2, 3, 4, 6, 8)):
+    for chunk, warps, per_sm in itertools.product((4096, 8192, 16384), (4, 8, 16), (1, 2, 3, 4)):
         per_thread = chunk // (32 * warps)
-        if per_thread < 4 or per_thread > 32:
+        if per_thread < 8 or per_thread > 32:
             continue
         fb.zero_()
         ms = bench.time_ms(
@@ -196,7 +208,7 @@ def main() -> None:
     for vocab in (32000, 65536, 152064, 256000):
         x, t, lse = data((1 << 30) // vocab, vocab)
         nbytes = 2 * x.numel() * 2
-        states = torch.zeros(x.shape[0], triton.cdiv(vocab, 2048), dtype=torch.int32, device="cuda")
+        states = torch.zeros(x.shape[0] * (triton.cdiv(vocab, 2048) + 1), dtype=torch.int32, device="cuda")
         for _ms, chunk, warps, per_sm in results[:2]:
             fb.zero_()
             ms = bench.time_ms(
