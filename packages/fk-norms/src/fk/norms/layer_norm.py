@@ -316,6 +316,13 @@ def _layer_norm_bwd_kernel(
 FWD_MAX_BLOCK_COLS = 32768  # widest row the forward holds in one tile
 FWD_MIN_TILE = 2048  # narrow rows are grouped into tiles of at least this many elements
 FWD_ELEMENTS_PER_WARP = 512
+# Rows up to FWD_FEW_WARPS_MAX_COLS wide take at most FWD_MAX_WARPS warps, wider ones (one tile of
+# up to 32768 columns) up to 16. tune_norms.py --op layer_norm --directions fwd on an H200 (16384
+# rows, bf16, GPU time; benchmarks/results/experiments/norm_forward_warps_h200.txt): 8 warps
+# instead of 16 took H=8192 from 0.149 to 0.132 ms and H=16384 from 0.274 to 0.273 ms; narrower
+# rows had 8 or fewer already; at H=32768, 8 warps were slower than 16's 0.646 ms.
+FWD_MAX_WARPS = 8
+FWD_FEW_WARPS_MAX_COLS = 16384
 BWD_MAX_BLOCK_COLS = 16384
 BWD_LOOPED_PROGRAMS_PER_SM = 1  # wider rows: few programs, so the rows they re-read stay in L2
 # A backward that keeps partial rows (dw, or db summed in the kernel) runs one program per SM, as
@@ -375,7 +382,8 @@ BWD_WIDEST_MAX_WARPS = 16
 @functools.lru_cache(maxsize=256)
 def _fwd_tiling(n_cols: int) -> RowTiling:
     return row_tiling(n_cols, max_block_cols=FWD_MAX_BLOCK_COLS, min_tile_elements=FWD_MIN_TILE,
-                      elements_per_warp=FWD_ELEMENTS_PER_WARP, name="x")  # fmt: skip
+                      elements_per_warp=FWD_ELEMENTS_PER_WARP,
+                      max_warps=FWD_MAX_WARPS if n_cols <= FWD_FEW_WARPS_MAX_COLS else 16, name="x")  # fmt: skip
 
 
 def _widest(n_cols: int, compute_dw: bool) -> bool:

@@ -319,6 +319,7 @@ FWD_MAX_BLOCK_COLS = 16384
 FWD_RESIDUAL_MAX_BLOCK_COLS = 32768
 FWD_MIN_TILE = 4096  # narrow rows are grouped into tiles of at least this many elements
 FWD_ELEMENTS_PER_WARP = 512
+FWD_MAX_WARPS = 16
 BWD_MAX_BLOCK_COLS = 16384  # the backward holds x, dy, s and dw: four fp32 tiles
 BWD_LOOPED_PROGRAMS_PER_SM = 1  # wider rows: few programs, so the rows they re-read stay in L2
 # Wider rows are taken one at a time in column tiles of BWD_MAX_BLOCK_COLS, except, with a weight
@@ -371,7 +372,7 @@ BWD_FROZEN_WIDE_PROGRAMS_PER_SM = 2
 def _fwd_tiling(n_cols: int, has_residual: bool = False) -> RowTiling:
     max_block_cols = FWD_RESIDUAL_MAX_BLOCK_COLS if has_residual else FWD_MAX_BLOCK_COLS
     return row_tiling(n_cols, max_block_cols=max_block_cols, min_tile_elements=FWD_MIN_TILE,
-                      elements_per_warp=FWD_ELEMENTS_PER_WARP, name="x")  # fmt: skip
+                      elements_per_warp=FWD_ELEMENTS_PER_WARP, max_warps=FWD_MAX_WARPS, name="x")  # fmt: skip
 
 
 @functools.lru_cache(maxsize=256)
