@@ -317,9 +317,15 @@ def _rms_norm_bwd_kernel(
 # it has just written, 1.04 ms in one tile and 1.11 ms in four of 8192.
 FWD_MAX_BLOCK_COLS = 16384
 FWD_RESIDUAL_MAX_BLOCK_COLS = 32768
-FWD_MIN_TILE = 4096  # narrow rows are grouped into tiles of at least this many elements
+FWD_MIN_TILE = 2048  # narrow rows are grouped into tiles of at least this many elements
 FWD_ELEMENTS_PER_WARP = 512
-FWD_MAX_WARPS = 16
+# Without a residual, rows up to FWD_FEW_WARPS_MAX_COLS wide take at most FWD_MAX_WARPS warps; wider
+# rows and FusedAddRMSNorm's up to 16. benchmarks/results/experiments/norm_forward_ab.py on an H200
+# (forward GPU time, 16384 rows, bf16), against 4096-element tiles and 16 warps: RMSNorm at H=1024,
+# 2048 and 8192 took 21.6 -> 20.9, 37.4 -> 37.1 and 136.3 -> 133.1 us, FusedAddRMSNorm at 1024 and
+# 2048 37.1 -> 36.3 and 69.1 -> 67.7 us (its 8192 and 16384 were 1% slower with 8 warps: it keeps 16).
+FWD_MAX_WARPS = 8
+FWD_FEW_WARPS_MAX_COLS = 16384
 BWD_MAX_BLOCK_COLS = 16384  # the backward holds x, dy, s and dw: four fp32 tiles
 BWD_LOOPED_PROGRAMS_PER_SM = 1  # wider rows: few programs, so the rows they re-read stay in L2
 # Wider rows are taken one at a time in column tiles of BWD_MAX_BLOCK_COLS, except, with a weight
@@ -372,7 +378,9 @@ BWD_FROZEN_WIDE_PROGRAMS_PER_SM = 2
 def _fwd_tiling(n_cols: int, has_residual: bool = False) -> RowTiling:
     max_block_cols = FWD_RESIDUAL_MAX_BLOCK_COLS if has_residual else FWD_MAX_BLOCK_COLS
     return row_tiling(n_cols, max_block_cols=max_block_cols, min_tile_elements=FWD_MIN_TILE,
-                      elements_per_warp=FWD_ELEMENTS_PER_WARP, max_warps=FWD_MAX_WARPS, name="x")  # fmt: skip
+                      elements_per_warp=FWD_ELEMENTS_PER_WARP,
+                      max_warps=16 if has_residual or n_cols > FWD_FEW_WARPS_MAX_COLS else FWD_MAX_WARPS,
+                      name="x")  # fmt: skip
 
 
 @functools.lru_cache(maxsize=256)
