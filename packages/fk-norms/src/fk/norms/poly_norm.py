@@ -12,6 +12,7 @@ ops, the functional API :func:`poly_norm` and the module :class:`PolyNorm`.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -266,6 +267,18 @@ BWD_ELEMENTS_PER_WARP = 512
 # (tune_norm_backward.py --op poly_norm; benchmarks/results/experiments/poly_norm_backward_tune_h200.txt).
 BWD_PROGRAMS_PER_SM = 8
 BWD_LOOPED_PROGRAMS_PER_SM = 4
+# Without dw and db (weight and bias frozen) there are no partial sums and one program per row
+# tile, and other tiles were faster (benchmarks/results/experiments/poly_norm_frozen_tiles.py,
+# output beside it; 16384 rows, bf16, forward+backward GPU time on an H200): one
+# warp per 1024 columns of a one-tile row, at least 4 (H = 4096: 0.178 -> 0.171 ms; H = 8192:
+# 0.357 -> 0.347 ms), and rows wider than 8192 columns in 4096-column tiles with one warp per 4096
+# columns of the row (H = 16384: 0.779 -> 0.731 ms, where one 16384-column tile with 8 warps took
+# 0.768; H = 32768 keeps its 8 warps, against 1.74 ms with 4). Narrower rows keep their settings.
+BWD_FROZEN_MAX_BLOCK_COLS = 8192
+BWD_FROZEN_ELEMENTS_PER_WARP = 1024
+BWD_FROZEN_MIN_WARPS = 4
+BWD_FROZEN_LOOPED_BLOCK_COLS = 4096
+BWD_FROZEN_LOOPED_COLS_PER_WARP = 4096
 
 
 @functools.lru_cache(maxsize=256)
@@ -275,7 +288,15 @@ def _fwd_tiling(n_cols: int) -> RowTiling:
 
 
 @functools.lru_cache(maxsize=256)
-def _bwd_tiling(n_cols: int) -> RowTiling:
+def _bwd_tiling(n_cols: int, sums: bool = True) -> RowTiling:
+    """The backward's tiling; ``sums``: it sums dw or db across rows (else frozen parameters)."""
+    if not sums:
+        if n_cols > BWD_FROZEN_MAX_BLOCK_COLS:
+            warps = min(16, max(1, n_cols // BWD_FROZEN_LOOPED_COLS_PER_WARP))
+            return RowTiling(block_cols=BWD_FROZEN_LOOPED_BLOCK_COLS, looped=True, rows_per_tile=1, num_warps=warps)
+        tiling = row_tiling(n_cols, max_block_cols=BWD_FROZEN_MAX_BLOCK_COLS, min_tile_elements=BWD_MIN_TILE,
+                            elements_per_warp=BWD_FROZEN_ELEMENTS_PER_WARP, name="x")  # fmt: skip
+        return dataclasses.replace(tiling, num_warps=max(BWD_FROZEN_MIN_WARPS, tiling.num_warps))
     max_block_cols = BWD_MAX_BLOCK_COLS if n_cols <= BWD_MAX_BLOCK_COLS else BWD_LOOPED_BLOCK_COLS
     return row_tiling(n_cols, max_block_cols=max_block_cols, min_tile_elements=BWD_MIN_TILE,
                       elements_per_warp=BWD_ELEMENTS_PER_WARP, name="x")  # fmt: skip
@@ -332,7 +353,7 @@ def _poly_norm_bwd(
         dw = torch.zeros_like(weight) if compute_dw else x.new_empty(0)
         db = torch.zeros_like(bias) if compute_db else x.new_empty(0)
         return dx, dw, db
-    tiling = _bwd_tiling(n_cols)
+    tiling = _bwd_tiling(n_cols, compute_dw or compute_db)
     if compute_dw or compute_db:
         n_programs = partial_rows(n_rows, n_cols, x.device)
         partial = torch.empty((n_programs, 4), dtype=torch.float32, device=x.device)
