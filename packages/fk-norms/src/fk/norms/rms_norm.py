@@ -363,13 +363,16 @@ BWD_WEIGHT_PER_TILE_COLS = 16384
 # faster at every width (the same sweep: prefetching took 0.70-0.99x the time of these settings).
 # tune_norms.py --op rms_norm --frozen on an H200 (benchmarks/results/experiments/
 # norm_frozen_narrow_tune_h200.txt): 4 per SM instead of 2 took H=2048 from 0.102 to 0.092 ms and
-# H=4096 from 0.191 to 0.174 ms forward+backward; at H <= 1024, 32 per SM with tiles of 2048.
+# H=4096 from 0.191 to 0.174 ms forward+backward; at H <= 1024, 32 per SM with tiles of 2048. A
+# later sweep that went past 8 per SM (benchmarks/results/experiments/rms_norm_frozen_programs.py,
+# output beside it) took 32 per SM below 8192 columns too: H=2048 0.0917 -> 0.0898 ms, H=4096
+# 0.1729 -> 0.1694 ms.
 BWD_FROZEN_NARROW_COLS = 1024
 BWD_FROZEN_NARROW_MIN_TILE = 2048
 BWD_FROZEN_NARROW_PROGRAMS_PER_SM = 32
 BWD_FROZEN_MIN_TILE = 4096
 BWD_FROZEN_ELEMENTS_PER_WARP = 512
-BWD_FROZEN_PROGRAMS_PER_SM = 4
+BWD_FROZEN_PROGRAMS_PER_SM = 32
 BWD_FROZEN_WIDE_COLS = 8192  # from this width on, 2 programs per SM
 BWD_FROZEN_WIDE_PROGRAMS_PER_SM = 2
 
