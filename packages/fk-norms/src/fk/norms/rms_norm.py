@@ -366,14 +366,15 @@ BWD_WEIGHT_PER_TILE_COLS = 16384
 # H=4096 from 0.191 to 0.174 ms forward+backward; at H <= 1024, 32 per SM with tiles of 2048. A
 # later sweep that went past 8 per SM (benchmarks/results/experiments/rms_norm_frozen_programs.py,
 # output beside it) took 32 per SM below 8192 columns too: H=2048 0.0917 -> 0.0898 ms, H=4096
-# 0.1729 -> 0.1694 ms.
+# 0.1729 -> 0.1694 ms; and at 8192 columns (0.3302 -> 0.3251 ms; FusedAddRMSNorm 0.4586 -> 0.4555),
+# where 2 per SM stays best from 16384 on.
 BWD_FROZEN_NARROW_COLS = 1024
 BWD_FROZEN_NARROW_MIN_TILE = 2048
 BWD_FROZEN_NARROW_PROGRAMS_PER_SM = 32
 BWD_FROZEN_MIN_TILE = 4096
 BWD_FROZEN_ELEMENTS_PER_WARP = 512
 BWD_FROZEN_PROGRAMS_PER_SM = 32
-BWD_FROZEN_WIDE_COLS = 8192  # from this width on, 2 programs per SM
+BWD_FROZEN_WIDE_COLS = 16384  # from this width on, 2 programs per SM
 BWD_FROZEN_WIDE_PROGRAMS_PER_SM = 2
 
 
