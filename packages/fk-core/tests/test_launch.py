@@ -28,6 +28,15 @@ def test_narrow_rows_are_grouped() -> None:
     assert tiling.rows_per_tile == 16
 
 
+def test_warps_stay_within_min_and_max() -> None:
+    # one warp per 1024 elements of a 2048-element tile would be 2: raised to min_warps
+    assert row_tiling(1024, min_tile_elements=2048, elements_per_warp=1024, min_warps=4).num_warps == 4
+    # 16 by elements: capped at max_warps
+    assert row_tiling(8192, max_block_cols=8192, elements_per_warp=512, max_warps=8).num_warps == 8
+    # within the bounds, one warp per elements_per_warp
+    assert row_tiling(4096, max_block_cols=8192, elements_per_warp=512, min_warps=4).num_warps == 8
+
+
 def test_row_that_fits_one_tile() -> None:
     tiling = row_tiling(4097, max_block_cols=8192)
     assert tiling == row_tiling(8192, max_block_cols=8192)

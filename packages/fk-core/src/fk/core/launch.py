@@ -53,6 +53,7 @@ def row_tiling(
     min_tile_elements: int = 2048,
     elements_per_warp: int = 512,
     max_warps: int = 16,
+    min_warps: int = 1,
     allow_loop: bool = True,
     name: str = "input",
 ) -> RowTiling:
@@ -60,7 +61,8 @@ def row_tiling(
 
     Rows up to ``max_block_cols`` wide fit in one tile; narrow rows are grouped so that a tile has
     at least ``min_tile_elements`` elements (enough loads in flight to keep memory busy), with one
-    warp per ``elements_per_warp`` elements of the tile (at most ``max_warps``). Wider
+    warp per ``elements_per_warp`` elements of the tile (at least ``min_warps``, at most
+    ``max_warps``). Wider
     rows loop over tiles of ``max_block_cols`` columns, or raise a ``ValueError`` naming ``name``
     when the kernel cannot loop (``allow_loop=False``): never a silent wrong answer.
     """
@@ -74,7 +76,7 @@ def row_tiling(
             raise ValueError(f"{name} has rows of {n_cols} elements; this kernel handles at most {max_block_cols}")
         block = max_block_cols
     rows = 1 if looped else max(1, min_tile_elements // block)
-    num_warps = _num_warps(block * rows, elements_per_warp, max_warps)
+    num_warps = max(min_warps, _num_warps(block * rows, elements_per_warp, max_warps))
     return RowTiling(block_cols=block, looped=looped, rows_per_tile=rows, num_warps=num_warps)
 
 

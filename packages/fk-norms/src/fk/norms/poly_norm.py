@@ -12,7 +12,6 @@ ops, the functional API :func:`poly_norm` and the module :class:`PolyNorm`.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Any
 
@@ -294,9 +293,9 @@ def _bwd_tiling(n_cols: int, sums: bool = True) -> RowTiling:
         if n_cols > BWD_FROZEN_MAX_BLOCK_COLS:
             warps = min(16, max(1, n_cols // BWD_FROZEN_LOOPED_COLS_PER_WARP))
             return RowTiling(block_cols=BWD_FROZEN_LOOPED_BLOCK_COLS, looped=True, rows_per_tile=1, num_warps=warps)
-        tiling = row_tiling(n_cols, max_block_cols=BWD_FROZEN_MAX_BLOCK_COLS, min_tile_elements=BWD_MIN_TILE,
-                            elements_per_warp=BWD_FROZEN_ELEMENTS_PER_WARP, name="x")  # fmt: skip
-        return dataclasses.replace(tiling, num_warps=max(BWD_FROZEN_MIN_WARPS, tiling.num_warps))
+        return row_tiling(n_cols, max_block_cols=BWD_FROZEN_MAX_BLOCK_COLS, min_tile_elements=BWD_MIN_TILE,
+                          elements_per_warp=BWD_FROZEN_ELEMENTS_PER_WARP, min_warps=BWD_FROZEN_MIN_WARPS,
+                          name="x")  # fmt: skip
     max_block_cols = BWD_MAX_BLOCK_COLS if n_cols <= BWD_MAX_BLOCK_COLS else BWD_LOOPED_BLOCK_COLS
     return row_tiling(n_cols, max_block_cols=max_block_cols, min_tile_elements=BWD_MIN_TILE,
                       elements_per_warp=BWD_ELEMENTS_PER_WARP, name="x")  # fmt: skip
