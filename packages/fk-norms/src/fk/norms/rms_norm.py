@@ -367,10 +367,9 @@ BWD_WEIGHT_PER_TILE_COLS = 16384
 # later sweep that went past 8 per SM (benchmarks/results/experiments/rms_norm_frozen_programs.py,
 # output beside it) took 32 per SM below 8192 columns too: H=2048 0.0917 -> 0.0898 ms, H=4096
 # 0.1729 -> 0.1694 ms; and at 8192 columns (0.3302 -> 0.3251 ms; FusedAddRMSNorm 0.4586 -> 0.4555),
-# where 2 per SM stays best from 16384 on.
+# where 2 per SM stays best from 16384 on. Rows of at most BWD_FROZEN_NARROW_COLS keep tiles of their own.
 BWD_FROZEN_NARROW_COLS = 1024
 BWD_FROZEN_NARROW_MIN_TILE = 2048
-BWD_FROZEN_NARROW_PROGRAMS_PER_SM = 32
 BWD_FROZEN_MIN_TILE = 4096
 BWD_FROZEN_ELEMENTS_PER_WARP = 512
 BWD_FROZEN_PROGRAMS_PER_SM = 32
@@ -458,8 +457,6 @@ def dw_partial_rows(n_rows: int, n_cols: int, device: torch.device, compute_dw: 
     it allocates for the weight gradient (when ``compute_dw``)."""
     if compute_dw:
         per_sm = BWD_PROGRAMS_PER_SM
-    elif n_cols <= BWD_FROZEN_NARROW_COLS:
-        per_sm = BWD_FROZEN_NARROW_PROGRAMS_PER_SM
     elif n_cols < BWD_FROZEN_WIDE_COLS:
         per_sm = BWD_FROZEN_PROGRAMS_PER_SM
     else:
