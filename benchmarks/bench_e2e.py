@@ -16,18 +16,24 @@ frozen). Providers, each in its own subprocess (Liger patches transformers' clas
 - ``fk-lowmem``: the same, plus ``fk.hf.loss_options(model, memory_budget=384 << 20,
   accum_dtype=torch.bfloat16)``: the fused loss in chunks of logits, for less memory.
 
-Measured per (mode, provider): tokens/s from the median wall-clock time of ``--steps`` steps after
-``--warmup`` steps (each step between two ``torch.cuda.synchronize()``: forward, backward,
-optimizer step, ``zero_grad``; host overhead counts, as in training), and peak memory:
-``torch.cuda.max_memory_allocated()`` over those steps (weights, gradients, optimizer states and
-activations). Then, in the same process, the largest batch of 2048-token sequences that fits:
-batch sizes from ``BATCHES`` (above 4) are tried in increasing order, one warm-up and one timed
-step each, until one runs out of memory (``torch.OutOfMemoryError``), the list ends, or
-``--search-seconds`` have passed (then the result is a lower bound, marked ``>=``); the
-allocator's cache is emptied between sizes. The per-step losses of each provider are compared
-with stock's (same weights and batches): they must agree to bf16's tolerance (the demo's).
+Measured per (mode, provider), in ``--rounds`` rounds: each round runs every provider once, in its
+own process, ``--warmup`` steps then ``--steps`` timed ones (each step between two
+``torch.cuda.synchronize()``: forward, backward, optimizer step, ``zero_grad``; host overhead
+counts, as in training); odd rounds run the providers in reverse order, so that each provider's
+runs sit as often early as late in the benchmark (the GPU's clocks and temperature drift over a
+run; one round in a fixed order gave records whose ratios moved by several percent). tokens/s is
+from the median of all rounds' timed steps; the record keeps each round's tokens/s too. Peak
+memory: ``torch.cuda.max_memory_allocated()`` over the timed steps (weights, gradients, optimizer
+states and activations), the largest of the rounds. After every round, in one more process per
+(mode, provider), the largest batch of 2048-token sequences that fits: batch sizes from
+``BATCHES`` (above 4) are tried in increasing order, one warm-up and one timed step each, until
+one runs out of memory (``torch.OutOfMemoryError``), the list ends, or ``--search-seconds`` have
+passed (then the result is a lower bound, marked ``>=``); the allocator's cache is emptied
+between sizes. The searches come last so that their large batches heat no timed round. The
+per-step losses of each provider (first round) are compared with stock's (same weights and
+batches): they must agree to bf16's tolerance (the demo's).
 
-Run on a GPU:  python benchmarks/bench_e2e.py --out benchmarks/results     (about 4 minutes on an H100)
+Run on a GPU:  python benchmarks/bench_e2e.py --out benchmarks/results
 Redraw plots:  python benchmarks/bench_e2e.py --plot benchmarks/results/e2e.json
 Try on a CPU:  python benchmarks/bench_e2e.py --tiny --out /tmp/e2e       (tiny model, Triton's interpreter)
 """
@@ -38,6 +44,7 @@ import argparse
 import importlib.util
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -131,7 +138,8 @@ def search_max_batch(
 
 
 def worker(job: dict[str, Any]) -> dict[str, Any]:
-    """One (mode, provider): build, patch, train ``warmup + steps`` steps, then search the largest batch."""
+    """One (mode, provider): build, patch, then train ``warmup + steps`` steps (``job["phase"]`` is
+    ``"timed"``) or search the largest batch (``"search"``)."""
     provider, lora = job["provider"], job["mode"] == "lora"
     shape = training.SHAPES[job["shape"]]
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -142,18 +150,17 @@ def worker(job: dict[str, Any]) -> dict[str, Any]:
     patched = _patch_after_build(provider, model)
     corpus = training.MarkovCorpus(shape.vocab, active=1024 if shape.vocab >= 4096 else 32, branching=4)
     opt = training.make_optimizer(model, job["lr"])
+    if job["phase"] == "search":
+        rows, stopped = search_max_batch(model, corpus, opt, job)
+        return {"search": rows, "search_stopped": stopped}
     r = training.train(model, corpus, steps=job["warmup"] + job["steps"], warmup=job["warmup"], batch=job["batch"],
                        seq=job["seq"], lr=job["lr"], optimizer=opt)  # fmt: skip
-    out: dict[str, Any] = {
-        "losses": r.losses, "tokens_per_s": r.tokens_per_s, "median_step_ms": 1e3 * r.median_step_s,
+    return {
+        "losses": r.losses, "step_seconds": r.step_seconds[r.warmup :], "tokens_per_step": r.tokens_per_step,
         "peak_gib": None if r.peak_bytes is None else r.peak_bytes / 2**30, "logits_returned": r.logits_returned,
         "patched": patched, "fallbacks": sorted(set(fallbacks)),
         "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
     }  # fmt: skip
-    if device == "cuda" and job["search_seconds"] > 0:
-        rows, stopped = search_max_batch(model, corpus, opt, job)
-        out["search"], out["search_stopped"] = rows, stopped
-    return out
 
 
 def _worker_main(job_json: str, result: Path) -> None:
@@ -203,31 +210,63 @@ def _status(out: dict[str, Any]) -> str:
     return f"skipped: {out['skipped']}" if "skipped" in out else f"failed: {out['failed']}"
 
 
+def round_order(providers: list[str], rounds: int) -> list[tuple[int, str]]:
+    """(round, provider) in the order they run: even rounds in ``providers``' order, odd ones reversed."""
+    return [(r, p) for r in range(rounds) for p in (providers if r % 2 == 0 else providers[::-1])]
+
+
+def merge_rounds(outs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One (mode, provider)'s timed rounds as one result: tokens/s from the median of every round's
+    timed steps, each round's tokens/s, the largest peak; losses and the rest from the first round."""
+    steps = [s for out in outs for s in out["step_seconds"]]
+    median = statistics.median(steps)
+    tokens = outs[0]["tokens_per_step"]
+    peaks = [out["peak_gib"] for out in outs if out["peak_gib"] is not None]
+    return {
+        **outs[0], "tokens_per_s": tokens / median, "median_step_ms": 1e3 * median, "peak_gib": max(peaks, default=None),
+        "round_tokens_per_s": [tokens / statistics.median(out["step_seconds"]) for out in outs],
+    }  # fmt: skip
+
+
 def run(args: argparse.Namespace) -> bench.BenchRecord:
     shape_name = "tiny" if args.tiny else "llama-3.2-1b"
     shape = training.SHAPES[shape_name]
     base = {"shape": shape_name, "batch": args.batch, "seq": args.seq, "steps": args.steps, "warmup": args.warmup,
             "lr": args.lr, "search_seconds": args.search_seconds}  # fmt: skip
-    cases = [(mode, provider) for mode in args.modes for provider in args.providers]
+    search = torch.cuda.is_available() and args.search_seconds > 0
+    order = [provider for _, provider in round_order(args.providers, args.rounds)]
+    jobs = [(mode, provider, "timed") for mode in args.modes for provider in order]
+    jobs += [(mode, provider, "search") for mode in args.modes for provider in args.providers if search]
+    timed: dict[tuple[str, str], list[dict[str, Any]]] = {}
     results: dict[tuple[str, str], dict[str, Any]] = {}
-    for mode, provider in bench.progress(cases, desc=NAME):
+    for mode, provider, phase in bench.progress(jobs, desc=NAME):
+        if "skipped" in results.get((mode, provider), {}) or "failed" in results.get((mode, provider), {}):
+            continue
         why = _available(provider, mode)
-        out: dict[str, Any] = {"skipped": why} if why else run_case({**base, "mode": mode, "provider": provider})
-        results[mode, provider] = out
+        out: dict[str, Any] = {"skipped": why} if why else run_case({**base, "mode": mode, "provider": provider,
+                                                                    "phase": phase})  # fmt: skip
         if "skipped" in out or "failed" in out:
-            print(f"{mode} {provider}: {_status(out)}", file=sys.stderr)
+            results[mode, provider] = out
+            print(f"{mode} {provider} ({phase}): {_status(out)}", file=sys.stderr)
+        elif phase == "timed":
+            timed.setdefault((mode, provider), []).append(out)
+            results[mode, provider] = merge_rounds(timed[mode, provider])
+        else:
+            results[mode, provider].update(out)
     # The parent touches the GPU only now, so the workers had all of its memory.
     record = bench.BenchRecord(
         NAME,
         notes=(f"LlamaForCausalLM {shape_name} ({shape.describe()}), random init, bf16 weights, SDPA attention, "
-               f"AdamW (fused on CUDA), {args.batch} x {args.seq} tokens a step, median of {args.steps} steps after "
-               f"{args.warmup}; lora: PEFT r=16, alpha=32, q/k/v/o/gate/up/down, fp32 adapters; "
+               f"AdamW (fused on CUDA), {args.batch} x {args.seq} tokens a step, {args.rounds} rounds of "
+               f"{args.steps} timed steps after {args.warmup} (odd rounds in reverse provider order), tokens/s "
+               f"from the median of all timed steps; lora: PEFT r=16, alpha=32, q/k/v/o/gate/up/down, fp32 adapters; "
                f"peak memory: torch.cuda.max_memory_allocated; max batch: sizes {', '.join(map(str, BATCHES))} "
-               f"of {args.seq} tokens tried in order in the same process"),
+               f"of {args.seq} tokens tried in order in one more process after the rounds"),
     )  # fmt: skip
     if torch.cuda.is_available() and not args.tiny:
         record.ceilings = bench.measure_ceilings().as_dict()
-    for (mode, provider), out in results.items():
+    for mode, provider in dict.fromkeys((mode, provider) for mode, provider, _ in jobs):
+        out = results[mode, provider]
         common = {"mode": mode, "provider": provider, "model": shape_name, "seq": args.seq}
         if "skipped" in out or "failed" in out:
             record.add(kind="run", **common, batch=args.batch, status=_status(out))
@@ -236,7 +275,8 @@ def run(args: argparse.Namespace) -> bench.BenchRecord:
         largest = max(out.get("search", []), key=lambda row: row["batch"], default=None)
         record.add(
             kind="run", **common, batch=args.batch, status="ok", tokens_per_s=out["tokens_per_s"],
-            median_step_ms=out["median_step_ms"], peak_gib=out["peak_gib"], losses=out["losses"],
+            round_tokens_per_s=out["round_tokens_per_s"], median_step_ms=out["median_step_ms"],
+            peak_gib=out["peak_gib"], losses=out["losses"],
             loss_rel_diff=_loss_diff(out["losses"], stock), logits_returned=out["logits_returned"],
             patched=out["patched"], fallbacks=out["fallbacks"], trainable_params=out["trainable_params"],
             max_batch=(largest or {"batch": args.batch})["batch"] if "search" in out else None,
@@ -317,6 +357,7 @@ def main() -> int:
     parser.add_argument("--seq", type=int, help="tokens per sequence (default 2048; --tiny 32)")
     parser.add_argument("--steps", type=int, help="timed steps (default 10; --tiny 2)")
     parser.add_argument("--warmup", type=int, help="steps before timing (default 3; --tiny 1)")
+    parser.add_argument("--rounds", type=int, help="timed rounds of every provider (default 2; --tiny 1)")
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--search-seconds", type=float, default=45.0,
                         help="time for the largest-batch search per provider and mode (0: no search)")  # fmt: skip
@@ -331,7 +372,8 @@ def main() -> int:
         plots(record, args.plot_dir)
         print(summary(record))
         return 0
-    for name, default, tiny in (("batch", 4, 2), ("seq", 2048, 32), ("steps", 10, 2), ("warmup", 3, 1)):
+    defaults = (("batch", 4, 2), ("seq", 2048, 32), ("steps", 10, 2), ("warmup", 3, 1), ("rounds", 2, 1))
+    for name, default, tiny in defaults:
         if getattr(args, name) is None:
             setattr(args, name, tiny if args.tiny else default)
     if not torch.cuda.is_available() and not args.tiny:

@@ -8,6 +8,8 @@ decided fk.hf's settings; their output on an H200 is in e2e_probes_h200.txt besi
   ``_saved_*`` attributes), largest first: which op keeps which activation;
 - ``budgets``: step time and peak memory per fused-loss budget (fk.hf.loss_options with bf16
   accumulation), the settings interleaved over 3 rounds of 5 timed steps on one model;
+- ``alternate_budget``: step time and peak memory, default fused loss against the 384 MiB budget
+  with bf16 accumulation (fk-lowmem's), the two taking turns every step on one model, 30 steps each;
 - ``qkv``, ``add_norm``, ``recompute_norms``: step time with that fk.hf switch off and on,
   interleaved over 4 rounds;
 - ``host [stock|liger|fk] [lora]``: the host's time to enqueue one forward while the GPU spins on a
@@ -163,6 +165,26 @@ def interleaved(settings: dict[str, Any], rounds: int) -> None:
             run = _steps(model, opt, corpus)
             times[name] += run.step_seconds[run.warmup :]
             peaks[name] = run.peak_bytes / GIB
+    for name, t in times.items():
+        print(f"{name:12s} median {statistics.median(t) * 1e3:.2f} ms  mean {statistics.mean(t) * 1e3:.2f}  "
+              f"min {min(t) * 1e3:.2f}  n={len(t)}  peak {peaks[name]:.3f} GiB")  # fmt: skip
+
+
+def alternate(settings: dict[str, Any], steps: int, warmup: int = 2) -> None:
+    """Like :func:`interleaved`, but the settings take turns every step: ``warmup`` untimed turns,
+    then ``steps`` timed steps of each (each step's own peak memory)."""
+    model = _model()
+    corpus = training.MarkovCorpus(128256, active=1024, branching=4)
+    opt = training.make_optimizer(model, 1e-4)
+    times: dict[str, list[float]] = {name: [] for name in settings}
+    peaks: dict[str, float] = {name: 0.0 for name in settings}
+    for turn in range(warmup + steps):
+        for name, apply in settings.items():
+            apply(model)
+            run = training.train(model, corpus, steps=1, batch=4, seq=2048, lr=1e-4, optimizer=opt, first_step=turn)
+            if turn >= warmup:
+                times[name] += run.step_seconds
+                peaks[name] = max(peaks[name], run.peak_bytes / GIB)
     for name, t in times.items():
         print(f"{name:12s} median {statistics.median(t) * 1e3:.2f} ms  mean {statistics.mean(t) * 1e3:.2f}  "
               f"min {min(t) * 1e3:.2f}  n={len(t)}  peak {peaks[name]:.3f} GiB")  # fmt: skip
@@ -324,6 +346,9 @@ def main() -> None:
         options = {"default": {}, **{f"{mib} MiB": {"memory_budget": mib << 20, "accum_dtype": torch.bfloat16}
                                      for mib in (512, 384, 256)}}  # fmt: skip
         interleaved({k: lambda m, o=o: fk.hf.loss_options(m, **o) for k, o in options.items()}, rounds=3)
+    elif what == "alternate_budget":
+        options = {"default": {}, "384 MiB": {"memory_budget": 384 << 20, "accum_dtype": torch.bfloat16}}
+        alternate({k: lambda m, o=o: fk.hf.loss_options(m, **o) for k, o in options.items()}, steps=30)
     elif what == "host":
         host(sys.argv[2], "lora" in sys.argv[3:])
     elif what == "pyprofile":
