@@ -102,6 +102,24 @@ def test_accumulation_in_weight_dtype(device: str) -> None:
     testing.compare_with_reference(_fk(target, **kw), _ref(target, **kw), args, factor=4.0)
 
 
+@pytest.mark.parametrize("accum_dtype", [torch.float32, torch.bfloat16], ids=dtype_name)
+def test_upstream_gradient_of_one(device: str, accum_dtype: torch.dtype) -> None:
+    """A plain ``loss.backward()`` (upstream gradient exactly 1): the in-place scaling of the
+    gradients made in the forward is skipped on the device; they must still be the reference's."""
+    n = 61
+    target = _labels((n,), device, seed=8)
+    kw = {"memory_budget": SMALL_CHUNKS, "accum_dtype": accum_dtype}
+    fk_args = [a for a in _inputs(n, torch.bfloat16, device, seed=7, bias=True) if a is not None]
+    ref_args = [a.detach().cpu().double().requires_grad_() for a in fk_args]
+    _fk(target, **kw)(*fk_args).backward()
+    _ref(target, **kw)(*ref_args).backward()
+    for name, fk_arg, ref_arg in zip(("h", "w", "b"), fk_args, ref_args, strict=True):
+        assert fk_arg.grad is not None and ref_arg.grad is not None
+        expected = ref_arg.grad.float()
+        error = (fk_arg.grad.float().cpu() - expected).abs().max().item()
+        assert error <= 0.05 * expected.abs().max().item(), (name, error)
+
+
 @pytest.mark.parametrize("budget", [ONE_CHUNK, SMALL_CHUNKS], ids=["one_chunk", "chunks"])
 def test_frozen_weight_computes_no_weight_gradient(device: str, budget: int) -> None:
     n = 40
