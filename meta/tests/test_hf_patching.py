@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import fk.hf
+from fk.hf import patching
 
 transformers = pytest.importorskip("transformers")
 
@@ -403,40 +403,50 @@ def test_tied_embeddings_and_gradient_checkpointing(device: str) -> None:
         torch.testing.assert_close(got_grads[name], grad, **TOL, msg=lambda m, n=name: f"{n}: {m}")
 
 
-def test_tied_embedding_takes_a_sparse_gradient_on_the_fused_path(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """On the fused path a tied, trainable embedding is looked up with sparse=True: the weight's
-    .grad is dense and stock's, over two accumulated micro-batches too; an untied or frozen
-    embedding, and the stock path, look up as stock (dense)."""
-    sparse_flags: list[bool] = []
-    lookup = F.embedding
+@pytest.mark.parametrize("pad_token_id", [None, 3])
+def test_tied_embedding_adds_into_the_heads_gradient(
+    device: str, monkeypatch: pytest.MonkeyPatch, pad_token_id: int | None
+) -> None:
+    """On the fused path a tied, trainable embedding's backward adds its rows into the head's
+    gradient: the weight's .grad is dense and stock's, over two accumulated micro-batches too, with
+    a padding index among the tokens; torch.autograd.grad gives it too. An untied or frozen
+    embedding, and the stock path, look up as stock."""
+    lookups: list[bool] = []
+    forward = patching._TiedEmbedding.forward
 
-    def spy(*args: Any, **kwargs: Any) -> torch.Tensor:
-        sparse_flags.append(bool(kwargs.get("sparse", args[6] if len(args) > 6 else False)))
-        return lookup(*args, **kwargs)
+    def spy(*args: Any) -> torch.Tensor:
+        lookups.append(True)
+        return forward(*args)
 
-    monkeypatch.setattr(F, "embedding", spy)
-    stock = _model("llama", device, tie_word_embeddings=True)
+    monkeypatch.setattr(patching._TiedEmbedding, "forward", staticmethod(spy))
+    stock = _model("llama", device, tie_word_embeddings=True, pad_token_id=pad_token_id)
+    assert stock.model.embed_tokens.padding_idx == pad_token_id
     patched = copy.deepcopy(stock)
     fk.hf.apply(patched)
     ids, labels = _batch(device)
     ids2, labels2 = _batch(device, seed=2)
+    ids[0, :4] = ids2[1, 3:6] = 3  # the padding index, looked up
     for model in (stock, patched):
         model.zero_grad(set_to_none=True)
         for i, t in ((ids, labels), (ids2, labels2)):  # two micro-batches into one .grad
             model(input_ids=i, labels=t).loss.backward()
-    assert sparse_flags == [False, False, True, True]
+    assert len(lookups) == 2
     grads = dict(patched.named_parameters())
     for name, p in stock.named_parameters():
         assert grads[name].grad.layout == torch.strided, name
         torch.testing.assert_close(grads[name].grad, p.grad, **TOL, msg=name)
-    sparse_flags.clear()
+    weight = patched.model.embed_tokens.weight
+    (by_grad,) = torch.autograd.grad(patched(input_ids=ids, labels=labels).loss, [weight])
+    (want,) = torch.autograd.grad(stock(input_ids=ids, labels=labels).loss, [stock.model.embed_tokens.weight])
+    torch.testing.assert_close(by_grad, want, **TOL)
+    lookups.clear()
     patched(input_ids=ids, labels=labels, skip_logits=False)  # the stock path
-    patched.model.embed_tokens.weight.requires_grad_(False)
-    patched(input_ids=ids, labels=labels)  # frozen: no gradient to make sparse
+    weight.requires_grad_(False)
+    patched(input_ids=ids, labels=labels)  # frozen: no gradient to hand over
     untied = _model("llama", device)
     fk.hf.apply(untied)
     untied(input_ids=ids, labels=labels)
-    assert sparse_flags == [False, False, False]
+    assert lookups == []
 
 
 @pytest.mark.parametrize("model_type", ["gemma2", "phi3"])

@@ -615,6 +615,7 @@ def fused_causal_lm_loss(
     ignore_index: int = -100,
     softcap: float | None = None,
     options: dict[str, Any] | None = None,
+    weight: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Hugging Face's ``ForCausalLMLoss`` of ``lm_head(hidden_states)`` without the logits.
 
@@ -624,16 +625,17 @@ def fused_causal_lm_loss(
     first (``softcap * tanh(logits / softcap)``). Under autocast, the hidden states and head weight
     are cast to autocast's dtype first, as stock's ``lm_head`` would. ``options`` are more keyword
     arguments of :func:`fk.flce.linear_cross_entropy` (``memory_budget``, ``accum_dtype``; see
-    :func:`fk.hf.loss_options`).
+    :func:`fk.hf.loss_options`). ``weight``, when given, stands for ``lm_head.weight`` (an alias of
+    it whose gradient goes elsewhere: :class:`_TiedHeadWeight`).
     """
     from fk.flce import linear_cross_entropy
 
     target, shift = (shift_labels, False) if shift_labels is not None else (labels, True)
 
     def loss_forward(head: Any, hidden: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        weight: torch.Tensor = head.weight
+        head_weight: torch.Tensor = head.weight if weight is None else weight
         bias: torch.Tensor | None = getattr(head, "bias", None)
-        if _is_dtensor(weight):
+        if _is_dtensor(head_weight):
             raise TypeError(
                 "lm_head.weight is a sharded DTensor where fk's fused loss reads it: FSDP2 unshards a "
                 "parameter only around the forward of the module fully_shard was given. Shard a tied head "
@@ -643,11 +645,11 @@ def fused_causal_lm_loss(
         device_type = hidden.device.type
         if torch.is_autocast_enabled(device_type):
             dtype = torch.get_autocast_dtype(device_type)
-            hidden, weight = hidden.to(dtype), weight.to(dtype)
+            hidden, head_weight = hidden.to(dtype), head_weight.to(dtype)
             bias = bias.to(dtype) if bias is not None else None
         with torch.autocast(device_type, enabled=False):
             loss: torch.Tensor = linear_cross_entropy(
-                hidden, weight, target, bias, ignore_index=ignore_index, shift=shift,
+                hidden, head_weight, target, bias, ignore_index=ignore_index, shift=shift,
                 num_items_in_batch=num_items_in_batch, softcap=softcap, **(options or {}),
             )  # fmt: skip
         return loss
@@ -751,12 +753,13 @@ def causal_lm_forward(
     forward, as stock's forward does whenever it runs without a cache; with an attention mask,
     stock's and fk's forwards both wait once in the mask code anyway.)
 
-    Also on the fused path, an input embedding tied to the head (see :func:`_sparse_tied_embedding`)
-    is looked up with ``sparse=True`` and handed to the model as ``inputs_embeds``: its gradient is
-    then the rows of the batch's tokens, which autograd adds to the head's dense gradient (the two
-    meet before the weight's ``.grad``, which stays dense), where stock's dense embedding gradient
-    fills a vocabulary-sized zero buffer, scatters into it, and is added whole: about 0.7 ms of a
-    Llama-3.2-1B step on an H200 (128256 x 2048), against the sparse gradient's 0.16 ms index-add.
+    Also on the fused path, an input embedding tied to the head (see :func:`_tied_embedding`) is
+    looked up by :class:`_TiedEmbedding` and handed to the model as ``inputs_embeds``: its backward
+    adds the rows of the batch's tokens into the head's dense gradient, in place, and returns the
+    sum as the weight's one gradient. Stock's dense embedding gradient fills a vocabulary-sized
+    zero buffer, scatters into it, and is added whole: about 0.7 ms of a Llama-3.2-1B step on an
+    H200 (128256 x 2048), against the index-add's 0.16 ms (an embedding gradient left sparse for
+    autograd to add would cost a copy of the head's gradient more, 0.24 ms).
     """
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
@@ -767,9 +770,10 @@ def causal_lm_forward(
     skip_logits = skip_logits and plain_linear(self.lm_head)
     if skip_logits and use_cache is None and past_key_values is None:
         use_cache = False  # (see the docstring: a cache nothing reads)
-    if skip_logits and input_ids is not None and inputs_embeds is None and _sparse_tied_embedding(self):
-        embed = self.get_input_embeddings()
-        inputs_embeds = F.embedding(input_ids, embed.weight, embed.padding_idx, sparse=True)
+    tied: _TiedGradient | None = None
+    if skip_logits and input_ids is not None and inputs_embeds is None and _tied_embedding(self):
+        embed, tied = self.get_input_embeddings(), _TiedGradient()
+        inputs_embeds = _TiedEmbedding.apply(input_ids, embed.weight, tied, embed.padding_idx)
         input_ids = None
     patch: ModelPatch = self._fk_hf_patch
     moe: dict[str, Any] = {}
@@ -790,6 +794,7 @@ def causal_lm_forward(
             hidden_states if scaling is None else hidden_states / scaling, self.lm_head, labels, shift_labels=kwargs.get("shift_labels"),
             num_items_in_batch=kwargs.get("num_items_in_batch"), ignore_index=kwargs.get("ignore_index", -100),
             softcap=softcap, options=self.__dict__.get(LOSS_OPTIONS),
+            weight=_TiedHeadWeight.apply(self.lm_head.weight, tied) if tied is not None else None,
         )  # fmt: skip
     else:
         logits = self.lm_head(hidden_states)
@@ -807,19 +812,71 @@ def causal_lm_forward(
     )  # fmt: skip
 
 
-def _sparse_tied_embedding(model: Any) -> bool:
-    """Whether ``model`` (a causal LM on the fused path) looks its input embedding up with a sparse
-    gradient: the embedding is a plain ``torch.nn.Embedding`` (no subclass: Gemma's scales its
-    output) without hooks (FSDP2's unsharding), ``max_norm`` or a sharded weight, and its weight
-    is the head's, trainable, so the head's dense gradient always meets the sparse one (alone, a
-    sparse ``.grad`` would reach the optimizer). Not while ``torch.compile`` traces."""
+def _tied_embedding(model: Any) -> bool:
+    """Whether ``model`` (a causal LM on the fused path) hands its head's gradient to its input
+    embedding (:class:`_TiedEmbedding`): the embedding is a plain ``torch.nn.Embedding`` (no
+    subclass: Gemma's scales its output) without hooks (FSDP2's unsharding), ``max_norm`` or
+    ``scale_grad_by_freq``, its weight is the head's, trainable and not sharded, and the head has
+    no hooks either. Not while ``torch.compile`` traces."""
     if torch.compiler.is_compiling():
         return False
     embed = model.get_input_embeddings()
-    if type(embed) is not torch.nn.Embedding or has_hooks(embed) or embed.max_norm is not None:
+    if type(embed) is not torch.nn.Embedding or has_hooks(embed) or has_hooks(model.lm_head):
+        return False
+    if embed.max_norm is not None or embed.scale_grad_by_freq:
         return False
     weight = embed.weight
     return weight is getattr(model.lm_head, "weight", None) and weight.requires_grad and not _is_dtensor(weight)
+
+
+class _TiedGradient:
+    """Where the head's gradient of a tied weight waits for the embedding's backward."""
+
+    __slots__ = ("dense",)
+
+    def __init__(self) -> None:
+        self.dense: torch.Tensor | None = None
+
+
+class _TiedHeadWeight(torch.autograd.Function):
+    """The head's alias of a tied weight: its gradient (dense) is left in ``tied``, not returned.
+    The embedding's backward, which autograd runs after the loss's (the head reads what the
+    embedding made), takes it from there."""
+
+    @staticmethod
+    def forward(ctx: Any, weight: torch.Tensor, tied: _TiedGradient) -> torch.Tensor:
+        ctx.tied = tied
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None]:
+        ctx.tied.dense = grad
+        return None, None
+
+
+class _TiedEmbedding(torch.autograd.Function):
+    """``F.embedding(ids, weight, padding_idx)`` whose backward returns the weight's whole gradient:
+    the head's dense gradient left by :class:`_TiedHeadWeight`, with the rows of the looked-up tokens
+    added in place (``index_add_``; the padding index's rows get none, as F.embedding's backward)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, ids: torch.Tensor, weight: torch.Tensor, tied: _TiedGradient, padding_idx: int | None
+    ) -> torch.Tensor:
+        ctx.save_for_backward(ids)
+        ctx.tied, ctx.padding_idx, ctx.weight_shape = tied, padding_idx, weight.shape
+        return F.embedding(ids, weight, padding_idx)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor, None, None]:
+        (ids,) = ctx.saved_tensors
+        dense, ctx.tied.dense = ctx.tied.dense, None
+        flat, rows = ids.reshape(-1), grad.reshape(-1, grad.shape[-1])
+        if ctx.padding_idx is not None:
+            rows = rows.masked_fill((flat == ctx.padding_idx).unsqueeze(1), 0)
+        if dense is None:  # the head's gradient never came (nothing of the loss reached it)
+            dense = rows.new_zeros(ctx.weight_shape)
+        return None, dense.index_add_(0, flat, rows.to(dense.dtype)), None, None
 
 
 def _with_router_aux_loss(
