@@ -15,12 +15,20 @@ decided fk.hf's settings; their output on an H200 is in e2e_probes_h200.txt besi
 - ``host [stock|liger|fk] [lora]``: the host's time to enqueue one forward while the GPU spins on a
   long sleep kernel (so the queue never drains and only the host is timed), then one backward. A
   provider whose forward synchronizes (Liger's loss does) shows the sleep in its time instead;
-- ``pyprofile [stock|liger|fk] [lora]``: cProfile of one forward's host path (GPU asleep), by
-  own and by cumulative time;
-- ``idle [stock|liger|fk] [lora] [recompute_norms] [by_kernel]``: two training steps under
+- ``pyprofile [stock|liger|fk] [lora] [busy]``: cProfile of one forward's host path (GPU asleep;
+  ``busy``: not), by own and by cumulative time;
+- ``headstart [stock|liger|fk] [lora] [lowmem]``: the step's wall time when a GPU sleep of 2-20
+  ms gives the host a head start, less the sleep: how long the GPU waits for the host, measured
+  without instrumenting the step;
+- ``timeline [stock|liger|fk] [lora]``: when the host and when the GPU reach each decoder layer,
+  the end of the forward, of the backward and of the optimizer step, in ms from a step's start;
+- ``syncs [stock|liger|fk] [lora]``: every host synchronization of one training step, with the
+  Python frames that caused it;
+- ``idle [stock|liger|fk] [lora] [recompute_norms] [lowmem] [by_kernel]``: two training steps under
   torch.profiler (device activity only): per step, the kernels' span, the time some kernel runs,
   and the idle time between kernels by gap size, with the longest gaps, where they fall in the
-  step and the kernels on either side; ``lora``: on bench_e2e.py's PEFT LoRA model (r=16 on every
+  step and the kernels on either side, and the idle time per 10 ms of the step; ``lowmem``: with
+  fk-lowmem's loss options; ``lora``: on bench_e2e.py's PEFT LoRA model (r=16 on every
   linear layer, fp32 adapters) instead; ``recompute_norms``: fk with that switch on;
   ``by_kernel``: also the first step's GPU time by kernel name; ``around=TEXT``: the kernels on
   either side of each kernel whose name holds TEXT (the first step);
@@ -220,14 +228,16 @@ def host(provider: str, lora: bool = False) -> None:
 
 def pyprofile(provider: str, lora: bool = False) -> None:
     """cProfile of one forward's host path, the GPU asleep (as in :func:`host`): the Python
-    functions by own time and by cumulative time."""
+    functions by own time and by cumulative time. With ``busy`` in the arguments, the GPU is not put
+    to sleep: the forward runs as in training, its kernels running while the host launches more."""
     import cProfile
     import io
     import pstats
 
     model, tokens = _trained(provider, lora)
     torch.cuda.synchronize()
-    torch.cuda._sleep(int(3e9))
+    if "busy" not in sys.argv:
+        torch.cuda._sleep(int(3e9))
     profiler = cProfile.Profile()
     profiler.enable()
     loss = model(input_ids=tokens, labels=tokens).loss
@@ -240,6 +250,124 @@ def pyprofile(provider: str, lora: bool = False) -> None:
         print("\n".join(line[:160] for line in out.getvalue().splitlines() if line.strip()))
 
 
+def syncs(provider: str, lora: bool = False) -> None:
+    """Every host synchronization of one training step (forward, backward, optimizer step), as
+    ``torch.cuda.set_sync_debug_mode("warn")`` reports them, with the Python frames that asked for
+    each (the last ones outside torch's own files)."""
+    import traceback
+    import warnings
+
+    model, tokens = _trained(provider, lora)
+    opt = training.make_optimizer(model, 1e-4)
+    torch.cuda.synchronize()
+    found: list[tuple[str, list[str]]] = []
+
+    def record(message: Any, category: Any, filename: str, lineno: int, file: Any = None, line: Any = None) -> None:
+        frames = [
+            f"{f.filename.split('site-packages/')[-1]}:{f.lineno} {f.name}" for f in traceback.extract_stack()[:-1]
+        ]
+        found.append((str(message).splitlines()[0][:100], [f for f in frames if "/torch/" not in f][-4:]))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            for phase, run in (("forward", lambda: model(input_ids=tokens, labels=tokens).loss), ("backward", None)):
+                if phase == "forward":
+                    loss = run()
+                    print(f"forward: {len(found)} synchronizations")
+                else:
+                    before = len(found)
+                    loss.backward()
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+                    print(f"backward and optimizer step: {len(found) - before} synchronizations")
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    for message, frames in found:
+        print(f"  {message}")
+        for frame in frames:
+            print(f"      {frame}")
+
+
+def timeline(provider: str, lora: bool = False) -> None:
+    """When the host reaches each decoder layer's forward, the loss, the backward and the optimizer
+    step, against when the GPU reaches the same point (a CUDA event recorded there), in ms from the
+    step's start, for 3 training steps (the last is printed in full). Where the GPU's time is the
+    host's plus only the launch latency, the GPU waited for the host (host-bound)."""
+    model, tokens = _trained(provider, lora)
+    opt = training.make_optimizer(model, 1e-4)
+    marks: list[tuple[str, float, torch.cuda.Event]] = []
+
+    def mark(name: str) -> None:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        marks.append((name, time.perf_counter(), event))
+
+    layers = model.get_decoder().layers if hasattr(model, "get_decoder") else model.model.layers
+    for i, layer in enumerate(layers):
+        layer.register_forward_pre_hook(lambda *_, i=i: mark(f"layer {i}"))
+    for step in range(3):
+        marks.clear()
+        torch.cuda.synchronize()
+        mark("start")
+        loss = model(input_ids=tokens, labels=tokens).loss
+        mark("forward returned")
+        loss.backward()
+        mark("backward returned")
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        mark("optimizer returned")
+        torch.cuda.synchronize()
+        t0, e0 = marks[0][1], marks[0][2]
+        rows = [(name, (t - t0) * 1e3, e0.elapsed_time(e)) for name, t, e in marks]
+        print(f"{provider} step {step}: host {rows[-1][1]:.1f} ms, GPU {rows[-1][2]:.1f} ms to the optimizer's return")
+        if step == 2:
+            for name, host_ms, gpu_ms in rows:
+                print(
+                    f"   {name:20s} host {host_ms:7.2f} ms   GPU {gpu_ms:7.2f} ms   GPU - host {gpu_ms - host_ms:7.2f}"
+                )
+
+
+def headstart(provider: str, lora: bool = False) -> None:
+    """How much of a step the GPU spends waiting for the host, measured without instrumenting it:
+    each step starts with a GPU sleep of X ms (X = 0, 2, 5, 10, 20; the settings take turns, 12
+    steps each), during which the host enqueues the step's work. Wall time minus X, against X = 0:
+    the time the host's lead saves, which a faster host path would save too."""
+    model, tokens = _trained(provider, lora)
+    if "lowmem" in sys.argv:  # bench_e2e.py's fk-lowmem
+        fk.hf.loss_options(model, memory_budget=384 << 20, accum_dtype=torch.bfloat16)
+    opt = training.make_optimizer(model, 1e-4)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(int(1e8))
+    end.record()
+    torch.cuda.synchronize()
+    cycles_per_ms = 1e8 / start.elapsed_time(end)
+    leads = (0, 2, 5, 10, 20)
+    times: dict[int, list[float]] = {lead: [] for lead in leads}
+    for turn in range(14):
+        for lead in leads:
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            if lead:
+                torch.cuda._sleep(int(lead * cycles_per_ms))
+            loss = model(input_ids=tokens, labels=tokens).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            loss.item()
+            torch.cuda.synchronize()
+            if turn >= 2:
+                times[lead].append((time.perf_counter() - t0) * 1e3 - lead)
+    base = statistics.median(times[0])
+    for lead in leads:
+        t = statistics.median(times[lead])
+        print(f"{provider}{' lowmem' if 'lowmem' in sys.argv else ''}: GPU sleep {lead:2d} ms first: step minus the "
+              f"sleep {t:7.2f} ms (median of {len(times[lead])}), {base - t:5.2f} ms less than without")  # fmt: skip
+
+
 GAP_BUCKETS_US = (2.0, 5.0, 20.0, 100.0, float("inf"))
 
 
@@ -247,6 +375,8 @@ def idle(provider: str, lora: bool = False, recompute: bool = False) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     model = _model(provider, lora, recompute)
+    if "lowmem" in sys.argv:  # bench_e2e.py's fk-lowmem
+        fk.hf.loss_options(model, memory_budget=384 << 20, accum_dtype=torch.bfloat16)
     corpus = training.MarkovCorpus(128256, active=1024, branching=4)
     opt = training.make_optimizer(model, 1e-4)
     _steps(model, opt, corpus, steps=4, warmup=0)
@@ -265,6 +395,7 @@ def idle(provider: str, lora: bool = False, recompute: bool = False) -> None:
         buckets = collections.Counter[float]()
         counts = collections.Counter[float]()
         long_gaps = []
+        by_window = collections.Counter[int]()  # idle per 10 ms of the step, by where the gap starts
         before = kernels[0][2]
         for start, end, name in kernels[1:]:
             gap = start - busy_until
@@ -272,6 +403,7 @@ def idle(provider: str, lora: bool = False, recompute: bool = False) -> None:
                 bucket = next(b for b in GAP_BUCKETS_US if gap < b)
                 buckets[bucket] += gap
                 counts[bucket] += 1
+                by_window[int((busy_until - begin) // 10_000)] += gap
                 if gap >= 100:
                     long_gaps.append((gap, (start - begin) / 1e3, before, name))
             busy += max(0.0, end - max(start, busy_until))
@@ -284,6 +416,10 @@ def idle(provider: str, lora: bool = False, recompute: bool = False) -> None:
         for b in GAP_BUCKETS_US:
             print(f"   gaps {low:5.0f}-{b:<5.0f} us: {counts[b]:5d}, {buckets[b] / 1e3:6.2f} ms")
             low = b
+        print(
+            "   idle by 10 ms of the step (ms): "
+            + " ".join(f"{by_window[w] / 1e3:.2f}" for w in range(max(by_window) + 1))
+        )
         for gap, at, before, after in sorted(long_gaps, reverse=True)[:12]:
             print(f"   {gap / 1e3:6.3f} ms idle at {at:7.2f} ms  after {before}  before {after}")
         around = [a.split("=", 1)[1] for a in sys.argv if a.startswith("around=")]
@@ -349,6 +485,12 @@ def main() -> None:
     elif what == "alternate_budget":
         options = {"default": {}, "384 MiB": {"memory_budget": 384 << 20, "accum_dtype": torch.bfloat16}}
         alternate({k: lambda m, o=o: fk.hf.loss_options(m, **o) for k, o in options.items()}, steps=30)
+    elif what == "headstart":
+        headstart(sys.argv[2] if len(sys.argv) > 2 else "fk", "lora" in sys.argv[3:])
+    elif what == "timeline":
+        timeline(sys.argv[2] if len(sys.argv) > 2 else "fk", "lora" in sys.argv[3:])
+    elif what == "syncs":
+        syncs(sys.argv[2] if len(sys.argv) > 2 else "fk", "lora" in sys.argv[3:])
     elif what == "host":
         host(sys.argv[2], "lora" in sys.argv[3:])
     elif what == "pyprofile":
