@@ -289,6 +289,17 @@ def run(args: argparse.Namespace) -> bench.BenchRecord:
     return record
 
 
+def merge_record(new: bench.BenchRecord, old: bench.BenchRecord, modes: list[str]) -> bench.BenchRecord:
+    """``new`` with the rows of ``old`` whose mode it did not run (first), and a note of where those
+    came from: for a GPU whose calls are too short to run both modes in one."""
+    kept = [row for row in old.rows if row.get("mode") not in modes]
+    if kept:
+        others = sorted({row["mode"] for row in kept})
+        new.notes += f"; {', '.join(others)}: from the call of {old.environment.get('date_utc', '?')}"
+    new.rows = kept + new.rows
+    return new
+
+
 # ------------------------------------------------------------------------------------------- output
 
 
@@ -361,6 +372,8 @@ def main() -> int:
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--search-seconds", type=float, default=45.0,
                         help="time for the largest-batch search per provider and mode (0: no search)")  # fmt: skip
+    parser.add_argument("--merge", action="store_true",
+                        help="keep the other modes' rows of the record already at --out (one mode per call)")  # fmt: skip
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -379,6 +392,8 @@ def main() -> int:
     if not torch.cuda.is_available() and not args.tiny:
         parser.error("the benchmark needs a CUDA GPU; on a CPU run it with --tiny")
     record = run(args)
+    if args.merge and (args.out / f"{NAME}.json").exists():
+        record = merge_record(record, bench.BenchRecord.from_json(args.out / f"{NAME}.json"), args.modes)
     path = record.to_json(args.out / f"{NAME}.json")
     print(f"record: {path}")
     try:

@@ -60,3 +60,12 @@ def test_tiny_run_with_two_rounds(tmp_path: Path) -> None:
         assert min(run["round_tokens_per_s"]) <= run["tokens_per_s"] <= max(run["round_tokens_per_s"])
     assert runs["fk"]["loss_rel_diff"] < 2e-2
     assert "2 rounds of 2 timed steps" in record.notes
+
+
+def test_merge_keeps_the_other_modes_rows() -> None:
+    old = bench.BenchRecord("e2e", rows=[{"mode": "full", "v": 1}, {"mode": "lora", "v": 2}], notes="old")
+    old.environment["date_utc"] = "then"
+    new = bench.BenchRecord("e2e", rows=[{"mode": "lora", "v": 3}], notes="new")
+    merged = _script().merge_record(new, old, ["lora"])
+    assert merged.rows == [{"mode": "full", "v": 1}, {"mode": "lora", "v": 3}]
+    assert merged.notes == "new; full: from the call of then"
