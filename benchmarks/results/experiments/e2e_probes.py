@@ -17,6 +17,8 @@ decided fk.hf's settings; their output on an H200 is in e2e_probes_h200.txt besi
   provider whose forward synchronizes (Liger's loss does) shows the sleep in its time instead;
 - ``pyprofile [stock|liger|fk] [lora] [busy]``: cProfile of one forward's host path (GPU asleep;
   ``busy``: not), by own and by cumulative time;
+- ``clocks [stock|liger|fk] [lora] [lowmem]``: the SM clock, power draw and temperature over 30
+  training steps (nvidia-smi every 50 ms);
 - ``headstart [stock|liger|fk] [lora] [lowmem]``: the step's wall time when a GPU sleep of 2-20
   ms gives the host a head start, less the sleep: how long the GPU waits for the host, measured
   without instrumenting the step;
@@ -368,6 +370,32 @@ def headstart(provider: str, lora: bool = False) -> None:
               f"sleep {t:7.2f} ms (median of {len(times[lead])}), {base - t:5.2f} ms less than without")  # fmt: skip
 
 
+def clocks(provider: str, lora: bool = False) -> None:
+    """The GPU's SM clock, power draw and temperature while it trains: ``nvidia-smi`` sampled every
+    50 ms over 30 steps (after the 3 of ``_trained`` and 5 more), medians and the range."""
+    import subprocess
+
+    model, _ = _trained(provider, lora)
+    if "lowmem" in sys.argv:  # bench_e2e.py's fk-lowmem
+        fk.hf.loss_options(model, memory_budget=384 << 20, accum_dtype=torch.bfloat16)
+    corpus = training.MarkovCorpus(128256, active=1024, branching=4)
+    opt = training.make_optimizer(model, 1e-4)
+    _steps(model, opt, corpus, steps=5, warmup=0)
+    query = ["nvidia-smi", "--query-gpu=clocks.sm,power.draw,temperature.gpu", "--format=csv,noheader,nounits"]
+    sampler = subprocess.Popen([*query, "-lms", "50"], stdout=subprocess.PIPE, text=True)
+    try:
+        run = _steps(model, opt, corpus, steps=30, warmup=0)
+    finally:
+        sampler.terminate()
+    samples = [[float(v) for v in line.split(",")] for line in sampler.communicate()[0].splitlines() if line.strip()]
+    name = f"{provider}{' lowmem' if 'lowmem' in sys.argv else ''}"
+    print(f"{name}: median step {statistics.median(run.step_seconds) * 1e3:.2f} ms; {len(samples)} samples:", end="")
+    for i, what in enumerate(("SM MHz", "W", "C")):
+        values = sorted(s[i] for s in samples)
+        print(f"  {what} {statistics.median(values):.0f} ({values[0]:.0f}-{values[-1]:.0f})", end="")
+    print()
+
+
 GAP_BUCKETS_US = (2.0, 5.0, 20.0, 100.0, float("inf"))
 
 
@@ -485,6 +513,8 @@ def main() -> None:
     elif what == "alternate_budget":
         options = {"default": {}, "384 MiB": {"memory_budget": 384 << 20, "accum_dtype": torch.bfloat16}}
         alternate({k: lambda m, o=o: fk.hf.loss_options(m, **o) for k, o in options.items()}, steps=30)
+    elif what == "clocks":
+        clocks(sys.argv[2] if len(sys.argv) > 2 else "fk", "lora" in sys.argv[3:])
     elif what == "headstart":
         headstart(sys.argv[2] if len(sys.argv) > 2 else "fk", "lora" in sys.argv[3:])
     elif what == "timeline":
