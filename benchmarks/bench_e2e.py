@@ -24,7 +24,7 @@ runs sit as often early as late in the benchmark (the GPU's clocks and temperatu
 run; one round in a fixed order gave records whose ratios moved by several percent). tokens/s is
 from the median of all rounds' timed steps; the record keeps each round's tokens/s too. Peak
 memory: ``torch.cuda.max_memory_allocated()`` over the timed steps (weights, gradients, optimizer
-states and activations), the largest of the rounds. After every round, in one more process per
+states and activations), the largest of the rounds. After all rounds, in one more process per
 (mode, provider), the largest batch of 2048-token sequences that fits: batch sizes from
 ``BATCHES`` (above 4) are tried in increasing order, one warm-up and one timed step each, until
 one runs out of memory (``torch.OutOfMemoryError``), the list ends, or ``--search-seconds`` have
@@ -240,7 +240,8 @@ def run(args: argparse.Namespace) -> bench.BenchRecord:
     timed: dict[tuple[str, str], list[dict[str, Any]]] = {}
     results: dict[tuple[str, str], dict[str, Any]] = {}
     for mode, provider, phase in bench.progress(jobs, desc=NAME):
-        if "skipped" in results.get((mode, provider), {}) or "failed" in results.get((mode, provider), {}):
+        earlier = results.get((mode, provider), {})
+        if "skipped" in earlier or "failed" in earlier:  # no more rounds, no search
             continue
         why = _available(provider, mode)
         out: dict[str, Any] = {"skipped": why} if why else run_case({**base, "mode": mode, "provider": provider,
