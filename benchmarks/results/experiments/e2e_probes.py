@@ -49,6 +49,7 @@ import contextlib
 import statistics
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -56,7 +57,19 @@ import torch
 import fk.hf
 from fk.hf import training
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from bench_e2e import LOWMEM_LOSS_OPTIONS  # benchmarks/bench_e2e.py
+
 GIB = 2**30
+
+
+def _lowmem_if_asked(model: Any) -> str:
+    """With ``lowmem`` in the arguments, give ``model`` fk-lowmem's loss options (bench_e2e.py's);
+    the suffix that names the setting in the output."""
+    if "lowmem" not in sys.argv:
+        return ""
+    fk.hf.loss_options(model, **LOWMEM_LOSS_OPTIONS)
+    return " lowmem"
 
 
 def _model(provider: str = "fk", lora: bool = False, recompute: bool = False) -> Any:
@@ -338,8 +351,7 @@ def headstart(provider: str, lora: bool = False) -> None:
     steps each), during which the host enqueues the step's work. Wall time minus X, against X = 0:
     the time the host's lead saves, which a faster host path would save too."""
     model, tokens = _trained(provider, lora)
-    if "lowmem" in sys.argv:  # bench_e2e.py's fk-lowmem
-        fk.hf.loss_options(model, memory_budget=384 << 20, accum_dtype=torch.bfloat16)
+    name = provider + _lowmem_if_asked(model)
     opt = training.make_optimizer(model, 1e-4)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
@@ -366,7 +378,7 @@ def headstart(provider: str, lora: bool = False) -> None:
     base = statistics.median(times[0])
     for lead in leads:
         t = statistics.median(times[lead])
-        print(f"{provider}{' lowmem' if 'lowmem' in sys.argv else ''}: GPU sleep {lead:2d} ms first: step minus the "
+        print(f"{name}: GPU sleep {lead:2d} ms first: step minus the "
               f"sleep {t:7.2f} ms (median of {len(times[lead])}), {base - t:5.2f} ms less than without")  # fmt: skip
 
 
@@ -376,8 +388,7 @@ def clocks(provider: str, lora: bool = False) -> None:
     import subprocess
 
     model, _ = _trained(provider, lora)
-    if "lowmem" in sys.argv:  # bench_e2e.py's fk-lowmem
-        fk.hf.loss_options(model, memory_budget=384 << 20, accum_dtype=torch.bfloat16)
+    name = provider + _lowmem_if_asked(model)
     corpus = training.MarkovCorpus(128256, active=1024, branching=4)
     opt = training.make_optimizer(model, 1e-4)
     _steps(model, opt, corpus, steps=5, warmup=0)
@@ -388,7 +399,6 @@ def clocks(provider: str, lora: bool = False) -> None:
     finally:
         sampler.terminate()
     samples = [[float(v) for v in line.split(",")] for line in sampler.communicate()[0].splitlines() if line.strip()]
-    name = f"{provider}{' lowmem' if 'lowmem' in sys.argv else ''}"
     print(f"{name}: median step {statistics.median(run.step_seconds) * 1e3:.2f} ms; {len(samples)} samples:", end="")
     for i, what in enumerate(("SM MHz", "W", "C")):
         values = sorted(s[i] for s in samples)
@@ -403,8 +413,7 @@ def idle(provider: str, lora: bool = False, recompute: bool = False) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     model = _model(provider, lora, recompute)
-    if "lowmem" in sys.argv:  # bench_e2e.py's fk-lowmem
-        fk.hf.loss_options(model, memory_budget=384 << 20, accum_dtype=torch.bfloat16)
+    _lowmem_if_asked(model)
     corpus = training.MarkovCorpus(128256, active=1024, branching=4)
     opt = training.make_optimizer(model, 1e-4)
     _steps(model, opt, corpus, steps=4, warmup=0)
@@ -511,7 +520,7 @@ def main() -> None:
                                      for mib in (512, 384, 256)}}  # fmt: skip
         interleaved({k: lambda m, o=o: fk.hf.loss_options(m, **o) for k, o in options.items()}, rounds=3)
     elif what == "alternate_budget":
-        options = {"default": {}, "384 MiB": {"memory_budget": 384 << 20, "accum_dtype": torch.bfloat16}}
+        options = {"default": {}, "384 MiB": LOWMEM_LOSS_OPTIONS}
         alternate({k: lambda m, o=o: fk.hf.loss_options(m, **o) for k, o in options.items()}, steps=30)
     elif what == "clocks":
         clocks(sys.argv[2] if len(sys.argv) > 2 else "fk", "lora" in sys.argv[3:])
