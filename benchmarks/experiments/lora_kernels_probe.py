@@ -6,7 +6,7 @@ best of 7 repeats of 10 forward+backward calls enqueued while the GPU runs a sle
 the host is timed. The host times move by tens of percent between machines of the same kind (PEFT's
 O projection took 0.65 to 1.1 ms on three H200 hosts); compare them within one run only.
 
-Run on a GPU:  python benchmarks/results/experiments/lora_kernels_probe.py [o,qkv,mlp] [--names]
+Run on a GPU:  python benchmarks/experiments/lora_kernels_probe.py [o,qkv,mlp] [--names]
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def host_us(fn: Callable[[], object], n: int = 10, reps: int = 7) -> float:

@@ -11,7 +11,7 @@ current one (so one program per SM keeps two tiles of loads in flight), and the 
 the gradient's stores; then the best settings over vocabularies of 32768 ... 256000 columns; and
 the committed kernel with its committed launch and with one program per SM, for comparison.
 
-Run on a GPU: python benchmarks/results/experiments/ce_fused_l2_probe.py
+Run on a GPU: python benchmarks/experiments/ce_fused_l2_probe.py
 """
 
 from __future__ import annotations

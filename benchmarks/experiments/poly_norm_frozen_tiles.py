@@ -7,7 +7,7 @@ with each candidate: one tile per row (several rows for narrow rows) with 4, 8 o
 column tiles of 2048, 4096 and 8192 looped over the row with 2, 4 or 8 warps. Prints the module's
 tiling and the six fastest.
 
-Run on a GPU:  python benchmarks/results/experiments/poly_norm_frozen_tiles.py
+Run on a GPU:  python benchmarks/experiments/poly_norm_frozen_tiles.py
 Output of runs on an H200: poly_norm_frozen_tiles_h200.txt beside this file.
 """
 

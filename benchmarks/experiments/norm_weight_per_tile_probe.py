@@ -4,7 +4,7 @@ Trainable forward+backward GPU time (bench.time_ms gpu_only, 40 reps), 16384 row
 and FusedAddRMSNorm at H = 8192 and 16384, each setting timed twice or more in turn; then the
 registers and spills of every compiled backward kernel variant.
 
-Run on a GPU:  python benchmarks/results/experiments/norm_weight_per_tile_probe.py
+Run on a GPU:  python benchmarks/experiments/norm_weight_per_tile_probe.py
 """
 
 from __future__ import annotations

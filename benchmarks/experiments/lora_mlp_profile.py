@@ -3,7 +3,7 @@ no dropout) at 16384 tokens, forward+backward under the PyTorch profiler, kernel
 iteration, fk and PEFT eager in one process. What is not one of the six base GEMMs is what fk can
 still remove.
 
-Run on a GPU:  python benchmarks/results/experiments/lora_mlp_profile.py [--tokens N] [--adapters fp32|bf16]
+Run on a GPU:  python benchmarks/experiments/lora_mlp_profile.py [--tokens N] [--adapters fp32|bf16]
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 ITERS = 5
 

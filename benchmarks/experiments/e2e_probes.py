@@ -39,7 +39,7 @@ decided fk.hf's settings; their output on an H200 is in e2e_probes_h200.txt besi
   Python frames that launched it and its input shapes, costliest first: where a step moves memory
   without computing.
 
-Run on a GPU:  python benchmarks/results/experiments/e2e_probes.py budgets
+Run on a GPU:  python benchmarks/experiments/e2e_probes.py budgets
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ import torch
 import fk.hf
 from fk.hf import training
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_e2e import LOWMEM_LOSS_OPTIONS  # benchmarks/bench_e2e.py
 
 GIB = 2**30

@@ -5,7 +5,7 @@ GPU time (``bench.time_ms(gpu_only=True)``), 16384 rows, bf16, forward and forwa
 trainable and frozen, as ``benchmarks/tune_norms.py`` times them. Each case alternates the two
 settings over three rounds and keeps each one's best round.
 
-Run on a GPU:  python benchmarks/results/experiments/norm_forward_ab.py
+Run on a GPU:  python benchmarks/experiments/norm_forward_ab.py
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 
 from fk.core import bench
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 BEFORE = {"FWD_MIN_TILE": 4096, "FWD_MAX_WARPS": 16}
 WIDTHS = [1024, 2048, 4096, 8192, 16384, 32768]

@@ -4,7 +4,7 @@ and 256 MiB chunks with the head's gradient summed in bf16 or fp32. Per setting:
 of 10 timed calls (CUDA events), peak memory above what was allocated before, and the GPU time of
 one call by kernel (torch.profiler). Its output on an H200 is in lce_budget_h200.txt beside it.
 
-Run on a GPU:  python benchmarks/results/experiments/lce_budget_probe.py
+Run on a GPU:  python benchmarks/experiments/lce_budget_probe.py
 """
 
 from __future__ import annotations

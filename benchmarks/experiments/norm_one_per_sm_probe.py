@@ -16,7 +16,7 @@ and replayed (GPU time only), next to the module's own ``launch_backward`` at th
 10494ad; output in ``norm_one_per_sm_h200.txt``). The results are checked against the module's dx
 (bit for bit) and dw.
 
-Run on a GPU:  python benchmarks/results/experiments/norm_one_per_sm_probe.py [widths ...]
+Run on a GPU:  python benchmarks/experiments/norm_one_per_sm_probe.py [widths ...]
 """
 
 from __future__ import annotations

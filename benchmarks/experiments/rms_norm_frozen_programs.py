@@ -7,7 +7,7 @@ BWD_FROZEN_PROGRAMS_PER_SM (BWD_FROZEN_WIDE_PROGRAMS_PER_SM from BWD_FROZEN_WIDE
 {2, 4, 8, 16, 32} x BWD_FROZEN_MIN_TILE in {2048, 4096, 8192}, and prints the module's time and
 the five fastest.
 
-Run on a GPU:  python benchmarks/results/experiments/rms_norm_frozen_programs.py
+Run on a GPU:  python benchmarks/experiments/rms_norm_frozen_programs.py
 Output of a run on an H200: rms_norm_frozen_programs_h200.txt beside this file.
 """
 

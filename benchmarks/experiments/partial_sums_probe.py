@@ -4,7 +4,7 @@ buffer shapes RMSNorm's backward uses for 16384 rows, at its defaults and with a
 (the rows x columns of a program's tile). GPU time per call
 (bench.time_ms gpu_only, no L2 flush: the buffer was just written by the backward kernel).
 
-Run on a GPU:  python benchmarks/results/experiments/partial_sums_probe.py
+Run on a GPU:  python benchmarks/experiments/partial_sums_probe.py
 """
 
 from __future__ import annotations

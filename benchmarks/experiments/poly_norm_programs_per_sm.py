@@ -11,7 +11,7 @@ forward+backward with trainable weight and bias (16384 rows, bf16, GPU time alon
 with --narrow-tiles), BWD_ELEMENTS_PER_WARP in {256, 512, 1024} and BWD_LOOPED_BLOCK_COLS in {2048,
 4096}, and prints every variant against the module's time.
 
-Run on a GPU:  python benchmarks/results/experiments/poly_norm_programs_per_sm.py [--per-sm 1 2] [--narrow-tiles]
+Run on a GPU:  python benchmarks/experiments/poly_norm_programs_per_sm.py [--per-sm 1 2] [--narrow-tiles]
 Output of runs on an H200: poly_norm_programs_per_sm_h200.txt beside this file.
 """
 

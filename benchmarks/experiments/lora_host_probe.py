@@ -4,7 +4,7 @@ GPU runs a long sleep kernel (so only the host is timed), then one forward+backw
 profiler, its ops by self CPU time. (One profiled call: its first-event costs inflate the largest
 rows; read the order, not the sum.)
 
-Run on a GPU:  python benchmarks/results/experiments/lora_host_probe.py
+Run on a GPU:  python benchmarks/experiments/lora_host_probe.py
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def main() -> None:

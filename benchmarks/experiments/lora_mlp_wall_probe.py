@@ -6,7 +6,7 @@
 2. One profiled forward+backward at the default, timed as the benchmark times it (no head start):
    the GPU's idle gaps between kernels, largest first, with the kernels on either side.
 
-Run on a GPU:  python benchmarks/results/experiments/lora_mlp_wall_probe.py
+Run on a GPU:  python benchmarks/experiments/lora_mlp_wall_probe.py
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 
 from fk.core import bench
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 MIB = 1 << 20
 

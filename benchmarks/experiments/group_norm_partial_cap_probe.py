@@ -4,7 +4,7 @@ when the cap leaves few programs (C = 16384 and 32768: 16 and 8 programs per gro
 cap. Trainable weight and bias, 32 groups of a (16384, C) bf16 input, forward+backward GPU time
 (bench.time_ms gpu_only) and peak memory above the inputs.
 
-Run on a GPU:  python benchmarks/results/experiments/group_norm_partial_cap_probe.py [widths ...]
+Run on a GPU:  python benchmarks/experiments/group_norm_partial_cap_probe.py [widths ...]
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ it forms at a time (``fk.lora.lora.MLP_CHUNK_BYTES``): GPU time of forward+backw
 memory, with PEFT eager's in the same process. The down projection's GEMMs run once per chunk, so
 the chunk's rows decide how their tiles fill the GPU's waves.
 
-Run on a GPU:  python benchmarks/results/experiments/lora_mlp_chunks.py
+Run on a GPU:  python benchmarks/experiments/lora_mlp_chunks.py
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 
 from fk.core import bench
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 MIB = 1 << 20
 CHUNKS_MIB = [64, 96, 112, 116, 128, 160, 224, 448, 1 << 20]  # the last: one chunk (h whole)

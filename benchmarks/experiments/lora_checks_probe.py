@@ -6,7 +6,7 @@ Pure Python on CPU tensors (a tiny LlamaForCausalLM with PEFT LoRA on q/k/v/o/ga
 earlier ``patching.py`` is read from git and loaded beside the current one. timeit, the best of 7
 rounds of 20000 calls.
 
-Run anywhere:  python benchmarks/results/experiments/lora_checks_probe.py [--before c0c6b7d]
+Run anywhere:  python benchmarks/experiments/lora_checks_probe.py [--before c0c6b7d]
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ k and v 512 each, bf16), GPU time of each piece (triton.testing.do_bench, L2 flu
 - ``dW``: three ``dy_i^T x`` matmuls, and one over the concatenated gradients;
 - each single matmul alone, to see which one costs what.
 
-Run on a GPU:  python benchmarks/results/experiments/qkv_backward_gemms.py   (output: qkv_backward_gemms_h200.txt)
+Run on a GPU:  python benchmarks/experiments/qkv_backward_gemms.py   (output: qkv_backward_gemms_h200.txt)
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ which sets the rows of the fp32 dw/db partial buffers). Prints GPU time, the cop
 (bench_norms.py's bytes: 10 per element forward+backward) and peak memory, the module's settings
 first and then the best five.
 
-Run on a GPU:  python benchmarks/results/experiments/group_norm_rows_tune.py [widths ...]
+Run on a GPU:  python benchmarks/experiments/group_norm_rows_tune.py [widths ...]
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ what L2 keeps between its kernels. Where the target (the fastest peer's time / 1
 the floor and the bound, no implementation meets it; "lowest/target" (the lower of the two over
 the target) says by how much. "fk/floor" says how far fk is from the floor.
 
-Run on a GPU:  python benchmarks/results/experiments/norm_stream_floor.py [--cases all|misses] [--ops ...]
+Run on a GPU:  python benchmarks/experiments/norm_stream_floor.py [--cases all|misses] [--ops ...]
 Output of a run on an H200: norm_stream_floor_h200.txt beside this file.
 """
 
@@ -45,7 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # benchmarks/
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/
 import bench_norms
 
 from fk.core import bench

@@ -5,7 +5,7 @@ GPU sleeps (so only the host is timed), and a cProfile of 30 forward+backward ca
 The QKV rows of the output are not host times: 30 of its forward+backward calls queue more
 kernels than CUDA's launch queue holds, so the host waits for the sleeping GPU (see the output).
 
-Run on a GPU:  python benchmarks/results/experiments/lora_host_ops_probe.py
+Run on a GPU:  python benchmarks/experiments/lora_host_ops_probe.py
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 M = K = N = 4096
 RANK = 16

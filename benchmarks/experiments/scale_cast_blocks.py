@@ -4,7 +4,7 @@ place by 0.5 and by exactly 1 (which the in-place kernel skips on the device), f
 16 blocks of 4096 elements per program (both SCALE_CAST_BLOCKS and SCALE_CAST_BLOCKS_IN_PLACE). GPU
 time, median of triton.testing.do_bench's calls (L2 flushed before each).
 
-Run on a GPU:  python benchmarks/results/experiments/scale_cast_blocks.py   (output: scale_cast_blocks_h200.txt)
+Run on a GPU:  python benchmarks/experiments/scale_cast_blocks.py   (output: scale_cast_blocks_h200.txt)
 """
 
 from __future__ import annotations

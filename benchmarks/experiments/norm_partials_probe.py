@@ -8,7 +8,7 @@ It sets the settings RMSNorm had before its backward prefetched (BWD_NARROW_PROG
 BWD_NARROW_COLS, gone since): it runs against fk.norms as of 10494ad, not later
 (``norm_backward_prefetch_h200.txt`` is the sweep that replaced those settings).
 
-Run on a GPU:  python benchmarks/results/experiments/norm_partials_probe.py [widths ...]
+Run on a GPU:  python benchmarks/experiments/norm_partials_probe.py [widths ...]
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ needs, and every wait without a bound is on a program that is running, so nothin
 (The first version, without the count and the early load, is in git; its output on an H100 is
 ce_split_row_v1_h100.txt: 47.5% of copy at best.)
 
-Run on a GPU: python benchmarks/results/experiments/ce_split_row_probe.py
+Run on a GPU: python benchmarks/experiments/ce_split_row_probe.py
 """
 
 from __future__ import annotations

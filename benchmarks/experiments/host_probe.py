@@ -12,7 +12,7 @@ PEFT and fk; ``syncs`` runs them, and one training step of bench_e2e.py's model 
 fk-patched), under ``torch.cuda.set_sync_debug_mode("warn")`` and prints where the host waited
 for the GPU.
 
-Run on a GPU:  python benchmarks/results/experiments/host_probe.py [triton|ops|layer|lora|syncs ...]
+Run on a GPU:  python benchmarks/experiments/host_probe.py [triton|ops|layer|lora|syncs ...]
 """
 
 from __future__ import annotations
@@ -189,7 +189,7 @@ def probe_layer() -> None:
 
 
 def _lora_cases() -> Any:
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[2]))
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))
     import bench_lora
 
     for block in bench_lora.BLOCKS:
