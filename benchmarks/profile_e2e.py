@@ -10,7 +10,7 @@ longest first with the kernels on either side, since a gap is host time the step
 
 Run on a GPU:  python benchmarks/profile_e2e.py fk [--batch 4] [--lora]
 
-benchmarks/results/profiles/ holds its output for fk on an H200 before and after fk.hf's qkv
+benchmarks/experiments/profiles/ holds its output for fk on an H200 before and after fk.hf's qkv
 switch and then with the add_norm switch (``e2e_full_fk_h200_before_qkv.txt``,
 ``e2e_full_fk_h200_qkv.txt``, ``e2e_full_fk_h200_add_norm.txt``; host times differ
 between those two machines, so compare their GPU times, not their gaps), and that of an earlier
