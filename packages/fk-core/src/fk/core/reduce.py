@@ -23,7 +23,7 @@ SUM_ROWS_BLOCK_ROWS = 64
 SUM_ROWS_WIDE_COLS = 32768
 """From this width on a program sums 32 columns, below it 16 (64 bytes of fp32 a row): narrow
 gradients then still get 64 programs or more. Chosen on an H200 at the partial buffers of
-RMSNorm's backward for 16384 rows (``benchmarks/results/experiments/partial_sums_h200.txt``, its
+RMSNorm's backward for 16384 rows (``benchmarks/experiments/INDEX.md#partial_sums_probe``, its
 last run): 1056 x 1024 partials 10.9 us with torch, 6.0 us here; 132 x 32768, 9.4 us and 6.6 us."""
 
 INTERPRETER_PROGRAMS = 4

@@ -137,7 +137,7 @@ SCALE_CAST_BLOCKS = 1
 SCALE_CAST_BLOCKS_IN_PLACE = 4
 """Blocks per program of a pass in place: fewer programs make a skipped pass cheaper (14 against
 43 us for the 128256 x 2048 head gradient on an H200) and a done one 3% slower
-(``benchmarks/results/experiments/scale_cast_blocks.py``)."""
+(``benchmarks/experiments/INDEX.md#scale_cast_blocks``)."""
 
 
 def _scale_cast(

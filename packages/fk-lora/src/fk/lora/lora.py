@@ -561,7 +561,7 @@ gradients over them). With dropout on the down projection, the mask is drawn ove
 in one call, as PEFT draws it, so ``h`` is formed whole.
 
 The down projection's matmuls run once per chunk, so fewer, larger chunks fill the GPU's waves
-better. On an H200 (benchmarks/results/experiments/lora_mlp_chunks.py, output beside it;
+better. On an H200 (benchmarks/experiments/INDEX.md#lora_mlp_chunks;
 Llama-3.1-8B MLP, 16384 tokens, fp32 adapters, forward+backward GPU time) 128 MiB (4681 rows of
 I = 14336) took 17.77 ms against 17.98 ms with 64 MiB, at the same peak memory (1162 MB); the
 whole ``h`` at once, 17.75 ms at 1477 MB."""
@@ -849,7 +849,7 @@ def _module_parts(
     and PEFT's scaling and dropout): only the input's width against the weight is checked here,
     the one mistake a caller of a patched module can make. (The full checks took 7 us a projection
     against 0.7 us, each call, on the 2-core CPU machine this project tests on:
-    ``benchmarks/results/experiments/lora_checks_probe.py``.)"""
+    ``benchmarks/experiments/INDEX.md#lora_checks_probe``.)"""
     if x.shape[-1] != parts[0].shape[1]:
         raise ValueError(f"{prefix}weight takes {parts[0].shape[1]} input features, got x of shape {tuple(x.shape)}")
     return _module_params(parts, cast)

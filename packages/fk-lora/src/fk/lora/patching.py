@@ -132,7 +132,7 @@ def _call_parts(module: Any, x: Any) -> LoRAWeights | str:
     ``_modules`` and ``_parameters``: through the attributes (``nn.Module.__getattr__``, and PEFT's
     ``get_base_layer``, which ends on a raised ``AttributeError``) it took 19-33 us a call against
     5-8 us on the 2-core CPU machine this project tests on
-    (``benchmarks/results/experiments/lora_checks_probe.py``). The checks are the same."""
+    (``benchmarks/experiments/INDEX.md#lora_checks_probe``). The checks are the same."""
     if module.disable_adapters:
         return "adapters are disabled"
     if module.merged:

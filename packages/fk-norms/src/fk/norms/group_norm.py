@@ -353,9 +353,9 @@ def _tile(n_group_channels: int, n_spatial: int) -> tuple[int, int, int]:
 PARTIAL_BYTES = 64 << 20  # bound on each fp32 partial-sum buffer of the backward
 # The rows kernels (no spatial extent): groups of at most ROWS_MAX_GROUP channels, tiles of about
 # ROWS_TILE_ELEMENTS elements (ROWS_PARTIALS_TILE_ELEMENTS in a backward that sums dw or db),
-# ROWS_ELEMENTS_PER_WARP elements a warp. From benchmarks/results/experiments/group_norm_rows_tune.py
-# on an H200 (16384 samples, 32 groups, bf16, forward+backward GPU time; output in
-# group_norm_rows_tune_h200.txt there), against 4096-element tiles and 256 elements a warp
+# ROWS_ELEMENTS_PER_WARP elements a warp. From benchmarks/experiments/INDEX.md#group_norm_rows_tune
+# on an H200 (16384 samples, 32 groups, bf16, forward+backward GPU time), against 4096-element
+# tiles and 256 elements a warp
 # everywhere: frozen H=16384 0.917 -> 0.774 ms and H=32768 1.69 -> 1.51 ms (69% -> 82% and 75% ->
 # 85% of copy), H=4096 and 8192 within 2%; trainable, with 2048-element tiles in the forward too,
 # H=4096 0.243 -> 0.214, 8192 0.456 -> 0.404, 16384 1.01 -> 0.825, 32768 1.85 -> 1.54 ms.
@@ -368,7 +368,7 @@ ROWS_PER_PROGRAM = 512  # the backward's samples per program: its dw/db partials
 # together: at C = 16384 and 32768 (16384 samples) 512 samples a program kept 4 and 8 MiB of them,
 # 2 and 6 MiB over Liger's peak. With the cap, C = 32768 leaves 8 programs per group, which need
 # tiles of at least ROWS_PARTIALS_MIN_ROWS samples to keep memory busy: on an H200
-# (benchmarks/results/experiments/group_norm_partial_cap_probe.py, output beside it; trainable
+# (benchmarks/experiments/INDEX.md#group_norm_partial_cap_probe; trainable
 # forward+backward GPU time) 2.41 ms with tiles of 2 samples, 1.81 ms with 4, and 1.72 ms without
 # the cap (at 2056 MB against 2050).
 ROWS_PARTIAL_BYTES = 2 << 20

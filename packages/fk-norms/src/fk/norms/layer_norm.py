@@ -318,7 +318,7 @@ FWD_MIN_TILE = 2048  # narrow rows are grouped into tiles of at least this many 
 FWD_ELEMENTS_PER_WARP = 512
 # Rows up to FWD_FEW_WARPS_MAX_COLS wide take at most FWD_MAX_WARPS warps, wider ones (one tile of
 # up to 32768 columns) up to 16. tune_norms.py --op layer_norm --directions fwd on an H200 (16384
-# rows, bf16, GPU time; benchmarks/results/experiments/norm_forward_warps_h200.txt): 8 warps
+# rows, bf16, GPU time; benchmarks/experiments/INDEX.md#norm_forward_warps): 8 warps
 # instead of 16 took H=8192 from 0.149 to 0.132 ms and H=16384 from 0.274 to 0.273 ms; narrower
 # rows had 8 or fewer already; at H=32768, 8 warps were slower than 16's 0.646 ms.
 FWD_MAX_WARPS = 8
@@ -331,8 +331,8 @@ BWD_LOOPED_PROGRAMS_PER_SM = 1  # wider rows: few programs, so the rows they re-
 # tile, tiles have at least BWD_MIN_TILE elements, one warp per BWD_ELEMENTS_PER_WARP, and those of
 # at least BWD_ACC_2D_ROWS rows accumulate in 2-D; wider rows take BWD_WIDE_MIN_TILE and
 # BWD_WIDE_ELEMENTS_PER_WARP without prefetch. benchmarks/tune_norm_backward.py --op layer_norm on
-# an H200 (the backward alone, 16384 rows, bf16; benchmarks/results/experiments/
-# norm_backward_prefetch_h200.txt), against the settings before (4 programs per SM up to H=1024,
+# an H200 (the backward alone, 16384 rows, bf16; benchmarks/experiments/INDEX.md#norm_backward_prefetch),
+# against the settings before (4 programs per SM up to H=1024,
 # 2 up to 4096, without prefetch): H=512 52.4 -> 23.3 us, 1024 36.0 -> 39.6, 2048 67.3 -> 74.0,
 # 4096 127.4 -> 132.6. Two programs per SM would have kept the narrow rows' speed (1024: 36.1 us)
 # at twice the partial rows; LayerNorm's forward+backward there is still 1.17-1.24x the fastest
@@ -347,7 +347,7 @@ BWD_WIDE_ELEMENTS_PER_WARP = 512
 # Without partial rows to keep, more programs in flight and no prefetch. tune_norms.py --op
 # layer_norm --frozen on an H200 (16384 rows, bf16, forward+backward GPU time): 32 programs per SM
 # at H <= 1024 took 16384 x 1024 from 0.0571 to 0.0495 ms
-# (benchmarks/results/experiments/norm_frozen_narrow_tune_h200.txt); 8 per SM instead of 2 took
+# (benchmarks/experiments/INDEX.md#norm_frozen_narrow_tune); 8 per SM instead of 2 took
 # H=2048 from 0.106 to 0.092 ms and H=4096 from 0.195 to 0.180 ms (H=8192: 0.350 either way); at
 # H=32768, 8192-column tiles and 4 programs per SM took 2.04 ms to 1.58 ms. The forward's
 # FWD_MIN_TILE of 2048 (was 4096) took H=1024 from 0.0237 to 0.0215 ms and H=2048 from 0.0385 to
@@ -370,7 +370,7 @@ LOOPED_DB_BY_COLUMN_SUM = True
 # in column tiles of BWD_WIDEST_BLOCK_COLS (at most 16 warps): fewer L2 reads and writes of the
 # partial rows per row (see RMSNorm's setting of that name), and db left to the column sum.
 # tune_norm_backward.py --op layer_norm --space looped on an H200 (the backward alone, 16384 rows,
-# bf16; benchmarks/results/experiments/norm_looped_rows_h200.txt), against one tile per row at
+# bf16; benchmarks/experiments/INDEX.md#norm_looped_rows), against one tile per row at
 # H=16384 and one row at a time in 16384-column tiles above: H=16384 928 -> 783 us, 32768 1865 ->
 # 1755 us, 65536 4776 -> 3669 us.
 BWD_WIDEST_MIN_COLS = 16384

@@ -263,12 +263,12 @@ BWD_ELEMENTS_PER_WARP = 512
 # than Liger's peak. The backward needs that many programs in flight: with 2 per SM (4.2 KB) the
 # best tiling took 1.41x, 1.43x and 1.36x the time at H = 1024, 2048 and 4096, and neither
 # prefetching the next tile (RMSNorm's scheme) nor one tl.reduce for the row sums made it faster
-# (tune_norm_backward.py --op poly_norm; benchmarks/results/experiments/poly_norm_backward_tune_h200.txt).
+# (tune_norm_backward.py --op poly_norm; benchmarks/experiments/INDEX.md#poly_norm_backward_tune).
 BWD_PROGRAMS_PER_SM = 8
 BWD_LOOPED_PROGRAMS_PER_SM = 4
 # Without dw and db (weight and bias frozen) there are no partial sums and one program per row
-# tile, and other tiles were faster (benchmarks/results/experiments/poly_norm_frozen_tiles.py,
-# output beside it; 16384 rows, bf16, forward+backward GPU time on an H200): one
+# tile, and other tiles were faster (benchmarks/experiments/INDEX.md#poly_norm_frozen_tiles;
+# 16384 rows, bf16, forward+backward GPU time on an H200): one
 # warp per 1024 columns of a one-tile row, at least 4 (H = 4096: 0.178 -> 0.171 ms; H = 8192:
 # 0.357 -> 0.347 ms), and rows wider than 8192 columns in 4096-column tiles with one warp per 4096
 # columns of the row (H = 16384: 0.779 -> 0.731 ms, where one 16384-column tile with 8 warps took

@@ -320,7 +320,7 @@ FWD_RESIDUAL_MAX_BLOCK_COLS = 32768
 FWD_MIN_TILE = 2048  # narrow rows are grouped into tiles of at least this many elements
 FWD_ELEMENTS_PER_WARP = 512
 # Without a residual, rows up to FWD_FEW_WARPS_MAX_COLS wide take at most FWD_MAX_WARPS warps; wider
-# rows and FusedAddRMSNorm's up to 16. benchmarks/results/experiments/norm_forward_ab.py on an H200
+# rows and FusedAddRMSNorm's up to 16. benchmarks/experiments/INDEX.md#norm_forward_ab on an H200
 # (forward GPU time, 16384 rows, bf16), against 4096-element tiles and 16 warps: RMSNorm at H=1024,
 # 2048 and 8192 took 21.6 -> 20.9, 37.4 -> 37.1 and 136.3 -> 133.1 us, FusedAddRMSNorm at 1024 and
 # 2048 37.1 -> 36.3 and 69.1 -> 67.7 us (its 8192 and 16384 were 1% slower with 8 warps: it keeps 16).
@@ -332,7 +332,7 @@ BWD_LOOPED_PROGRAMS_PER_SM = 1  # wider rows: few programs, so the rows they re-
 # gradient, rows of at least BWD_WIDEST_MIN_COLS: BWD_WIDEST_ROWS at a time in column tiles of
 # BWD_WIDEST_BLOCK_COLS (at most BWD_WIDEST_MAX_WARPS warps), which divides the reads and writes
 # of the program's partial row of dw in L2. tune_norm_backward.py --space looped on an H200 (the
-# backward alone, 16384 rows, bf16; benchmarks/results/experiments/norm_looped_rows_h200.txt):
+# backward alone, 16384 rows, bf16; benchmarks/experiments/INDEX.md#norm_looped_rows):
 # 4 rows in tiles of 4096 took H=65536 from 4.12 to 3.17 ms (FusedAddRMSNorm 4.61 -> 3.55 ms), and
 # H=32768 2-3% longer (1.49 -> 1.52 ms). Without a weight gradient, no setting beat one row in
 # tiles of 16384 in both runs.
@@ -345,7 +345,7 @@ BWD_WIDEST_MAX_WARPS = 16
 # prefetches the next tile, for rows up to BWD_PREFETCH_MAX_COLS wide. Tiles have at least
 # BWD_MIN_TILE elements, one warp per BWD_ELEMENTS_PER_WARP, and those of at least BWD_ACC_2D_ROWS
 # rows accumulate dw in 2-D. benchmarks/tune_norm_backward.py on an H200 (the backward alone,
-# 16384 rows, bf16; benchmarks/results/experiments/norm_backward_prefetch_h200.txt) against the
+# 16384 rows, bf16; benchmarks/experiments/INDEX.md#norm_backward_prefetch) against the
 # settings before (8 programs per SM up to H=1024, 2 up to 4096, then 1, without prefetch):
 # H=512 34.8 -> 18.7 us, 1024 36.2 -> 35.4, 2048 62.7 -> 63.2, 4096 118.9 -> 113.3, 8192 248 -> 214;
 # FusedAddRMSNorm's 39 -> 25, 48 -> 42, 81 -> 75, 174 -> 142, 351 -> 269. At 16384 columns the
@@ -361,11 +361,11 @@ BWD_ACC_2D_ROWS = 8
 BWD_WEIGHT_PER_TILE_COLS = 16384
 # Without a weight gradient there are no partial rows, and more programs without prefetch were
 # faster at every width (the same sweep: prefetching took 0.70-0.99x the time of these settings).
-# tune_norms.py --op rms_norm --frozen on an H200 (benchmarks/results/experiments/
-# norm_frozen_narrow_tune_h200.txt): 4 per SM instead of 2 took H=2048 from 0.102 to 0.092 ms and
+# tune_norms.py --op rms_norm --frozen on an H200 (benchmarks/experiments/INDEX.md#norm_frozen_narrow_tune):
+# 4 per SM instead of 2 took H=2048 from 0.102 to 0.092 ms and
 # H=4096 from 0.191 to 0.174 ms forward+backward; at H <= 1024, 32 per SM with tiles of 2048. A
-# later sweep that went past 8 per SM (benchmarks/results/experiments/rms_norm_frozen_programs.py,
-# output beside it) took 32 per SM below 8192 columns too: H=2048 0.0917 -> 0.0898 ms, H=4096
+# later sweep that went past 8 per SM (benchmarks/experiments/INDEX.md#rms_norm_frozen_programs)
+# took 32 per SM below 8192 columns too: H=2048 0.0917 -> 0.0898 ms, H=4096
 # 0.1729 -> 0.1694 ms; and at 8192 columns (0.3302 -> 0.3251 ms; FusedAddRMSNorm 0.4586 -> 0.4555),
 # where 2 per SM stays best from 16384 on. Rows of at most BWD_FROZEN_NARROW_COLS keep tiles of their own.
 BWD_FROZEN_NARROW_COLS = 1024
