@@ -54,3 +54,58 @@ def test_choice_and_width() -> None:
         validate.check_choice("mode", "c", ("a", "b"))
     with pytest.raises(ValueError, match="at most 8"):
         validate.check_max_width("x", 9, 8)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize("bad", [300, -1, 2**31 - 1])
+def test_check_labels_names_the_first_bad_label_its_value_and_position(dtype: torch.dtype, bad: int) -> None:
+    labels = torch.zeros(2, 9, dtype=dtype)
+    labels[0, 2] = -100
+    labels[1, 7] = bad
+    labels[1, 8] = 301  # a later bad label: the first one in row-major order is named
+    message = rf"labels\[1, 7\] = {bad} is outside \[0, 300\) and is not ignore_index \(-100\)"
+    with pytest.raises(ValueError, match=message):
+        validate.check_labels("labels", labels, 300, -100)
+
+
+def test_check_labels_accepts_the_range_and_ignore_index_and_compares_without_wrapping() -> None:
+    validate.check_labels("labels", torch.tensor([0, 299, -100, 5]), 300, -100)
+    validate.check_labels("labels", torch.tensor([0, 299, 300]), 300, 300)  # ignore_index outside the range
+    validate.check_labels("labels", torch.empty(0, dtype=torch.long), 300, -100)
+    # 2**32 would wrap to 0 if compared with the int32 labels in int32.
+    with pytest.raises(ValueError, match=r"labels\[0\] = 0 is outside \[0, 0\)"):
+        validate.check_labels("labels", torch.zeros(1, dtype=torch.int32), 0, 2**32)
+    with pytest.raises(ValueError, match=r"^labels = 7 is outside"):
+        validate.check_labels("labels", torch.tensor(7), 5, -100)
+
+
+def test_check_labels_skips_labels_before_scored_from() -> None:
+    labels = torch.tensor([[999, 1, 2], [3, 4, 999]])
+    validate.check_labels("labels", labels[:1], 5, -100, scored_from=1)  # a causal shift never scores [.., 0]
+    with pytest.raises(ValueError, match=r"labels\[1, 2\] = 999"):
+        validate.check_labels("labels", labels, 5, -100, scored_from=1)
+
+
+def test_fk_check_labels_sets_where_labels_are_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    cpu, cuda, meta = torch.device("cpu"), torch.device("cuda"), torch.device("meta")
+    monkeypatch.delenv("FK_CHECK_LABELS", raising=False)
+    assert validate.labels_checked_on(cpu) and not validate.labels_checked_on(cuda)
+    monkeypatch.setenv("FK_CHECK_LABELS", "")
+    assert validate.labels_checked_on(cpu) and not validate.labels_checked_on(cuda)
+    monkeypatch.setenv("FK_CHECK_LABELS", "1")
+    assert validate.labels_checked_on(cpu) and validate.labels_checked_on(cuda) and not validate.labels_checked_on(meta)
+    monkeypatch.setenv("FK_CHECK_LABELS", "0")
+    assert not validate.labels_checked_on(cpu) and not validate.labels_checked_on(cuda)
+    validate.check_labels("labels", torch.tensor([5]), 5, -100)  # unchecked: no error
+    monkeypatch.setenv("FK_CHECK_LABELS", "yes")
+    with pytest.raises(ValueError, match=r"FK_CHECK_LABELS must be 1 .*, 0 .* or unset .*, got 'yes'"):
+        validate.labels_checked_on(cpu)
+
+
+def test_check_labels_is_skipped_while_compiling() -> None:
+    def loss(labels: torch.Tensor) -> torch.Tensor:
+        validate.check_labels("labels", labels, 5, -100)
+        return labels.sum()
+
+    compiled = torch.compile(loss, fullgraph=True, backend="eager")
+    assert compiled(torch.tensor([1, 7])).item() == 8  # traced whole, and the compiled code does not check

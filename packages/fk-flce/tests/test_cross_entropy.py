@@ -143,7 +143,23 @@ def test_zero_tokens(device: str) -> None:
     assert x.grad is not None and x.grad.shape == (0, 40)
 
 
-def test_out_of_range_label_gives_nan_for_that_token(device: str) -> None:
+@pytest.mark.parametrize("bad", [30, -1, 2**40], ids=["V", "minus_one", "huge"])
+def test_label_out_of_range_raises_naming_position(bad: int) -> None:
+    """On the CPU (interpreter and reference path alike) a bad label raises, as PyTorch does."""
+    x = testing.random_tensor((4, 30), torch.float32, "cpu", seed=9, requires_grad=True)
+    target = torch.tensor([1, -100, bad, 2])
+    message = rf"^target\[2\] = {bad} is outside \[0, 30\) and is not ignore_index \(-100\)$"
+    with pytest.raises(ValueError, match=message):
+        cross_entropy(x, target)
+    with pytest.raises(ValueError, match=r"target\[2\]"):
+        CrossEntropyLoss()(x, target)
+    cross_entropy(x, torch.tensor([1, 0, bad, 2]), ignore_index=bad)  # the same label is fine as ignore_index
+
+
+def test_out_of_range_label_unchecked_gives_nan_for_that_token(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a GPU run gives by default (FK_CHECK_LABELS=0 gives it everywhere): NaN for that token's
+    loss and gradient, the others untouched, and no out-of-bounds access."""
+    monkeypatch.setenv("FK_CHECK_LABELS", "0")
     x = testing.random_tensor((4, 30), torch.float32, device, seed=9, requires_grad=True)
     target = torch.tensor([1, 30, -5, 2], device=device)
     loss = cross_entropy(x, target, reduction="none")
@@ -154,9 +170,12 @@ def test_out_of_range_label_gives_nan_for_that_token(device: str) -> None:
 
 
 @pytest.mark.parametrize("reduction", ["none", "sum", "mean"])
-def test_out_of_range_label_with_class_weight_gives_nan(device: str, reduction: str) -> None:
-    """A class weight is looked up by label: an out-of-range label must still give NaN (the
-    documented result), not an index error (or, on a GPU, a device-side assert)."""
+def test_out_of_range_label_with_class_weight_gives_nan(
+    device: str, reduction: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A class weight is looked up by label: an unchecked out-of-range label must still give NaN
+    (the documented result), not an index error (or, on a GPU, a device-side assert)."""
+    monkeypatch.setenv("FK_CHECK_LABELS", "0")
     x = testing.random_tensor((4, 30), torch.float32, device, seed=9, requires_grad=True)
     target = torch.tensor([1, 30, -100, 2], device=device)
     weight = torch.linspace(0.5, 1.5, 30, device=device)
@@ -166,6 +185,26 @@ def test_out_of_range_label_with_class_weight_gives_nan(device: str, reduction: 
             assert torch.isfinite(loss[[0, 2, 3]]).all() and torch.isnan(loss[1])
         else:
             assert torch.isnan(loss)
+
+
+@pytest.mark.gpu
+def test_fk_check_labels_raises_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    x = testing.random_tensor((4, 30), torch.float32, "cuda", seed=9, requires_grad=True)
+    target = torch.tensor([1, -100, 30, 2], device="cuda")
+    monkeypatch.delenv("FK_CHECK_LABELS", raising=False)
+    assert torch.isnan(cross_entropy(x, target))  # by default: not checked, no host synchronization
+    monkeypatch.setenv("FK_CHECK_LABELS", "1")
+    with pytest.raises(ValueError, match=r"^target\[2\] = 30 is outside \[0, 30\)"):
+        cross_entropy(x, target)
+
+
+def test_compiled_call_skips_the_label_check() -> None:
+    """The check depends on the labels' values: torch.compile(fullgraph=True) traces past it, and the
+    compiled code gives NaN for a bad label, as a GPU run does by default."""
+    x = testing.random_tensor((4, 30), torch.float32, "cpu", seed=9)
+    compiled = torch.compile(lambda x, t: cross_entropy(x, t, reduction="none"), fullgraph=True)
+    loss = compiled(x, torch.tensor([1, -100, 30, 2]))
+    assert torch.isnan(loss[2]) and torch.isfinite(loss[[0, 1, 3]]).all()
 
 
 def test_ignore_index_inside_the_vocabulary(device: str) -> None:
@@ -302,5 +341,11 @@ def test_reference_path_without_triton() -> None:
         "want = torch.nn.functional.cross_entropy(x, t, label_smoothing=0.1)\n"
         "assert torch.allclose(got, want), (got, want)\n"
         "got.backward()\n"
+        "try:\n"
+        "    cross_entropy(x, torch.tensor([1, 2, 10, 3]))\n"
+        "except ValueError as e:\n"
+        "    assert str(e).startswith('target[2] = 10 is outside [0, 10)'), e\n"
+        "else:\n"
+        "    raise AssertionError('a bad label did not raise')\n"
         "print('ok')\n"
     )

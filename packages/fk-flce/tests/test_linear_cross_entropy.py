@@ -239,10 +239,57 @@ def test_all_ignored_and_zero_tokens(device: str, reduction: str) -> None:
             assert p.grad is not None and torch.all(p.grad == 0), n
 
 
+@pytest.mark.parametrize("bad", [V, -1, 2**40], ids=["V", "minus_one", "huge"])
+def test_label_out_of_range_raises_naming_position(bad: int) -> None:
+    h = testing.random_tensor((2, 8, H), torch.float32, "cpu", seed=40, requires_grad=True)
+    w = testing.random_tensor((V, H), torch.float32, "cpu", seed=41, requires_grad=True)
+    target = _labels((2, 8), "cpu", seed=42)
+    target[1, 7] = bad
+    message = rf"^target\[1, 7\] = {bad} is outside \[0, {V}\) and is not ignore_index \(-100\)$"
+    with pytest.raises(ValueError, match=message):
+        linear_cross_entropy(h, w, target)
+    with pytest.raises(ValueError, match=message):
+        LinearCrossEntropyLoss()(h, w, target)
+
+
+def test_shift_reports_the_position_in_the_labels_as_given() -> None:
+    """With shift=True the error names the label in ``target`` as passed (not in the shifted copy);
+    the first label of each sequence is never scored, so it is not checked either."""
+    h = testing.random_tensor((2, 8, H), torch.float32, "cpu", seed=43, requires_grad=True)
+    w = testing.random_tensor((V, H), torch.float32, "cpu", seed=44, requires_grad=True)
+    target = _labels((2, 8), "cpu", seed=45)
+    target[1, 5] = V + 1
+    with pytest.raises(ValueError, match=rf"^target\[1, 5\] = {V + 1} is outside \[0, {V}\)"):
+        linear_cross_entropy(h, w, target, shift=True)
+    target[1, 5] = 3
+    target[1, 0] = V + 1  # dropped by the shift, as Hugging Face's causal-LM loss drops it
+    assert torch.isfinite(linear_cross_entropy(h, w, target, shift=True))
+
+
+@pytest.mark.gpu
+def test_fk_check_labels_raises_on_cuda_and_otherwise_gives_nan(monkeypatch: pytest.MonkeyPatch) -> None:
+    h, w, b = _inputs(16, torch.bfloat16, "cuda", seed=46, bias=True)
+    target = _labels((2, 8), "cuda", seed=47)
+    target[1, 3] = V
+    h3 = h.detach().reshape(2, 8, H).requires_grad_()
+    monkeypatch.delenv("FK_CHECK_LABELS", raising=False)
+    loss = linear_cross_entropy(h3, w, target, b, shift=True)  # unchecked: no host synchronization
+    loss.backward()
+    assert torch.isnan(loss) and h3.grad is not None and torch.isnan(h3.grad[1, 2]).all()
+    assert torch.isfinite(h3.grad[0]).all()
+    monkeypatch.setenv("FK_CHECK_LABELS", "1")
+    with pytest.raises(ValueError, match=rf"^target\[1, 3\] = {V} is outside \[0, {V}\)"):
+        linear_cross_entropy(h3, w, target, b, shift=True)
+
+
 @pytest.mark.parametrize("class_weight", [False, True], ids=["unweighted", "class_weight"])
-def test_out_of_range_labels_give_nan_for_their_tokens(device: str, class_weight: bool) -> None:
-    """Labels outside [0, V) other than ignore_index: NaN loss and gradient for those tokens only,
-    never an error or an out-of-bounds access (checking them would make the host wait)."""
+def test_out_of_range_labels_unchecked_give_nan_for_their_tokens(
+    device: str, class_weight: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Labels outside [0, V) other than ignore_index, unchecked (on a GPU by default, everywhere
+    with FK_CHECK_LABELS=0): NaN loss and gradient for those tokens only, never an error or an
+    out-of-bounds access."""
+    monkeypatch.setenv("FK_CHECK_LABELS", "0")
     h, w, _ = _inputs(6, torch.float32, device, seed=40)
     target = torch.tensor([1, V, -100, -3, 2, V + 7], device=device)
     weight = torch.linspace(0.5, 1.5, V, device=device) if class_weight else None

@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -105,11 +106,13 @@ def _checks(rank: int, device: str) -> dict[str, Any]:
     loss = vocab_parallel_linear_cross_entropy_ref(h, wr, y, **opts).loss
     loss.backward()
     out["reference"] = {"loss": loss.detach(), "dh": h.grad, "dw": wr.grad}
-    # A label outside the whole vocabulary: NaN loss for that token only (reduction "none").
+    # A label outside the whole vocabulary, unchecked (a GPU's default): NaN loss for that token only.
     y_bad = y.clone()
     y_bad[3] = 96
-    out["outside"] = vocab_parallel_linear_cross_entropy(h.detach().float(), wr.detach().float(), y_bad,
-                                                         reduction="none")  # fmt: skip
+    with mock.patch.dict(os.environ, {"FK_CHECK_LABELS": "0"}):
+        out["outside"] = vocab_parallel_linear_cross_entropy(h.detach().float(), wr.detach().float(), y_bad,
+                                                             reduction="none")  # fmt: skip
+    out["label_errors"] = _label_errors(h.detach().float(), wr.detach().float(), y, rank)
     errors = []
     for call in (
         lambda: vocab_parallel_linear_cross_entropy(h.float(), wr.float(), y, vocab_size=96),
@@ -126,6 +129,34 @@ def _checks(rank: int, device: str) -> dict[str, Any]:
             errors.append(f"{type(e).__name__}: {e}")
     out["errors"] = errors
     return out
+
+
+def _label_errors(h: torch.Tensor, wr: torch.Tensor, y: torch.Tensor, rank: int) -> list[str]:
+    """What each call with labels checked (FK_CHECK_LABELS=1: on GPUs too) raised, or "no error".
+    The range is the whole vocabulary [0, 96) (or the ``vocab_size`` given), not the rank's shard."""
+    other = 95 if rank == 0 else 0  # a label of the other rank's shard: fine
+    cases: list[tuple[torch.Tensor, dict[str, Any]]] = [
+        (y.clone().index_fill_(0, torch.tensor([3], device=y.device), 96), {}),
+        (y.clone().index_fill_(0, torch.tensor([4], device=y.device), -1), {}),
+        (y.clone().index_fill_(0, torch.tensor([5], device=y.device), 2**40), {}),
+        (y.clone().index_fill_(0, torch.tensor([6], device=y.device), other), {}),
+        (y.clone().reshape(1, N).index_fill_(1, torch.tensor([7], device=y.device), 96), {"shift": True}),
+        (y.clone().reshape(1, N).index_fill_(1, torch.tensor([0], device=y.device), 96), {"shift": True}),
+        (y.clone().index_fill_(0, torch.tensor([8], device=y.device), 100),
+         {"vocab_start_index": 48 * rank, "vocab_size": 101}),
+        (y.clone().index_fill_(0, torch.tensor([9], device=y.device), 101),
+         {"vocab_start_index": 48 * rank, "vocab_size": 101}),
+    ]  # fmt: skip
+    errors = []
+    with mock.patch.dict(os.environ, {"FK_CHECK_LABELS": "1"}):
+        for target, kw in cases:
+            hidden = h.reshape(1, N, H) if kw.get("shift") else h
+            try:
+                vocab_parallel_linear_cross_entropy(hidden, wr, target, **kw)
+                errors.append("no error")
+            except ValueError as e:
+                errors.append(str(e))
+    return errors
 
 
 def _worker(rank: int, world: int, out_dir: Path, device: str = "cpu") -> None:
@@ -214,6 +245,20 @@ def test_label_outside_vocabulary_is_nan_for_that_token(ranks: list[dict[str, An
     for result in ranks:
         loss = result["outside"]
         assert torch.isnan(loss[3]) and torch.isfinite(loss[torch.arange(N) != 3]).all()
+
+
+def test_label_outside_the_whole_vocabulary_raises_naming_position(ranks: list[dict[str, Any]]) -> None:
+    for rank, result in enumerate(ranks):
+        assert result["label_errors"] == [
+            "target[3] = 96 is outside [0, 96) and is not ignore_index (-100)",
+            "target[4] = -1 is outside [0, 96) and is not ignore_index (-100)",
+            f"target[5] = {2**40} is outside [0, 96) and is not ignore_index (-100)",
+            "no error",  # another rank's label
+            "target[0, 7] = 96 is outside [0, 96) and is not ignore_index (-100)",  # shift: as passed
+            "no error",  # shift: the first label is never scored
+            "no error",  # inside the given vocab_size
+            "target[9] = 101 is outside [0, 101) and is not ignore_index (-100)",
+        ], f"rank {rank}"
 
 
 def test_errors_name_the_argument(ranks: list[dict[str, Any]]) -> None:

@@ -8,6 +8,7 @@ a wrong answer.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -103,3 +104,54 @@ def check_overwritable(name: str, tensor: torch.Tensor, option: str) -> None:
     base = tensor._base
     if base is not None and base.requires_grad and base.is_leaf:
         raise ValueError(f"{option}=True cannot overwrite {name}: it is a view of a leaf tensor that requires grad")
+
+
+CHECK_LABELS = "FK_CHECK_LABELS"
+"""The environment variable that says where :func:`check_labels` looks at the labels' values."""
+
+
+def labels_checked_on(device: torch.device) -> bool:
+    """Whether :func:`check_labels` looks at labels on ``device``, as ``FK_CHECK_LABELS`` says:
+
+    - unset or empty: on the CPU only, where reading the labels costs no host synchronization;
+    - ``1``: on every device; on a GPU the check waits for it (one host synchronization per call);
+    - ``0``: nowhere (labels outside the range then give whatever the kernels give).
+
+    An environment variable rather than a keyword argument: it is a debugging switch, and it must
+    reach calls made by code one does not edit (``fk.hf``'s patched loss, a trainer's loss
+    function), as ``CUDA_LAUNCH_BLOCKING`` does. It is read at each call, so a test or a debugging
+    session can set it at any time. Nothing is checked while ``torch.compile`` traces (a check that
+    depends on the labels' values would break the graph, so compiled code never checks), nor on the
+    meta device (no values)."""
+    if torch.compiler.is_compiling() or device.type == "meta":
+        return False
+    value = os.environ.get(CHECK_LABELS, "")
+    if value not in ("", "0", "1"):
+        raise ValueError(
+            f"{CHECK_LABELS} must be 1 (check labels on every device), 0 (nowhere) or unset (on the CPU only), "
+            f"got {value!r}"
+        )
+    return value == "1" or (value == "" and device.type == "cpu")
+
+
+def check_labels(name: str, labels: torch.Tensor, n_classes: int, ignore_index: int, *, scored_from: int = 0) -> None:
+    """Every label must lie in ``[0, n_classes)`` or be ``ignore_index``: a ``ValueError`` names the
+    first one (in row-major order) that is not, by its position in ``labels`` as given, e.g.
+    ``labels[1, 7] = 300000 is outside [0, 300) and is not ignore_index (-100)``.
+
+    ``scored_from``: the labels before this position along the last dimension are never scored (a
+    causal shift drops each sequence's first label) and are not checked. The check runs only where
+    :func:`labels_checked_on` says (by default on the CPU only)."""
+    if labels.numel() == 0 or not labels_checked_on(labels.device):
+        return
+    wide = labels.long()  # (a Python int compared with an int32 tensor wraps around)
+    bad = (wide != ignore_index) & ((wide < 0) | (wide >= n_classes))
+    if scored_from:
+        bad[..., :scored_from] = False
+    if not bad.any():
+        return
+    position = tuple(bad.nonzero()[0].tolist())
+    where = f"{name}[{', '.join(str(i) for i in position)}]" if position else name
+    raise ValueError(
+        f"{where} = {wide[position].item()} is outside [0, {n_classes}) and is not ignore_index ({ignore_index})"
+    )

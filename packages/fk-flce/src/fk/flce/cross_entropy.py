@@ -13,6 +13,17 @@ An ignored token has loss 0 and gradient 0. ``reduction="mean"`` divides the sum
 as ``F.cross_entropy`` does, or by ``num_items`` when the caller gives it (gradient accumulation).
 When ``D`` is 0 (every token ignored) the mean is 0 with zero gradients, where PyTorch gives NaN.
 
+Bad labels: a label outside ``[0, V)`` other than ``ignore_index`` raises a ``ValueError`` on CPU
+tensors that names the first one by its position in the labels as given and its value, e.g.
+``target[1, 7] = 300000 is outside [0, 300) and is not ignore_index (-100)``. On a GPU, checking
+would make the host wait for the GPU every step, so by default nothing is checked there: the kernel
+gives such a token a NaN loss (a reduced loss is then NaN) and NaN gradients, and never reads or
+writes out of bounds (the label's logit and class weight are loaded under a mask). The environment
+variable ``FK_CHECK_LABELS=1`` checks on the GPU too, with one host synchronization per call, and
+raises the same error; ``FK_CHECK_LABELS=0`` checks nowhere (see
+:func:`fk.core.validate.labels_checked_on`). While ``torch.compile`` traces, nothing is checked: the
+check depends on the labels' values, which a graph cannot branch on.
+
 The same kernel serves :mod:`fk.flce.linear_cross_entropy`, which calls it on chunks of logits and
 has it write the gradient over the logits in place.
 
@@ -569,9 +580,8 @@ def check_loss_options(
 
 
 def check_target(target: object, expected_shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """Labels: an int32/int64 tensor of ``expected_shape`` on ``device``. Labels outside
-    ``[0, V)`` other than ``ignore_index`` cannot be checked without a host synchronization; the
-    kernel gives such a token a NaN loss and NaN gradients (never an out-of-bounds access)."""
+    """Labels: an int32/int64 tensor of ``expected_shape`` on ``device``. Their values are checked
+    apart, by :func:`fk.core.validate.check_labels` (see the module docstring)."""
     target = validate.check_tensor("target", target)
     validate.check_dtype("target", target, LABEL_DTYPES)
     if tuple(target.shape) != expected_shape:
@@ -640,7 +650,8 @@ def cross_entropy(
     Args:
         logits: ``(N, V)`` fp32/fp16/bf16; any row stride.
         target: ``(N,)`` int64/int32 class indices, or ``ignore_index``. A label outside ``[0, V)``
-            gives that token a NaN loss and NaN gradients (checking would stall the GPU).
+            raises a ``ValueError`` on the CPU; on a GPU it gives that token a NaN loss and NaN
+            gradients unless ``FK_CHECK_LABELS=1`` (see the module docstring).
         weight: optional ``(V,)`` class weights, as in ``F.cross_entropy``.
         ignore_index, reduction, label_smoothing: as in ``F.cross_entropy``.
         lse_square_scale: z-loss scale ``s``: adds ``s * lse^2`` to each token's loss.
@@ -666,6 +677,7 @@ def cross_entropy(
         raise ValueError(f"logits must have at least one class, got shape {tuple(logits.shape)}")
     options = check_loss_options(ignore_index, reduction, label_smoothing, lse_square_scale, softcap)
     target = check_target(target, (logits.shape[0],), logits.device)
+    validate.check_labels("target", target, logits.shape[1], ignore_index)
     check_class_weight(weight, logits.shape[1], "weight", logits.device)
     num_items = check_num_items(num_items_in_batch, reduction, logits.device)
     if inplace_backward and torch.is_grad_enabled():

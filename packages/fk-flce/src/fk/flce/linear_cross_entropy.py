@@ -555,10 +555,12 @@ def check_inputs(
     num_items_in_batch: torch.Tensor | float | None,
     accum_dtype: torch.dtype | None,
     memory_budget: int,
+    vocab_size: int | None = None,
 ) -> tuple[LossOptions, torch.Tensor, torch.Tensor | None]:
     """Validate the arguments of :func:`linear_cross_entropy` (and of its vocabulary-parallel
-    sibling, whose ``weight`` is a shard): returns the options, the labels (shifted when ``shift``)
-    and ``num_items_in_batch`` as an fp32 0-dim tensor (or None)."""
+    sibling, whose ``weight`` is a shard and which gives the whole vocabulary's ``vocab_size``, the
+    labels' range; by default the weight's rows): returns the options, the labels (shifted when
+    ``shift``) and ``num_items_in_batch`` as an fp32 0-dim tensor (or None)."""
     validate.check_tensor("hidden", hidden)
     validate.check_dtype("hidden", hidden)
     validate.check_min_ndim("hidden", hidden, 1)
@@ -584,9 +586,12 @@ def check_inputs(
         raise ValueError(f"accum_dtype must be torch.float32 or weight's dtype ({weight.dtype}), got {accum_dtype}")
     if isinstance(memory_budget, bool) or not isinstance(memory_budget, int) or memory_budget <= 0:
         raise ValueError(f"memory_budget must be a positive number of bytes, got {memory_budget!r}")
+    if shift and hidden.ndim < 2:
+        raise ValueError(f"shift=True needs hidden of shape (..., T, H), got {tuple(hidden.shape)}")
+    # On the labels as given, so an error names a position in them; a shift never scores the first.
+    validate.check_labels("target", target, n_classes if vocab_size is None else vocab_size, ignore_index,
+                          scored_from=1 if shift else 0)  # fmt: skip
     if shift:
-        if hidden.ndim < 2:
-            raise ValueError(f"shift=True needs hidden of shape (..., T, H), got {tuple(hidden.shape)}")
         target = shift_labels(target, ignore_index)
     return options, target, num_items
 
@@ -618,7 +623,10 @@ def linear_cross_entropy(
         weight: ``(V, H)`` the LM head, same dtype as ``hidden``. When it does not require grad
             (a frozen head, as in LoRA) its gradient is not computed at all.
         target: ``hidden.shape[:-1]`` int64/int32 labels (or ``ignore_index``). A label outside
-            ``[0, V)`` gives that token a NaN loss and NaN gradients.
+            ``[0, V)`` raises a ``ValueError`` on the CPU that names its position in ``target`` as
+            given (with ``shift``, too); on a GPU it gives that token a NaN loss and NaN gradients
+            (NaN in the whole weight and bias gradients, which sum over the tokens) unless
+            ``FK_CHECK_LABELS=1``, as :func:`fk.flce.cross_entropy` describes.
         bias: optional ``(V,)``.
         class_weight, ignore_index, reduction, label_smoothing, lse_square_scale, softcap,
         num_items_in_batch, return_lse, return_z_loss, return_accuracy: as in

@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from fk.core import validate
 from fk.core.backend import uses_kernel
 from fk.core.launch import cdiv
 from fk.core.ops import define_autograd_op
@@ -509,7 +510,9 @@ def vocab_parallel_linear_cross_entropy(
             1-D mesh, whose group, offset and vocabulary size are then used).
         target: labels in the *whole* vocabulary ``[0, V)`` (or ``ignore_index``), the same on
             every rank; a label held by another rank's shard is not an error. A label outside
-            ``[0, V)`` gives that token a NaN loss and NaN gradients.
+            the whole vocabulary ``[0, V)`` raises a ``ValueError`` on the CPU that names its
+            position in ``target`` as given; on a GPU it gives that token a NaN loss and NaN
+            gradients unless ``FK_CHECK_LABELS=1``, as :func:`fk.flce.cross_entropy` describes.
         bias: optional ``(V_r,)``, this rank's part of the head's bias.
         group: the process group the vocabulary is sharded over (default: the whole world).
         vocab_start_index, vocab_size: the shard's first row in the vocabulary and the vocabulary's
@@ -534,11 +537,13 @@ def vocab_parallel_linear_cross_entropy(
         if group is not None or vocab_start_index is not None or vocab_size is not None:
             raise ValueError("with a DTensor weight, group, vocab_start_index and vocab_size come from it: give none")
         hidden, weight, bias, group, vocab_start_index, vocab_size = local
+    validate.check_tensor("weight", weight)
+    validate.check_ndim("weight", weight, 2)
+    group, start, vocab_size = shard_layout(weight, group, vocab_start_index, vocab_size)
     options, target, num_items = check_inputs(
         hidden, weight, target, bias, None, ignore_index, reduction, label_smoothing, lse_square_scale, softcap,
-        shift, num_items_in_batch, accum_dtype, memory_budget,
+        shift, num_items_in_batch, accum_dtype, memory_budget, vocab_size,
     )  # fmt: skip
-    group, start, vocab_size = shard_layout(weight, group, vocab_start_index, vocab_size)
     if not uses_kernel(hidden):
         out = vocab_parallel_linear_cross_entropy_ref(
             hidden, weight, target, bias, group=group, vocab_start_index=start, vocab_size=vocab_size,
