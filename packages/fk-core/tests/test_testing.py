@@ -100,6 +100,17 @@ def test_random_tensor_is_reproducible_and_nonzero() -> None:
     assert (a != 0).all()
 
 
+@pytest.mark.parametrize(
+    ("layout", "q_shape", "k_shape"), [("bhsd", (2, 4, 5, 8), (2, 1, 5, 8)), ("bshd", (2, 5, 4, 8), (2, 5, 1, 8))]
+)
+def test_attention_qk_shapes_and_seeds(layout: str, q_shape: tuple[int, ...], k_shape: tuple[int, ...]) -> None:
+    q, k = testing.attention_qk(2, 5, 4, 1, 8, torch.float16, "cpu", layout, seed=3)
+    assert (q.shape, k.shape) == (q_shape, k_shape) and q.dtype == k.dtype == torch.float16
+    assert q.is_leaf and q.requires_grad and k.is_leaf and k.requires_grad
+    assert torch.equal(q, testing.random_tensor(q_shape, torch.float16, "cpu", seed=3))
+    assert torch.equal(k, testing.random_tensor(k_shape, torch.float16, "cpu", seed=4))
+
+
 @pytest.mark.parametrize("layout", testing.LAYOUTS)
 def test_compare_passes_inputs_in_their_layout(layout: str) -> None:
     x = testing.with_layout(testing.random_tensor((6, 9), torch.float32, "cpu", seed=8, requires_grad=True), layout)

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from fk.core import testing
 from fk.core.testing import DTYPES, dtype_name
+from fk.core.testing import attention_qk as qk
 from fk.rope import apply_rotary_pos_emb, rope, rope_ref
 from fk.rope.rope import rope_tiling
 
@@ -77,17 +78,6 @@ def cos_sin(
     freqs = positions.float().cpu()[..., None] * inv_freq
     emb = freqs.repeat_interleave(2, dim=-1) if interleaved else torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dtype=dtype, device=device), emb.sin().to(dtype=dtype, device=device)
-
-
-def qk(
-    batch: int, seq: int, n_q: int, n_k: int, d: int, dtype: torch.dtype, device: str, layout: str, seed: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    def shape(h: int) -> tuple[int, ...]:
-        return (batch, h, seq, d) if layout == "bhsd" else (batch, seq, h, d)
-
-    q = testing.random_tensor(shape(n_q), dtype, device, seed=seed, requires_grad=True)
-    k = testing.random_tensor(shape(n_k), dtype, device, seed=seed + 1, requires_grad=True)
-    return q, k
 
 
 def _fk(layout: str = "bhsd", interleaved: bool = False, inplace: bool = False) -> Callable[..., Any]:

@@ -77,6 +77,32 @@ def random_tensor(
     return out.requires_grad_(requires_grad)
 
 
+def attention_qk(
+    batch: int,
+    seq: int,
+    n_q: int,
+    n_k: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: str | torch.device,
+    layout: str,
+    *,
+    seed: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random q (``n_q`` heads) and k (``n_k`` heads) of one attention layer, leaves that require grad.
+
+    ``layout="bhsd"``: ``(batch, heads, seq, head_dim)``; ``"bshd"``: ``(batch, seq, heads, head_dim)``.
+    q is drawn from ``seed`` and k from ``seed + 1`` (see :func:`random_tensor`).
+    """
+
+    def shape(heads: int) -> tuple[int, ...]:
+        return (batch, heads, seq, head_dim) if layout == "bhsd" else (batch, seq, heads, head_dim)
+
+    q = random_tensor(shape(n_q), dtype, device, seed=seed, requires_grad=True)
+    k = random_tensor(shape(n_k), dtype, device, seed=seed + 1, requires_grad=True)
+    return q, k
+
+
 def with_layout(tensor: torch.Tensor, layout: str) -> torch.Tensor:
     """The same values as ``tensor`` in another memory layout (a leaf, keeping ``requires_grad``).
 

@@ -5,8 +5,15 @@
   layouts, strided inputs, and an in-place option.
 - :func:`apply_rotary_pos_emb`: drop-in for Hugging Face's function of that name.
 - :func:`rope_ref`: the plain PyTorch definition the kernels are tested against.
+- :func:`mrope`: multimodal RoPE (Qwen2-VL, Qwen3-VL, GLM-4V): each rotary frequency takes its
+  angle from the temporal, height or width position, by ``mrope_section``; rotated by ``rope``'s
+  kernel.
+- :func:`apply_multimodal_rotary_pos_emb`: drop-in for Hugging Face's function of that name
+  (Qwen2-VL, Qwen2.5-VL, Qwen2.5-Omni in transformers 4.x).
+- :func:`mrope_ref`: the plain PyTorch definition of mRoPE.
 """
 
+from fk.rope.mrope import apply_multimodal_rotary_pos_emb, mrope, mrope_ref
 from fk.rope.rope import apply_rotary_pos_emb, rope, rope_ref
 
-__all__ = ["apply_rotary_pos_emb", "rope", "rope_ref"]
+__all__ = ["apply_multimodal_rotary_pos_emb", "apply_rotary_pos_emb", "mrope", "mrope_ref", "rope", "rope_ref"]

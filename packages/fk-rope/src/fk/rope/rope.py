@@ -679,6 +679,15 @@ def rope(
 _UNSQUEEZE_LAYOUT = {1: "bhsd", -3: "bhsd", 2: "bshd", -2: "bshd"}
 
 
+def layout_of_unsqueeze_dim(unsqueeze_dim: int) -> str:
+    """The layout Hugging Face's ``unsqueeze_dim`` means: 1 is ``"bhsd"``, 2 is ``"bshd"`` (or -3, -2)."""
+    if isinstance(unsqueeze_dim, bool) or unsqueeze_dim not in _UNSQUEEZE_LAYOUT:
+        raise ValueError(
+            f"unsqueeze_dim must be 1 (q is (B, heads, S, D)) or 2 (q is (B, S, heads, D)), got {unsqueeze_dim!r}"
+        )
+    return _UNSQUEEZE_LAYOUT[unsqueeze_dim]
+
+
 def apply_rotary_pos_emb(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -696,10 +705,7 @@ def apply_rotary_pos_emb(
     size rotates the leading features and passes the rest through. Returns ``(q_embed, k_embed)``;
     computes in fp32 and rounds once (the eager formula rounds each product to the input dtype).
     """
-    if isinstance(unsqueeze_dim, bool) or unsqueeze_dim not in _UNSQUEEZE_LAYOUT:
-        raise ValueError(
-            f"unsqueeze_dim must be 1 (q is (B, heads, S, D)) or 2 (q is (B, S, heads, D)), got {unsqueeze_dim!r}"
-        )
+    layout = layout_of_unsqueeze_dim(unsqueeze_dim)
     if isinstance(cos, torch.Tensor) and cos.ndim != 2:
         position_ids = None
-    return rope(q, k, cos, sin, position_ids, layout=_UNSQUEEZE_LAYOUT[unsqueeze_dim])
+    return rope(q, k, cos, sin, position_ids, layout=layout)
