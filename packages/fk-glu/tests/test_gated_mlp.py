@@ -86,6 +86,18 @@ def test_matches_torch_functional(device: str, act: str) -> None:
     torch.testing.assert_close(gated_mlp(x, wg, wu, wd, hf_name), _composition(act)(x, wg, wu, wd))
 
 
+def test_output_may_be_changed_in_place(device: str) -> None:
+    """A caller may add into the output in place (Llama 4's MoE block adds its routed experts into
+    the shared expert's output), and the gradients are still those of the out-of-place sum."""
+    args = _inputs((3, 4), 24, 40, 16, torch.float32, device, seed=3)
+    extra = torch.randn(3, 4, 16, device=device)
+
+    def added_in_place(*a: torch.Tensor) -> torch.Tensor:
+        return gated_mlp(*a, "silu").add_(extra)
+
+    testing.compare_with_reference(added_in_place, lambda *a: _ref("silu")(*a) + extra, args, arg_names=NAMES)
+
+
 @pytest.mark.parametrize("frozen", ["x", "gate_weight", "up_weight", "down_weight", "all weights"])
 def test_frozen_inputs_get_no_gradient(device: str, frozen: str) -> None:
     args = _inputs((2, 5), 24, 40, 16, torch.float32, device, seed=3)

@@ -752,7 +752,7 @@ class _GatedMLPFunction(torch.autograd.Function):
         ctx.save_for_backward(x, gate, up, wg, wu, wd)
         ctx.activation = activation
         ctx.set_materialize_grads(False)
-        return y.view(*x.shape[:-1], wd.shape[0])
+        return y  # (2-D: the caller views it, so that the output may be changed in place)
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor | None) -> Any:
@@ -760,7 +760,8 @@ class _GatedMLPFunction(torch.autograd.Function):
         need_dx, need_dwg, need_dwu, need_dwd = ctx.needs_input_grad[:4]
         if dy is None:
             return None, None, None, None, None, None
-        dr = dy if ctx.needs_input_grad[5] else None  # y = r + ...: the residual's gradient is dy itself
+        # y = r + ...: the residual's gradient is dy itself (2-D, as y: viewed as the residual)
+        dr = dy.view(*x.shape[:-1], dy.shape[-1]) if ctx.needs_input_grad[5] else None
         act = ctx.activation
         dy2 = dy.reshape(-1, dy.shape[-1])
         dx = dwg = dwu = dwd = None
@@ -862,14 +863,15 @@ def gated_mlp(
     cast = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
     _check_gated_mlp_inputs(x, gate_weight, up_weight, down_weight, residual, same_dtype=cast is None)
     activation = resolve_activation(activation)
+    out_shape = (*x.shape[:-1], down_weight.shape[0])
     if cast is None:
         y: torch.Tensor = _GatedMLPFunction.apply(x, gate_weight, up_weight, down_weight, activation, residual)
-        return y
+        return y.view(out_shape)
     operands = [t if t.dtype == cast else t.to(cast) for t in (x, gate_weight, up_weight, down_weight)]
     r = residual if residual is None or residual.dtype == cast else residual.to(cast)
     with torch.autocast(device_type, enabled=False):
         y = _GatedMLPFunction.apply(*operands, activation, r)
-    return y
+    return y.view(out_shape)
 
 
 # --- 6. Module ------------------------------------------------------------------------------------
