@@ -429,6 +429,22 @@ def test_matches_phi_partial_rotary_and_gptj(device: str, dtype: torch.dtype) ->
     testing.compare_with_reference(_fk("bshd", interleaved=True), gptj_apply, [q, k, c, s])
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
+def test_drop_in_interleaved_matches_cohere_formula(device: str, dtype: torch.dtype) -> None:
+    """``interleaved=True``: Cohere's ``apply_rotary_pos_emb`` (pairs ``(x[2i], x[2i+1])``, tables
+    as given, ``(B, heads, S, D)``), which the rotate-half drop-in does not compute."""
+    q, k = qk(2, 5, 4, 2, 64, dtype, device, "bhsd", seed=23)
+    c, s = cos_sin(torch.arange(5)[None], 64, dtype, device, interleaved=True)
+
+    def cohere(q: torch.Tensor, k: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> Any:
+        c, s = c.unsqueeze(1), s.unsqueeze(1)
+        return tuple(x * c + gptj_rotate_every_two(x.transpose(1, 2)).transpose(1, 2) * s for x in (q, k))
+
+    testing.compare_with_reference(lambda *a: apply_rotary_pos_emb(*a, interleaved=True), cohere, [q, k, c, s])
+    got = apply_rotary_pos_emb(q.detach(), k.detach(), c, s)
+    assert not torch.allclose(got[0].float(), cohere(q.detach(), k.detach(), c, s)[0].float(), atol=1e-2)
+
+
 def test_drop_in_position_ids_select_table_rows(device: str) -> None:
     q, k = qk(2, 5, 4, 2, 64, torch.float32, device, "bhsd", seed=22)
     c, s = cos_sin(torch.arange(12)[None], 64, torch.float32, device)

@@ -695,8 +695,13 @@ def apply_rotary_pos_emb(
     sin: torch.Tensor,
     position_ids: torch.Tensor | None = None,
     unsqueeze_dim: int = 1,
+    *,
+    interleaved: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Drop-in for Hugging Face's ``apply_rotary_pos_emb`` (Llama and its relatives): rotate-half RoPE.
+    With ``interleaved=True``, the drop-in for the families whose ``rotate_half`` rotates the pairs
+    ``(x[2i], x[2i+1])`` with the tables as given (Cohere's, Helium's: their rotary module repeats
+    each frequency twice in place).
 
     ``unsqueeze_dim=1`` takes q/k as ``(B, heads, S, D)``, ``unsqueeze_dim=2`` as ``(B, S, heads, D)``.
     ``cos``/``sin`` are ``(B or 1, S, rotary_dim)`` as the model's rotary embedding returns them;
@@ -708,4 +713,4 @@ def apply_rotary_pos_emb(
     layout = layout_of_unsqueeze_dim(unsqueeze_dim)
     if isinstance(cos, torch.Tensor) and cos.ndim != 2:
         position_ids = None
-    return rope(q, k, cos, sin, position_ids, layout=layout)
+    return rope(q, k, cos, sin, position_ids, layout=layout, interleaved=interleaved)
