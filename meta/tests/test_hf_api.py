@@ -147,15 +147,15 @@ def test_class_patching_before_construction(device: str, restore_classes: Any, m
 
 
 def test_class_patching_switches_and_errors(device: str, restore_classes: Any) -> None:
-    """The switches hold for every model built; a second apply replaces them; a model type fk.hf
-    does not support raises the error apply on a model raises."""
+    """The switches hold for every model built; a second apply replaces them; a string that is no
+    causal-LM model type raises, naming it."""
     fk.hf.apply("llama", flce=False, rope=False)
     assert fk.hf.patched_modules(_model("llama", device)) == {**_expected_counts("llama"), "flce": 0, "rope": 0}
     fk.hf.apply("llama", swiglu=False)
     assert fk.hf.patched_modules(_model("llama", device)) == {**_expected_counts("llama"), "swiglu": 0}
     for call in (fk.hf.apply, fk.hf.revert):
-        with pytest.raises(ValueError, match=rf"'gpt2'.*supported: {', '.join(fk.hf.supported_model_types())}$"):
-            call("gpt2")
+        with pytest.raises(ValueError, match=r"'no_such_model' is not a causal-LM model type of transformers"):
+            call("no_such_model")
     with pytest.raises(TypeError, match="rope must be a bool"):
         fk.hf.apply("llama", rope=None)  # type: ignore[arg-type]
 
@@ -186,10 +186,14 @@ def test_auto_model_from_config_and_from_pretrained(device: str, tmp_path: Any) 
     assert not info["missing_keys"] and fk.hf.patched_modules(model) == _expected_counts("llama")
 
 
-def test_auto_model_errors(tmp_path: Any) -> None:
+def test_auto_model_takes_any_type_and_names_a_wrong_switch(tmp_path: Any) -> None:
+    """GPT-2 (no RMSNorm, no gated MLP, a head with other arguments): its LayerNorms are patched,
+    the rest stays stock, and the report says why."""
     config = transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=50, n_positions=16)
-    with pytest.raises(ValueError, match=r"'gpt2'.*supported: gemma"):
-        fk.hf.AutoModelForCausalLM.from_config(config)
+    model = fk.hf.AutoModelForCausalLM.from_config(config)
+    report = fk.hf.apply(model)
+    assert report["layer_norm"] == 3 and report["flce"] == 0
+    assert "takes other arguments than Llama's" in report.stock["GPT2LMHeadModel"]
     with pytest.raises(TypeError, match=r"unknown fk\.hf switch.*rms_nrom"):
         fk.hf.AutoModelForCausalLM.from_pretrained(tmp_path, fk_options={"rms_nrom": False})
     with pytest.raises(OSError, match="from_pretrained"):

@@ -147,10 +147,10 @@ def test_fk_matches_stock_and_one_process(ranks: list[dict[str, Any]], single: d
 def test_a_sharded_tied_head_outside_its_group_names_the_fix() -> None:
     """Without a process group: a head whose weight reads as a DTensor (as a tied head does when
     only the embedding was sharded) gets a TypeError that says how to shard it, not a wrong loss."""
-    from fk.hf.patching import fused_causal_lm_loss
+    from fk.hf.loss_head import fused_causal_lm_loss
 
     head = torch.nn.Linear(8, 16, bias=False)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr("fk.hf.patching._is_dtensor", lambda t: True)
+        mp.setattr("fk.hf.loss_head.is_dtensor", lambda t: True)
         with pytest.raises(TypeError, match=r"fully_shard\(\[model\.model\.embed_tokens, model\.lm_head\]\)"):
             fused_causal_lm_loss(torch.randn(1, 4, 8), head, torch.zeros(1, 4, dtype=torch.long))

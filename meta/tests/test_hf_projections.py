@@ -143,33 +143,33 @@ def test_add_norm_recognizes_both_decoder_forwards_under_wrappers() -> None:
     (cache, under a renamed-argument deprecation wrapper) both get add_norm; the patched forward
     keeps the wrapper, now around fk's function. A wrapper that does not hold what it wraps in its
     closure gets no patch."""
-    from fk.hf import patching
+    from fk.hf import decoder, functions
 
-    cache_form = _renaming("past_key_values", "cache")(patching._pre_norm_decoder_forward_cache)
-    for stock, fk_forward in ((patching._pre_norm_decoder_forward, patching.add_norm_forward),
-                              (cache_form, patching.add_norm_forward_cache)):  # fmt: skip
-        patched = patching._add_norm_forward_for(stock)
+    cache_form = _renaming("past_key_values", "cache")(decoder._pre_norm_decoder_forward_cache)
+    for stock, fk_forward in ((decoder._pre_norm_decoder_forward, decoder.add_norm_forward),
+                              (cache_form, decoder.add_norm_forward_cache)):  # fmt: skip
+        patched = decoder.add_norm_forward_for(stock)
         assert patched is not None and inspect.unwrap(patched) is fk_forward
-        assert (patched is fk_forward) == (stock is patching._pre_norm_decoder_forward)
-    rewrapped = patching._add_norm_forward_for(cache_form)
+        assert (patched is fk_forward) == (stock is decoder._pre_norm_decoder_forward)
+    rewrapped = decoder.add_norm_forward_for(cache_form)
     seen: dict[str, Any] = {}
     rewrapped_inner = inspect.unwrap(rewrapped)
-    assert rewrapped.__code__ is cache_form.__code__ and rewrapped_inner is patching.add_norm_forward_cache
+    assert rewrapped.__code__ is cache_form.__code__ and rewrapped_inner is decoder.add_norm_forward_cache
 
     def spy(*args: Any, **kwargs: Any) -> Any:
         seen.update(kwargs)
 
-    wrapped_spy = patching._rewrapped(cache_form, spy)
+    wrapped_spy = functions.rewrapped(cache_form, spy)
     assert wrapped_spy is not None
     wrapped_spy(None, None, past_key_values="kv")  # the copied wrapper still renames the argument
     assert seen == {"cache": "kv"}
 
     def opaque(*args: Any, **kwargs: Any) -> Any:  # a wrapper that reaches the function another way
-        return patching._pre_norm_decoder_forward(*args, **kwargs)
+        return decoder._pre_norm_decoder_forward(*args, **kwargs)
 
-    opaque.__wrapped__ = patching._pre_norm_decoder_forward  # type: ignore[attr-defined]
-    assert patching._add_norm_forward_for(opaque) is None
-    assert patching._add_norm_forward_for(patching.add_norm_forward) is None  # not a stock forward
+    opaque.__wrapped__ = decoder._pre_norm_decoder_forward  # type: ignore[attr-defined]
+    assert decoder.add_norm_forward_for(opaque) is None
+    assert decoder.add_norm_forward_for(decoder.add_norm_forward) is None  # not a stock forward
 
 
 @pytest.mark.parametrize("model_type", ["llama", "gemma"])
@@ -181,7 +181,7 @@ def test_add_norm_fuses_the_post_attention_residual_add(
     with stock's loss and gradients, under gradient checkpointing too; a post-attention norm whose
     weight has another dtype takes the stock forward."""
     import fk.norms
-    from fk.hf.patching import is_pre_norm_decoder
+    from fk.hf.decoder import is_pre_norm_decoder
 
     stock = _model(model_type, device)
     assert all(is_pre_norm_decoder(layer) for layer in stock.model.layers)  # the installed transformers' forward

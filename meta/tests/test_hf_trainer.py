@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import fk.hf
-import fk.hf.patching
+import fk.hf.loss_head
 import fk.lora
 import fk.lora.patching
 
@@ -76,17 +76,20 @@ def _train(model: Any, output_dir: Path, device: str, callbacks: list[Any] | Non
 
 @pytest.fixture
 def fused_calls(monkeypatch: Any) -> list[dict[str, Any]]:
-    """Every call of fk.hf's fused causal-LM loss: its labels, ``num_items_in_batch`` and whether
-    autocast was on."""
+    """Every call of fk.hf's fused causal-LM loss in grad mode: its labels, ``num_items_in_batch``
+    and whether autocast was on. (The probe's call at patch time, under ``torch.no_grad``, is not
+    a training step's.)"""
     calls: list[dict[str, Any]] = []
-    fused = fk.hf.patching.fused_causal_lm_loss
+    fused = fk.hf.loss_head.fused_causal_lm_loss
 
     def spy(hidden_states: torch.Tensor, lm_head: Any, labels: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        if not torch.is_grad_enabled():
+            return fused(hidden_states, lm_head, labels, **kwargs)
         autocast = torch.is_autocast_enabled(hidden_states.device.type)
         calls.append({"labels": labels, "num_items_in_batch": kwargs.get("num_items_in_batch"), "autocast": autocast})
         return fused(hidden_states, lm_head, labels, **kwargs)
 
-    monkeypatch.setattr(fk.hf.patching, "fused_causal_lm_loss", spy)
+    monkeypatch.setattr(fk.hf.loss_head, "fused_causal_lm_loss", spy)
     return calls
 
 

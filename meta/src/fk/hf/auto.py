@@ -14,9 +14,8 @@ class AutoModelForCausalLM:
     keyword, ``fk_options``: a mapping of :func:`fk.hf.apply`'s switches (``{"flce": False}``;
     every switch not given is on). The switches are a separate mapping, not keywords of their
     own, because ``from_pretrained`` hands unknown keywords on to the model's config. An unknown
-    switch raises ``TypeError`` before anything is loaded; a model type fk.hf does not support
-    raises ``ValueError`` (``from_config``: before the model is built; ``from_pretrained``: once
-    the checkpoint's config is known, after loading).
+    switch raises ``TypeError`` before anything is loaded. Any model type is taken: what fk
+    cannot patch stays stock (see :func:`fk.hf.apply`'s report).
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -34,9 +33,10 @@ class AutoModelForCausalLM:
         With ``output_loading_info=True`` the returned model (first of the pair) is patched."""
         import transformers
 
-        from fk.hf import _check_switches, apply
+        from fk.hf import apply
+        from fk.hf.switches import check_switches
 
-        switches = _check_switches(dict(fk_options or {}))
+        switches = check_switches(dict(fk_options or {}))
         loaded = transformers.AutoModelForCausalLM.from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
         apply(loaded[0] if isinstance(loaded, tuple) else loaded, **switches)
         return loaded
@@ -46,10 +46,10 @@ class AutoModelForCausalLM:
         """``transformers.AutoModelForCausalLM.from_config(config, ...)``, patched with ``fk_options``."""
         import transformers
 
-        from fk.hf import _check_switches, _patch_for, apply
+        from fk.hf import apply
+        from fk.hf.switches import check_switches
 
-        switches = _check_switches(dict(fk_options or {}))
-        _patch_for(config.model_type)
+        switches = check_switches(dict(fk_options or {}))
         model = transformers.AutoModelForCausalLM.from_config(config, **kwargs)
         apply(model, **switches)
         return model

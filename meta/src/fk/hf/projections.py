@@ -15,7 +15,7 @@ Backward, with ``dy_i`` the gradient of ``y_i`` (a projection whose output got n
 Only ``x`` is saved (and the parameters, which cost nothing).
 
 fk.hf's ``qkv`` switch gives the three modules forwards that call this once (see
-:func:`fk.hf.patching.projections_forward`).
+:func:`fk.hf.blocks.projections_forward`).
 """
 
 from __future__ import annotations

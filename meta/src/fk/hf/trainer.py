@@ -39,8 +39,9 @@ from typing import Any
 
 import transformers
 
-from fk.hf import _check_switches, apply
-from fk.hf.patching import patched_modules
+from fk.hf import apply
+from fk.hf.patcher import patched_modules
+from fk.hf.switches import check_switches
 
 log = logging.getLogger("fk.hf")
 
@@ -54,17 +55,16 @@ class FkCallback(transformers.TrainerCallback):
             ``geglu``, ``rope``, ``flce``, ``lora``); every switch not given is on. An unknown name or a value that is not
             a bool raises ``TypeError`` here, before the trainer is built.
 
-    After patching, :attr:`patched` holds what :func:`fk.hf.apply` returned (None before). A model
-    type fk.hf does not support raises ``ValueError`` from the trainer's constructor.
+    After patching, :attr:`patched` holds what :func:`fk.hf.apply` returned (None before): its
+    report, also logged.
     """
 
     def __init__(self, **switches: bool) -> None:
-        self.switches = _check_switches(switches)
+        self.switches = check_switches(switches)
         self.patched: dict[str, int] | None = None
 
     def _patch(self, model: Any) -> None:
         self.patched = apply(model, **self.switches)
-        log.info("fk.hf patched %s: %s", type(model).__name__, self.patched)
 
     def on_init_end(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
         if model is not None:

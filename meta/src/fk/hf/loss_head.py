@@ -1,0 +1,262 @@
+"""The causal-LM head and its loss (the ``flce`` switch): in training with labels, the loss comes
+from :func:`fk.flce.linear_cross_entropy` on the final hidden states, without the ``[tokens, vocab]``
+logits; a tied input embedding takes the head's gradient in place."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from fk.core.forward import has_hooks
+from fk.hf.fsdp_hooks import is_dtensor, plain_linear, run_as_forward
+from fk.hf.marks import LOSS_OPTIONS, PLAN
+from fk.hf.recognize import HeadPlan
+
+
+def _keep_last(hidden_states: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
+    if isinstance(logits_to_keep, int):
+        return hidden_states[:, -logits_to_keep:, :] if logits_to_keep else hidden_states
+    try:
+        from transformers.modeling_utils import slice_logits_to_keep
+    except ImportError:  # transformers before 5.20: positions as one 1-D index, as its stock forwards
+        return hidden_states[:, logits_to_keep, :]
+    return slice_logits_to_keep(hidden_states, logits_to_keep)
+
+
+def fused_causal_lm_loss(
+    hidden_states: torch.Tensor,
+    lm_head: torch.nn.Module,
+    labels: torch.Tensor,
+    *,
+    shift_labels: torch.Tensor | None = None,
+    num_items_in_batch: torch.Tensor | int | None = None,
+    ignore_index: int = -100,
+    softcap: float | None = None,
+    options: dict[str, Any] | None = None,
+    weight: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Hugging Face's ``ForCausalLMLoss`` of ``lm_head(hidden_states)`` without the logits.
+
+    As stock: position t is scored against ``labels[:, t + 1]`` (or against ``shift_labels[:, t]``
+    when given), ``ignore_index`` labels are left out, and with ``num_items_in_batch`` the summed
+    loss is divided by it instead of by the count of scored tokens; ``softcap`` soft-caps the logits
+    first (``softcap * tanh(logits / softcap)``). Under autocast, the hidden states and head weight
+    are cast to autocast's dtype first, as stock's ``lm_head`` would. ``options`` are more keyword
+    arguments of :func:`fk.flce.linear_cross_entropy` (``memory_budget``, ``accum_dtype``; see
+    :func:`fk.hf.loss_options`). ``weight``, when given, stands for ``lm_head.weight`` (an alias of
+    it whose gradient goes elsewhere: :class:`_TiedHeadWeight`).
+    """
+    from fk.flce import linear_cross_entropy
+
+    target, shift = (shift_labels, False) if shift_labels is not None else (labels, True)
+
+    def loss_forward(head: Any, hidden: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        head_weight: torch.Tensor = head.weight if weight is None else weight
+        bias: torch.Tensor | None = getattr(head, "bias", None)
+        if is_dtensor(head_weight):
+            raise TypeError(
+                "lm_head.weight is a sharded DTensor where fk's fused loss reads it: FSDP2 unshards a "
+                "parameter only around the forward of the module fully_shard was given. Shard a tied head "
+                "with its embedding as one group, fully_shard([model.model.embed_tokens, model.lm_head]), or leave "
+                "the head to the root's fully_shard(model)"
+            )
+        device_type = hidden.device.type
+        if torch.is_autocast_enabled(device_type):
+            dtype = torch.get_autocast_dtype(device_type)
+            hidden, head_weight = hidden.to(dtype), head_weight.to(dtype)
+            bias = bias.to(dtype) if bias is not None else None
+        with torch.autocast(device_type, enabled=False):
+            loss: torch.Tensor = linear_cross_entropy(
+                hidden, head_weight, target, bias, ignore_index=ignore_index, shift=shift,
+                num_items_in_batch=num_items_in_batch, softcap=softcap, **(options or {}),
+            )  # fmt: skip
+        return loss
+
+    target = target.to(hidden_states.device)
+    if lm_head._forward_pre_hooks or lm_head._forward_hooks:  # FSDP2's (see plain_linear): run them
+        return run_as_forward(lm_head, loss_forward, hidden_states, target)
+    return loss_forward(lm_head, hidden_states, target)
+
+
+def causal_lm_forward(
+    self: Any,
+    input_ids: torch.LongTensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.LongTensor | None = None,
+    inputs_embeds: torch.Tensor | None = None,
+    labels: torch.LongTensor | None = None,
+    use_cache: bool | None = None,
+    logits_to_keep: int | torch.Tensor = 0,
+    skip_logits: bool | None = None,
+    **kwargs: Any,
+) -> Any:
+    """The causal-LM forward of Llama-form models (see :func:`fk.hf.recognize.head_candidate`), with
+    the loss from fused linear cross entropy.
+
+    Same arguments and outputs as stock, plus ``skip_logits``: when true, the loss comes from
+    :func:`fused_causal_lm_loss` and ``logits`` is None (never materialized); when false, the
+    logits are computed and the loss (if ``labels`` are given) is stock's. It defaults to true
+    exactly when the model is in training mode and ``labels`` are given, so evaluation (and
+    ``generate``) get their logits as stock. ``skip_logits=True`` without labels raises.
+    ``num_items_in_batch``, ``ignore_index`` and ``shift_labels`` are read from ``kwargs`` as
+    stock's loss reads them. The head's extras, as its plan found them in the stock forward, are
+    computed on both paths as stock computes them: ``config.final_logit_softcapping`` (Gemma 2 and
+    3), the divisor ``config.logits_scaling`` (Granite), the factor ``self.logit_scale`` (Cohere;
+    on the fused path the hidden states are scaled instead: ``(h s) W^T = (h W^T) s``), and a
+    mixture of experts' load-balancing loss (the modeling module's ``load_balancing_loss_func``,
+    times ``router_aux_loss_coef``, added where stock adds it). The cache goes to the
+    decoder under the name the installed transformers gives it (``cache`` from 5.24,
+    ``past_key_values`` before); either name is taken. ``return_dict=False`` gives a
+    tuple, as stock. A head that is not a plain ``nn.Linear`` (see :func:`plain_linear`: a
+    LoRA-wrapped or quantized head) always takes the stock path, logits included.
+
+    On the fused path the model builds no key/value cache unless the caller asks for one
+    (``use_cache=True``) or passes one: with ``config.use_cache`` true, as
+    most configs have it, stock's training forward copies every layer's keys and values into a
+    new cache that nothing reads (two concatenations a layer: 0.9 ms of a 116 ms Llama-3.2-1B
+    step on an H200, ``benchmarks/experiments/INDEX.md#e2e_probes-copies``); the cache
+    is then None in the output. (Without a cache and without an attention mask, transformers'
+    mask code looks for packed sequences in the position ids, which waits for the GPU once per
+    forward, as stock's forward does whenever it runs without a cache; with an attention mask,
+    stock's and fk's forwards both wait once in the mask code anyway.)
+
+    Also on the fused path, an input embedding tied to the head (see :func:`_tied_embedding`) is
+    looked up by :class:`_TiedEmbedding` and handed to the model as ``inputs_embeds``: its backward
+    adds the rows of the batch's tokens into the head's dense gradient, in place, and returns the
+    sum as the weight's one gradient. Stock's dense embedding gradient fills a vocabulary-sized
+    zero buffer, scatters into it, and is added whole: about 0.7 ms of a Llama-3.2-1B step on an
+    H200 (128256 x 2048), against the index-add's 0.16 ms (an embedding gradient left sparse for
+    autograd to add would cost a copy of the head's gradient more, 0.24 ms).
+    """
+    plan: HeadPlan = self.__dict__[PLAN]
+    cache = kwargs.pop("cache", None)
+    legacy_cache = kwargs.pop("past_key_values", None)
+    cache = cache if cache is not None else legacy_cache
+    if skip_logits is None:
+        skip_logits = self.training and labels is not None
+    if skip_logits and labels is None:
+        raise ValueError("skip_logits=True needs labels: without them there is nothing to compute but the logits")
+    skip_logits = skip_logits and plain_linear(self.lm_head)
+    if skip_logits and use_cache is None and cache is None:
+        use_cache = False  # (see the docstring: a cache nothing reads)
+    tied: _TiedGradient | None = None
+    if skip_logits and input_ids is not None and inputs_embeds is None and _tied_embedding(self):
+        embed, tied = self.get_input_embeddings(), _TiedGradient()
+        inputs_embeds = _TiedEmbedding.apply(input_ids, embed.weight, tied, embed.padding_idx)
+        input_ids = None
+    moe: dict[str, Any] = {}
+    router_logits = kwargs.pop("output_router_logits", None)
+    if plan.router_logits_arg:
+        moe["output_router_logits"] = self.config.output_router_logits if router_logits is None else router_logits
+    outputs = getattr(self, plan.backbone)(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, inputs_embeds=inputs_embeds,
+        use_cache=use_cache, **{plan.cache_arg: cache}, **moe, **kwargs,
+    )  # fmt: skip
+    hidden_states = _keep_last(outputs.last_hidden_state, logits_to_keep)
+    softcap = self.config.final_logit_softcapping if plan.softcap else None
+    divisor = self.config.logits_scaling if plan.divide_by_config else None
+    factor = self.logit_scale if plan.multiply_by_logit_scale else None
+    logits = loss = None
+    if skip_logits:
+        assert labels is not None
+        scaled = hidden_states if divisor is None else hidden_states / divisor
+        scaled = scaled if factor is None else scaled * factor
+        loss = fused_causal_lm_loss(
+            scaled, self.lm_head, labels, shift_labels=kwargs.get("shift_labels"),
+            num_items_in_batch=kwargs.get("num_items_in_batch"), ignore_index=kwargs.get("ignore_index", -100),
+            softcap=softcap, options=self.__dict__.get(LOSS_OPTIONS),
+            weight=_TiedHeadWeight.apply(self.lm_head.weight, tied) if tied is not None else None,
+        )  # fmt: skip
+    else:
+        logits = self.lm_head(hidden_states)
+        if divisor is not None:  # as stock computes it
+            logits = logits / divisor
+        if factor is not None:
+            logits = logits * factor
+        if softcap is not None:
+            logits = torch.tanh(logits / softcap) * softcap
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+    aux_loss = None
+    if plan.aux_loss is not None and moe.get("output_router_logits", router_logits):
+        aux_loss = plan.aux_loss(outputs.router_logits, self.num_experts, self.num_experts_per_tok, attention_mask)
+        if loss is not None:
+            loss = loss + self.router_aux_loss_coef * aux_loss.to(loss.device)
+    return _output(plan, outputs, loss=loss, logits=logits, aux_loss=aux_loss)
+
+
+def _output(plan: HeadPlan, outputs: Any, **computed: Any) -> Any:
+    """An instance of the head's output class: the ``computed`` fields it has, and every other
+    field of it taken from the decoder's ``outputs`` by name (the cache, hidden states, attentions,
+    router logits)."""
+    fields = {n: computed[n] if n in computed else getattr(outputs, n, None) for n in plan.output_fields}
+    return plan.output_class(**fields)
+
+
+def _tied_embedding(model: Any) -> bool:
+    """Whether ``model`` (a causal LM on the fused path) hands its head's gradient to its input
+    embedding (:class:`_TiedEmbedding`): the embedding is a plain ``torch.nn.Embedding`` (no
+    subclass: Gemma's scales its output) without hooks (FSDP2's unsharding), ``max_norm`` or
+    ``scale_grad_by_freq``, its weight is the head's, trainable and not sharded, and the head has
+    no hooks either. Not while ``torch.compile`` traces, nor without grad mode (no backward)."""
+    if torch.compiler.is_compiling() or not torch.is_grad_enabled():
+        return False
+    embed = model.get_input_embeddings()
+    if type(embed) is not torch.nn.Embedding or has_hooks(embed) or has_hooks(model.lm_head):
+        return False
+    if embed.max_norm is not None or embed.scale_grad_by_freq:
+        return False
+    weight = embed.weight
+    return weight is getattr(model.lm_head, "weight", None) and weight.requires_grad and not is_dtensor(weight)
+
+
+class _TiedGradient:
+    """Where the head's gradient of a tied weight waits for the embedding's backward."""
+
+    __slots__ = ("dense",)
+
+    def __init__(self) -> None:
+        self.dense: torch.Tensor | None = None
+
+
+class _TiedHeadWeight(torch.autograd.Function):
+    """The head's alias of a tied weight: its gradient (dense) is left in ``tied``, not returned.
+    The embedding's backward, which autograd runs after the loss's (the head reads what the
+    embedding made), takes it from there."""
+
+    @staticmethod
+    def forward(ctx: Any, weight: torch.Tensor, tied: _TiedGradient) -> torch.Tensor:
+        ctx.tied = tied
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None]:
+        ctx.tied.dense = grad
+        return None, None
+
+
+class _TiedEmbedding(torch.autograd.Function):
+    """``F.embedding(ids, weight, padding_idx)`` whose backward returns the weight's whole gradient:
+    the head's dense gradient left by :class:`_TiedHeadWeight`, with the rows of the looked-up tokens
+    added in place (``index_add_``; the padding index's rows get none, as F.embedding's backward)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, ids: torch.Tensor, weight: torch.Tensor, tied: _TiedGradient, padding_idx: int | None
+    ) -> torch.Tensor:
+        ctx.save_for_backward(ids)
+        ctx.tied, ctx.padding_idx, ctx.weight_shape = tied, padding_idx, weight.shape
+        return F.embedding(ids, weight, padding_idx)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor, None, None]:
+        (ids,) = ctx.saved_tensors
+        dense, ctx.tied.dense = ctx.tied.dense, None
+        flat, rows = ids.reshape(-1), grad.reshape(-1, grad.shape[-1])
+        if ctx.padding_idx is not None:
+            rows = rows.masked_fill((flat == ctx.padding_idx).unsqueeze(1), 0)
+        if dense is None:  # the head's gradient never came (nothing of the loss reached it)
+            dense = rows.new_zeros(ctx.weight_shape)
+        return None, dense.index_add_(0, flat, rows.to(dense.dtype)), None, None

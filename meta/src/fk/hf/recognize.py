@@ -1,0 +1,252 @@
+"""Recognize the blocks fk can replace by what they are, not by the model's name.
+
+Each ``*_plan`` function looks at one module (or one forward function) and answers with a plan (what
+fk's forward needs to know: a norm's epsilon attribute, casting and offset; an MLP's activation; the
+attention's rotary function; the head's extras), a :class:`Refusal` (a candidate fk will not
+patch, and why), or None (not a candidate of that kind at all). Structure proposes; the probe
+(:mod:`fk.hf.probe`) decides: every plan comes from, or is checked by, running stock and fk on a
+small input.
+
+- **Norms**: a module without children whose only parameters are a 1-D ``weight`` and ``bias``
+  (either may be absent), with no buffers, a float epsilon attribute (:data:`EPS_ATTRS`) and a
+  forward of one argument. Which norm it is (RMSNorm with offset 0 or 1, or LayerNorm) is what
+  agrees with stock on the probe; Llama's casting (normalize in fp32, cast, times weight) or
+  Gemma's (all in fp32) is the one whose reference equals stock bit for bit in bf16.
+- **Gated MLPs**: a module with ``down_proj`` and ``gate_proj`` + ``up_proj`` (or one fused
+  ``gate_up_proj``, gate first) child modules and an activation attribute (:data:`ACT_ATTRS`)
+  that computes, on a test vector, SiLU, tanh-GELU or exact GELU.
+- **Rotary embedding**: an attention forward that reads a global ``apply_rotary_pos_emb`` whose
+  signature is Hugging Face's and whose values equal fk.rope's on random q, k, cos and sin
+  (full and partial rotary).
+- **The causal-LM head**: a module with an ``lm_head`` whose forward (under transformers'
+  decorators) takes Llama's arguments and reads nothing beyond :data:`HEAD_NAMES`; what it reads
+  tells its extras (final logit softcapping, a logit scale or divisor, a mixture of experts'
+  load-balancing loss). The probe compares the model's loss, stock and fk.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import types
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+
+from fk.hf.functions import rewrapped
+
+EPS_ATTRS = ("variance_epsilon", "eps", "epsilon", "layer_norm_eps", "layer_norm_epsilon")
+"""Names a norm module keeps its epsilon under, in the order they are looked for."""
+ACT_ATTRS = ("act_fn", "activation_fn", "act", "activation")
+"""Names a gated MLP keeps its activation under."""
+ROPE_FUNCTION = "apply_rotary_pos_emb"
+ROPE_PARAMETERS = ("q", "k", "cos", "sin", "position_ids", "unsqueeze_dim")
+"""Hugging Face's ``apply_rotary_pos_emb`` parameters: the first four, then any of the last two."""
+
+
+class Refusal(NamedTuple):
+    """A candidate block fk leaves stock: the switch it would have fallen under, and why."""
+
+    kind: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class NormPlan:
+    kind: str
+    """``"rms_norm"`` or ``"layer_norm"``."""
+    eps_attr: str
+    casting_mode: str = "llama"
+    offset: float = 0.0
+
+
+@dataclass(frozen=True)
+class MlpPlan:
+    kind: str
+    """``"swiglu"`` or ``"geglu"``."""
+    activation: str
+    """fk.glu's name: ``"silu"``, ``"gelu_tanh"`` or ``"gelu"``."""
+
+
+@dataclass(frozen=True)
+class RopePlan:
+    forward: Callable[..., Any]
+    """The attention's forward with fk's rotary function (see :func:`fk.hf.blocks.rope_forward`)."""
+
+
+@dataclass(frozen=True)
+class HeadPlan:
+    backbone: str
+    """The attribute of the decoder the head's forward calls (``"model"``)."""
+    cache_arg: str
+    """What the forward and the decoder call the key/value cache: ``"cache"`` (transformers 5.24)
+    or ``"past_key_values"``."""
+    output_class: type
+    output_fields: tuple[str, ...]
+    """The output class's fields (a ``ModelOutput`` dataclass), read once here: ``torch.compile``
+    does not trace ``dataclasses.fields``."""
+    softcap: bool
+    """``logits = c * tanh(logits / c)`` with ``c = config.final_logit_softcapping`` (when set)."""
+    divide_by_config: bool
+    """``logits = logits / config.logits_scaling`` (Granite)."""
+    multiply_by_logit_scale: bool
+    """``logits = logits * self.logit_scale`` (Cohere)."""
+    router_logits_arg: bool
+    """The forward takes ``output_router_logits`` (else the config's is used, where read)."""
+    aux_loss: Callable[..., Any] | None
+    """The modeling module's ``load_balancing_loss_func``, where the forward adds it to the loss."""
+
+
+# --- norms ---------------------------------------------------------------------------------------
+
+
+def norm_candidate(module: torch.nn.Module) -> str | Refusal | None:
+    """The epsilon attribute of a norm-shaped ``module`` (see the module docstring), a Refusal,
+    or None when it is not norm-shaped."""
+    if next(module.children(), None) is not None or next(module.buffers(recurse=False), None) is not None:
+        return None
+    eps_attr = next((a for a in EPS_ATTRS if isinstance(getattr(module, a, None), float)), None)
+    if eps_attr is None:
+        return None
+    params = dict(module.named_parameters(recurse=False))
+    if set(params) - {"weight", "bias"} or any(p.ndim != 1 for p in params.values()):
+        return None
+    if isinstance(module, torch.nn.LayerNorm | torch.nn.RMSNorm) and len(module.normalized_shape) != 1:
+        return Refusal("layer_norm", "normalizes over more than the last dimension")
+    if isinstance(module, torch.nn.GroupNorm):
+        return None
+    if not takes_one_input(type(module).forward):
+        return Refusal("rms_norm", "its forward takes more than the input")
+    return eps_attr
+
+
+def takes_one_input(forward: Callable[..., Any]) -> bool:
+    """Whether ``forward`` (a module's, with ``self``) takes exactly one argument besides ``self``."""
+    try:
+        params = list(inspect.signature(forward).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return False
+    return len(params) == 1 and params[0].kind in (params[0].POSITIONAL_ONLY, params[0].POSITIONAL_OR_KEYWORD)
+
+
+# --- gated MLPs ----------------------------------------------------------------------------------
+
+_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": torch.nn.functional.silu,
+    "gelu_tanh": functools.partial(torch.nn.functional.gelu, approximate="tanh"),
+    "gelu": torch.nn.functional.gelu,
+}
+
+
+def mlp_candidate(module: torch.nn.Module) -> MlpPlan | Refusal | None:
+    """The plan of a gated MLP (see the module docstring), a Refusal, or None when ``module`` has
+    not a gated MLP's projections."""
+    children = dict(module.named_children())
+    projections = ("gate_up_proj", "down_proj") if "gate_up_proj" in children else ("gate_proj", "up_proj", "down_proj")
+    if not all(isinstance(getattr(children.get(n), "weight", None), torch.Tensor) for n in projections):
+        return None
+    if not takes_one_input(type(module).forward):
+        return Refusal("swiglu", "its forward takes more than the input")
+    act = next((getattr(module, a) for a in ACT_ATTRS if callable(getattr(module, a, None))), None)
+    if act is None:
+        return Refusal("swiglu", "no activation attribute (act_fn) found")
+    name = activation_name(act)
+    if name is None:
+        return Refusal("swiglu", f"activation {type(act).__name__}: no fk kernel")
+    return MlpPlan("swiglu" if name == "silu" else "geglu", name)
+
+
+def activation_name(act: Callable[[torch.Tensor], torch.Tensor]) -> str | None:
+    """Which of fk.glu's activations ``act`` computes on a test vector (to fp32 rounding), or None."""
+    if isinstance(act, torch.nn.Module) and next(act.parameters(), None) is not None:
+        return None
+    t = torch.linspace(-6.0, 6.0, 97, device="cpu")  # (explicit: a model built under torch.device("meta"))
+    try:
+        with torch.no_grad():
+            got = act(t)
+    except Exception:
+        return None
+    for name, fn in _ACTIVATIONS.items():
+        if isinstance(got, torch.Tensor) and got.shape == t.shape and torch.allclose(got, fn(t), atol=1e-6, rtol=1e-5):
+            return name
+    return None
+
+
+# --- rotary embedding ----------------------------------------------------------------------------
+
+
+def rope_candidate(stock: Callable[..., Any]) -> Callable[..., Any] | Refusal | None:
+    """The global rotary function an attention forward ``stock`` calls (see the module docstring),
+    a Refusal, or None when it calls none."""
+    inner = inspect.unwrap(stock)
+    if not isinstance(inner, types.FunctionType) or ROPE_FUNCTION not in inner.__code__.co_names:
+        return None
+    fn = inner.__globals__.get(ROPE_FUNCTION)
+    if not callable(fn):
+        return Refusal("rope", f"{ROPE_FUNCTION} is not a function in its module")
+    if rewrapped(stock, inner) is None:
+        return Refusal("rope", "the attention's forward is wrapped in a way fk cannot re-wrap")
+    try:
+        names = tuple(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return Refusal("rope", f"{ROPE_FUNCTION} has no signature")
+    if names[:4] != ROPE_PARAMETERS[:4] or not set(names[4:]) <= set(ROPE_PARAMETERS[4:]):
+        return Refusal("rope", f"{ROPE_FUNCTION} takes ({', '.join(names)}), not Hugging Face's arguments")
+    return fn
+
+
+# --- the causal-LM head --------------------------------------------------------------------------
+
+HEAD_ARGS = {"input_ids", "attention_mask", "position_ids", "inputs_embeds", "labels", "use_cache", "logits_to_keep"}
+"""What a causal LM's forward takes (besides ``self``, the cache and ``output_router_logits``)."""
+HEAD_NAMES = {
+    "last_hidden_state", "slice_logits_to_keep", "lm_head", "loss_function", "config", "vocab_size",
+    "cache", "past_key_values", "hidden_states", "attentions", "router_logits", "output_router_logits",
+    "to", "device", "float", "torch", "tanh", "final_logit_softcapping", "logits_scaling", "logit_scale",
+    "load_balancing_loss_func", "num_experts", "num_experts_per_tok", "router_aux_loss_coef",
+}  # fmt: skip
+"""The names Llama's causal-LM forward reads, and those of the extras fk's head computes too."""
+
+
+def head_candidate(module: torch.nn.Module) -> HeadPlan | Refusal | None:
+    """The plan of a causal LM's head (see the module docstring), a Refusal, or None when
+    ``module`` has no ``lm_head`` and ``config``."""
+    if not isinstance(getattr(module, "lm_head", None), torch.nn.Module) or not hasattr(module, "config"):
+        return None
+    inner = inspect.unwrap(type(module).forward)
+    if not isinstance(inner, types.FunctionType):
+        return Refusal("flce", "its forward is not a Python function")
+    code = inner.__code__
+    args = set(code.co_varnames[1 : code.co_argcount])
+    cache_arg = "cache" if "cache" in args else "past_key_values"
+    extra_args = args - HEAD_ARGS - {cache_arg, "output_router_logits"}
+    missing = HEAD_ARGS - args
+    if extra_args or missing:
+        differences = ", ".join([*sorted(extra_args), *(f"no {a}" for a in sorted(missing))])
+        return Refusal("flce", f"its forward takes other arguments than Llama's ({differences})")
+    backbones = [n for n in code.co_names if isinstance(getattr(module, n, None), torch.nn.Module) and n != "lm_head"]
+    outputs = [n for n in code.co_names if _is_output_class(inner.__globals__.get(n))]
+    unknown = set(code.co_names) - HEAD_NAMES - set(backbones) - set(outputs)
+    if len(backbones) != 1 or len(outputs) != 1 or unknown:
+        what = sorted(unknown) or backbones or outputs
+        return Refusal("flce", f"its forward reads what fk's head does not compute ({', '.join(what)})")
+    names = set(code.co_names)
+    aux = inner.__globals__.get("load_balancing_loss_func") if "load_balancing_loss_func" in names else None
+    return HeadPlan(
+        backbone=backbones[0], cache_arg=cache_arg, output_class=inner.__globals__[outputs[0]],
+        output_fields=tuple(f.name for f in dataclasses.fields(inner.__globals__[outputs[0]])),
+        softcap="final_logit_softcapping" in names, divide_by_config="logits_scaling" in names,
+        multiply_by_logit_scale="logit_scale" in names, router_logits_arg="output_router_logits" in args,
+        aux_loss=aux,
+    )  # fmt: skip
+
+
+def _is_output_class(obj: Any) -> bool:
+    if not isinstance(obj, type):
+        return False
+    from transformers.utils import ModelOutput
+
+    return issubclass(obj, ModelOutput)
