@@ -2,11 +2,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 import triton
 import triton.language as tl
 
-from fk.core.ops import define_autograd_op, define_op, op_namespace
+from fk.core.ops import define_autograd_op, define_op, fake_from, op_namespace
 
 
 @triton.jit
@@ -86,3 +87,22 @@ def test_autograd_op_under_compile_fullgraph(device: str) -> None:
     compiled(x).backward()
     assert x.grad is not None
     torch.testing.assert_close(x.grad, torch.ones_like(x))
+
+
+def test_fake_from_passes_the_arguments_it_names() -> None:
+    def launcher(x: torch.Tensor, factor: float, rows: int, flag: bool) -> torch.Tensor:
+        raise AssertionError("the fake never runs the launcher")
+
+    def outputs(rows: int, x: torch.Tensor) -> torch.Tensor:
+        return x.new_empty(rows)
+
+    fake = fake_from(launcher, outputs)
+    x = torch.empty(3)
+    assert fake(x, 2.0, 5, True).shape == (5,)
+    assert fake(x, 2.0, rows=4, flag=False).shape == (4,)
+
+    def stray(x: torch.Tensor, other: int) -> torch.Tensor:
+        return x
+
+    with pytest.raises(TypeError, match="other"):
+        fake_from(launcher, stray)

@@ -19,6 +19,7 @@ its own ops instead of clashing with an installed fk.
 
 from __future__ import annotations
 
+import inspect
 import re
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -52,6 +53,27 @@ def define_op(
     op = torch.library.custom_op(f"{op_namespace(module_name)}::{name}", impl, mutates_args=tuple(mutates_args))
     op.register_fake(fake)
     return op
+
+
+def fake_from(launcher: Callable[..., Any], outputs: Callable[..., Any]) -> Callable[..., Any]:
+    """The fake implementation of ``launcher``'s op, without repeating its signature.
+
+    The fake takes the op's arguments as the launcher does and calls ``outputs`` with those that
+    ``outputs`` names (by the launcher's parameter names, as keywords): a fake names only what its
+    outputs' shapes and dtypes depend on, and a launcher's long argument list is written once.
+    """
+    given = tuple(inspect.signature(launcher).parameters)
+    wanted = tuple(inspect.signature(outputs).parameters)
+    unknown = [name for name in wanted if name not in given]
+    if unknown:
+        raise TypeError(f"{outputs.__name__} names {unknown}, which {launcher.__name__} does not take")
+
+    def fake(*args: Any, **kwargs: Any) -> Any:
+        arguments = {**dict(zip(given[: len(args)], args, strict=True)), **kwargs}
+        return outputs(**{name: arguments[name] for name in wanted})
+
+    fake.__name__ = fake.__qualname__ = f"{launcher.__name__}_fake"
+    return fake
 
 
 def define_autograd_op(

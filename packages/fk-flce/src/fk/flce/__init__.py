@@ -6,11 +6,14 @@
   ``hidden @ weight.T (+ bias)`` without ever materializing the ``[tokens, vocab]`` logits.
 - :func:`vocab_parallel_linear_cross_entropy`: the same with the LM head sharded along the
   vocabulary over a process group (tensor parallelism), two small all-reduces per chunk.
+
+Both fused losses run on :mod:`fk.flce.chunks`, the chunk engine, a public module that other
+packages (fk-align) build their fused-head losses on.
 """
 
+from fk.flce.chunks import DEFAULT_MEMORY_BUDGET
 from fk.flce.cross_entropy import CrossEntropyLoss, CrossEntropyOutput, cross_entropy, cross_entropy_ref
 from fk.flce.linear_cross_entropy import (
-    DEFAULT_MEMORY_BUDGET,
     LinearCrossEntropyLoss,
     linear_cross_entropy,
     linear_cross_entropy_ref,

@@ -43,7 +43,7 @@ import triton.language as tl
 from fk.core import validate
 from fk.core.backend import uses_kernel
 from fk.core.launch import multiprocessor_count, next_power_of_2
-from fk.core.ops import define_autograd_op, mark_overwritten
+from fk.core.ops import define_autograd_op, fake_from, mark_overwritten
 
 REDUCTIONS = ("mean", "sum", "none")
 LABEL_DTYPES = (torch.int64, torch.int32)
@@ -447,17 +447,7 @@ def _cross_entropy_fwd(
 
 
 def _cross_entropy_fwd_fake(
-    logits: torch.Tensor,
-    target: torch.Tensor,
-    class_weight: torch.Tensor | None,
-    num_items: torch.Tensor | None,
-    ignore_index: int,
-    label_smoothing: float,
-    lse_square_scale: float,
-    softcap: float,
-    reduction: str,
-    store_accuracy: bool,
-    inplace_backward: bool,
+    logits: torch.Tensor, reduction: str, store_accuracy: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     rows = row_values(logits)
     reduced = rows if reduction == "none" else logits.new_empty((), dtype=torch.float32)
@@ -500,20 +490,7 @@ def _cross_entropy_bwd(
     return grad
 
 
-def _cross_entropy_bwd_fake(
-    grad_loss: torch.Tensor,
-    logits: torch.Tensor,
-    target: torch.Tensor,
-    class_weight: torch.Tensor | None,
-    lse: torch.Tensor,
-    denominator: torch.Tensor,
-    ignore_index: int,
-    label_smoothing: float,
-    lse_square_scale: float,
-    softcap: float,
-    reduction: str,
-    inplace: bool,
-) -> torch.Tensor:
+def _cross_entropy_bwd_fake(logits: torch.Tensor) -> torch.Tensor:
     return torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
 
 
@@ -543,8 +520,8 @@ def _backward(run_backward: Any, ctx: Any, grad_loss: torch.Tensor | None, *_res
 
 _cross_entropy = define_autograd_op(
     __name__, "cross_entropy",
-    forward=_cross_entropy_fwd, forward_fake=_cross_entropy_fwd_fake,
-    backward_launcher=_cross_entropy_bwd, backward_fake=_cross_entropy_bwd_fake,
+    forward=_cross_entropy_fwd, forward_fake=fake_from(_cross_entropy_fwd, _cross_entropy_fwd_fake),
+    backward_launcher=_cross_entropy_bwd, backward_fake=fake_from(_cross_entropy_bwd, _cross_entropy_bwd_fake),
     setup_context=_setup_context, backward=_backward,
 )  # fmt: skip
 # No mutates_args: the custom ops (the torch.compile path) never write in place; only the eager

@@ -1,7 +1,8 @@
 """Fused linear + cross entropy: the loss of ``hidden @ weight.T (+ bias)`` without the full logits.
 
 The ``[tokens, vocab]`` logits (and their fp32 copies) are the largest activation of LLM training.
-Here the tokens are processed in chunks whose logits fit a memory budget. For each chunk:
+Here the tokens are processed in chunks whose logits fit a memory budget, by the chunk engine of
+:mod:`fk.flce.chunks`. For each chunk:
 
 1. ``logits = h_c @ W^T (+ b)`` (one matmul, in the dtype of ``hidden``);
 2. the cross-entropy kernel of :mod:`fk.flce.cross_entropy` computes the loss and log-sum-exp of
@@ -17,9 +18,9 @@ one pass. That costs 6 N H V FLOPs in all (4 N H V with a frozen weight, whose g
 computed). With ``reduction="none"`` the upstream gradient differs per token, so the forward only
 computes the loss and the backward recomputes each chunk's logits (8 N H V FLOPs).
 
-The order of the file: the reference, the scale-and-cast kernel, the launchers registered as
-custom ops, the functional API :func:`linear_cross_entropy` and the module
-:class:`LinearCrossEntropyLoss`.
+The order of the file: the reference, the launchers registered as custom ops (the cross-entropy
+kernel on the engine's chunks; no kernel of their own), the functional API
+:func:`linear_cross_entropy` and the module :class:`LinearCrossEntropyLoss`.
 """
 
 from __future__ import annotations
@@ -28,14 +29,21 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 
 from fk.core import validate
 from fk.core.backend import uses_kernel
-from fk.core.launch import cdiv
-from fk.core.matmul import accumulate_mm, column_sum
-from fk.core.ops import define_autograd_op
+from fk.core.ops import define_autograd_op, fake_from
+from fk.flce.chunks import (
+    DEFAULT_MEMORY_BUDGET,
+    ChunkLoss,
+    backward_fakes,
+    chunk_tokens_for,
+    empty_output,
+    head_grad_fakes,
+    head_grads,
+    row_scale,
+    scale_grads,
+)
 from fk.flce.cross_entropy import (
     CrossEntropyOutput,
     LossOptions,
@@ -49,13 +57,6 @@ from fk.flce.cross_entropy import (
     mean_denominator,
     row_values,
 )
-
-DEFAULT_MEMORY_BUDGET = 4 << 30
-"""Bytes for the logits of one chunk (4 GiB: 16384 tokens of a 128256-word vocabulary in bf16).
-When all tokens fit one chunk, its logits' gradient is kept for the backward; with several
-chunks, the fp32 weight-gradient accumulator (``V * H * 4`` bytes) comes on top. The returned
-gradients come on top in both cases."""
-
 
 # --- 1. Reference ---------------------------------------------------------------------------------
 
@@ -101,69 +102,7 @@ def linear_cross_entropy_ref(
     return CrossEntropyOutput(out.loss, out.lse.reshape(rows), out.z_loss, out.accuracy.reshape(rows))  # type: ignore[union-attr]
 
 
-# --- 2. Kernel ------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _scale_cast_blocks(src_ptr, dst_ptr, scale, n_elements, BLOCK: tl.constexpr, BLOCKS: tl.constexpr):
-    """This program's ``BLOCKS`` blocks of ``dst = src * scale``."""
-    first = tl.program_id(0).to(tl.int64) * (BLOCK * BLOCKS)
-    for i in range(BLOCKS):
-        offsets = first + i * BLOCK + tl.arange(0, BLOCK)
-        mask = offsets < n_elements
-        src = tl.load(src_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-        tl.store(dst_ptr + offsets, (src * scale).to(dst_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _scale_cast_kernel(
-    src_ptr, dst_ptr, scale_ptr, n_elements, BLOCK: tl.constexpr, BLOCKS: tl.constexpr, IN_PLACE: tl.constexpr
-):
-    """dst = src * scale, rounded to dst's dtype: the weight gradient in one pass over the fp32
-    accumulator (two torch ops would write an fp32 temporary of the whole weight). In place
-    (``IN_PLACE``: dst is src), a scale of exactly 1 leaves every element as it is, so the pass is
-    skipped on the device: no host synchronization reads the scale."""
-    scale = tl.load(scale_ptr)
-    if IN_PLACE:
-        if scale != 1.0:
-            _scale_cast_blocks(src_ptr, dst_ptr, scale, n_elements, BLOCK, BLOCKS)
-    else:
-        _scale_cast_blocks(src_ptr, dst_ptr, scale, n_elements, BLOCK, BLOCKS)
-
-
-SCALE_CAST_BLOCK = 4096
-SCALE_CAST_BLOCKS = 1
-"""Blocks per program of a pass into a new tensor."""
-SCALE_CAST_BLOCKS_IN_PLACE = 4
-"""Blocks per program of a pass in place: fewer programs make a skipped pass cheaper (14 against
-43 us for the 128256 x 2048 head gradient on an H200) and a done one 3% slower
-(``benchmarks/experiments/INDEX.md#scale_cast_blocks``)."""
-
-
-def _scale_cast(
-    src: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None = None
-) -> torch.Tensor:
-    """``src * scale`` (``scale``: one fp32 value on the device) rounded to ``dtype``, into ``out``
-    (contiguous, ``src``'s shape and ``dtype``; may be ``src`` itself) or a new tensor. In place
-    this replaces ``src.mul_(scale)``, which for a bf16 ``src`` and an fp32 ``scale`` takes
-    PyTorch's generic mixed-dtype path: 1.2 ms for the 0.5 GiB head gradient of a 128256 x 2048
-    vocabulary on an H200, where this pass takes about 0.25 ms, and none when the scale is 1 (a
-    plain ``loss.backward()``). Written in place, ``src``'s version counter goes up as an in-place
-    op's would: a second backward that would read the scaled buffer raises autograd's in-place
-    error."""
-    dst = torch.empty(src.shape, dtype=dtype, device=src.device) if out is None else out
-    n = src.numel()
-    if n:
-        blocks = SCALE_CAST_BLOCKS_IN_PLACE if dst is src else SCALE_CAST_BLOCKS
-        grid = (cdiv(n, SCALE_CAST_BLOCK * blocks),)
-        _scale_cast_kernel[grid](src, dst, scale, n, BLOCK=SCALE_CAST_BLOCK, BLOCKS=blocks, IN_PLACE=dst is src,
-                                 num_warps=8)  # fmt: skip
-    if dst is src:
-        torch.autograd.graph.increment_version(src)
-    return dst
-
-
-# --- 3. Launchers, registered as custom ops -------------------------------------------------------
+# --- 2. Launchers, registered as custom ops -------------------------------------------------------
 
 # (loss, z_loss, lse, accuracy, denominator, dh, dw, db, dlogits): torch.library needs the arity spelled out.
 Outputs = tuple[
@@ -179,92 +118,34 @@ Outputs = tuple[
 ]
 
 
-def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
-    """``h @ weight.T (+ bias)`` written into ``out``."""
-    return torch.addmm(bias, h, weight.t(), out=out) if bias is not None else torch.mm(h, weight.t(), out=out)
-
-
-def _run_chunks(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
+def _cross_entropy_chunks(
     target: torch.Tensor,
     class_weight: torch.Tensor | None,
     options: LossOptions,
-    chunk_tokens: int,
-    grad_scale: torch.Tensor | None,
+    grad_scale: torch.Tensor,
     *,
     lse: torch.Tensor,
     lse_given: bool,
-    loss: torch.Tensor | None,
-    z_loss: torch.Tensor | None,
-    correct: torch.Tensor | None,
-    dh: torch.Tensor | None,
-    dw: torch.Tensor | None,
-    db: torch.Tensor | None,
-    keep_logits_grad: bool = False,
-) -> torch.Tensor | None:
-    """The chunk loop shared by the forward (loss, and the gradients when asked for) and the
-    recomputing backward of reduction "none" (``lse_given``; ``grad_scale`` per row). With
-    ``keep_logits_grad`` (one chunk only) the gradient of the logits is computed and returned."""
-    n_tokens = hidden.shape[0]
+    loss: torch.Tensor | None = None,
+    z_loss: torch.Tensor | None = None,
+    correct: torch.Tensor | None = None,
+) -> ChunkLoss:
+    """The cross-entropy kernel as each chunk's loss: in the forward (loss, and the gradient when
+    asked for) and in the recomputing backward of reduction "none" (``lse_given``; ``grad_scale``
+    per row)."""
     weight_sum = class_weight_sum(class_weight)
-    want_grad = dh is not None or dw is not None or db is not None or keep_logits_grad
-    logits = None
-    # One logits buffer for every chunk: a new one per chunk would hold two chunks at a time.
-    buffer = hidden.new_empty((min(chunk_tokens, n_tokens), weight.shape[0]))
-    for index, start in enumerate(range(0, n_tokens, chunk_tokens)):
-        end = min(start + chunk_tokens, n_tokens)
-        h = hidden[start:end]
-        logits = _chunk_logits(h, weight, bias, out=buffer[: end - start])
-        scale = grad_scale[start:end] if grad_scale is not None and grad_scale.numel() > 1 else grad_scale
+
+    def chunk_loss(logits: torch.Tensor, rows: slice, want_grad: bool) -> None:
         launch_cross_entropy(
-            logits, target[start:end], class_weight, weight_sum, options,
-            lse=lse[start:end], lse_given=lse_given,
-            loss=loss[start:end] if loss is not None else None,
-            z_loss=z_loss[start:end] if z_loss is not None else None,
-            correct=correct[start:end] if correct is not None else None,
-            grad=logits if want_grad else None, grad_scale=scale,
+            logits, target[rows], class_weight, weight_sum, options,
+            lse=lse[rows], lse_given=lse_given,
+            loss=loss[rows] if loss is not None else None,
+            z_loss=z_loss[rows] if z_loss is not None else None,
+            correct=correct[rows] if correct is not None else None,
+            grad=logits if want_grad else None, grad_scale=row_scale(grad_scale, rows),
         )  # fmt: skip
-        chunk_grads(logits, h, weight, dh[start:end] if dh is not None else None, dw, db, first=index == 0)
-    return logits if keep_logits_grad else None
 
-
-def chunk_grads(
-    logits_grad: torch.Tensor,
-    h: torch.Tensor,
-    weight: torch.Tensor,
-    dh_rows: torch.Tensor | None,
-    dw: torch.Tensor | None,
-    db: torch.Tensor | None,
-    *,
-    first: bool,
-) -> None:
-    """One chunk's share of the gradients, from its logits' gradient: ``dh_rows = dlogits @ W``,
-    ``dw (=|+=) dlogits^T @ h`` (``first``: the first chunk overwrites) and ``db += sum(dlogits)``."""
-    if dh_rows is not None:
-        torch.mm(logits_grad, weight, out=dh_rows)
-    if dw is not None:
-        accumulate_mm(dw, logits_grad.t(), h, first=first)
-    if db is not None:
-        db += column_sum(logits_grad)
-
-
-def _accum_buffers(
-    hidden: torch.Tensor, weight: torch.Tensor, compute_dh: bool, compute_dw: bool, compute_db: bool, accum_fp32: bool
-) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    dh = torch.empty_like(hidden) if compute_dh else None
-    accum = torch.float32 if accum_fp32 else weight.dtype
-    # Zeros only when no chunk will write it (no tokens); otherwise the first chunk overwrites it.
-    alloc = torch.zeros if hidden.shape[0] == 0 else torch.empty
-    dw = alloc(weight.shape, dtype=accum, device=weight.device) if compute_dw else None
-    db = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if compute_db else None
-    return dh, dw, db
-
-
-def _nothing(like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """A fresh empty tensor for an output that is not computed (a custom op's outputs may not alias)."""
-    return like.new_empty(0, dtype=dtype)
+    return chunk_loss
 
 
 def _lce_fwd(
@@ -288,46 +169,28 @@ def _lce_fwd(
 ) -> Outputs:
     """Forward launcher on 2-D ``hidden`` ``(N, H)``: returns (loss, z_loss, lse, accuracy,
     denominator, dh, dw, db, dlogits). The gradients (empty when not computed) are those of the loss
-    for an upstream gradient of 1: dw in the accumulation dtype, db in fp32; dlogits, the logits'
-    gradient, only when all tokens fit one chunk and the backward is to compute dw from it."""
+    for an upstream gradient of 1, as :func:`fk.flce.chunks.head_grads` returns them."""
     options = LossOptions(ignore_index, label_smoothing, lse_square_scale, softcap)
     lse, loss = row_values(hidden), row_values(hidden)
     z_loss = row_values(hidden) if lse_square_scale != 0 else torch.zeros_like(lse)
-    correct = row_values(hidden) if store_accuracy else _nothing(hidden, torch.float32)
+    correct = row_values(hidden) if store_accuracy else empty_output(hidden, torch.float32)
     denominator = mean_denominator(target, class_weight, ignore_index, num_items)
     grad_scale = (1.0 / denominator if reduction == "mean" else torch.ones_like(denominator)).reshape(1)
-    # All tokens in one chunk: keep the gradient of the logits and leave dW = dlogits^T @ h to the
-    # backward, which folds the upstream gradient into h (a small tensor) and writes dW once in the
-    # weight's dtype, summed in fp32 inside the matmul. Several chunks: accumulate dW here.
-    defer_dw = compute_dw and 0 < hidden.shape[0] <= chunk_tokens
-    dh, dw, db = _accum_buffers(hidden, weight, compute_dh, compute_dw and not defer_dw,
-                                compute_db and bias is not None, accum_fp32)  # fmt: skip
-    logits_grad = _run_chunks(
-        hidden, weight, bias, target, class_weight, options, chunk_tokens, grad_scale,
-        lse=lse, lse_given=False, loss=loss, z_loss=z_loss if lse_square_scale != 0 else None,
-        correct=correct if store_accuracy else None, dh=dh, dw=dw, db=db, keep_logits_grad=defer_dw,
-    )  # fmt: skip
+    chunk_loss = _cross_entropy_chunks(target, class_weight, options, grad_scale, lse=lse, lse_given=False, loss=loss,
+                                       z_loss=z_loss if lse_square_scale != 0 else None,
+                                       correct=correct if store_accuracy else None)  # fmt: skip
+    grads = head_grads(hidden, weight, bias, chunk_tokens, chunk_loss, accum_fp32, compute_dh, compute_dw, compute_db)
     if reduction == "mean":
         loss, z_loss = loss.sum() / denominator, z_loss.sum() / denominator
     elif reduction == "sum":
         loss, z_loss = loss.sum(), z_loss.sum()
-    return (loss, z_loss, lse, correct, denominator,
-            dh if dh is not None else _nothing(hidden), dw if dw is not None else _nothing(hidden),
-            db if db is not None else _nothing(hidden, torch.float32),
-            logits_grad if logits_grad is not None else _nothing(hidden))  # fmt: skip
+    return (loss, z_loss, lse, correct, denominator, *grads)
 
 
 def _lce_fwd_fake(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
-    target: torch.Tensor,
-    class_weight: torch.Tensor | None,
-    num_items: torch.Tensor | None,
-    ignore_index: int,
-    label_smoothing: float,
-    lse_square_scale: float,
-    softcap: float,
     reduction: str,
     store_accuracy: bool,
     chunk_tokens: int,
@@ -340,31 +203,8 @@ def _lce_fwd_fake(
     reduced = torch.empty_like(rows) if reduction == "none" else rows.new_empty(())
     return (
         reduced, torch.empty_like(reduced), torch.empty_like(rows),
-        torch.empty_like(rows) if store_accuracy else _nothing(hidden, torch.float32), rows.new_empty(()),
-        *forward_grad_fakes(hidden, weight, bias, chunk_tokens, accum_fp32, compute_dh, compute_dw, compute_db),
-    )  # fmt: skip
-
-
-def forward_grad_fakes(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    chunk_tokens: int,
-    accum_fp32: bool,
-    compute_dh: bool,
-    compute_dw: bool,
-    compute_db: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Fake (dh, dw, db, dlogits) of a forward launcher that computes the gradients (see
-    :func:`_lce_fwd`): dw in the accumulation dtype unless dlogits is kept for the backward."""
-    accum = torch.float32 if accum_fp32 else weight.dtype
-    defer_dw = compute_dw and 0 < hidden.shape[0] <= chunk_tokens
-    return (
-        torch.empty_like(hidden) if compute_dh else _nothing(hidden),
-        weight.new_empty(weight.shape, dtype=accum) if compute_dw and not defer_dw else _nothing(hidden),
-        hidden.new_empty(weight.shape[0], dtype=torch.float32) if compute_db and bias is not None
-        else _nothing(hidden, torch.float32),
-        hidden.new_empty((hidden.shape[0], weight.shape[0])) if defer_dw else _nothing(hidden),
+        torch.empty_like(rows) if store_accuracy else empty_output(hidden, torch.float32), rows.new_empty(()),
+        *head_grad_fakes(hidden, weight, bias, chunk_tokens, accum_fp32, compute_dh, compute_dw, compute_db),
     )  # fmt: skip
 
 
@@ -394,82 +234,20 @@ def _lce_bwd(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward launcher: (dh, dw, db), each an empty tensor when not needed.
 
-    ``precomputed``: the forward computed the gradients for an upstream gradient of 1 (reductions
-    "mean" and "sum"); scale them by ``grad_loss`` (dW: from the fp32 accumulator in one pass, or
-    from the kept ``logits_grad`` as ``logits_grad^T @ (grad_loss * h)``). Otherwise (reduction
-    "none") recompute each chunk's logits and scale each row's gradient by its own upstream
-    gradient. ``inplace`` (eager mode only): dh, and a weight gradient accumulated in the weight's
-    dtype, are scaled in their own buffers instead of new ones.
+    ``precomputed`` (reductions "mean" and "sum"): the forward's gradients scaled by ``grad_loss``
+    (:func:`fk.flce.chunks.scale_grads`, which says what ``inplace`` does). Otherwise (reduction
+    "none") each chunk's logits are recomputed and each row's gradient scaled by its own upstream
+    gradient (:func:`fk.flce.chunks.head_grads` with ``recompute``).
     """
     if not precomputed:
         options = LossOptions(ignore_index, label_smoothing, lse_square_scale, softcap)
-        grad_scale = grad_loss.float().reshape(-1).contiguous()
-        dh_saved, dw_saved, db_saved = (
-            t if t is not None else _nothing(hidden)
-            for t in _accum_buffers(hidden, weight, need_dh, need_dw, need_db and bias is not None, accum_fp32)
-        )
-        _run_chunks(
-            hidden, weight, bias, target, class_weight, options, chunk_tokens, grad_scale,
-            lse=lse, lse_given=True, loss=None, z_loss=None, correct=None,
-            dh=dh_saved if need_dh else None, dw=dw_saved if need_dw else None,
-            db=db_saved if need_db and bias is not None else None,
-        )  # fmt: skip
+        chunk_loss = _cross_entropy_chunks(target, class_weight, options, grad_loss.float().reshape(-1).contiguous(),
+                                           lse=lse, lse_given=True)  # fmt: skip
+        dh_saved, dw_saved, db_saved, _ = head_grads(hidden, weight, bias, chunk_tokens, chunk_loss, accum_fp32,
+                                                     need_dh, need_dw, need_db, recompute=True)  # fmt: skip
         grad_loss = torch.ones((), dtype=torch.float32, device=hidden.device)
-    scale = grad_loss.float().reshape(1)
-    if not need_dh:
-        dh = _nothing(hidden)
-    elif inplace:  # our own buffer: scaled where it is, without an fp32 temporary
-        dh = _scale_cast(dh_saved, scale, dh_saved.dtype, out=dh_saved)
-    else:
-        dh = (dh_saved * scale).to(hidden.dtype)
-    if not need_dw:
-        dw = _nothing(hidden)
-    elif logits_grad.numel():
-        dw = torch.mm(logits_grad.t(), (hidden * scale).to(hidden.dtype))
-    elif inplace and dw_saved.dtype == weight.dtype:
-        dw = _scale_cast(dw_saved, scale, weight.dtype, out=dw_saved)
-    else:
-        dw = _scale_cast(dw_saved, scale, weight.dtype)
-    db = (db_saved * scale).to(bias.dtype) if need_db and bias is not None else _nothing(hidden)
-    return dh, dw, db
-
-
-def _lce_bwd_fake(
-    grad_loss: torch.Tensor,
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    target: torch.Tensor,
-    class_weight: torch.Tensor | None,
-    lse: torch.Tensor,
-    dh_saved: torch.Tensor,
-    dw_saved: torch.Tensor,
-    db_saved: torch.Tensor,
-    logits_grad: torch.Tensor,
-    ignore_index: int,
-    label_smoothing: float,
-    lse_square_scale: float,
-    softcap: float,
-    chunk_tokens: int,
-    accum_fp32: bool,
-    need_dh: bool,
-    need_dw: bool,
-    need_db: bool,
-    precomputed: bool,
-    inplace: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return backward_fakes(hidden, weight, bias, need_dh, need_dw, need_db)
-
-
-def backward_fakes(
-    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, need_dh: bool, need_dw: bool, need_db: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Fake (dh, dw, db) of a backward launcher, each an empty tensor when not needed."""
-    return (
-        torch.empty_like(hidden) if need_dh else _nothing(hidden),
-        torch.empty_like(weight) if need_dw else _nothing(hidden),
-        torch.empty_like(bias) if need_db and bias is not None else _nothing(hidden),
-    )
+    return scale_grads(grad_loss, hidden, weight, bias, dh_saved, dw_saved, db_saved, logits_grad,
+                       need_dh, need_dw, need_db, inplace)  # fmt: skip
 
 
 _N_INPUTS = 17
@@ -496,7 +274,7 @@ def _backward(run_backward: Any, ctx: Any, grad_loss: torch.Tensor | None, *_res
         return (None, None, None, *none)
     if ctx.precomputed:
         hidden, weight, bias, dh, dw, db, logits_grad = ctx.saved_tensors
-        target, class_weight, lse = hidden.new_empty(0, dtype=torch.long), None, _nothing(hidden, torch.float32)
+        target, class_weight, lse = hidden.new_empty(0, dtype=torch.long), None, empty_output(hidden, torch.float32)
     else:
         hidden, weight, bias, target, class_weight, lse = ctx.saved_tensors
         dh = dw = db = logits_grad = hidden.new_empty(0)
@@ -509,35 +287,13 @@ def _backward(run_backward: Any, ctx: Any, grad_loss: torch.Tensor | None, *_res
 
 _linear_cross_entropy = define_autograd_op(
     __name__, "linear_cross_entropy",
-    forward=_lce_fwd, forward_fake=_lce_fwd_fake,
-    backward_launcher=_lce_bwd, backward_fake=_lce_bwd_fake,
+    forward=_lce_fwd, forward_fake=fake_from(_lce_fwd, _lce_fwd_fake),
+    backward_launcher=_lce_bwd, backward_fake=fake_from(_lce_bwd, backward_fakes),
     setup_context=_setup_context, backward=_backward,
 )  # fmt: skip
 
 
-# --- 4. Functional API ----------------------------------------------------------------------------
-
-
-CHUNK_ALIGN = 128
-"""Balanced chunks are a multiple of this many tokens: whole tiles of the chunk matmuls."""
-
-
-def chunk_tokens_for(memory_budget: int, n_classes: int, itemsize: int, n_tokens: int | None = None) -> int:
-    """Tokens per chunk so that a chunk of logits fits ``memory_budget`` bytes (at least 1; a
-    multiple of 8 when more than 8, which keeps the matmuls aligned).
-
-    Given ``n_tokens`` (more than one chunk holds), the chunks are balanced: as many chunks as the
-    budget needs, of equal size rounded up to a multiple of :data:`CHUNK_ALIGN` where that still
-    fits the budget. 8192 tokens of a 128256-word vocabulary in bf16 with 256 MiB: 8 chunks of
-    1024 tokens rather than 7 of 1040 and one of 912, whose rows fill no whole matmul tile.
-    """
-    most = max(1, memory_budget // max(1, n_classes * itemsize))
-    most = most - most % 8 if most > 8 else most
-    if n_tokens is None or n_tokens <= most:
-        return most
-    even = cdiv(n_tokens, cdiv(n_tokens, most))
-    aligned = cdiv(even, CHUNK_ALIGN) * CHUNK_ALIGN
-    return aligned if aligned <= most else most
+# --- 3. Functional API ----------------------------------------------------------------------------
 
 
 def check_inputs(
@@ -676,7 +432,7 @@ def linear_cross_entropy(
                               out.accuracy if return_accuracy else None)  # fmt: skip
 
 
-# --- 5. Module ------------------------------------------------------------------------------------
+# --- 4. Module ------------------------------------------------------------------------------------
 
 
 class LinearCrossEntropyLoss(torch.nn.Module):

@@ -3,8 +3,8 @@
 Tensor parallelism splits the head ``W`` (V, H) by rows over the ranks of a process group: rank r
 holds ``W_r``, the rows ``[o_r, o_r + V_r)`` of the vocabulary, and every rank holds the same hidden
 states ``h`` (N, H) and labels. No rank ever holds the full weight or the full logits. Each rank
-streams its own logits ``z^r = h W_r^T (+ b_r)`` in token chunks, as
-:mod:`fk.flce.linear_cross_entropy` does, and per chunk:
+streams its own logits ``z^r = h W_r^T (+ b_r)`` in token chunks, on the chunk engine of
+:mod:`fk.flce.chunks` as :mod:`fk.flce.linear_cross_entropy` does, and per chunk:
 
 1. the cross-entropy kernel (its ``SHARDED`` mode) gives each row's shard-local log-sum-exp
    ``lse_r``, the label's logit ``z_y`` when the label lies in the shard (0 otherwise: a label
@@ -43,20 +43,20 @@ import torch.nn.functional as F
 from fk.core import validate
 from fk.core.backend import uses_kernel
 from fk.core.launch import cdiv
-from fk.core.ops import define_autograd_op
-from fk.flce.cross_entropy import CrossEntropyOutput, LossOptions, launch_cross_entropy, mean_denominator, row_values
-from fk.flce.linear_cross_entropy import (
+from fk.core.ops import define_autograd_op, fake_from
+from fk.flce.chunks import (
     DEFAULT_MEMORY_BUDGET,
-    _accum_buffers,
-    _chunk_logits,
-    _lce_bwd,
-    _nothing,
+    ChunkLoss,
     backward_fakes,
-    check_inputs,
-    chunk_grads,
     chunk_tokens_for,
-    forward_grad_fakes,
+    empty_output,
+    head_grad_fakes,
+    head_grads,
+    row_scale,
+    scale_grads,
 )
+from fk.flce.cross_entropy import CrossEntropyOutput, LossOptions, launch_cross_entropy, mean_denominator, row_values
+from fk.flce.linear_cross_entropy import check_inputs
 
 # Shard-local label codes the kernel sees (a label in the shard is its row in [0, V_r)).
 IGNORED = -1  # the caller's ignore_index (given to the kernel as its ignore_index)
@@ -183,52 +183,36 @@ def _combine_shards(lse: torch.Tensor, z_y: torch.Tensor, sum_z: torch.Tensor | 
         sum_z.copy_(parts[2])
 
 
-def _run_shard_chunks(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
+def _shard_chunks(
     target: torch.Tensor,
     options: LossOptions,
     vocab_size: int,
     group: Any,
-    chunk_tokens: int,
-    grad_scale: torch.Tensor | None,
+    grad_scale: torch.Tensor,
     *,
     lse: torch.Tensor,
     lse_given: bool,
-    z_y: torch.Tensor | None,
-    sum_z: torch.Tensor | None,
-    dh: torch.Tensor | None,
-    dw: torch.Tensor | None,
-    db: torch.Tensor | None,
-    keep_logits_grad: bool = False,
-) -> torch.Tensor | None:
-    """The chunk loop of the forward (lse combined across ranks per chunk, then the gradients when
-    asked for) and of the recomputing backward of reduction "none" (``lse_given``, ``grad_scale``
-    per row). ``dh`` is summed over the ranks at the end. With ``keep_logits_grad`` (one chunk
-    only) the gradient of the shard's logits is returned."""
-    n_tokens = hidden.shape[0]
-    total = torch.full((1,), float(vocab_size), dtype=torch.float32, device=hidden.device)
-    want_grad = dh is not None or dw is not None or db is not None or keep_logits_grad
-    logits = None
-    buffer = hidden.new_empty((min(chunk_tokens, n_tokens), weight.shape[0]))
-    for index, start in enumerate(range(0, n_tokens, chunk_tokens)):
-        end = min(start + chunk_tokens, n_tokens)
-        h, t = hidden[start:end], target[start:end]
-        logits = _chunk_logits(h, weight, bias, out=buffer[: end - start])
+    z_y: torch.Tensor | None = None,
+    sum_z: torch.Tensor | None = None,
+) -> ChunkLoss:
+    """The cross-entropy kernel, in its sharded mode, as each chunk's loss: in the forward (the
+    chunk's lse, z_y and sum_z combined across the ranks, then the gradient when asked for) and in
+    the recomputing backward of reduction "none" (``lse_given``, ``grad_scale`` per row). The
+    partial ``dh`` that the chunks give is summed over the ranks by the caller."""
+    total = torch.full((1,), float(vocab_size), dtype=torch.float32, device=lse.device)
+
+    def chunk_loss(logits: torch.Tensor, rows: slice, want_grad: bool) -> None:
+        t = target[rows]
         if not lse_given:
             assert z_y is not None
-            launch_cross_entropy(logits, t, None, total, options, lse=lse[start:end], loss=z_y[start:end],
-                                 z_loss=sum_z[start:end] if sum_z is not None else None, sharded=True)  # fmt: skip
-            _combine_shards(lse[start:end], z_y[start:end], sum_z[start:end] if sum_z is not None else None, t, group)
+            launch_cross_entropy(logits, t, None, total, options, lse=lse[rows], loss=z_y[rows],
+                                 z_loss=sum_z[rows] if sum_z is not None else None, sharded=True)  # fmt: skip
+            _combine_shards(lse[rows], z_y[rows], sum_z[rows] if sum_z is not None else None, t, group)
         if want_grad:
-            scale = grad_scale[start:end] if grad_scale is not None and grad_scale.numel() > 1 else grad_scale
-            launch_cross_entropy(logits, t, None, total, options, lse=lse[start:end], lse_given=True,
-                                 grad=logits, grad_scale=scale, sharded=True)  # fmt: skip
-            chunk_grads(logits, h, weight, dh[start:end] if dh is not None else None, dw, db, first=index == 0)
-    if dh is not None:
-        dist.all_reduce(dh, group=group)
-    return logits if keep_logits_grad else None
+            launch_cross_entropy(logits, t, None, total, options, lse=lse[rows], lse_given=True,
+                                 grad=logits, grad_scale=row_scale(grad_scale, rows), sharded=True)  # fmt: skip
+
+    return chunk_loss
 
 
 def _token_losses(
@@ -264,41 +248,30 @@ def _vp_fwd(
     compute_db: bool,
 ) -> Outputs:
     """Forward launcher on 2-D ``hidden`` and shard-local labels ``target`` (the codes above):
-    (loss, z_loss, lse, dh, dw, db, dlogits), the gradients as in ``linear_cross_entropy``'s
-    forward launcher (for an upstream gradient of 1; dh already summed over the ranks)."""
+    (loss, z_loss, lse, dh, dw, db, dlogits), the gradients as :func:`fk.flce.chunks.head_grads`
+    returns them (for an upstream gradient of 1; dh already summed over the ranks)."""
     options = LossOptions(IGNORED, label_smoothing, lse_square_scale, softcap)
     lse, z_y = row_values(hidden), row_values(hidden)
     sum_z = row_values(hidden) if label_smoothing > 0 else None
     grad_scale = (1.0 / denominator if reduction == "mean" else torch.ones_like(denominator)).reshape(1)
-    defer_dw = compute_dw and 0 < hidden.shape[0] <= chunk_tokens
-    dh, dw, db = _accum_buffers(hidden, weight, compute_dh, compute_dw and not defer_dw,
-                                compute_db and bias is not None, accum_fp32)  # fmt: skip
-    logits_grad = _run_shard_chunks(
-        hidden, weight, bias, target, options, vocab_size, _group(group_name), chunk_tokens, grad_scale,
-        lse=lse, lse_given=False, z_y=z_y, sum_z=sum_z, dh=dh, dw=dw, db=db, keep_logits_grad=defer_dw,
-    )  # fmt: skip
+    group = _group(group_name)
+    chunk_loss = _shard_chunks(target, options, vocab_size, group, grad_scale, lse=lse, lse_given=False, z_y=z_y,
+                               sum_z=sum_z)  # fmt: skip
+    grads = head_grads(hidden, weight, bias, chunk_tokens, chunk_loss, accum_fp32, compute_dh, compute_dw, compute_db)
+    if compute_dh:
+        dist.all_reduce(grads[0], group=group)
     loss, z_loss = _token_losses(lse, z_y, sum_z, target, options, vocab_size)
     if reduction == "mean":
         loss, z_loss = loss.sum() / denominator, z_loss.sum() / denominator
     elif reduction == "sum":
         loss, z_loss = loss.sum(), z_loss.sum()
-    return (loss, z_loss, lse,
-            dh if dh is not None else _nothing(hidden), dw if dw is not None else _nothing(hidden),
-            db if db is not None else _nothing(hidden, torch.float32),
-            logits_grad if logits_grad is not None else _nothing(hidden))  # fmt: skip
+    return (loss, z_loss, lse, *grads)
 
 
 def _vp_fwd_fake(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
-    target: torch.Tensor,
-    denominator: torch.Tensor,
-    group_name: str,
-    vocab_size: int,
-    label_smoothing: float,
-    lse_square_scale: float,
-    softcap: float,
     reduction: str,
     chunk_tokens: int,
     accum_fp32: bool,
@@ -309,7 +282,7 @@ def _vp_fwd_fake(
     rows = row_values(hidden)
     reduced = torch.empty_like(rows) if reduction == "none" else rows.new_empty(())
     return (reduced, torch.empty_like(reduced), torch.empty_like(rows),
-            *forward_grad_fakes(hidden, weight, bias, chunk_tokens, accum_fp32, compute_dh, compute_dw, compute_db))  # fmt: skip
+            *head_grad_fakes(hidden, weight, bias, chunk_tokens, accum_fp32, compute_dh, compute_dw, compute_db))  # fmt: skip
 
 
 def _vp_bwd(
@@ -337,50 +310,22 @@ def _vp_bwd(
     inplace: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward launcher: (dh, dw, db). ``precomputed`` (reductions "mean" and "sum"): the forward's
-    gradients scaled by ``grad_loss``, exactly as ``linear_cross_entropy`` does. Otherwise
+    gradients scaled by ``grad_loss`` (:func:`fk.flce.chunks.scale_grads`). Otherwise
     (reduction "none") each chunk's logits are recomputed and its rows scaled by their own
     upstream gradient, from the saved (global) lse: no collective but the final one over dh."""
     if not precomputed:
         options = LossOptions(IGNORED, label_smoothing, lse_square_scale, softcap)
-        dh, dw, db = _accum_buffers(hidden, weight, need_dh, need_dw, need_db and bias is not None, accum_fp32)
-        _run_shard_chunks(
-            hidden, weight, bias, target, options, vocab_size, _group(group_name), chunk_tokens,
-            grad_loss.float().reshape(-1).contiguous(), lse=lse, lse_given=True, z_y=None, sum_z=None,
-            dh=dh, dw=dw, db=db,
-        )  # fmt: skip
-        dh_saved, dw_saved, db_saved = (t if t is not None else _nothing(hidden) for t in (dh, dw, db))
+        group = _group(group_name)
+        chunk_loss = _shard_chunks(target, options, vocab_size, group, grad_loss.float().reshape(-1).contiguous(),
+                                   lse=lse, lse_given=True)  # fmt: skip
+        dh_saved, dw_saved, db_saved, _ = head_grads(hidden, weight, bias, chunk_tokens, chunk_loss, accum_fp32,
+                                                     need_dh, need_dw, need_db, recompute=True)  # fmt: skip
+        if need_dh:
+            dist.all_reduce(dh_saved, group=group)
         grad_loss = torch.ones((), dtype=torch.float32, device=hidden.device)
         inplace = True  # our own buffers
-    return _lce_bwd(grad_loss, hidden, weight, bias, target, None, lse, dh_saved, dw_saved, db_saved, logits_grad,
-                    IGNORED, label_smoothing, lse_square_scale, softcap, chunk_tokens, accum_fp32,
-                    need_dh, need_dw, need_db, True, inplace)  # fmt: skip
-
-
-def _vp_bwd_fake(
-    grad_loss: torch.Tensor,
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    target: torch.Tensor,
-    lse: torch.Tensor,
-    dh_saved: torch.Tensor,
-    dw_saved: torch.Tensor,
-    db_saved: torch.Tensor,
-    logits_grad: torch.Tensor,
-    group_name: str,
-    vocab_size: int,
-    label_smoothing: float,
-    lse_square_scale: float,
-    softcap: float,
-    chunk_tokens: int,
-    accum_fp32: bool,
-    need_dh: bool,
-    need_dw: bool,
-    need_db: bool,
-    precomputed: bool,
-    inplace: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return backward_fakes(hidden, weight, bias, need_dh, need_dw, need_db)
+    return scale_grads(grad_loss, hidden, weight, bias, dh_saved, dw_saved, db_saved, logits_grad,
+                       need_dh, need_dw, need_db, inplace)  # fmt: skip
 
 
 _N_INPUTS = 16
@@ -407,7 +352,7 @@ def _backward(run_backward: Any, ctx: Any, grad_loss: torch.Tensor | None, *_res
         return (None, None, None, *none)
     if ctx.precomputed:
         hidden, weight, bias, dh, dw, db, logits_grad = ctx.saved_tensors
-        target, lse = hidden.new_empty(0, dtype=torch.long), _nothing(hidden, torch.float32)
+        target, lse = hidden.new_empty(0, dtype=torch.long), empty_output(hidden, torch.float32)
     else:
         hidden, weight, bias, target, lse = ctx.saved_tensors
         dh = dw = db = logits_grad = hidden.new_empty(0)
@@ -419,8 +364,8 @@ def _backward(run_backward: Any, ctx: Any, grad_loss: torch.Tensor | None, *_res
 
 _vocab_parallel_linear_cross_entropy = define_autograd_op(
     __name__, "vocab_parallel_linear_cross_entropy",
-    forward=_vp_fwd, forward_fake=_vp_fwd_fake,
-    backward_launcher=_vp_bwd, backward_fake=_vp_bwd_fake,
+    forward=_vp_fwd, forward_fake=fake_from(_vp_fwd, _vp_fwd_fake),
+    backward_launcher=_vp_bwd, backward_fake=fake_from(_vp_bwd, backward_fakes),
     setup_context=_setup_context, backward=_backward,
 )  # fmt: skip
 
