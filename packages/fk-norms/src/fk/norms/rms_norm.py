@@ -71,7 +71,7 @@ def rms_norm_ref(
 
 # --- 2. Kernels -----------------------------------------------------------------------------------
 #
-# Notation, per row of H elements: r = 1 / sqrt(mean(x^2) + eps) (saved by the forward, fp32),
+# Notation, per row of H elements: r = 1 / sqrt(mean(x^2) + eps) (rstd: saved by the forward, fp32),
 # xhat = x * r, s = offset + w, y = xhat * s.
 #
 # Backward, with g = dy * s:
@@ -82,9 +82,10 @@ def rms_norm_ref(
 # treats a dtype cast; the kernels use the unrounded fp32 xhat, which is closer to exact.
 #
 # The same two kernels serve FusedAddRMSNorm (fused_add_rms_norm.py): with HAS_RESIDUAL the forward
-# normalizes s = x + r and writes s out; with HAS_DRES the backward adds the gradient of that
-# output, dx = dres + r * (g - xhat * c). dx may be written over dy (in_place_backward): each
-# element of dy is read before the dx of the same element is written, by the same program.
+# normalizes x + residual (rounded to x's dtype) and writes it out, the new residual; with HAS_DRES
+# the backward adds the gradient of that output, dx = dres + r * (g - xhat * c). dx may be written
+# over dy (in_place_backward): each element of dy is read before the dx of the same element is
+# written, by the same program.
 #
 # The weight gradient is a column sum over all rows. The backward runs a persistent grid: program p
 # strides over row tiles p, p+P, ... and keeps its share of dw in fp32 registers (or, for rows too
@@ -94,31 +95,31 @@ def rms_norm_ref(
 
 
 @triton.jit
-def _add_residual(x, r_ptrs, s_ptrs, mask):
-    """s = x + r rounded to x's dtype (as ``residual = residual + hidden_states`` in PyTorch); stores
-    s at ``s_ptrs`` and returns it. ``s_ptrs`` may equal ``r_ptrs``: each element is read, then
-    written, by the same thread."""
-    s = (x.to(tl.float32) + tl.load(r_ptrs, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
-    tl.store(s_ptrs, s, mask=mask)
-    return s
+def _add_residual(x, residual_ptrs, residual_out_ptrs, mask):
+    """x + residual rounded to x's dtype (as ``residual = residual + hidden_states`` in PyTorch):
+    stores it at ``residual_out_ptrs`` and returns it. ``residual_out_ptrs`` may equal
+    ``residual_ptrs``: each element is read, then written, by the same thread."""
+    new_residual = (x.to(tl.float32) + tl.load(residual_ptrs, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
+    tl.store(residual_out_ptrs, new_residual, mask=mask)
+    return new_residual
 
 
 @triton.jit
 def _rms_norm_fwd_kernel(
     x_ptr,  # [M, H] input, row stride x_row_stride, unit column stride
-    r_ptr,  # [M, H] residual, row stride r_row_stride (unused when HAS_RESIDUAL is False)
-    s_ptr,  # [M, H] output x + r in x's dtype, row stride s_row_stride; may be r_ptr (in place)
+    residual_ptr,  # [M, H] residual, row stride residual_row_stride (unused when HAS_RESIDUAL is False)
+    residual_out_ptr,  # [M, H] output x + residual, row stride residual_out_row_stride; may be residual_ptr
     w_ptr,  # [H] weight (unused when HAS_WEIGHT is False)
     y_ptr,  # [M, H] output, contiguous
     rstd_ptr,  # [M] fp32 output: 1 / sqrt(mean(x^2) + eps), saved for the backward
     n_rows,
     n_cols,
     x_row_stride,
-    r_row_stride,
-    s_row_stride,
+    residual_row_stride,
+    residual_out_row_stride,
     eps,
     offset,
-    HAS_RESIDUAL: tl.constexpr,  # normalize s = x + r (rounded to x's dtype) and write s out
+    HAS_RESIDUAL: tl.constexpr,  # normalize x + residual (rounded to x's dtype) and write it out
     HAS_WEIGHT: tl.constexpr,
     GEMMA: tl.constexpr,  # all-fp32 product (gemma) instead of rounding xhat first (llama)
     BLOCK_COLS: tl.constexpr,
@@ -128,15 +129,15 @@ def _rms_norm_fwd_kernel(
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_mask = rows < n_rows
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * x_row_stride
-    r_rows = r_ptr + rows.to(tl.int64)[:, None] * r_row_stride
-    s_rows = s_ptr + rows.to(tl.int64)[:, None] * s_row_stride
+    residual_rows = residual_ptr + rows.to(tl.int64)[:, None] * residual_row_stride
+    residual_out_rows = residual_out_ptr + rows.to(tl.int64)[:, None] * residual_out_row_stride
     y_rows = y_ptr + rows.to(tl.int64)[:, None] * n_cols
     cols = tl.arange(0, BLOCK_COLS)
     if not LOOPED:
         mask = row_mask[:, None] & (cols < n_cols)[None, :]
         x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0)
         if HAS_RESIDUAL:
-            x = _add_residual(x, r_rows + cols[None, :], s_rows + cols[None, :], mask)
+            x = _add_residual(x, residual_rows + cols[None, :], residual_out_rows + cols[None, :], mask)
         x = x.to(tl.float32)
         rstd = tl.rsqrt(tl.sum(x * x, axis=1) / n_cols + eps)
         tl.store(rstd_ptr + rows, rstd, mask=row_mask)
@@ -150,32 +151,33 @@ def _rms_norm_fwd_kernel(
     else:
         sum_sq = tl.zeros([ROWS, BLOCK_COLS], dtype=tl.float32)
         for start in range(0, n_cols, BLOCK_COLS):
-            c = start + cols
-            mask = row_mask[:, None] & (c < n_cols)[None, :]
-            x = tl.load(x_rows + c[None, :], mask=mask, other=0.0)
+            c_idx = start + cols
+            mask = row_mask[:, None] & (c_idx < n_cols)[None, :]
+            x = tl.load(x_rows + c_idx[None, :], mask=mask, other=0.0)
             if HAS_RESIDUAL:
-                x = _add_residual(x, r_rows + c[None, :], s_rows + c[None, :], mask)
+                x = _add_residual(x, residual_rows + c_idx[None, :], residual_out_rows + c_idx[None, :], mask)
             x = x.to(tl.float32)
             sum_sq += x * x
         rstd = tl.rsqrt(tl.sum(sum_sq, axis=1) / n_cols + eps)
         tl.store(rstd_ptr + rows, rstd, mask=row_mask)
         if HAS_RESIDUAL:
-            # Pass 2 reads back the s this program has just written (from L2), not x and r.
+            # Pass 2 reads back the new residual this program has just written (from L2), not x and
+            # the residual.
             tl.debug_barrier()
         for start in range(0, n_cols, BLOCK_COLS):
-            c = start + cols
-            mask = row_mask[:, None] & (c < n_cols)[None, :]
+            c_idx = start + cols
+            mask = row_mask[:, None] & (c_idx < n_cols)[None, :]
             if HAS_RESIDUAL:
-                x = tl.load(s_rows + c[None, :], mask=mask, other=0.0).to(tl.float32)
+                x = tl.load(residual_out_rows + c_idx[None, :], mask=mask, other=0.0).to(tl.float32)
             else:
-                x = tl.load(x_rows + c[None, :], mask=mask, other=0.0).to(tl.float32)
+                x = tl.load(x_rows + c_idx[None, :], mask=mask, other=0.0).to(tl.float32)
             xhat = x * rstd[:, None]
             if HAS_WEIGHT:
-                s = tl.load(w_ptr + c, mask=c < n_cols, other=0.0).to(tl.float32) + offset
+                s = tl.load(w_ptr + c_idx, mask=c_idx < n_cols, other=0.0).to(tl.float32) + offset
                 if not GEMMA:
                     xhat = xhat.to(x_ptr.dtype.element_ty).to(tl.float32)
                 xhat = xhat * s[None, :]
-            tl.store(y_rows + c[None, :], xhat.to(y_ptr.dtype.element_ty), mask=mask)
+            tl.store(y_rows + c_idx[None, :], xhat.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -437,13 +439,13 @@ def launch_forward(
     n_rows = x_rows.shape[0]
     if n_rows == 0:
         return y, rstd
-    r_rows = as_rows(residual) if residual is not None else x_rows
-    s_rows = residual_out if residual_out is not None else x_rows
+    residual_rows = as_rows(residual) if residual is not None else x_rows
+    residual_out_rows = residual_out if residual_out is not None else x_rows
     tiling = _fwd_tiling(n_cols, residual is not None)
     grid = (cdiv(n_rows, tiling.rows_per_tile),)
     _rms_norm_fwd_kernel[grid](
-        x_rows, r_rows, s_rows, weight if weight is not None else x_rows, y, rstd,
-        n_rows, n_cols, x_rows.stride(0), r_rows.stride(0), s_rows.stride(0), eps, offset,
+        x_rows, residual_rows, residual_out_rows, weight if weight is not None else x_rows, y, rstd,
+        n_rows, n_cols, x_rows.stride(0), residual_rows.stride(0), residual_out_rows.stride(0), eps, offset,
         HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None, GEMMA=gemma,
         BLOCK_COLS=tiling.block_cols, ROWS=tiling.rows_per_tile, LOOPED=tiling.looped,
         num_warps=tiling.num_warps,
