@@ -381,7 +381,7 @@ BACKWARD_FROZEN = FrozenBackwardParams(
     min_tile=4096,
     elements_per_warp=512,
     max_block_cols=16384,  # as BACKWARD's
-    looped_block_cols=8192,  # with 4 per SM, against 16384 and 1 per SM at H=32768 (tune_norms.py, docs/benchmarks.md)
+    looped_block_cols=8192,  # with 4 per SM, at H=32768 (tune_norms.py, docs/benchmarks.md)
     looped_programs_per_sm=4,
 )
 

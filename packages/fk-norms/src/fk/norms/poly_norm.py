@@ -276,10 +276,10 @@ class BackwardParams(NamedTuple):
 
 
 BACKWARD = BackwardParams(
-    programs_per_sm=8,  # fewer took 1.1-1.4x the time (INDEX.md#poly_norm_backward_tune, #poly_norm_programs_per_sm)
+    programs_per_sm=8,  # 2 per SM took 1.1-1.4x the time at H <= 4096 (INDEX.md#poly_norm_backward_tune)
     looped_programs_per_sm=4,  # poly_norm_backward_tune
-    max_block_cols=16384,  # one tile stayed best at H=16384 (tune_norms.py)
-    looped_block_cols=4096,  # narrower than one-tile rows' at H=32768 (tune_norms.py)
+    max_block_cols=16384,  # one tile stayed best at H=16384 (tune_norms.py, docs/benchmarks.md)
+    looped_block_cols=4096,  # narrower tiles once a row no longer fits one (tune_norms.py, docs/benchmarks.md)
     min_tile=2048,
     elements_per_warp=512,
 )
