@@ -1,6 +1,6 @@
 """Sweep the launch parameters of fk's RMSNorm, LayerNorm or PolyNorm backward alone, timed
-without host cost (a development tool; its results picked the BWD_* defaults of fk.norms.rms_norm,
-layer_norm and poly_norm).
+without host cost (a development tool; its results picked the BACKWARD and BACKWARD_FROZEN tables of
+fk.norms.rms_norm, layer_norm and poly_norm, whose fields ``TABLE.field`` it sets).
 
 bench_rms_norm.py and bench_norms.py time forward+backward calls, which at narrow rows measure the
 host (Python, the autograd engine, Triton's launch path) more than the kernel. Here 20 calls of
@@ -27,42 +27,35 @@ from collections.abc import Callable
 from types import ModuleType
 
 import torch
+from tune_norms import set_settings, setting  # benchmarks/tune_norms.py
 
 from fk.core import bench
 
 SPACE = {
-    "trainable": {"BWD_PROGRAMS_PER_SM": [1, 2], "BWD_MIN_TILE": [4096, 8192, 16384],
-                  "BWD_ELEMENTS_PER_WARP": [512, 1024, 2048]},
-    "frozen": {"BWD_FROZEN_PROGRAMS_PER_SM": [2, 4, 8], "BWD_FROZEN_MIN_TILE": [2048, 4096, 8192]},
+    "trainable": {"BACKWARD.programs_per_sm": [1, 2], "BACKWARD.min_tile": [4096, 8192, 16384],
+                  "BACKWARD.elements_per_warp": [512, 1024, 2048]},
+    "frozen": {"BACKWARD_FROZEN.programs_per_sm": [2, 4, 8], "BACKWARD_FROZEN.min_tile": [2048, 4096, 8192]},
 }  # fmt: skip
 SPACE["residual"] = SPACE["trainable"]
 # --space looped: the backward with a weight gradient for rows taken several at a time in column
-# tiles (BWD_WIDEST_*), applied from the narrowest of --widths on (e.g. --widths 16384 32768 65536).
+# tiles (BACKWARD.widest_*), applied from the narrowest of --widths on (e.g. --widths 16384 32768 65536).
 LOOPED_SPACE = {
-    "rms_norm": {"BWD_WIDEST_ROWS": [1, 2, 4], "BWD_WIDEST_BLOCK_COLS": [4096, 8192, 16384],
-                 "BWD_ELEMENTS_PER_WARP": [512, 1024], "BWD_WIDEST_MAX_WARPS": [16, 32]},
-    "layer_norm": {"BWD_WIDEST_ROWS": [1, 2, 4], "BWD_WIDEST_BLOCK_COLS": [4096, 8192, 16384],
-                   "BWD_WIDE_ELEMENTS_PER_WARP": [512], "BWD_WIDEST_MAX_WARPS": [16]},
+    "rms_norm": {"BACKWARD.widest_rows": [1, 2, 4], "BACKWARD.widest_block_cols": [4096, 8192, 16384],
+                 "BACKWARD.elements_per_warp": [512, 1024], "BACKWARD.widest_max_warps": [16, 32]},
+    "layer_norm": {"BACKWARD.widest_rows": [1, 2, 4], "BACKWARD.widest_block_cols": [4096, 8192, 16384],
+                   "BACKWARD.wide_elements_per_warp": [512], "BACKWARD.widest_max_warps": [16]},
     # PolyNorm's rows wider than 16384, one at a time: its programs per SM and column tiles.
-    "poly_norm": {"BWD_LOOPED_PROGRAMS_PER_SM": [1, 2, 4], "BWD_LOOPED_BLOCK_COLS": [2048, 4096, 8192]},
+    "poly_norm": {"BACKWARD.looped_programs_per_sm": [1, 2, 4], "BACKWARD.looped_block_cols": [2048, 4096, 8192]},
 }  # fmt: skip
 # PolyNorm's weight and bias gradients are four scalars per program (16-byte partial rows), so the
 # question there is how few programs keep memory busy.
 POLY_NORM_SPACE = {
-    "trainable": {"BWD_PROGRAMS_PER_SM": [1, 2, 4, 8], "BWD_MIN_TILE": [2048, 4096, 8192],
-                  "BWD_ELEMENTS_PER_WARP": [256, 512, 1024]},
-    "frozen": {"BWD_MIN_TILE": [2048, 4096, 8192], "BWD_ELEMENTS_PER_WARP": [512, 1024]},
+    "trainable": {"BACKWARD.programs_per_sm": [1, 2, 4, 8], "BACKWARD.min_tile": [2048, 4096, 8192],
+                  "BACKWARD.elements_per_warp": [256, 512, 1024]},
+    "frozen": {"BACKWARD_FROZEN.min_tile": [2048, 4096, 8192], "BACKWARD_FROZEN.elements_per_warp": [512, 1024]},
 }  # fmt: skip
 WIDTHS = [512, 1024, 2048, 4096, 8192, 16384]
 ROWS = 16384
-
-
-def configure(module: ModuleType, values: dict[str, int]) -> None:
-    for key, value in values.items():
-        if not hasattr(module, key):
-            raise AttributeError(f"{module.__name__} has no setting {key}")
-        setattr(module, key, value)
-    module._bwd_tiling.cache_clear()
 
 
 def backward_call(module: ModuleType, op: str, mode: str, width: int) -> Callable[[], object]:
@@ -102,19 +95,19 @@ def sweep(
     if looped:
         space = dict(LOOPED_SPACE[op])
         if op != "poly_norm":
-            space = {"BWD_WIDEST_MIN_COLS": [min(widths)], **space}
+            space = {"BACKWARD.widest_min_cols": [min(widths)], **space}
     else:
         space = POLY_NORM_SPACE[mode] if op == "poly_norm" else SPACE[mode]
-    saved = {k: getattr(module, k) for k in space}
+    saved = {k: setting(module, k) for k in space}
     variants = [dict(zip(space, values, strict=True)) for values in itertools.product(*space.values())]
     times: dict[tuple[int, ...], dict[int, float]] = {}
     print(f"--- {op} {mode}: {ROWS} rows, bf16, backward GPU time (us)")
     for width in widths:
         call = backward_call(module, op, mode, width)
         for variant in variants:
-            configure(module, variant)
+            set_settings(module, variant)
             times.setdefault(tuple(variant.values()), {})[width] = bench.graph_time_us(call)
-        configure(module, saved)
+        set_settings(module, saved)
         us = bench.graph_time_us(call)
         line = f"H={width}: the module's settings {us:.1f} us"
         if baseline is not None:

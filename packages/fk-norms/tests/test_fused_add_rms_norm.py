@@ -11,7 +11,7 @@ import torch
 from fk.core import testing
 from fk.core.testing import AWKWARD_ROWS, AWKWARD_WIDTHS, DTYPES, WIDE_WIDTHS, dtype_name
 from fk.norms import FusedAddRMSNorm, fused_add_rms_norm, fused_add_rms_norm_ref, rms_norm_ref
-from fk.norms.rms_norm import BWD_WIDEST_MIN_COLS, _bwd_tiling, dw_partial_rows
+from fk.norms.rms_norm import BACKWARD, _bwd_tiling, dw_partial_rows
 
 EPS = 1e-6
 NAMES = ["x", "residual", "weight"]
@@ -78,7 +78,7 @@ def test_wide_one_tile_rows_match_reference(device: str, dtype: torch.dtype) -> 
 
 def test_widest_rows_several_at_a_time(device: str) -> None:
     # As RMSNorm's test of that name: several rows a tile, the residual's gradient added to each.
-    width = BWD_WIDEST_MIN_COLS
+    width = BACKWARD.widest_min_cols
     rows = (2 * dw_partial_rows(1 << 30, width, torch.device(device)) + 1) * _bwd_tiling(width).rows_per_tile - 1
     args = _inputs((rows, width), torch.bfloat16, device, seed=8)
     testing.compare_with_reference(_fk(), _ref(), args, arg_names=NAMES)

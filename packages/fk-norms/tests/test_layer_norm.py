@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from fk.core import testing
 from fk.core.testing import AWKWARD_ROWS, AWKWARD_WIDTHS, DTYPES, WIDE_WIDTHS, dtype_name
 from fk.norms import LayerNorm, layer_norm, layer_norm_ref
-from fk.norms.layer_norm import BWD_WIDEST_MIN_COLS, _bwd_tiling, partial_rows
+from fk.norms.layer_norm import BACKWARD, _bwd_tiling, partial_rows
 
 EPS = 1e-5
 NAMES = ["x", "weight", "bias"]
@@ -87,9 +87,9 @@ def test_wide_one_tile_rows_match_reference(device: str, dtype: torch.dtype) -> 
 @pytest.mark.parametrize("bias_grad", [True, False], ids=["trainable", "bias-frozen"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
 def test_widest_rows_several_at_a_time(device: str, dtype: torch.dtype, bias_grad: bool) -> None:
-    # Rows of at least BWD_WIDEST_MIN_COLS with a weight gradient: the looped backward takes several
-    # rows a tile (BWD_WIDEST_ROWS), every program two tiles or more, the last one partial.
-    width = BWD_WIDEST_MIN_COLS + 1
+    # Rows of at least BACKWARD.widest_min_cols with a weight gradient: the looped backward takes
+    # several rows a tile (widest_rows), every program two tiles or more, the last one partial.
+    width = BACKWARD.widest_min_cols + 1
     tiling = _bwd_tiling(width)
     assert tiling.looped and tiling.rows_per_tile > 1 and width % tiling.block_cols != 0
     rows = (2 * partial_rows(1 << 30, width, torch.device(device)) + 1) * tiling.rows_per_tile - 1

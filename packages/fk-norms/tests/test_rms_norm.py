@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from fk.core import testing
 from fk.core.testing import AWKWARD_ROWS, AWKWARD_WIDTHS, DTYPES, WIDE_WIDTHS, dtype_name
 from fk.norms import RMSNorm, rms_norm, rms_norm_and_input, rms_norm_ref
-from fk.norms.rms_norm import BWD_WIDEST_MIN_COLS, _bwd_tiling, dw_partial_rows
+from fk.norms.rms_norm import BACKWARD, _bwd_tiling, dw_partial_rows
 
 MODES = ("llama", "gemma")
 EPS = 1e-6
@@ -62,17 +62,17 @@ def test_wide_rows_match_reference(device: str, dtype: torch.dtype, mode: str, w
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
 def test_wide_one_tile_rows_match_reference(device: str, dtype: torch.dtype) -> None:
-    # Rows of one 16384-column tile, more than the backward's programs: with dw the weight is loaded
-    # for every tile (BWD_WEIGHT_PER_TILE_COLS) and the loop does not prefetch (BWD_PREFETCH_MAX_COLS).
+    # Rows of one 16384-column tile, more than the backward's programs: with dw the weight is loaded for
+    # every tile (BACKWARD.weight_per_tile_cols) and the loop does not prefetch (prefetch_max_cols).
     args = _inputs((9, 9000), dtype, device, seed=9000)
     testing.compare_with_reference(_fk("llama"), _ref("llama"), args, arg_names=["x", "weight"])
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
 def test_widest_rows_several_at_a_time(device: str, dtype: torch.dtype) -> None:
-    # Rows of at least BWD_WIDEST_MIN_COLS with a weight gradient: the looped backward takes several
-    # rows a tile (BWD_WIDEST_ROWS), every program two tiles or more, the last one partial.
-    width = BWD_WIDEST_MIN_COLS
+    # Rows of at least BACKWARD.widest_min_cols with a weight gradient: the looped backward takes
+    # several rows a tile (widest_rows), every program two tiles or more, the last one partial.
+    width = BACKWARD.widest_min_cols
     tiling = _bwd_tiling(width)
     assert tiling.looped and tiling.rows_per_tile > 1 and width % tiling.block_cols != 0
     rows = (2 * dw_partial_rows(1 << 30, width, torch.device(device)) + 1) * tiling.rows_per_tile - 1

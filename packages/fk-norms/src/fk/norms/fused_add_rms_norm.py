@@ -58,13 +58,14 @@ def fused_add_rms_norm_ref(
 # --- 2. Kernels -----------------------------------------------------------------------------------
 #
 # No kernel of its own: RMSNorm's two kernels (fk.norms.rms_norm) take this op as constexpr flags.
-# Forward, HAS_RESIDUAL: per row, s = round_to_x_dtype(x + r) is written out (over r when in place)
-# and normalized; rows wider than one tile re-read s, not x and r, in their second pass.
+# Forward, HAS_RESIDUAL: per row, s = round_to_x_dtype(x + residual) is written out (over the
+# residual when in place) and normalized; rows wider than one tile re-read s, not x and the
+# residual, in their second pass.
 #
 # Backward. s feeds two places: the output s itself and y = rms_norm(s). With dy and ds the
 # gradients of y and s, and rms_norm's backward dx_rms(dy) (see rms_norm.py):
 #   d_s       = ds + dx_rms(dy)          (HAS_DRES adds ds inside the kernel: one pass, no extra buffer)
-#   d_x       = d_residual = d_s         (s = x + r: both inputs get the same gradient)
+#   d_x       = d_residual = d_s         (s = x + residual: both inputs get the same gradient)
 #   dw_j      = sum over rows of dy_j * shat_j, shat = s * rstd (as RMSNorm's)
 # The rounding of s to x's dtype is treated as the identity, as autograd treats a cast.
 

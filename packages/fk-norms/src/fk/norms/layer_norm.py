@@ -11,7 +11,7 @@ ops, the functional API :func:`layer_norm` and the module :class:`LayerNorm`.
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import triton
@@ -24,6 +24,7 @@ from fk.core.matmul import column_sum
 from fk.core.ops import define_autograd_op
 from fk.core.reduce import sum_weight_and_bias_rows
 from fk.core.tiles import load_row_tile
+from fk.norms.launch_params import ForwardParams, forward_tiling
 
 # --- 1. Reference ---------------------------------------------------------------------------------
 
@@ -306,113 +307,120 @@ def _layer_norm_bwd_kernel(
 
 # --- 3. Launchers, registered as custom ops -------------------------------------------------------
 
-# Launch parameters. The forward holds rows of up to 32768 in one tile (on an H200, tune_norms.py,
-# that beat column tiles at H=32768, unlike RMSNorm's forward). The widest row the backward holds in
-# one tile (BWD_MAX_BLOCK_COLS) is from benchmarks/tune_norms.py --op layer_norm on an H200 (16384
-# rows, bf16, trainable, GPU time): 16384 instead of 8192 took forward+backward from 1.52 to
-# 1.22 ms at H=16384, and from 3.15 to 2.52 ms at H=32768 (column tiles of 16384 instead of 8192).
-# Since then a backward with a weight gradient takes rows from BWD_WIDEST_MIN_COLS on several at a
-# time in narrower column tiles (below), which beat both at those widths.
-FWD_MAX_BLOCK_COLS = 32768  # widest row the forward holds in one tile
-FWD_MIN_TILE = 2048  # narrow rows are grouped into tiles of at least this many elements
-FWD_ELEMENTS_PER_WARP = 512
-# Rows up to FWD_FEW_WARPS_MAX_COLS wide take at most FWD_MAX_WARPS warps, wider ones (one tile of
-# up to 32768 columns) up to 16. tune_norms.py --op layer_norm --directions fwd on an H200 (16384
-# rows, bf16, GPU time; benchmarks/experiments/INDEX.md#norm_forward_warps): 8 warps
-# instead of 16 took H=8192 from 0.149 to 0.132 ms and H=16384 from 0.274 to 0.273 ms; narrower
-# rows had 8 or fewer already; at H=32768, 8 warps were slower than 16's 0.646 ms.
-FWD_MAX_WARPS = 8
-FWD_FEW_WARPS_MAX_COLS = 16384
-BWD_MAX_BLOCK_COLS = 16384
-BWD_LOOPED_PROGRAMS_PER_SM = 1  # wider rows: few programs, so the rows they re-read stay in L2
-# A backward that keeps partial rows (dw, or db summed in the kernel) runs one program per SM, as
-# RMSNorm's (see BWD_PROGRAMS_PER_SM there): each program keeps one fp32 partial row of dw and one
-# of db, as many as Liger's. For rows up to BWD_PREFETCH_MAX_COLS wide the loop prefetches the next
-# tile, tiles have at least BWD_MIN_TILE elements, one warp per BWD_ELEMENTS_PER_WARP, and those of
-# at least BWD_ACC_2D_ROWS rows accumulate in 2-D; wider rows take BWD_WIDE_MIN_TILE and
-# BWD_WIDE_ELEMENTS_PER_WARP without prefetch. benchmarks/tune_norm_backward.py --op layer_norm on
-# an H200 (the backward alone, 16384 rows, bf16; benchmarks/experiments/INDEX.md#norm_backward_prefetch),
-# against the settings before (4 programs per SM up to H=1024,
-# 2 up to 4096, without prefetch): H=512 52.4 -> 23.3 us, 1024 36.0 -> 39.6, 2048 67.3 -> 74.0,
-# 4096 127.4 -> 132.6. Two programs per SM would have kept the narrow rows' speed (1024: 36.1 us)
-# at twice the partial rows; LayerNorm's forward+backward there is still 1.17-1.24x the fastest
-# peer's (norms.json, 2026-11-24T12:56). With prefetch, rows of 8192 took 279 us against 270 without.
-BWD_PROGRAMS_PER_SM = 1
-BWD_MIN_TILE = 8192
-BWD_ELEMENTS_PER_WARP = 1024
-BWD_PREFETCH_MAX_COLS = 4096
-BWD_ACC_2D_ROWS = 8
-BWD_WIDE_MIN_TILE = 4096
-BWD_WIDE_ELEMENTS_PER_WARP = 512
-# Without partial rows to keep, more programs in flight and no prefetch. tune_norms.py --op
-# layer_norm --frozen on an H200 (16384 rows, bf16, forward+backward GPU time): 32 programs per SM
-# at H <= 1024 took 16384 x 1024 from 0.0571 to 0.0495 ms
-# (benchmarks/experiments/INDEX.md#norm_frozen_narrow_tune); 8 per SM instead of 2 took
-# H=2048 from 0.106 to 0.092 ms and H=4096 from 0.195 to 0.180 ms (H=8192: 0.350 either way); at
-# H=32768, 8192-column tiles and 4 programs per SM took 2.04 ms to 1.58 ms. The forward's
-# FWD_MIN_TILE of 2048 (was 4096) took H=1024 from 0.0237 to 0.0215 ms and H=2048 from 0.0385 to
-# 0.0378 ms.
-BWD_FROZEN_NARROW_COLS = 1024
-BWD_FROZEN_NARROW_MIN_TILE = 2048
-BWD_FROZEN_NARROW_PROGRAMS_PER_SM = 32
-BWD_FROZEN_MIN_TILE = 4096
-BWD_FROZEN_ELEMENTS_PER_WARP = 512
-BWD_FROZEN_PROGRAMS_PER_SM = 8
-BWD_FROZEN_LOOPED_BLOCK_COLS = 8192
-BWD_FROZEN_LOOPED_PROGRAMS_PER_SM = 4
-# Wide rows: the backward keeps one fp32 partial row per program for dw and one for db, updated
-# for every row it processes; with both, those rows and the rows in flight outgrow L2 and every
-# update goes to memory. So for wide rows db = sum of dy over the rows is left to one column sum
-# (one more read of dy), and the kernel keeps dw's partial rows only. On an H200, 16384 rows, bf16,
-# forward+backward: H=32768 4.44 -> 3.15 ms, H=16384 1.62 -> 1.51 ms (native 3.04 / 1.50 ms).
-LOOPED_DB_BY_COLUMN_SUM = True
-# With a weight gradient, rows of at least BWD_WIDEST_MIN_COLS are taken BWD_WIDEST_ROWS at a time,
-# in column tiles of BWD_WIDEST_BLOCK_COLS (at most 16 warps): fewer L2 reads and writes of the
-# partial rows per row (see RMSNorm's setting of that name), and db left to the column sum.
-# tune_norm_backward.py --op layer_norm --space looped on an H200 (the backward alone, 16384 rows,
-# bf16; benchmarks/experiments/INDEX.md#norm_looped_rows), against one tile per row at
-# H=16384 and one row at a time in 16384-column tiles above: H=16384 928 -> 783 us, 32768 1865 ->
-# 1755 us, 65536 4776 -> 3669 us.
-BWD_WIDEST_MIN_COLS = 16384
-BWD_WIDEST_ROWS = 4
-BWD_WIDEST_BLOCK_COLS = 4096
-BWD_WIDEST_MAX_WARPS = 16
+# Launch parameters: one table per direction, each field with the reason for its value. The timings
+# behind them are in the rows of benchmarks/experiments/INDEX.md named here and in docs/benchmarks.md
+# (the norms section); benchmarks/tune_norms.py and tune_norm_backward.py sweep them on a GPU.
+
+FORWARD = ForwardParams(
+    max_block_cols=32768,  # at H=32768 one tile beat column tiles, unlike RMSNorm's (tune_norms.py)
+    min_tile=2048,  # against 4096 (INDEX.md#layer_norm_narrow_and_frozen_tune)
+    elements_per_warp=512,
+    max_warps=8,  # against 16 (INDEX.md#norm_forward_warps)
+    few_warps_max_cols=16384,  # at H=32768, 16 warps stay faster (norm_forward_warps)
+)
+
+
+class BackwardParams(NamedTuple):
+    """The backward that keeps fp32 partial rows (for dw, or for a db summed in the kernel): a
+    persistent grid whose programs each keep one partial row of each."""
+
+    programs_per_sm: int  # for one-tile rows
+    looped_programs_per_sm: int  # for wider rows
+    max_block_cols: int  # the widest row held in one tile; wider rows loop over column tiles this wide
+    prefetch_max_cols: int  # one-tile rows up to this wide load the next tile before computing this one,
+    min_tile: int  # and are grouped into tiles of at least this many elements,
+    elements_per_warp: int  # with one warp per this many elements of a tile;
+    wide_min_tile: int  # wider rows, tiles of at least this many elements,
+    wide_elements_per_warp: int  # with one warp per this many (also for the widest rows' tiles)
+    acc_2d_rows: int  # tiles of at least this many rows sum dw and db in 2-D, across the rows once at the end
+    looped_db_column_sum: bool  # rows that loop leave db to one column sum of dy: partial rows of dw only
+    widest_min_cols: int  # rows at least this wide, with a weight gradient, are taken several at a time:
+    widest_rows: int  # this many rows a tile,
+    widest_block_cols: int  # in column tiles this wide,
+    widest_max_warps: int  # with one warp per wide_elements_per_warp of the tile, at most this many
+
+
+BACKWARD = BackwardParams(
+    programs_per_sm=1,  # Liger's count of partial rows (INDEX.md#norm_backward_prefetch)
+    looped_programs_per_sm=1,  # few programs, so the rows they re-read stay in L2
+    max_block_cols=16384,  # against 8192 at H=16384 and 32768 (tune_norms.py, docs/benchmarks.md)
+    prefetch_max_cols=4096,  # rows of 8192 were slower with it (norm_backward_prefetch)
+    min_tile=8192,  # norm_backward_prefetch
+    elements_per_warp=1024,  # norm_backward_prefetch
+    wide_min_tile=4096,
+    wide_elements_per_warp=512,
+    acc_2d_rows=8,  # norm_backward_prefetch
+    looped_db_column_sum=True,  # dw's and db's partial rows together outgrow L2 (docs/benchmarks.md)
+    widest_min_cols=16384,  # against one tile a row at 16384, one row a time above (INDEX.md#norm_looped_rows)
+    widest_rows=4,  # divides the L2 reads and writes of the program's partial rows (norm_looped_rows)
+    widest_block_cols=4096,  # norm_looped_rows
+    widest_max_warps=16,
+)
+
+
+class FrozenBackwardParams(NamedTuple):
+    """The backward that keeps no partial rows (no dw, and no db or a db left to a column sum): more
+    programs in flight, and no prefetch."""
+
+    programs_per_sm: int  # for one-tile rows wider than narrow_cols
+    narrow_cols: int  # rows up to this wide take narrow_programs_per_sm and narrow_min_tile
+    narrow_programs_per_sm: int
+    narrow_min_tile: int
+    min_tile: int  # wider rows are grouped into tiles of at least this many elements
+    elements_per_warp: int  # one warp per this many elements of a tile
+    max_block_cols: int  # the widest row held in one tile; wider rows loop,
+    looped_block_cols: int  # over column tiles this wide,
+    looped_programs_per_sm: int  # with this many programs per SM
+
+
+BACKWARD_FROZEN = FrozenBackwardParams(
+    programs_per_sm=8,  # against 2 (INDEX.md#layer_norm_narrow_and_frozen_tune)
+    narrow_cols=1024,
+    narrow_programs_per_sm=32,  # against 4 (INDEX.md#norm_frozen_narrow_tune)
+    narrow_min_tile=2048,  # norm_frozen_narrow_tune
+    min_tile=4096,
+    elements_per_warp=512,
+    max_block_cols=16384,  # as BACKWARD's
+    looped_block_cols=8192,  # with 4 per SM, at H=32768 (tune_norms.py, docs/benchmarks.md)
+    looped_programs_per_sm=4,
+)
 
 
 @functools.lru_cache(maxsize=256)
 def _fwd_tiling(n_cols: int) -> RowTiling:
-    return row_tiling(n_cols, max_block_cols=FWD_MAX_BLOCK_COLS, min_tile_elements=FWD_MIN_TILE,
-                      elements_per_warp=FWD_ELEMENTS_PER_WARP,
-                      max_warps=FWD_MAX_WARPS if n_cols <= FWD_FEW_WARPS_MAX_COLS else 16, name="x")  # fmt: skip
+    return forward_tiling(n_cols, FORWARD)
 
 
 def _widest(n_cols: int, compute_dw: bool) -> bool:
-    """Whether the backward takes several rows at a time in column tiles (BWD_WIDEST_*)."""
-    return compute_dw and n_cols >= BWD_WIDEST_MIN_COLS
+    """Whether the backward takes several rows at a time in column tiles (BACKWARD.widest_*)."""
+    return compute_dw and n_cols >= BACKWARD.widest_min_cols
 
 
 def _keeps_partials(n_cols: int, compute_dw: bool, compute_db: bool) -> bool:
-    """Whether the backward keeps fp32 partial rows: for dw, or for a db summed in the kernel (wide
-    rows leave db to a column sum, see LOOPED_DB_BY_COLUMN_SUM)."""
-    looped = n_cols > BWD_MAX_BLOCK_COLS or _widest(n_cols, compute_dw)
-    return compute_dw or (compute_db and not (looped and LOOPED_DB_BY_COLUMN_SUM))
+    """Whether the backward keeps fp32 partial rows: for dw, or for a db summed in the kernel (rows
+    that loop leave db to a column sum, see BACKWARD.looped_db_column_sum)."""
+    looped = n_cols > BACKWARD.max_block_cols or _widest(n_cols, compute_dw)
+    return compute_dw or (compute_db and not (looped and BACKWARD.looped_db_column_sum))
 
 
 @functools.lru_cache(maxsize=256)
 def _bwd_tiling(n_cols: int, keeps_partials: bool = True, compute_dw: bool = True) -> RowTiling:
-    if keeps_partials and _widest(n_cols, compute_dw):
-        return looped_rows_tiling(BWD_WIDEST_BLOCK_COLS, BWD_WIDEST_ROWS, elements_per_warp=BWD_WIDE_ELEMENTS_PER_WARP,
-                                  max_warps=BWD_WIDEST_MAX_WARPS)  # fmt: skip
     if keeps_partials:
-        narrow = n_cols <= BWD_PREFETCH_MAX_COLS
-        return row_tiling(n_cols, max_block_cols=BWD_MAX_BLOCK_COLS,
-                          min_tile_elements=BWD_MIN_TILE if narrow else BWD_WIDE_MIN_TILE,
-                          elements_per_warp=BWD_ELEMENTS_PER_WARP if narrow else BWD_WIDE_ELEMENTS_PER_WARP,
+        params = BACKWARD
+        if _widest(n_cols, compute_dw):
+            return looped_rows_tiling(params.widest_block_cols, params.widest_rows,
+                                      elements_per_warp=params.wide_elements_per_warp,
+                                      max_warps=params.widest_max_warps)  # fmt: skip
+        narrow = n_cols <= params.prefetch_max_cols
+        return row_tiling(n_cols, max_block_cols=params.max_block_cols,
+                          min_tile_elements=params.min_tile if narrow else params.wide_min_tile,
+                          elements_per_warp=params.elements_per_warp if narrow else params.wide_elements_per_warp,
                           name="x")  # fmt: skip
-    min_tile = BWD_FROZEN_NARROW_MIN_TILE if n_cols <= BWD_FROZEN_NARROW_COLS else BWD_FROZEN_MIN_TILE
-    max_cols = BWD_MAX_BLOCK_COLS if n_cols <= BWD_MAX_BLOCK_COLS else BWD_FROZEN_LOOPED_BLOCK_COLS
+    frozen = BACKWARD_FROZEN
+    min_tile = frozen.narrow_min_tile if n_cols <= frozen.narrow_cols else frozen.min_tile
+    max_cols = frozen.max_block_cols if n_cols <= frozen.max_block_cols else frozen.looped_block_cols
     return row_tiling(n_cols, max_block_cols=max_cols, min_tile_elements=min_tile,
-                      elements_per_warp=BWD_FROZEN_ELEMENTS_PER_WARP, name="x")  # fmt: skip
+                      elements_per_warp=frozen.elements_per_warp, name="x")  # fmt: skip
 
 
 def _layer_norm_fwd(
@@ -455,10 +463,11 @@ def partial_rows(
     dw, and no db or a db left to a column sum) runs the frozen settings."""
     keeps_partials = _keeps_partials(n_cols, compute_dw, compute_db)
     if keeps_partials:
-        per_sm, looped_per_sm = BWD_PROGRAMS_PER_SM, BWD_LOOPED_PROGRAMS_PER_SM
+        per_sm, looped_per_sm = BACKWARD.programs_per_sm, BACKWARD.looped_programs_per_sm
     else:
-        per_sm = BWD_FROZEN_NARROW_PROGRAMS_PER_SM if n_cols <= BWD_FROZEN_NARROW_COLS else BWD_FROZEN_PROGRAMS_PER_SM
-        looped_per_sm = BWD_FROZEN_LOOPED_PROGRAMS_PER_SM
+        frozen = BACKWARD_FROZEN
+        per_sm = frozen.narrow_programs_per_sm if n_cols <= frozen.narrow_cols else frozen.programs_per_sm
+        looped_per_sm = frozen.looped_programs_per_sm
     return row_reduction_grid(n_rows, _bwd_tiling(n_cols, keeps_partials, compute_dw), device, per_sm, looped_per_sm)
 
 
@@ -491,7 +500,7 @@ def _layer_norm_bwd(
     tiling = _bwd_tiling(n_cols, keeps_partials, compute_dw)
     n_programs = partial_rows(n_rows, n_cols, x.device, compute_dw, compute_db)
     alloc = torch.zeros if tiling.looped else torch.empty
-    db_in_kernel = compute_db and not (tiling.looped and LOOPED_DB_BY_COLUMN_SUM)
+    db_in_kernel = compute_db and not (tiling.looped and BACKWARD.looped_db_column_sum)
     # A partial buffer that is not needed is never read or written: its COMPUTE_* flag is False.
     # dw's and db's partial rows in one buffer when both are summed (one sum_rows launch for both).
     n_partials = int(compute_dw) + int(db_in_kernel)
@@ -505,8 +514,8 @@ def _layer_norm_bwd(
         n_rows, n_cols, dy_rows.stride(0), x_rows.stride(0),
         HAS_WEIGHT=weight is not None, COMPUTE_DX=compute_dx, COMPUTE_DW=compute_dw, COMPUTE_DB=db_in_kernel,
         BLOCK_COLS=tiling.block_cols, ROWS=tiling.rows_per_tile, LOOPED=tiling.looped,
-        ACC_2D=one_tile and keeps_partials and tiling.rows_per_tile >= BWD_ACC_2D_ROWS,
-        PREFETCH=one_tile and keeps_partials and tiling.block_cols <= BWD_PREFETCH_MAX_COLS,
+        ACC_2D=one_tile and keeps_partials and tiling.rows_per_tile >= BACKWARD.acc_2d_rows,
+        PREFETCH=one_tile and keeps_partials and tiling.block_cols <= BACKWARD.prefetch_max_cols,
         num_warps=tiling.num_warps,
     )  # fmt: skip
     dw_sum, db_sum = sum_weight_and_bias_rows(partials, weight if compute_dw else None, bias if db_in_kernel else None)

@@ -13,7 +13,7 @@ ops, the functional API :func:`poly_norm` and the module :class:`PolyNorm`.
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import triton
@@ -23,6 +23,7 @@ from fk.core import validate
 from fk.core.backend import uses_kernel
 from fk.core.launch import RowTiling, as_rows, cdiv, row_reduction_grid, row_tiling
 from fk.core.ops import define_autograd_op
+from fk.norms.launch_params import ForwardParams, forward_tiling
 
 # --- 1. Reference ---------------------------------------------------------------------------------
 
@@ -247,63 +248,90 @@ def _poly_norm_bwd_kernel(
 
 # --- 3. Launchers, registered as custom ops -------------------------------------------------------
 
-# Launch parameters, from benchmarks/tune_norms.py --op poly_norm on an H200 (16384 rows, bf16,
-# GPU time): against the first choices (RMSNorm's), the forward took 0.0242 -> 0.0217 ms at
-# H=1024 and 0.142 -> 0.132 ms at H=8192; the trainable forward+backward 0.143 -> 0.112 ms at
-# H=2048, 0.234 -> 0.200 ms at H=4096, and 2.54 -> 1.68 ms at H=32768 (narrower column tiles
-# once a row no longer fits one tile: one tile of 16384 columns stayed best at H=16384).
-FWD_MAX_BLOCK_COLS = 32768  # widest row the forward holds in one tile
-FWD_MIN_TILE = 2048  # narrow rows are grouped into tiles of at least this many elements
-FWD_ELEMENTS_PER_WARP = 1024
-BWD_MAX_BLOCK_COLS = 16384  # the widest row the backward holds in one tile (x and dy: two fp32 tiles)
-BWD_LOOPED_BLOCK_COLS = 4096  # column tiles of wider rows
-BWD_MIN_TILE = 2048
-BWD_ELEMENTS_PER_WARP = 512
-# 8 programs per SM, each with a 16-byte row of dw/db partial sums: 17 KB on an H200, 13 KB more
-# than Liger's peak. The backward needs that many programs in flight: with 2 per SM (4.2 KB) the
-# best tiling took 1.41x, 1.43x and 1.36x the time at H = 1024, 2048 and 4096, and neither
-# prefetching the next tile (RMSNorm's scheme) nor one tl.reduce for the row sums made it faster
-# (tune_norm_backward.py --op poly_norm; benchmarks/experiments/INDEX.md#poly_norm_backward_tune).
-BWD_PROGRAMS_PER_SM = 8
-BWD_LOOPED_PROGRAMS_PER_SM = 4
-# Without dw and db (weight and bias frozen) there are no partial sums and one program per row
-# tile, and other tiles were faster (benchmarks/experiments/INDEX.md#poly_norm_frozen_tiles;
-# 16384 rows, bf16, forward+backward GPU time on an H200): one
-# warp per 1024 columns of a one-tile row, at least 4 (H = 4096: 0.178 -> 0.171 ms; H = 8192:
-# 0.357 -> 0.347 ms), and rows wider than 8192 columns in 4096-column tiles with one warp per 4096
-# columns of the row (H = 16384: 0.779 -> 0.731 ms, where one 16384-column tile with 8 warps took
-# 0.768; H = 32768 keeps its 8 warps, against 1.74 ms with 4). Narrower rows keep their settings.
-BWD_FROZEN_MAX_BLOCK_COLS = 8192
-BWD_FROZEN_ELEMENTS_PER_WARP = 1024
-BWD_FROZEN_MIN_WARPS = 4
-BWD_FROZEN_LOOPED_BLOCK_COLS = 4096
-BWD_FROZEN_LOOPED_COLS_PER_WARP = 4096
+# Launch parameters: one table per direction, each field with the reason for its value. The timings
+# behind them are in the rows of benchmarks/experiments/INDEX.md named here and in docs/benchmarks.md
+# (the norms section); benchmarks/tune_norms.py and tune_norm_backward.py sweep them on a GPU.
+
+# The forward's values and the trainable backward's tiles are tune_norms.py --op poly_norm's best,
+# against PolyNorm's first settings (RMSNorm's then; docs/benchmarks.md).
+FORWARD = ForwardParams(
+    max_block_cols=32768,  # x is read from memory once, up to 32768 columns
+    min_tile=2048,
+    elements_per_warp=1024,
+    max_warps=16,  # at every width
+    few_warps_max_cols=32768,
+)
+
+
+class BackwardParams(NamedTuple):
+    """The backward that sums dw or db: a persistent grid whose programs each keep a 16-byte row of
+    partial sums (dw's three and db)."""
+
+    programs_per_sm: int  # for one-tile rows
+    looped_programs_per_sm: int  # for wider rows
+    max_block_cols: int  # the widest row held in one tile (x and dy: two fp32 tiles); wider rows loop,
+    looped_block_cols: int  # over column tiles this wide
+    min_tile: int  # narrow rows are grouped into tiles of at least this many elements
+    elements_per_warp: int  # one warp per this many elements of a tile
+
+
+BACKWARD = BackwardParams(
+    programs_per_sm=8,  # 2 per SM took 1.1-1.4x the time at H <= 4096 (INDEX.md#poly_norm_backward_tune)
+    looped_programs_per_sm=4,  # poly_norm_backward_tune
+    max_block_cols=16384,  # one tile stayed best at H=16384 (tune_norms.py, docs/benchmarks.md)
+    looped_block_cols=4096,  # narrower tiles once a row no longer fits one (tune_norms.py, docs/benchmarks.md)
+    min_tile=2048,
+    elements_per_warp=512,
+)
+
+
+class FrozenBackwardParams(NamedTuple):
+    """The backward without dw and db: no partial sums, one program per row tile."""
+
+    max_block_cols: int  # the widest row held in one tile; wider rows loop,
+    looped_block_cols: int  # over column tiles this wide,
+    looped_cols_per_warp: int  # with one warp per this many columns of the row (at most 16)
+    min_tile: int  # narrow rows are grouped into tiles of at least this many elements
+    elements_per_warp: int  # one warp per this many elements of a one-tile row's tile,
+    min_warps: int  # and at least this many
+
+
+BACKWARD_FROZEN = FrozenBackwardParams(
+    max_block_cols=8192,  # INDEX.md#poly_norm_frozen_tiles
+    looped_block_cols=4096,  # poly_norm_frozen_tiles
+    looped_cols_per_warp=4096,  # poly_norm_frozen_tiles
+    min_tile=2048,  # as BACKWARD's
+    elements_per_warp=1024,  # poly_norm_frozen_tiles
+    min_warps=4,  # poly_norm_frozen_tiles
+)
 
 
 @functools.lru_cache(maxsize=256)
 def _fwd_tiling(n_cols: int) -> RowTiling:
-    return row_tiling(n_cols, max_block_cols=FWD_MAX_BLOCK_COLS, min_tile_elements=FWD_MIN_TILE,
-                      elements_per_warp=FWD_ELEMENTS_PER_WARP, name="x")  # fmt: skip
+    return forward_tiling(n_cols, FORWARD)
 
 
 @functools.lru_cache(maxsize=256)
 def _bwd_tiling(n_cols: int, sums: bool = True) -> RowTiling:
     """The backward's tiling; ``sums``: it sums dw or db across rows (else frozen parameters)."""
     if not sums:
-        if n_cols > BWD_FROZEN_MAX_BLOCK_COLS:
-            warps = min(16, max(1, n_cols // BWD_FROZEN_LOOPED_COLS_PER_WARP))
-            return RowTiling(block_cols=BWD_FROZEN_LOOPED_BLOCK_COLS, looped=True, rows_per_tile=1, num_warps=warps)
-        return row_tiling(n_cols, max_block_cols=BWD_FROZEN_MAX_BLOCK_COLS, min_tile_elements=BWD_MIN_TILE,
-                          elements_per_warp=BWD_FROZEN_ELEMENTS_PER_WARP, min_warps=BWD_FROZEN_MIN_WARPS,
+        frozen = BACKWARD_FROZEN
+        if n_cols > frozen.max_block_cols:
+            warps = min(16, max(1, n_cols // frozen.looped_cols_per_warp))
+            return RowTiling(block_cols=frozen.looped_block_cols, looped=True, rows_per_tile=1, num_warps=warps)
+        return row_tiling(n_cols, max_block_cols=frozen.max_block_cols, min_tile_elements=frozen.min_tile,
+                          elements_per_warp=frozen.elements_per_warp, min_warps=frozen.min_warps,
                           name="x")  # fmt: skip
-    max_block_cols = BWD_MAX_BLOCK_COLS if n_cols <= BWD_MAX_BLOCK_COLS else BWD_LOOPED_BLOCK_COLS
-    return row_tiling(n_cols, max_block_cols=max_block_cols, min_tile_elements=BWD_MIN_TILE,
-                      elements_per_warp=BWD_ELEMENTS_PER_WARP, name="x")  # fmt: skip
+    params = BACKWARD
+    max_block_cols = params.max_block_cols if n_cols <= params.max_block_cols else params.looped_block_cols
+    return row_tiling(n_cols, max_block_cols=max_block_cols, min_tile_elements=params.min_tile,
+                      elements_per_warp=params.elements_per_warp, name="x")  # fmt: skip
 
 
 def partial_rows(n_rows: int, n_cols: int, device: torch.device) -> int:
     """Programs of the backward, and rows of its [P, 4] fp32 partial buffer when it allocates one."""
-    return row_reduction_grid(n_rows, _bwd_tiling(n_cols), device, BWD_PROGRAMS_PER_SM, BWD_LOOPED_PROGRAMS_PER_SM)
+    return row_reduction_grid(n_rows, _bwd_tiling(n_cols), device, BACKWARD.programs_per_sm,
+                              BACKWARD.looped_programs_per_sm)  # fmt: skip
 
 
 def _poly_norm_fwd(

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import triton
@@ -31,6 +31,7 @@ from fk.core.launch import RowTiling, as_rows, cdiv, looped_rows_tiling, row_red
 from fk.core.ops import define_autograd_op
 from fk.core.reduce import sum_rows
 from fk.core.tiles import load_row_tile
+from fk.norms.launch_params import ForwardParams, forward_tiling
 
 CASTING_MODES = ("llama", "gemma")
 
@@ -70,7 +71,7 @@ def rms_norm_ref(
 
 # --- 2. Kernels -----------------------------------------------------------------------------------
 #
-# Notation, per row of H elements: r = 1 / sqrt(mean(x^2) + eps) (saved by the forward, fp32),
+# Notation, per row of H elements: r = 1 / sqrt(mean(x^2) + eps) (rstd: saved by the forward, fp32),
 # xhat = x * r, s = offset + w, y = xhat * s.
 #
 # Backward, with g = dy * s:
@@ -81,9 +82,10 @@ def rms_norm_ref(
 # treats a dtype cast; the kernels use the unrounded fp32 xhat, which is closer to exact.
 #
 # The same two kernels serve FusedAddRMSNorm (fused_add_rms_norm.py): with HAS_RESIDUAL the forward
-# normalizes s = x + r and writes s out; with HAS_DRES the backward adds the gradient of that
-# output, dx = dres + r * (g - xhat * c). dx may be written over dy (in_place_backward): each
-# element of dy is read before the dx of the same element is written, by the same program.
+# normalizes x + residual (rounded to x's dtype) and writes it out, the new residual; with HAS_DRES
+# the backward adds the gradient of that output, dx = dres + r * (g - xhat * c). dx may be written
+# over dy (in_place_backward): each element of dy is read before the dx of the same element is
+# written, by the same program.
 #
 # The weight gradient is a column sum over all rows. The backward runs a persistent grid: program p
 # strides over row tiles p, p+P, ... and keeps its share of dw in fp32 registers (or, for rows too
@@ -93,31 +95,31 @@ def rms_norm_ref(
 
 
 @triton.jit
-def _add_residual(x, r_ptrs, s_ptrs, mask):
-    """s = x + r rounded to x's dtype (as ``residual = residual + hidden_states`` in PyTorch); stores
-    s at ``s_ptrs`` and returns it. ``s_ptrs`` may equal ``r_ptrs``: each element is read, then
-    written, by the same thread."""
-    s = (x.to(tl.float32) + tl.load(r_ptrs, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
-    tl.store(s_ptrs, s, mask=mask)
-    return s
+def _add_residual(x, residual_ptrs, residual_out_ptrs, mask):
+    """x + residual rounded to x's dtype (as ``residual = residual + hidden_states`` in PyTorch):
+    stores it at ``residual_out_ptrs`` and returns it. ``residual_out_ptrs`` may equal
+    ``residual_ptrs``: each element is read, then written, by the same thread."""
+    new_residual = (x.to(tl.float32) + tl.load(residual_ptrs, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
+    tl.store(residual_out_ptrs, new_residual, mask=mask)
+    return new_residual
 
 
 @triton.jit
 def _rms_norm_fwd_kernel(
     x_ptr,  # [M, H] input, row stride x_row_stride, unit column stride
-    r_ptr,  # [M, H] residual, row stride r_row_stride (unused when HAS_RESIDUAL is False)
-    s_ptr,  # [M, H] output x + r in x's dtype, row stride s_row_stride; may be r_ptr (in place)
+    residual_ptr,  # [M, H] residual, row stride residual_row_stride (unused when HAS_RESIDUAL is False)
+    residual_out_ptr,  # [M, H] output x + residual, row stride residual_out_row_stride; may be residual_ptr
     w_ptr,  # [H] weight (unused when HAS_WEIGHT is False)
     y_ptr,  # [M, H] output, contiguous
     rstd_ptr,  # [M] fp32 output: 1 / sqrt(mean(x^2) + eps), saved for the backward
     n_rows,
     n_cols,
     x_row_stride,
-    r_row_stride,
-    s_row_stride,
+    residual_row_stride,
+    residual_out_row_stride,
     eps,
     offset,
-    HAS_RESIDUAL: tl.constexpr,  # normalize s = x + r (rounded to x's dtype) and write s out
+    HAS_RESIDUAL: tl.constexpr,  # normalize x + residual (rounded to x's dtype) and write it out
     HAS_WEIGHT: tl.constexpr,
     GEMMA: tl.constexpr,  # all-fp32 product (gemma) instead of rounding xhat first (llama)
     BLOCK_COLS: tl.constexpr,
@@ -127,15 +129,15 @@ def _rms_norm_fwd_kernel(
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_mask = rows < n_rows
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * x_row_stride
-    r_rows = r_ptr + rows.to(tl.int64)[:, None] * r_row_stride
-    s_rows = s_ptr + rows.to(tl.int64)[:, None] * s_row_stride
+    residual_rows = residual_ptr + rows.to(tl.int64)[:, None] * residual_row_stride
+    residual_out_rows = residual_out_ptr + rows.to(tl.int64)[:, None] * residual_out_row_stride
     y_rows = y_ptr + rows.to(tl.int64)[:, None] * n_cols
     cols = tl.arange(0, BLOCK_COLS)
     if not LOOPED:
         mask = row_mask[:, None] & (cols < n_cols)[None, :]
         x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0)
         if HAS_RESIDUAL:
-            x = _add_residual(x, r_rows + cols[None, :], s_rows + cols[None, :], mask)
+            x = _add_residual(x, residual_rows + cols[None, :], residual_out_rows + cols[None, :], mask)
         x = x.to(tl.float32)
         rstd = tl.rsqrt(tl.sum(x * x, axis=1) / n_cols + eps)
         tl.store(rstd_ptr + rows, rstd, mask=row_mask)
@@ -149,32 +151,33 @@ def _rms_norm_fwd_kernel(
     else:
         sum_sq = tl.zeros([ROWS, BLOCK_COLS], dtype=tl.float32)
         for start in range(0, n_cols, BLOCK_COLS):
-            c = start + cols
-            mask = row_mask[:, None] & (c < n_cols)[None, :]
-            x = tl.load(x_rows + c[None, :], mask=mask, other=0.0)
+            c_idx = start + cols
+            mask = row_mask[:, None] & (c_idx < n_cols)[None, :]
+            x = tl.load(x_rows + c_idx[None, :], mask=mask, other=0.0)
             if HAS_RESIDUAL:
-                x = _add_residual(x, r_rows + c[None, :], s_rows + c[None, :], mask)
+                x = _add_residual(x, residual_rows + c_idx[None, :], residual_out_rows + c_idx[None, :], mask)
             x = x.to(tl.float32)
             sum_sq += x * x
         rstd = tl.rsqrt(tl.sum(sum_sq, axis=1) / n_cols + eps)
         tl.store(rstd_ptr + rows, rstd, mask=row_mask)
         if HAS_RESIDUAL:
-            # Pass 2 reads back the s this program has just written (from L2), not x and r.
+            # Pass 2 reads back the new residual this program has just written (from L2), not x and
+            # the residual.
             tl.debug_barrier()
         for start in range(0, n_cols, BLOCK_COLS):
-            c = start + cols
-            mask = row_mask[:, None] & (c < n_cols)[None, :]
+            c_idx = start + cols
+            mask = row_mask[:, None] & (c_idx < n_cols)[None, :]
             if HAS_RESIDUAL:
-                x = tl.load(s_rows + c[None, :], mask=mask, other=0.0).to(tl.float32)
+                x = tl.load(residual_out_rows + c_idx[None, :], mask=mask, other=0.0).to(tl.float32)
             else:
-                x = tl.load(x_rows + c[None, :], mask=mask, other=0.0).to(tl.float32)
+                x = tl.load(x_rows + c_idx[None, :], mask=mask, other=0.0).to(tl.float32)
             xhat = x * rstd[:, None]
             if HAS_WEIGHT:
-                s = tl.load(w_ptr + c, mask=c < n_cols, other=0.0).to(tl.float32) + offset
+                s = tl.load(w_ptr + c_idx, mask=c_idx < n_cols, other=0.0).to(tl.float32) + offset
                 if not GEMMA:
                     xhat = xhat.to(x_ptr.dtype.element_ty).to(tl.float32)
                 xhat = xhat * s[None, :]
-            tl.store(y_rows + c[None, :], xhat.to(y_ptr.dtype.element_ty), mask=mask)
+            tl.store(y_rows + c_idx[None, :], xhat.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -310,94 +313,108 @@ def _rms_norm_bwd_kernel(
 
 # --- 3. Launchers, registered as custom ops -------------------------------------------------------
 
-# Launch parameters (benchmarks/tune_norms.py sweeps them on a GPU).
-# The widest row the forward holds in one tile, without and with a residual (FusedAddRMSNorm). On
-# an H200 (tune_norms.py, 16384 x 32768 bf16, GPU time), RMSNorm's forward took 0.596 ms in one
-# tile and 0.537 ms in two of 16384 columns; FusedAddRMSNorm's, whose second pass re-reads the sum
-# it has just written, 1.04 ms in one tile and 1.11 ms in four of 8192.
-FWD_MAX_BLOCK_COLS = 16384
-FWD_RESIDUAL_MAX_BLOCK_COLS = 32768
-FWD_MIN_TILE = 2048  # narrow rows are grouped into tiles of at least this many elements
-FWD_ELEMENTS_PER_WARP = 512
-# Without a residual, rows up to FWD_FEW_WARPS_MAX_COLS wide take at most FWD_MAX_WARPS warps; wider
-# rows and FusedAddRMSNorm's up to 16. benchmarks/experiments/INDEX.md#norm_forward_ab on an H200
-# (forward GPU time, 16384 rows, bf16), against 4096-element tiles and 16 warps: RMSNorm at H=1024,
-# 2048 and 8192 took 21.6 -> 20.9, 37.4 -> 37.1 and 136.3 -> 133.1 us, FusedAddRMSNorm at 1024 and
-# 2048 37.1 -> 36.3 and 69.1 -> 67.7 us (its 8192 and 16384 were 1% slower with 8 warps: it keeps 16).
-FWD_MAX_WARPS = 8
-FWD_FEW_WARPS_MAX_COLS = 16384
-BWD_MAX_BLOCK_COLS = 16384  # the backward holds x, dy, s and dw: four fp32 tiles
-BWD_LOOPED_PROGRAMS_PER_SM = 1  # wider rows: few programs, so the rows they re-read stay in L2
-# Wider rows are taken one at a time in column tiles of BWD_MAX_BLOCK_COLS, except, with a weight
-# gradient, rows of at least BWD_WIDEST_MIN_COLS: BWD_WIDEST_ROWS at a time in column tiles of
-# BWD_WIDEST_BLOCK_COLS (at most BWD_WIDEST_MAX_WARPS warps), which divides the reads and writes
-# of the program's partial row of dw in L2. tune_norm_backward.py --space looped on an H200 (the
-# backward alone, 16384 rows, bf16; benchmarks/experiments/INDEX.md#norm_looped_rows):
-# 4 rows in tiles of 4096 took H=65536 from 4.12 to 3.17 ms (FusedAddRMSNorm 4.61 -> 3.55 ms), and
-# H=32768 2-3% longer (1.49 -> 1.52 ms). Without a weight gradient, no setting beat one row in
-# tiles of 16384 in both runs.
-BWD_WIDEST_MIN_COLS = 32769
-BWD_WIDEST_ROWS = 4
-BWD_WIDEST_BLOCK_COLS = 4096
-BWD_WIDEST_MAX_WARPS = 16
-# With a weight gradient, the backward's persistent grid has one program per SM: each keeps one
-# fp32 partial row of dw, as many as Liger's. To keep memory busy with that few programs, the loop
-# prefetches the next tile, for rows up to BWD_PREFETCH_MAX_COLS wide. Tiles have at least
-# BWD_MIN_TILE elements, one warp per BWD_ELEMENTS_PER_WARP, and those of at least BWD_ACC_2D_ROWS
-# rows accumulate dw in 2-D. benchmarks/tune_norm_backward.py on an H200 (the backward alone,
-# 16384 rows, bf16; benchmarks/experiments/INDEX.md#norm_backward_prefetch) against the
-# settings before (8 programs per SM up to H=1024, 2 up to 4096, then 1, without prefetch):
-# H=512 34.8 -> 18.7 us, 1024 36.2 -> 35.4, 2048 62.7 -> 63.2, 4096 118.9 -> 113.3, 8192 248 -> 214;
-# FusedAddRMSNorm's 39 -> 25, 48 -> 42, 81 -> 75, 174 -> 142, 351 -> 269. At 16384 columns the
-# prefetched tiles spill (6.9 ms against 0.57), so those rows do not prefetch.
-BWD_PROGRAMS_PER_SM = 1
-BWD_MIN_TILE = 8192
-BWD_ELEMENTS_PER_WARP = 1024
-BWD_PREFETCH_MAX_COLS = 8192
-BWD_ACC_2D_ROWS = 8
-# One-tile rows at least this wide, with a weight gradient, load the weight for every tile instead
-# of holding it next to x, dy and the dw accumulator: at 16384 columns those four tiles took 128
-# registers a thread and spilled (44 spills; 0 without the dw accumulator).
-BWD_WEIGHT_PER_TILE_COLS = 16384
-# Without a weight gradient there are no partial rows, and more programs without prefetch were
-# faster at every width (the same sweep: prefetching took 0.70-0.99x the time of these settings).
-# tune_norms.py --op rms_norm --frozen on an H200 (benchmarks/experiments/INDEX.md#norm_frozen_narrow_tune):
-# 4 per SM instead of 2 took H=2048 from 0.102 to 0.092 ms and
-# H=4096 from 0.191 to 0.174 ms forward+backward; at H <= 1024, 32 per SM with tiles of 2048. A
-# later sweep that went past 8 per SM (benchmarks/experiments/INDEX.md#rms_norm_frozen_programs)
-# took 32 per SM below 8192 columns too: H=2048 0.0917 -> 0.0898 ms, H=4096
-# 0.1729 -> 0.1694 ms; and at 8192 columns (0.3302 -> 0.3251 ms; FusedAddRMSNorm 0.4586 -> 0.4555),
-# where 2 per SM stays best from 16384 on. Rows of at most BWD_FROZEN_NARROW_COLS keep tiles of their own.
-BWD_FROZEN_NARROW_COLS = 1024
-BWD_FROZEN_NARROW_MIN_TILE = 2048
-BWD_FROZEN_MIN_TILE = 4096
-BWD_FROZEN_ELEMENTS_PER_WARP = 512
-BWD_FROZEN_PROGRAMS_PER_SM = 32
-BWD_FROZEN_WIDE_COLS = 16384  # from this width on, 2 programs per SM
-BWD_FROZEN_WIDE_PROGRAMS_PER_SM = 2
+# Launch parameters: one table per direction, each field with the reason for its value. The timings
+# behind them are in the rows of benchmarks/experiments/INDEX.md named here and in docs/benchmarks.md
+# (the norms section); benchmarks/tune_norms.py and tune_norm_backward.py sweep them on a GPU.
+
+FORWARD = ForwardParams(
+    max_block_cols=16384,  # at H=32768 two tiles of 16384 beat one (tune_norms.py, docs/benchmarks.md)
+    min_tile=2048,  # 1-3% faster than 4096 at H = 1024 to 8192 (INDEX.md#norm_forward_ab)
+    elements_per_warp=512,
+    max_warps=8,  # against 16 (norm_forward_ab); rows that loop take up to 16
+    few_warps_max_cols=16384,
+)
+# FusedAddRMSNorm's forward (HAS_RESIDUAL), whose second pass re-reads the sum it has just written.
+FORWARD_RESIDUAL = ForwardParams(
+    max_block_cols=32768,  # at H=32768 one tile beat four of 8192 (tune_norms.py, docs/benchmarks.md)
+    min_tile=2048,  # as RMSNorm's (norm_forward_ab)
+    elements_per_warp=512,
+    max_warps=16,  # 8 were 1% slower at H=8192 and 16384 (norm_forward_ab)
+    few_warps_max_cols=32768,
+)
+
+
+class BackwardParams(NamedTuple):
+    """The backward with a weight gradient: a persistent grid whose programs each keep an fp32
+    partial row of dw (in registers for one-tile rows, in the partial buffer for wider ones)."""
+
+    programs_per_sm: int  # for one-tile rows
+    looped_programs_per_sm: int  # for wider rows
+    max_block_cols: int  # the widest row held in one tile; wider rows loop over column tiles this wide
+    min_tile: int  # narrow rows are grouped into tiles of at least this many elements
+    elements_per_warp: int  # one warp per this many elements of a tile
+    prefetch_max_cols: int  # one-tile rows up to this wide load the next tile before computing this one
+    acc_2d_rows: int  # tiles of at least this many rows sum dw in 2-D, across the rows once at the end
+    weight_per_tile_cols: int  # one-tile rows at least this wide load the weight for every tile
+    widest_min_cols: int  # rows at least this wide are taken several at a time:
+    widest_rows: int  # this many rows a tile,
+    widest_block_cols: int  # in column tiles this wide,
+    widest_max_warps: int  # with one warp per elements_per_warp of the tile, at most this many
+
+
+BACKWARD = BackwardParams(
+    programs_per_sm=1,  # partial rows as Liger's; the prefetch keeps memory busy (INDEX.md#norm_backward_prefetch)
+    looped_programs_per_sm=1,  # few programs, so the rows they re-read stay in L2
+    max_block_cols=16384,  # x, dy, s and dw: four fp32 tiles
+    min_tile=8192,  # norm_backward_prefetch
+    elements_per_warp=1024,  # norm_backward_prefetch
+    prefetch_max_cols=8192,  # prefetched 16384-column tiles spill (norm_backward_prefetch)
+    acc_2d_rows=8,  # norm_backward_prefetch
+    weight_per_tile_cols=16384,  # held beside x, dy and dw, it spills (INDEX.md#norm_weight_per_tile_probe)
+    widest_min_cols=32769,  # 4 rows a tile took 2-3% longer at 32768 (INDEX.md#norm_looped_rows)
+    widest_rows=4,  # divides the L2 reads and writes of the program's partial row (norm_looped_rows)
+    widest_block_cols=4096,  # norm_looped_rows
+    widest_max_warps=16,
+)
+
+
+class FrozenBackwardParams(NamedTuple):
+    """The backward without a weight gradient: no partial rows, so many programs and no prefetch
+    (prefetching was slower at every width, INDEX.md#norm_backward_prefetch)."""
+
+    programs_per_sm: int  # for rows narrower than wide_cols
+    wide_cols: int  # one-tile rows at least this wide take wide_programs_per_sm
+    wide_programs_per_sm: int
+    looped_programs_per_sm: int  # for rows wider than max_block_cols
+    max_block_cols: int  # the widest row held in one tile; wider rows loop over column tiles this wide
+    min_tile: int  # narrow rows are grouped into tiles of at least this many elements,
+    narrow_cols: int  # or, rows up to this wide,
+    narrow_min_tile: int  # of at least this many
+    elements_per_warp: int  # one warp per this many elements of a tile
+
+
+BACKWARD_FROZEN = FrozenBackwardParams(
+    programs_per_sm=32,  # against 2 to 16 (INDEX.md#rms_norm_frozen_programs, #norm_frozen_narrow_tune)
+    wide_cols=16384,  # from here on 2 per SM stays best (rms_norm_frozen_programs)
+    wide_programs_per_sm=2,
+    looped_programs_per_sm=1,  # as BACKWARD's
+    max_block_cols=16384,  # no setting beat one row in 16384-column tiles (INDEX.md#norm_looped_rows)
+    min_tile=4096,
+    narrow_cols=1024,
+    narrow_min_tile=2048,  # INDEX.md#norm_frozen_narrow_tune
+    elements_per_warp=512,
+)
 
 
 @functools.lru_cache(maxsize=256)
 def _fwd_tiling(n_cols: int, has_residual: bool = False) -> RowTiling:
-    max_block_cols = FWD_RESIDUAL_MAX_BLOCK_COLS if has_residual else FWD_MAX_BLOCK_COLS
-    return row_tiling(n_cols, max_block_cols=max_block_cols, min_tile_elements=FWD_MIN_TILE,
-                      elements_per_warp=FWD_ELEMENTS_PER_WARP,
-                      max_warps=16 if has_residual or n_cols > FWD_FEW_WARPS_MAX_COLS else FWD_MAX_WARPS,
-                      name="x")  # fmt: skip
+    return forward_tiling(n_cols, FORWARD_RESIDUAL if has_residual else FORWARD)
 
 
 @functools.lru_cache(maxsize=256)
 def _bwd_tiling(n_cols: int, compute_dw: bool = True) -> RowTiling:
     if compute_dw:
-        min_tile, per_warp = BWD_MIN_TILE, BWD_ELEMENTS_PER_WARP
-    else:
-        min_tile = BWD_FROZEN_NARROW_MIN_TILE if n_cols <= BWD_FROZEN_NARROW_COLS else BWD_FROZEN_MIN_TILE
-        per_warp = BWD_FROZEN_ELEMENTS_PER_WARP
-    if compute_dw and n_cols >= BWD_WIDEST_MIN_COLS:
-        return looped_rows_tiling(BWD_WIDEST_BLOCK_COLS, BWD_WIDEST_ROWS, elements_per_warp=per_warp,
-                                  max_warps=BWD_WIDEST_MAX_WARPS)  # fmt: skip
-    return row_tiling(n_cols, max_block_cols=BWD_MAX_BLOCK_COLS, min_tile_elements=min_tile,
-                      elements_per_warp=per_warp, name="x")  # fmt: skip
+        params = BACKWARD
+        if n_cols >= params.widest_min_cols:
+            return looped_rows_tiling(params.widest_block_cols, params.widest_rows,
+                                      elements_per_warp=params.elements_per_warp,
+                                      max_warps=params.widest_max_warps)  # fmt: skip
+        return row_tiling(n_cols, max_block_cols=params.max_block_cols, min_tile_elements=params.min_tile,
+                          elements_per_warp=params.elements_per_warp, name="x")  # fmt: skip
+    frozen = BACKWARD_FROZEN
+    min_tile = frozen.narrow_min_tile if n_cols <= frozen.narrow_cols else frozen.min_tile
+    return row_tiling(n_cols, max_block_cols=frozen.max_block_cols, min_tile_elements=min_tile,
+                      elements_per_warp=frozen.elements_per_warp, name="x")  # fmt: skip
 
 
 def launch_forward(
@@ -422,13 +439,13 @@ def launch_forward(
     n_rows = x_rows.shape[0]
     if n_rows == 0:
         return y, rstd
-    r_rows = as_rows(residual) if residual is not None else x_rows
-    s_rows = residual_out if residual_out is not None else x_rows
+    residual_rows = as_rows(residual) if residual is not None else x_rows
+    residual_out_rows = residual_out if residual_out is not None else x_rows
     tiling = _fwd_tiling(n_cols, residual is not None)
     grid = (cdiv(n_rows, tiling.rows_per_tile),)
     _rms_norm_fwd_kernel[grid](
-        x_rows, r_rows, s_rows, weight if weight is not None else x_rows, y, rstd,
-        n_rows, n_cols, x_rows.stride(0), r_rows.stride(0), s_rows.stride(0), eps, offset,
+        x_rows, residual_rows, residual_out_rows, weight if weight is not None else x_rows, y, rstd,
+        n_rows, n_cols, x_rows.stride(0), residual_rows.stride(0), residual_out_rows.stride(0), eps, offset,
         HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None, GEMMA=gemma,
         BLOCK_COLS=tiling.block_cols, ROWS=tiling.rows_per_tile, LOOPED=tiling.looped,
         num_warps=tiling.num_warps,
@@ -456,12 +473,12 @@ def dw_partial_rows(n_rows: int, n_cols: int, device: torch.device, compute_dw: 
     """Programs of the backward's grid, which is also the number of rows of the fp32 partial buffer
     it allocates for the weight gradient (when ``compute_dw``)."""
     if compute_dw:
-        per_sm = BWD_PROGRAMS_PER_SM
-    elif n_cols < BWD_FROZEN_WIDE_COLS:
-        per_sm = BWD_FROZEN_PROGRAMS_PER_SM
+        per_sm, looped_per_sm = BACKWARD.programs_per_sm, BACKWARD.looped_programs_per_sm
     else:
-        per_sm = BWD_FROZEN_WIDE_PROGRAMS_PER_SM
-    return row_reduction_grid(n_rows, _bwd_tiling(n_cols, compute_dw), device, per_sm, BWD_LOOPED_PROGRAMS_PER_SM)
+        frozen = BACKWARD_FROZEN
+        per_sm = frozen.programs_per_sm if n_cols < frozen.wide_cols else frozen.wide_programs_per_sm
+        looped_per_sm = frozen.looped_programs_per_sm
+    return row_reduction_grid(n_rows, _bwd_tiling(n_cols, compute_dw), device, per_sm, looped_per_sm)
 
 
 def launch_backward(
@@ -498,9 +515,10 @@ def launch_backward(
         n_rows, n_cols, dy_rows.stride(0), x_rows.stride(0), dres_rows.stride(0), dx_rows.stride(0), offset,
         HAS_DRES=dres is not None, HAS_WEIGHT=weight is not None, COMPUTE_DW=compute_dw,
         BLOCK_COLS=tiling.block_cols, ROWS=tiling.rows_per_tile, LOOPED=tiling.looped,
-        WEIGHT_PER_TILE=one_tile and compute_dw and tiling.block_cols >= BWD_WEIGHT_PER_TILE_COLS,
-        ACC_2D=one_tile and compute_dw and tiling.rows_per_tile >= BWD_ACC_2D_ROWS,
-        PREFETCH=one_tile and compute_dw and tiling.block_cols <= BWD_PREFETCH_MAX_COLS, num_warps=tiling.num_warps,
+        WEIGHT_PER_TILE=one_tile and compute_dw and tiling.block_cols >= BACKWARD.weight_per_tile_cols,
+        ACC_2D=one_tile and compute_dw and tiling.rows_per_tile >= BACKWARD.acc_2d_rows,
+        PREFETCH=one_tile and compute_dw and tiling.block_cols <= BACKWARD.prefetch_max_cols,
+        num_warps=tiling.num_warps,
     )  # fmt: skip
     if not compute_dw:
         return None
