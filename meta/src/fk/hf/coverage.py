@@ -1,0 +1,253 @@
+"""Which model types of the installed transformers fk.hf patches, checked on tiny random models.
+
+``python -m fk.hf.coverage --out docs/models.md`` builds a tiny random model (a shrunken default
+config: 2 layers, hidden size 64, vocabulary 300) of every type in transformers' causal-LM and
+image-text-to-text registries, patches a copy with :func:`fk.hf.apply`, and compares the loss and
+every gradient of a text-only batch with the stock model's, in fp32 on the CPU (with
+``TRITON_INTERPRET=1``, fk's kernels run in Triton's interpreter). It writes one row per type: the
+block kinds patched and what stayed stock and why; a type transformers cannot build small, or whose
+stock model does not run on text alone, is listed as such. ``meta/tests/test_hf_registry.py`` runs
+the same check for every type.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from fk.hf.probe import relative_error
+
+SMALL: dict[str, int] = {
+    "num_hidden_layers": 2, "num_layers": 2, "n_layer": 2, "hidden_size": 64, "n_embd": 64, "d_model": 64,
+    "intermediate_size": 128, "ffn_dim": 128, "n_inner": 128, "d_ff": 128, "num_attention_heads": 4, "n_head": 4,
+    "num_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 300, "max_position_embeddings": 128,
+    "moe_intermediate_size": 32, "shared_expert_intermediate_size": 64, "num_experts": 4, "num_local_experts": 4,
+    "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1, "first_k_dense_replace": 1,
+    "kv_lora_rank": 16, "q_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16,
+    "sliding_window": 8, "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16, "depth": 2, "embed_dim": 64, "out_hidden_size": 64,
+}  # fmt: skip
+"""Config attributes set where a default config has them (ints only), to make every model tiny."""
+SPECIAL_TOKENS = ("pad_token_id", "bos_token_id", "eos_token_id")
+VOCAB, SEQ = SMALL["vocab_size"], 12
+TOLERANCE = 1e-4
+FLOOR = 1e-5
+"""A tensor agrees when ``‖fk - stock‖ <= TOLERANCE ‖stock‖ + FLOOR G`` (fp32), ``G`` the largest
+gradient norm of the model: a wrong block is off by order 1; rounding in fp32, even through a
+recurrent model's long sums, by under 1e-5; the floor lets a gradient that is zero but for
+rounding (an attention key's bias: softmax does not see it) differ by rounding."""
+MAX_PARAMETERS = 20_000_000
+"""A model larger than this with the shrunken config is not built (its config did not shrink)."""
+
+
+def tiny_config(model_type: str) -> Any:
+    """transformers' default config of ``model_type`` with :data:`SMALL` applied (and to its
+    sub-configs: text, vision, audio), layer lists cut to the layer count, special token ids inside
+    the vocabulary."""
+    from transformers import CONFIG_MAPPING
+
+    config = CONFIG_MAPPING[model_type]()
+    _shrink(config)
+    return config
+
+
+def _get(config: Any, name: str) -> Any:
+    try:
+        return getattr(config, name, None)
+    except Exception:  # transformers' per-layer attributes raise on a global read
+        return None
+
+
+def _set(config: Any, name: str, value: Any) -> None:
+    with contextlib.suppress(Exception):  # a read-only property: the default stays
+        setattr(config, name, value)
+
+
+def _shrink(config: Any) -> None:
+    for name, value in SMALL.items():
+        if isinstance(_get(config, name), int) and not isinstance(_get(config, name), bool):
+            _set(config, name, value)
+    layers = _get(config, "num_hidden_layers")
+    for name in ("layer_types", "mlp_only_layers", "layers_block_type"):
+        value = _get(config, name)
+        if isinstance(value, list) and isinstance(layers, int) and len(value) > layers:
+            _set(config, name, value[:layers])
+    for name in SPECIAL_TOKENS:
+        value = _get(config, name)
+        if isinstance(value, int) and value >= VOCAB:
+            _set(config, name, 1)
+        elif isinstance(value, list):
+            _set(config, name, [v if v < VOCAB else 1 for v in value])
+    rope = _get(config, "rope_parameters")
+    if isinstance(rope, dict) and isinstance(rope.get("mrope_section"), list):  # Qwen-VL: sections of head_dim / 2
+        heads, hidden = _get(config, "num_attention_heads"), _get(config, "hidden_size")
+        head_dim = _get(config, "head_dim") or (hidden // heads if heads and hidden else 16)
+        half = head_dim // 2
+        _set(config, "rope_parameters", {**rope, "mrope_section": [half - 2 * (half // 3), half // 3, half // 3]})
+    for name in getattr(config, "sub_configs", {}):  # text, vision, audio, ... configs
+        sub = _get(config, name)
+        if sub is not None and hasattr(sub, "to_dict"):
+            _shrink(sub)
+
+
+@dataclass
+class Row:
+    """What :func:`check` found for one model type."""
+
+    model_type: str
+    status: str
+    """``"patched"`` (loss and gradients equal stock's), ``"nothing patched"``, ``"mismatch"``,
+    ``"fk raised"``, or ``"not checked"`` (transformers could not build or run it small, or two stock runs differ)."""
+    patched: dict[str, int] = field(default_factory=dict)
+    stock: dict[str, str] = field(default_factory=dict)
+    detail: str = ""
+
+
+def registries() -> dict[str, dict[str, str]]:
+    """transformers' causal-LM and image-text-to-text registries: model type -> class name."""
+    from transformers.models.auto import modeling_auto
+
+    return {
+        "causal_lm": dict(modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES),
+        "image_text_to_text": dict(modeling_auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES),
+    }
+
+
+def _build(model_type: str, registry: str) -> Any:
+    import transformers
+
+    cls = getattr(transformers, registries()[registry][model_type])
+    config = tiny_config(model_type)
+    with torch.device("meta"):  # counted first: a config that does not shrink stays unbuilt
+        size = sum(p.numel() for p in cls._from_config(config).parameters())
+    if size > MAX_PARAMETERS:
+        raise ValueError(f"{size / 1e6:.0f}M parameters with the shrunken config: not tiny")
+    torch.manual_seed(0)
+    model = cls._from_config(config)
+    with torch.no_grad():  # norm weights away from their init (zeros or ones), so that they matter
+        for name, param in model.named_parameters():
+            if "norm" in name.rpartition(".")[0].rpartition(".")[2].lower():
+                param.add_(0.2 * torch.randn_like(param))
+    return model.float().train()
+
+
+def _loss_and_grads(
+    model: Any, ids: torch.Tensor, labels: torch.Tensor
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    import random
+
+    import numpy as np
+
+    torch.manual_seed(1)  # the same dropout masks (and numpy's random attention blocks: BigBird) for both models
+    random.seed(1)
+    np.random.seed(1)
+    out = model(input_ids=ids, labels=labels, use_cache=False)
+    out.loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    return out.loss.detach(), grads
+
+
+def check(model_type: str, registry: str = "causal_lm") -> Row:
+    """Build ``model_type`` tiny, patch a copy, compare loss and gradients with stock's."""
+    import fk.hf
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            stock = _build(model_type, registry)
+            ids = torch.randint(0, VOCAB, (1, SEQ), generator=torch.Generator().manual_seed(0))
+            labels = ids.clone()
+            labels[0, :3] = -100
+            want, want_grads = _loss_and_grads(stock, ids, labels)
+            patched = copy.deepcopy(stock)
+            patched.zero_grad(set_to_none=True)
+            again = copy.deepcopy(patched)  # (to tell a model whose stock runs differ from a mismatch)
+        except Exception as e:
+            return Row(model_type, "not checked", detail=f"{type(e).__name__}: {str(e)[:160]}")
+        try:
+            report = fk.hf.apply(patched)
+            got, got_grads = _loss_and_grads(patched, ids, labels)
+        except Exception as e:
+            return Row(model_type, "fk raised", detail=f"{type(e).__name__}: {str(e)[:300]}")
+    counts = {k: v for k, v in report.items() if v}
+    row = Row(model_type, "patched" if counts else "nothing patched", counts, dict(report.stock))
+    if got_grads.keys() != want_grads.keys():
+        row.status, row.detail = (
+            "mismatch",
+            f"gradients of other parameters: {sorted(got_grads.keys() ^ want_grads.keys())}",
+        )
+        return row
+    differs = _first_difference(got, got_grads, want, want_grads)
+    if differs is not None and _first_difference(*_loss_and_grads(again, ids, labels), want, want_grads) is not None:
+        return Row(model_type, "not checked", detail="stock is not deterministic: two stock runs differ")
+    if differs is not None:
+        row.status, row.detail = "mismatch", differs
+    return row
+
+
+def _first_difference(got: torch.Tensor, got_grads: dict[str, torch.Tensor], want: torch.Tensor,
+                      want_grads: dict[str, torch.Tensor]) -> str | None:  # fmt: skip
+    """The first of the loss and the gradients that does not agree (see :data:`FLOOR`), or None."""
+    scale = max((float(g.double().norm()) for g in want_grads.values()), default=0.0)
+    pairs = {"loss": (got, want), **{n: (got_grads[n], g) for n, g in want_grads.items()}}
+    for name, (a, b) in pairs.items():
+        error = float((a.double() - b.double()).norm())
+        if not error <= TOLERANCE * float(b.double().norm()) + FLOOR * scale:  # (NaN fails too)
+            return f"{name}: relative error {relative_error(a, b):.1e}"
+    return None
+
+
+def markdown(rows: dict[str, list[Row]]) -> str:
+    import transformers
+
+    lines = [
+        "# Model coverage",
+        "",
+        f"Generated by `python -m fk.hf.coverage` with transformers {transformers.__version__} and torch "
+        f"{torch.__version__}: every model type of transformers' causal-LM and image-text-to-text registries, "
+        "built tiny and random (2 layers, hidden size 64), patched with `fk.hf.apply`, loss and every gradient "
+        "of a text-only batch compared with the stock model's in fp32 on the CPU (fk's kernels in Triton's "
+        "interpreter). `meta/tests/test_hf_registry.py` asserts the same for every type.",
+        "",
+    ]
+    for registry, found in rows.items():
+        patched = [r for r in found if r.status == "patched"]
+        lines += [f"## {registry}", "", f"{len(patched)} of {len(found)} types patched with loss and gradients "
+                  f"equal to stock's; {sum(r.status == 'not checked' for r in found)} not checked (not buildable small, or stock not deterministic); "
+                  f"{sum(r.status in ('mismatch', 'fk raised') for r in found)} mismatches or fk errors.", "",
+                  "| model type | status | patched | left stock (why) |", "| --- | --- | --- | --- |"]  # fmt: skip
+        for r in found:
+            what = ", ".join(f"{k} {v}" for k, v in r.patched.items())
+            why = "; ".join(f"{k} ({v})" for k, v in r.stock.items()) or r.detail
+            lines.append(f"| {r.model_type} | {r.status} | {what} | {why.replace('|', '/')} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", help="write the markdown page here (default: print it)")
+    parser.add_argument("--types", nargs="*", help="only these model types")
+    args = parser.parse_args(argv)
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    rows = {name: [check(t, name) for t in sorted(types) if not args.types or t in args.types]
+            for name, types in registries().items()}  # fmt: skip
+    page = markdown(rows)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(page)
+    else:
+        print(page)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
