@@ -125,11 +125,11 @@ def weight_gradient_spy(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[bool]
     weight gradient was asked of the kernels: ``{"norm": [...], "head": [...]}``. (A frozen weight's
     ``.grad`` is None whether or not the kernels computed it; this sees the work itself.)"""
     # (the modules, not the functions of the same names that the packages export)
-    lce = importlib.import_module("fk.flce.linear_cross_entropy")
+    lce = importlib.import_module("fk.flce.chunks")
     rms = importlib.import_module("fk.norms.rms_norm")
 
     seen: dict[str, list[bool]] = {"norm": [], "head": []}
-    norm_backward, head_buffers = rms.launch_backward, lce._accum_buffers
+    norm_backward, head_buffers = rms.launch_backward, lce.gradient_buffers
 
     def spy_norm(
         dy: Any, x: Any, weight: Any, rstd: Any, offset: Any, compute_dw: bool, *rest: Any, **kwargs: Any
@@ -142,7 +142,7 @@ def weight_gradient_spy(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[bool]
         return head_buffers(hidden, weight, compute_dh, compute_dw, *rest)
 
     monkeypatch.setattr(rms, "launch_backward", spy_norm)
-    monkeypatch.setattr(lce, "_accum_buffers", spy_head)
+    monkeypatch.setattr(lce, "gradient_buffers", spy_head)
     return seen
 
 
