@@ -75,11 +75,15 @@ WORKER_TIMEOUT_S = 420
 # ---------------------------------------------------------------------------------------- the worker
 
 
-def _patch_before_build(provider: str) -> None:
+def _patch_before_build(provider: str, family: str) -> None:
+    """Liger's patch of ``family``'s classes (its defaults); ``ImportError`` (the run is skipped)
+    where Liger has none for the family."""
     if provider == "liger":
-        from liger_kernel.transformers import apply_liger_kernel_to_llama
+        from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
 
-        apply_liger_kernel_to_llama()
+        if family not in MODEL_TYPE_TO_APPLY_LIGER_FN:
+            raise ImportError(f"Liger Kernel has no patch for {family}")
+        MODEL_TYPE_TO_APPLY_LIGER_FN[family]()
 
 
 def _patch_after_build(provider: str, model: torch.nn.Module) -> dict[str, int]:
@@ -144,9 +148,9 @@ def worker(job: dict[str, Any]) -> dict[str, Any]:
     shape = training.SHAPES[job["shape"]]
     device = "cuda" if torch.cuda.is_available() else "cpu"
     fallbacks = _fallback_log()
-    _patch_before_build(provider)
+    _patch_before_build(provider, job["family"])
     model = training.build_model(shape, dtype=torch.bfloat16, device=device, seed=0, lora=lora,
-                                 max_positions=job["seq"])  # fmt: skip
+                                 max_positions=job["seq"], model_type=job["family"])  # fmt: skip
     patched = _patch_after_build(provider, model)
     corpus = training.MarkovCorpus(shape.vocab, active=1024 if shape.vocab >= 4096 else 32, branching=4)
     opt = training.make_optimizer(model, job["lr"])
@@ -235,29 +239,31 @@ def run(args: argparse.Namespace) -> bench.BenchRecord:
             "lr": args.lr, "search_seconds": args.search_seconds}  # fmt: skip
     search = torch.cuda.is_available() and args.search_seconds > 0
     order = [provider for _, provider in round_order(args.providers, args.rounds)]
-    jobs = [(mode, provider, "timed") for mode in args.modes for provider in order]
-    jobs += [(mode, provider, "search") for mode in args.modes for provider in args.providers if search]
-    timed: dict[tuple[str, str], list[dict[str, Any]]] = {}
-    results: dict[tuple[str, str], dict[str, Any]] = {}
-    for mode, provider, phase in bench.progress(jobs, desc=NAME):
-        earlier = results.get((mode, provider), {})
+    cases = [(family, mode) for family in args.family for mode in args.modes]
+    jobs = [(family, mode, provider, "timed") for family, mode in cases for provider in order]
+    jobs += [(family, mode, provider, "search") for family, mode in cases for provider in args.providers if search]
+    timed: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
+    results: dict[tuple[str, str, str], dict[str, Any]] = {}
+    for family, mode, provider, phase in bench.progress(jobs, desc=NAME):
+        key = (family, mode, provider)
+        earlier = results.get(key, {})
         if "skipped" in earlier or "failed" in earlier:  # no more rounds, no search
             continue
         why = _available(provider, mode)
-        out: dict[str, Any] = {"skipped": why} if why else run_case({**base, "mode": mode, "provider": provider,
-                                                                    "phase": phase})  # fmt: skip
+        job = {**base, "family": family, "mode": mode, "provider": provider, "phase": phase}
+        out: dict[str, Any] = {"skipped": why} if why else run_case(job)
         if "skipped" in out or "failed" in out:
-            results[mode, provider] = out
-            print(f"{mode} {provider} ({phase}): {_status(out)}", file=sys.stderr)
+            results[key] = out
+            print(f"{family} {mode} {provider} ({phase}): {_status(out)}", file=sys.stderr)
         elif phase == "timed":
-            timed.setdefault((mode, provider), []).append(out)
-            results[mode, provider] = merge_rounds(timed[mode, provider])
+            timed.setdefault(key, []).append(out)
+            results[key] = merge_rounds(timed[key])
         else:
-            results[mode, provider].update(out)
+            results[key].update(out)
     # The parent touches the GPU only now, so the workers had all of its memory.
     record = bench.BenchRecord(
         NAME,
-        notes=(f"LlamaForCausalLM {shape_name} ({shape.describe()}), random init, bf16 weights, SDPA attention, "
+        notes=(f"the causal LM of each family (llama: LlamaForCausalLM) shaped as {shape_name} ({shape.describe()}), random init, bf16 weights, SDPA attention, "
                f"AdamW (fused on CUDA), {args.batch} x {args.seq} tokens a step, {args.rounds} rounds of "
                f"{args.steps} timed steps after {args.warmup} (odd rounds in reverse provider order), tokens/s "
                f"from the median of all timed steps; lora: PEFT r=16, alpha=32, q/k/v/o/gate/up/down, fp32 adapters; "
@@ -266,13 +272,13 @@ def run(args: argparse.Namespace) -> bench.BenchRecord:
     )  # fmt: skip
     if torch.cuda.is_available() and not args.tiny:
         record.ceilings = bench.measure_ceilings().as_dict()
-    for mode, provider in dict.fromkeys((mode, provider) for mode, provider, _ in jobs):
-        out = results[mode, provider]
-        common = {"mode": mode, "provider": provider, "model": shape_name, "seq": args.seq}
+    for family, mode, provider in dict.fromkeys((family, mode, provider) for family, mode, provider, _ in jobs):
+        out = results[family, mode, provider]
+        common = {"family": family, "mode": mode, "provider": provider, "model": shape_name, "seq": args.seq}
         if "skipped" in out or "failed" in out:
             record.add(kind="run", **common, batch=args.batch, status=_status(out))
             continue
-        stock = results.get((mode, "stock"), {}).get("losses")
+        stock = results.get((family, mode, "stock"), {}).get("losses")
         largest = max(out.get("search", []), key=lambda row: row["batch"], default=None)
         record.add(
             kind="run", **common, batch=args.batch, status="ok", tokens_per_s=out["tokens_per_s"],
@@ -290,12 +296,20 @@ def run(args: argparse.Namespace) -> bench.BenchRecord:
     return record
 
 
-def merge_record(new: bench.BenchRecord, old: bench.BenchRecord, modes: list[str]) -> bench.BenchRecord:
-    """``new`` with the rows of ``old`` whose mode it did not run (first), and a note of where those
-    came from: for a GPU whose calls are too short to run both modes in one."""
-    kept = [row for row in old.rows if row.get("mode") not in modes]
+def _case(row: dict[str, Any]) -> tuple[str, str]:
+    """A row's (family, mode); rows of records from before ``--family`` are Llama's."""
+    return row.get("family", "llama"), row["mode"]
+
+
+def merge_record(
+    new: bench.BenchRecord, old: bench.BenchRecord, modes: list[str], families: tuple[str, ...] = ("llama",)
+) -> bench.BenchRecord:
+    """``new`` with the rows of ``old`` whose (family, mode) it did not run (first), and a note of
+    where those came from: for a GPU whose calls are too short to run every case in one."""
+    ran = {(family, mode) for family in families for mode in modes}
+    kept = [row for row in old.rows if _case(row) not in ran]
     if kept:
-        others = sorted({row["mode"] for row in kept})
+        others = sorted({" ".join(_case(row)) for row in kept})
         new.notes += f"; {', '.join(others)}: from the call of {old.environment.get('date_utc', '?')}"
     new.rows = kept + new.rows
     return new
@@ -305,18 +319,19 @@ def merge_record(new: bench.BenchRecord, old: bench.BenchRecord, modes: list[str
 
 
 def table(record: bench.BenchRecord) -> list[dict[str, Any]]:
-    """One line per (mode, provider): speed and memory, against stock and Liger of the same mode."""
-    runs = {(r["mode"], r["provider"]): r for r in record.rows if r.get("kind") == "run"}
+    """One line per (family, mode, provider): speed and memory, against stock and Liger of the same
+    family and mode."""
+    runs = {(*_case(r), r["provider"]): r for r in record.rows if r.get("kind") == "run"}
     lines = []
-    for (mode, provider), r in runs.items():
-        line: dict[str, Any] = {"mode": mode, "provider": provider}
+    for (family, mode, provider), r in runs.items():
+        line: dict[str, Any] = {"family": family, "mode": mode, "provider": provider}
         if r.get("status") != "ok":
             line["status"] = str(r.get("status", "")).splitlines()[0][:80]
             lines.append(line)
             continue
         line.update({"tokens/s": r["tokens_per_s"], "peak GiB": r["peak_gib"]})
         for peer in ("stock", "liger"):
-            p = runs.get((mode, peer))
+            p = runs.get((family, mode, peer))
             if peer != provider and p is not None and p.get("status") == "ok":
                 line[f"x {peer}"] = r["tokens_per_s"] / p["tokens_per_s"]
                 if r["peak_gib"] and p["peak_gib"]:
@@ -332,7 +347,7 @@ def table(record: bench.BenchRecord) -> list[dict[str, Any]]:
     return lines
 
 
-COLUMNS = ["mode", "provider", "tokens/s", "x stock", "x liger", "peak GiB", "memory / stock", "memory / liger",
+COLUMNS = ["family", "mode", "provider", "tokens/s", "x stock", "x liger", "peak GiB", "memory / stock", "memory / liger",
            "max batch", "tokens/s at max batch", "loss vs stock", "status"]  # fmt: skip
 
 
@@ -346,6 +361,7 @@ def plots(record: bench.BenchRecord, out: Path) -> list[Path]:
     """Tokens/s and peak memory against the batch size, per provider, one panel per mode: each line
     ends at the largest batch that fitted."""
     batches = record.subset(kind="batch")
+    batches.rows = [r for r in batches.rows if r.get("family", "llama") == "llama"]
     if not batches.rows:
         return []
     gpu = record.environment.get("gpu")
@@ -373,8 +389,10 @@ def main() -> int:
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--search-seconds", type=float, default=45.0,
                         help="time for the largest-batch search per provider and mode (0: no search)")  # fmt: skip
+    parser.add_argument("--family", nargs="+", default=["llama"],
+                        help="model types to build with the benchmark's shape (default llama; Liger runs where it has a patch)")  # fmt: skip
     parser.add_argument("--merge", action="store_true",
-                        help="keep the other modes' rows of the record already at --out (one mode per call)")  # fmt: skip
+                        help="keep the rows of other (family, mode) cases of the record already at --out")  # fmt: skip
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -394,7 +412,8 @@ def main() -> int:
         parser.error("the benchmark needs a CUDA GPU; on a CPU run it with --tiny")
     record = run(args)
     if args.merge and (args.out / f"{NAME}.json").exists():
-        record = merge_record(record, bench.BenchRecord.from_json(args.out / f"{NAME}.json"), args.modes)
+        old = bench.BenchRecord.from_json(args.out / f"{NAME}.json")
+        record = merge_record(record, old, args.modes, tuple(args.family))
     path = record.to_json(args.out / f"{NAME}.json")
     print(f"record: {path}")
     try:

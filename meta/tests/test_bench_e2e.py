@@ -68,4 +68,12 @@ def test_merge_keeps_the_other_modes_rows() -> None:
     new = bench.BenchRecord("e2e", rows=[{"mode": "lora", "v": 3}], notes="new")
     merged = _script().merge_record(new, old, ["lora"])
     assert merged.rows == [{"mode": "full", "v": 1}, {"mode": "lora", "v": 3}]
-    assert merged.notes == "new; full: from the call of then"
+    assert merged.notes == "new; llama full: from the call of then"
+
+
+def test_merge_keeps_the_other_families_rows() -> None:
+    """A run of other families keeps the Llama rows (those from before --family have no family)."""
+    old = bench.BenchRecord("e2e", rows=[{"mode": "full", "v": 1}, {"family": "olmo3", "mode": "full", "v": 2}])
+    new = bench.BenchRecord("e2e", rows=[{"family": "olmo3", "mode": "full", "v": 3}], notes="new")
+    merged = _script().merge_record(new, old, ["full"], ("olmo3",))
+    assert merged.rows == [{"mode": "full", "v": 1}, {"family": "olmo3", "mode": "full", "v": 3}]

@@ -46,11 +46,12 @@ class ModelShape:
     vocab: int
     tie_word_embeddings: bool = True
 
-    def config(self, max_positions: int = 8192) -> Any:
-        """The ``LlamaConfig`` (Llama 3's RMSNorm epsilon and rope theta; default rope scaling)."""
-        from transformers import LlamaConfig
+    def config(self, max_positions: int = 8192, model_type: str = "llama") -> Any:
+        """The ``LlamaConfig`` (Llama 3's RMSNorm epsilon and rope theta; default rope scaling), or
+        the config of another ``model_type`` with the same fields (its other settings its defaults)."""
+        from transformers import CONFIG_MAPPING
 
-        return LlamaConfig(
+        return CONFIG_MAPPING[model_type](
             vocab_size=self.vocab, hidden_size=self.hidden, intermediate_size=self.intermediate,
             num_hidden_layers=self.layers, num_attention_heads=self.heads, num_key_value_heads=self.kv_heads,
             head_dim=self.head_dim, tie_word_embeddings=self.tie_word_embeddings, rms_norm_eps=1e-5,
@@ -97,9 +98,11 @@ def build_model(
     seed: int = 0,
     lora: bool = False,
     max_positions: int = 8192,
+    model_type: str = "llama",
 ) -> torch.nn.Module:
     """A ``LlamaForCausalLM`` of ``shape`` from random init (transformers' own initialization),
-    built directly on ``device`` in ``dtype``, in training mode.
+    built directly on ``device`` in ``dtype``, in training mode; or the causal LM of another
+    ``model_type`` with the same sizes (its class in transformers' causal-LM registry).
 
     The same ``seed`` gives the same weights. With ``lora``, it is wrapped by
     ``peft.get_peft_model`` with r=16, alpha=32, no dropout, on all seven linear projections of
@@ -107,15 +110,17 @@ def build_model(
     adapters are kept in PEFT's default dtype (fp32 next to a bf16 base). Raises ``ImportError``
     with an install hint when ``lora`` is asked for and peft is missing.
     """
-    from transformers import LlamaForCausalLM
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     peft = _import_peft() if lora else None
+    causal_lm = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])
     torch.manual_seed(seed)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model: torch.nn.Module = LlamaForCausalLM(shape.config(max_positions))
+            model: torch.nn.Module = causal_lm(shape.config(max_positions, model_type))
     finally:
         torch.set_default_dtype(previous)
     if peft is not None:
