@@ -89,13 +89,16 @@ def test_matches_torch_functional(device: str, act: str) -> None:
 def test_output_may_be_changed_in_place(device: str) -> None:
     """A caller may add into the output in place (Llama 4's MoE block adds its routed experts into
     the shared expert's output), and the gradients are still those of the out-of-place sum."""
-    args = _inputs((3, 4), 24, 40, 16, torch.float32, device, seed=3)
-    extra = torch.randn(3, 4, 16, device=device)
+    extra = testing.random_tensor((3, 4, 16), torch.float32, device, seed=7, requires_grad=True)
+    args = [*_inputs((3, 4), 24, 40, 16, torch.float32, device, seed=3), extra]
 
     def added_in_place(*a: torch.Tensor) -> torch.Tensor:
-        return gated_mlp(*a, "silu").add_(extra)
+        return gated_mlp(*a[:4], "silu").add_(a[4])
 
-    testing.compare_with_reference(added_in_place, lambda *a: _ref("silu")(*a) + extra, args, arg_names=NAMES)
+    def added(*a: torch.Tensor) -> torch.Tensor:
+        return _ref("silu")(*a[:4]) + a[4]
+
+    testing.compare_with_reference(added_in_place, added, args, arg_names=[*NAMES, "extra"])
 
 
 @pytest.mark.parametrize("frozen", ["x", "gate_weight", "up_weight", "down_weight", "all weights"])
