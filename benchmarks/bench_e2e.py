@@ -305,12 +305,16 @@ def merge_record(
     new: bench.BenchRecord, old: bench.BenchRecord, modes: list[str], families: tuple[str, ...] = ("llama",)
 ) -> bench.BenchRecord:
     """``new`` with the rows of ``old`` whose (family, mode) it did not run (first), and a note of
-    where those came from: for a GPU whose calls are too short to run every case in one."""
+    where those came from: for a GPU whose calls are too short to run every case in one. Each kept
+    row carries the date of the call that measured it (``measured_utc``: its own, where an earlier
+    merge set it, else ``old``'s), so that merging again keeps every row's provenance."""
     ran = {(family, mode) for family in families for mode in modes}
-    kept = [row for row in old.rows if _case(row) not in ran]
-    if kept:
-        others = sorted({" ".join(_case(row)) for row in kept})
-        new.notes += f"; {', '.join(others)}: from the call of {old.environment.get('date_utc', '?')}"
+    kept = [{"measured_utc": old.environment.get("date_utc", "?"), **row} for row in old.rows if _case(row) not in ran]
+    calls: dict[str, set[str]] = {}
+    for row in kept:
+        calls.setdefault(row["measured_utc"], set()).add(" ".join(_case(row)))
+    for date, cases in sorted(calls.items()):
+        new.notes += f"; {', '.join(sorted(cases))}: from the call of {date}"
     new.rows = kept + new.rows
     return new
 

@@ -67,7 +67,7 @@ def test_merge_keeps_the_other_modes_rows() -> None:
     old.environment["date_utc"] = "then"
     new = bench.BenchRecord("e2e", rows=[{"mode": "lora", "v": 3}], notes="new")
     merged = _script().merge_record(new, old, ["lora"])
-    assert merged.rows == [{"mode": "full", "v": 1}, {"mode": "lora", "v": 3}]
+    assert merged.rows == [{"measured_utc": "then", "mode": "full", "v": 1}, {"mode": "lora", "v": 3}]
     assert merged.notes == "new; llama full: from the call of then"
 
 
@@ -75,5 +75,12 @@ def test_merge_keeps_the_other_families_rows() -> None:
     """A run of other families keeps the Llama rows (those from before --family have no family)."""
     old = bench.BenchRecord("e2e", rows=[{"mode": "full", "v": 1}, {"family": "olmo3", "mode": "full", "v": 2}])
     new = bench.BenchRecord("e2e", rows=[{"family": "olmo3", "mode": "full", "v": 3}], notes="new")
+    old.environment["date_utc"] = "before"
     merged = _script().merge_record(new, old, ["full"], ("olmo3",))
-    assert merged.rows == [{"mode": "full", "v": 1}, {"family": "olmo3", "mode": "full", "v": 3}]
+    assert merged.rows == [{"measured_utc": "before", "mode": "full", "v": 1}, {"family": "olmo3", "mode": "full", "v": 3}]
+    # merged again: the Llama row keeps the date of the call that measured it
+    merged.environment["date_utc"] = "now"
+    newer = bench.BenchRecord("e2e", rows=[{"family": "glm4", "mode": "full", "v": 4}], notes="newer")
+    again = _script().merge_record(newer, merged, ["full"], ("glm4",))
+    assert again.rows[0]["measured_utc"] == "before" and again.rows[1]["measured_utc"] == "now"
+    assert again.notes == "newer; llama full: from the call of before; olmo3 full: from the call of now"
