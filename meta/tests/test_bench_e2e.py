@@ -77,7 +77,10 @@ def test_merge_keeps_the_other_families_rows() -> None:
     new = bench.BenchRecord("e2e", rows=[{"family": "olmo3", "mode": "full", "v": 3}], notes="new")
     old.environment["date_utc"] = "before"
     merged = _script().merge_record(new, old, ["full"], ("olmo3",))
-    assert merged.rows == [{"measured_utc": "before", "mode": "full", "v": 1}, {"family": "olmo3", "mode": "full", "v": 3}]
+    assert merged.rows == [
+        {"measured_utc": "before", "mode": "full", "v": 1},
+        {"family": "olmo3", "mode": "full", "v": 3},
+    ]
     # merged again: the Llama row keeps the date of the call that measured it
     merged.environment["date_utc"] = "now"
     newer = bench.BenchRecord("e2e", rows=[{"family": "glm4", "mode": "full", "v": 4}], notes="newer")

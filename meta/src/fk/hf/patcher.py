@@ -209,7 +209,8 @@ def _patch_block(module: torch.nn.Module, switches: dict[str, bool], verdicts: _
     mlp = mlp_candidate(module)
     if mlp is not None:
         if isinstance(mlp, MlpPlan) and switches[mlp.kind]:
-            mlp = verdicts.decide((cls, mlp), lambda: probe.mlp(module, mlp, BLOCK_FORWARDS[mlp.kind]))
+            found_mlp = mlp
+            mlp = verdicts.decide((cls, mlp), lambda: probe.mlp(module, found_mlp, BLOCK_FORWARDS[found_mlp.kind]))
         if isinstance(mlp, Refusal):
             verdicts.record(module, mlp.kind, mlp)
         elif switches[mlp.kind]:

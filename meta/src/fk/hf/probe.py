@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import copy
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -50,6 +50,12 @@ def _meta(t: torch.Tensor | None) -> bool:
     return t is not None and t.device.type == "meta"
 
 
+def _weight(module: torch.nn.Module) -> torch.Tensor:
+    weight = module.weight
+    assert isinstance(weight, torch.Tensor)  # (recognize.mlp_candidate checked)
+    return weight
+
+
 def _materialized(module: torch.nn.Module) -> torch.nn.Module:
     """A copy of ``module``; on the CPU with random weights where its parameters are on the meta
     device (a model built for ``from_pretrained`` before its weights are loaded), so that the
@@ -65,7 +71,7 @@ def _materialized(module: torch.nn.Module) -> torch.nn.Module:
 
 
 def _with_grads(
-    fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, params: list[torch.Tensor]
+    fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, params: Sequence[torch.Tensor]
 ) -> tuple[torch.Tensor, ...]:
     """``fn(x)`` and the gradients of ``x`` and ``params`` for a fixed random output gradient."""
     x = x.detach().requires_grad_(True)
@@ -155,10 +161,9 @@ def casting(probe: torch.nn.Module, eps: float, offset: float) -> str:
 def mlp(module: torch.nn.Module, plan: MlpPlan, forward: Callable[..., torch.Tensor]) -> MlpPlan | Refusal:
     """``plan`` where fk's ``forward`` of the gated MLP ``module`` agrees with stock's on the probe
     (on a CPU copy with random weights where the MLP's are on the meta device)."""
-    if _meta(module.down_proj.weight):
+    if _meta(_weight(module.get_submodule("down_proj"))):
         module = _materialized(module)
-    first = module.gate_up_proj if hasattr(module, "gate_up_proj") else module.gate_proj
-    weight = first.weight
+    weight = _weight(module.get_submodule("gate_up_proj" if hasattr(module, "gate_up_proj") else "gate_proj"))
     x = torch.randn(*PROBE_TOKENS, weight.shape[-1], generator=torch.Generator().manual_seed(0), device="cpu")
     x = x.to(weight.device, weight.dtype)
     try:

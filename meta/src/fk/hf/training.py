@@ -51,7 +51,8 @@ class ModelShape:
         the config of another ``model_type`` with the same fields (its other settings its defaults)."""
         from transformers import CONFIG_MAPPING
 
-        return CONFIG_MAPPING[model_type](
+        config_class: Any = CONFIG_MAPPING[model_type]  # (a config class of Llama's fields)
+        return config_class(
             vocab_size=self.vocab, hidden_size=self.hidden, intermediate_size=self.intermediate,
             num_hidden_layers=self.layers, num_attention_heads=self.heads, num_key_value_heads=self.kv_heads,
             head_dim=self.head_dim, tie_word_embeddings=self.tie_word_embeddings, rms_norm_eps=1e-5,
