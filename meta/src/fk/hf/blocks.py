@@ -145,6 +145,66 @@ def whole_mlp(module: Any, x: torch.Tensor) -> bool:
     return True
 
 
+# --- rotary embedding: fk.rope's drop-in for each form of Hugging Face's apply_rotary_pos_emb ---------
+#
+# Every form rotates pairs of features by the angles the model's rotary module tabulates; they differ
+# in which features pair up and how the tables are laid out. Each function below takes Hugging Face's
+# arguments (q, k, cos, sin, position_ids=None, unsqueeze_dim=1) and computes its form with
+# fk.rope's one kernel; fk.hf.probe picks, per model, the first that equals the model's own function.
+
+
+def rope_interleaved(q: Any, k: Any, cos: Any, sin: Any, position_ids: Any = None, unsqueeze_dim: int = 1) -> Any:
+    """Cohere's: pairs ``(x[2i], x[2i+1])``, tables as given (each frequency repeated in place)."""
+    from fk.rope import apply_rotary_pos_emb
+
+    return apply_rotary_pos_emb(q, k, cos, sin, position_ids, unsqueeze_dim, interleaved=True)
+
+
+def rope_interleaved_halved(
+    q: Any, k: Any, cos: Any, sin: Any, position_ids: Any = None, unsqueeze_dim: int = 1
+) -> Any:
+    """GLM's (Helium's, ERNIE 4.5's): pairs ``(x[2i], x[2i+1])`` with the tables' first half, each
+    entry repeated twice (``t[..., :d/2].repeat_interleave(2)``); features past the tables pass."""
+    from fk.rope import apply_rotary_pos_emb
+
+    half = cos.shape[-1] // 2
+    cos, sin = cos[..., :half].repeat_interleave(2, dim=-1), sin[..., :half].repeat_interleave(2, dim=-1)
+    return apply_rotary_pos_emb(q, k, cos, sin, position_ids, unsqueeze_dim, interleaved=True)
+
+
+def rope_negated_sine(q: Any, k: Any, cos: Any, sin: Any, position_ids: Any = None, unsqueeze_dim: int = 1) -> Any:
+    """NanoChat's: ``rotate_half(x) = (x2, -x1)``, i.e. Llama's with the angle's sign flipped."""
+    from fk.rope import apply_rotary_pos_emb
+
+    return apply_rotary_pos_emb(q, k, cos, -sin, position_ids, unsqueeze_dim)
+
+
+def rope_half_tables(q: Any, k: Any, cos: Any, sin: Any, position_ids: Any = None, unsqueeze_dim: int = 1) -> Any:
+    """GPT-OSS's: Llama's pairs with tables of one entry per pair (``d/2`` wide), i.e. Llama's
+    with each table written twice."""
+    from fk.rope import apply_rotary_pos_emb
+
+    cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
+    return apply_rotary_pos_emb(q, k, cos, sin, position_ids, unsqueeze_dim)
+
+
+@functools.cache
+def rope_variants() -> tuple[tuple[Callable[..., Any], bool], ...]:
+    """The drop-ins in the order the probe tries them, each with whether the model's own function
+    takes tables of one entry per pair (``d/2`` wide) rather than one per feature. First
+    :func:`fk.rope.apply_rotary_pos_emb` itself: Llama's ``x cos + rotate_half(x) sin``, pairs
+    ``(x[i], x[i + d/2])``, tables as given."""
+    from fk.rope import apply_rotary_pos_emb
+
+    return (
+        (apply_rotary_pos_emb, False),
+        (rope_interleaved, False),
+        (rope_interleaved_halved, False),
+        (rope_negated_sine, False),
+        (rope_half_tables, True),
+    )
+
+
 @functools.cache
 def rope_forward(
     stock: Callable[..., Any], replacements: tuple[tuple[str, Callable[..., Any]], ...]

@@ -186,40 +186,37 @@ def mlp(module: torch.nn.Module, plan: MlpPlan, forward: Callable[..., torch.Ten
 
 @functools.cache
 def rope(fn: Callable[..., Any]) -> Callable[..., Any] | str:
-    """The first of fk.rope's drop-ins (:func:`rope_variants`: rotate-half, interleaved pairs) that
-    equals ``fn`` on random q (4 heads), k (2 heads), cos and sin in fp32, with full rotary and,
-    where ``fn`` takes it, half; or why none does."""
+    """The first of :func:`fk.hf.blocks.rope_variants` that equals ``fn`` (a model's own
+    ``apply_rotary_pos_emb``) on random q (4 heads), k (2 heads), cos and sin in fp32, with full
+    rotary and, where ``fn`` takes it, half; or why none does."""
+    from fk.hf.blocks import rope_variants
+
     gen = torch.Generator().manual_seed(0)
     q, k = torch.randn(2, 4, 5, 16, generator=gen, device="cpu"), torch.randn(2, 2, 5, 16, generator=gen, device="cpu")
-    tables = []
-    for rotary in (16, 8):
-        angles = torch.randn(2, 5, rotary // 2, generator=gen, device="cpu")
-        emb = torch.cat([angles, angles], dim=-1)
-        try:
-            tables.append((emb.cos(), emb.sin(), fn(q, k, emb.cos(), emb.sin())))
-        except Exception as e:
-            if rotary == 16:
-                return f"stock apply_rotary_pos_emb failed on the probe ({type(e).__name__})"
-            # no partial rotary in this function: models never hand it one
-    errors = []
-    for variant in rope_variants():
-        try:
-            error = max(_agree(tuple(variant(q, k, cos, sin)), tuple(want), torch.float32) or 0.0
-                        for cos, sin, want in tables)  # fmt: skip
-        except Exception as e:
-            return f"fk failed on the probe ({type(e).__name__}: {e})"
-        if error == 0.0:
+    angles = [torch.randn(2, 5, rotary // 2, generator=gen, device="cpu") for rotary in (16, 8)]  # full, partial
+    errors, failures = [], []
+    for variant, half_tables in rope_variants():
+        checked, worst = 0, 0.0
+        for a in angles:
+            emb = a if half_tables else torch.cat([a, a], dim=-1)
+            try:
+                want = fn(q, k, emb.cos(), emb.sin())
+            except Exception as e:
+                failures.append(type(e).__name__)
+                continue  # (that table width, or no partial rotary, in this function)
+            try:
+                got = variant(q, k, emb.cos(), emb.sin())
+            except Exception as e:
+                return f"fk failed on the probe ({type(e).__name__}: {e})"
+            worst = max(worst, _agree(tuple(got), tuple(want), torch.float32) or 0.0)
+            checked += 1
+        if checked and worst == 0.0:
             return variant
-        errors.append(error)
-    return f"probe mismatch {min(errors):.1e} (neither rotate-half nor interleaved pairs)"
-
-
-@functools.cache
-def rope_variants() -> tuple[Callable[..., Any], ...]:
-    """fk.rope's drop-ins for Hugging Face's ``apply_rotary_pos_emb``: rotate-half, then interleaved pairs."""
-    from fk.rope import apply_rotary_pos_emb
-
-    return apply_rotary_pos_emb, functools.partial(apply_rotary_pos_emb, interleaved=True)
+        if checked:
+            errors.append(worst)
+    if not errors:
+        return f"stock apply_rotary_pos_emb failed on the probe ({', '.join(sorted(set(failures)))})"
+    return f"probe mismatch {min(errors):.1e} (no form of fk.rope's drop-in agrees)"
 
 
 # --- the causal-LM head --------------------------------------------------------------------------
