@@ -52,7 +52,7 @@ def _extra(dist: Path, name: str) -> list[str]:
 
 
 def _test_extras(dist: Path) -> list[str]:
-    """The ``testing`` extra of a distribution other than fk-core (fk-lora: peft, transformers; fk: transformers)."""
+    """The ``testing`` extra of a distribution other than fk-core (fk-lora: peft, transformers; fk-hf: transformers)."""
     return [] if dist.name == "fk-core" else _extra(dist, "testing")
 
 
@@ -125,7 +125,7 @@ def build(session: nox.Session) -> None:
     if len(wheels) != len(ALL_DISTS) or len(list(dist_dir.glob("*.tar.gz"))) != len(ALL_DISTS):
         session.error(f"expected a wheel and an sdist per distribution, got {[p.name for p in dist_dir.iterdir()]}")
     for dist in ALL_DISTS:
-        name = "fk" if dist == META else dist.name.replace("-", "_")
+        name = "fk_hf" if dist == META else dist.name.replace("-", "_")
         (wheel,) = [w for w in wheels if w.name.split("-")[0] == name]
         files = zipfile.ZipFile(wheel).namelist()
         own = f"fk/{_leaf(dist)}/"

@@ -4,7 +4,7 @@
     python tools/set_version.py 0.2.0      # bump VERSION, then write it everywhere
 
 Rewrites ``version = "..."`` in every packages/*/pyproject.toml and meta/pyproject.toml, and every
-``fk-*==...`` pin in their dependencies. meta/tests/test_demo.py fails when they drift apart.
+``fk-*==...`` pin in their dependencies. meta/tests/test_check.py fails when they drift apart.
 """
 
 from __future__ import annotations

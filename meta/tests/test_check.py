@@ -39,3 +39,13 @@ def test_meta_depends_on_every_kernel_package() -> None:
     pinned = {r.split("==")[0] for r in meta["dependencies"]}
     packages = {p.parent.name for p in (ROOT / "packages").glob("*/pyproject.toml")}
     assert pinned == packages
+
+
+def test_distribution_names_match_their_imports() -> None:
+    """fk-<leaf> ships fk.<leaf>: the kernel packages by their directory, the meta-package as fk-hf
+    (``fk`` on PyPI is an unrelated project)."""
+    for pyproject in sorted((ROOT / "packages").glob("*/pyproject.toml")):
+        assert tomllib.loads(pyproject.read_text())["project"]["name"] == pyproject.parent.name
+    meta = tomllib.loads((ROOT / "meta" / "pyproject.toml").read_text())["project"]
+    assert meta["name"] == "fk-hf"
+    assert (ROOT / "meta" / "src" / "fk" / "hf" / "__init__.py").exists()

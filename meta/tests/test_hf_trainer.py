@@ -194,8 +194,8 @@ def test_sft_trainer_with_peft_config(
     sees that model and fk.lora fuses its LoRA layers (they run in training), the base's norms and
     rotary embedding are fk's. The training loss stays TRL's own fused LM head's (with its entropy
     and accuracy metrics), which fk leaves in place: the logged losses are stock SFTTrainer's."""
-    pytest.importorskip("datasets", reason="TRL's SFTTrainer needs `datasets` (fk[testing] brings it)")
-    trl = pytest.importorskip("trl", reason="needs TRL (`pip install trl`; fk[testing] brings it)")
+    pytest.importorskip("datasets", reason="TRL's SFTTrainer needs `datasets` (fk-hf[testing] brings it)")
+    trl = pytest.importorskip("trl", reason="needs TRL (`pip install trl`; fk-hf[testing] brings it)")
     peft = pytest.importorskip("peft")
     fused_mlp = fk.lora.patching.module_mlp
     mlp_calls = []

@@ -1,4 +1,4 @@
-"""fk.hf: the fk meta-package's Hugging Face integration.
+"""fk.hf: the Hugging Face integration of the meta-package fk-hf.
 
 - :func:`apply` patches a built ``transformers`` model in place with fk's kernels (and a PEFT
   model's LoRA layers with fk.lora), or, given a model type (``"llama"``), the family's classes so
@@ -14,7 +14,7 @@
   kernel against its reference.
 
 Importing fk.hf imports neither ``transformers`` nor any kernel: that happens when a model is
-patched (``pip install "fk[hf]"`` brings ``transformers``), or when ``fk.hf.FkCallback`` is
+patched (``pip install "fk-hf[hf]"`` brings ``transformers``), or when ``fk.hf.FkCallback`` is
 first used.
 """
 

@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import transformers  # noqa: F401
     except ImportError:
-        print('the demo trains a transformers model: pip install "fk[hf]" (or transformers)', file=sys.stderr)
+        print('the demo trains a transformers model: pip install "fk-hf[hf]" (or transformers)', file=sys.stderr)
         return 2
     if s.lora:
         try:
