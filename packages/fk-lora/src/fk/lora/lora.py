@@ -155,18 +155,31 @@ def lora_mlp_ref(
 # parameter gradients are then sums over the chunks, in fp32.
 
 
-def _bf16_split_applies(x_dtype: torch.dtype, lora_A: torch.Tensor, p: float, dd: torch.dtype) -> bool:
+class _Settings(NamedTuple):
+    """One projection's settings, as the autograd functions take them (beside its tensors)."""
+
+    scaling: float
+    """``s``."""
+    dropout_p: float
+    """``p``, 0 without dropout."""
+    dropout_dtype: torch.dtype
+    """The dtype ``d`` is drawn in: ``lora_A``'s own, before any autocast cast (PEFT casts ``x`` to
+    it, ``_cast_input_dtype``)."""
+
+
+def _bf16_split_applies(x_dtype: torch.dtype, lora_A: torch.Tensor, p: float, dropout_dtype: torch.dtype) -> bool:
     """Whether :func:`_lora_input_product` takes ``mm_bf16_fp32`` (bf16 input, fp32 ``A``, no dropout)."""
-    return p == 0 and x_dtype == torch.bfloat16 and lora_A.dtype == dd == torch.float32
+    return p == 0 and x_dtype == torch.bfloat16 and lora_A.dtype == dropout_dtype == torch.float32
 
 
 def _lora_a_operands(
-    x_dtype: torch.dtype, lora_A: torch.Tensor, p: float, dd: torch.dtype, c: torch.dtype
+    x_dtype: torch.dtype, lora_A: torch.Tensor, p: float, dropout_dtype: torch.dtype, c: torch.dtype
 ) -> tuple[torch.Tensor | None, torch.Tensor]:
     """(the two-part bf16 split of ``A`` where :func:`_lora_input_product` uses it, else None; ``A``
     in the compute dtype ``c``, kept for the backward). The split's first part is ``A`` in bf16, so
     with bf16 activations ``A`` in ``c`` costs nothing more."""
-    a_parts = bf16_parts(lora_A, n_parts=2) if _bf16_split_applies(x_dtype, lora_A, p, dd) else None
+    split = _bf16_split_applies(x_dtype, lora_A, p, dropout_dtype)
+    a_parts = bf16_parts(lora_A, n_parts=2) if split else None
     if a_parts is not None and c == torch.bfloat16:
         return a_parts, a_parts[: lora_A.shape[0]]
     return a_parts, lora_A.to(c)
@@ -177,27 +190,28 @@ def _lora_input_product(
     xc: torch.Tensor,
     lora_A: torch.Tensor,
     p: float,
-    dd: torch.dtype,
+    dropout_dtype: torch.dtype,
     a_parts: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``xa = d(x2 in dd) A^T`` ``[M, r]``, computed in ``A``'s dtype and rounded to ``xc``'s (the
-    compute dtype ``c``, in which every later use of ``xa`` runs), and the dropout mask (None
-    without dropout). ``A`` may be several projections' ``A``\\ s stacked (no dropout): ``x2`` is
-    read once.
+    """``xa = d(x2 in dropout_dtype) A^T`` ``[M, r]``, computed in ``A``'s dtype and rounded to
+    ``xc``'s (the compute dtype ``c``, in which every later use of ``xa`` runs), and the dropout mask
+    (None without dropout). ``A`` may be several projections' ``A``\\ s stacked (no dropout): ``x2``
+    is read once.
 
-    ``xc`` is ``x2`` in the weight's dtype (``x2`` itself outside autocast); ``dd`` the dtype the
-    dropout is drawn in (``lora_A``'s own, before any autocast cast); ``a_parts`` the two-part bf16
-    split of ``A`` (:func:`_lora_a_operands`); ``out`` an ``[M, r]`` buffer in ``c`` for ``xa``.
+    ``xc`` is ``x2`` in the weight's dtype (``x2`` itself outside autocast); ``dropout_dtype`` the
+    dtype the dropout is drawn in (``lora_A``'s own, before any autocast cast); ``a_parts`` the
+    two-part bf16 split of ``A`` (:func:`_lora_a_operands`); ``out`` an ``[M, r]`` buffer in ``c``
+    for ``xa``.
     """
     c = xc.dtype
-    if _bf16_split_applies(x2.dtype, lora_A, p, dd):
+    if _bf16_split_applies(x2.dtype, lora_A, p, dropout_dtype):
         if out is None:
             out = torch.empty((x2.shape[0], lora_A.shape[0]), dtype=c, device=x2.device)
         # x2.float() @ A^T rounded to c; on a GPU one bf16 matmul and no fp32 copy of x2.
         return mm_bf16_fp32(x2, lora_A, a_parts, out=out), None
     mask = None
-    xl = x2 if x2.dtype == dd else x2.to(dd)
+    xl = x2 if x2.dtype == dropout_dtype else x2.to(dropout_dtype)
     if p == 0 and xl is x2 and lora_A.dtype == c:
         xl = xc  # (autocast, no dropout: the base matmul's cast of x serves the LoRA branch too)
     if p > 0:
@@ -225,30 +239,31 @@ class _LowRank(NamedTuple):
 
 
 def _lora_input_products(
-    x2: torch.Tensor, xc: torch.Tensor, lora_As: list[torch.Tensor], config: Any
+    x2: torch.Tensor, xc: torch.Tensor, lora_As: list[torch.Tensor], settings: Sequence[_Settings]
 ) -> tuple[list[torch.Tensor], list[torch.Tensor | None], list[torch.Tensor]]:
-    """(xa's, masks, A's in ``c``) of projections that share ``x2`` (``config``: ``(s, p, dd)``
-    each). Those without dropout whose ``A``\\ s share a dtype take one matmul against their stacked
-    ``A``\\ s, so ``x2`` is read once for all of them; each ``xa`` is then a column block of its
-    result (and each ``A`` in ``c`` a row block of the stack's). Dropout masks are drawn projection
-    by projection, in order, as PEFT draws them."""
-    n = len(config)
+    """(xa's, masks, A's in ``c``) of projections that share ``x2`` (with ``settings`` each). Those
+    without dropout whose ``A``\\ s share a dtype take one matmul against their stacked ``A``\\ s,
+    so ``x2`` is read once for all of them; each ``xa`` is then a column block of its result (and
+    each ``A`` in ``c`` a row block of the stack's). Dropout masks are drawn projection by
+    projection, in order, as PEFT draws them."""
+    n = len(settings)
     xas: list[Any] = [None] * n
     masks: list[torch.Tensor | None] = [None] * n
     a_cs: list[Any] = [None] * n
-    for group in _stackable(config, [a.dtype for a in lora_As]):
+    for group in _stackable(settings, [a.dtype for a in lora_As]):
         stacked = torch.cat([lora_As[i] for i in group]) if len(group) > 1 else lora_As[group[0]]
-        a_parts, a_c = _lora_a_operands(x2.dtype, stacked, 0.0, config[group[0]][2], xc.dtype)
-        xa, _ = _lora_input_product(x2, xc, stacked, 0.0, config[group[0]][2], a_parts)
+        dropout_dtype = settings[group[0]].dropout_dtype
+        a_parts, a_c = _lora_a_operands(x2.dtype, stacked, 0.0, dropout_dtype, xc.dtype)
+        xa, _ = _lora_input_product(x2, xc, stacked, 0.0, dropout_dtype, a_parts)
         ranks = [lora_As[i].shape[0] for i in group]
         for i, xa_i, a_c_i in zip(group, _blocks(xa, ranks, 1), _blocks(a_c, ranks, 0), strict=True):
             xas[i], a_cs[i] = xa_i, a_c_i
     cast: dict[torch.dtype, torch.Tensor] = {}  # x2 in each dropout dtype, cast once for all projections
-    for i, (_, p, dd) in enumerate(config):
+    for i, (_, p, dropout_dtype) in enumerate(settings):
         if p > 0:
-            if dd not in cast:
-                cast[dd] = x2 if x2.dtype == dd else x2.to(dd)
-            xas[i], masks[i] = _lora_input_product(cast[dd], xc, lora_As[i], p, dd)
+            if dropout_dtype not in cast:
+                cast[dropout_dtype] = x2 if x2.dtype == dropout_dtype else x2.to(dropout_dtype)
+            xas[i], masks[i] = _lora_input_product(cast[dropout_dtype], xc, lora_As[i], p, dropout_dtype)
             a_cs[i] = lora_As[i].to(xc.dtype)
     return xas, masks, a_cs
 
@@ -265,14 +280,14 @@ def _blocks(t: torch.Tensor, sizes: list[int], dim: int) -> list[torch.Tensor]:
     return blocks
 
 
-def _stackable(config: Any, lora_dtypes: list[torch.dtype | None]) -> list[list[int]]:
+def _stackable(settings: Sequence[_Settings], lora_dtypes: list[torch.dtype | None]) -> list[list[int]]:
     """Indices of the projections without dropout, grouped by (LoRA weights' dtype, dropout dtype):
     the ones whose rank-sized terms can be stacked (a None in ``lora_dtypes`` leaves one out)."""
     groups: dict[tuple[torch.dtype, torch.dtype], list[int]] = {}
-    for i, (_, p, dd) in enumerate(config):
+    for i, (_, p, dropout_dtype) in enumerate(settings):
         ld = lora_dtypes[i]
         if ld is not None and p == 0:
-            groups.setdefault((ld, dd), []).append(i)
+            groups.setdefault((ld, dropout_dtype), []).append(i)
     return list(groups.values())
 
 
@@ -290,12 +305,12 @@ def _base_out(
     return torch.addmm(bias, xc, weight.t(), out=out)
 
 
-def _base_first(config: Any) -> bool:
-    """Whether the forward launches the base matmuls of projections of one input (``config``: their
-    ``(s, p, dd)``) before their LoRA inputs: without dropout, where those take rank-sized buffers
-    only. With dropout, the LoRA input's [M, K] buffers (``x`` cast, dropped) are formed and freed
-    first, so they never coexist with the base outputs."""
-    return all(p == 0 for _, p, _ in config)
+def _base_first(settings: Sequence[_Settings]) -> bool:
+    """Whether the forward launches the base matmuls of projections of one input (with ``settings``
+    each) before their LoRA inputs: without dropout, where those take rank-sized buffers only. With
+    dropout, the LoRA input's [M, K] buffers (``x`` cast, dropped) are formed and freed first, so
+    they never coexist with the base outputs."""
+    return all(setting.dropout_p == 0 for setting in settings)
 
 
 def _base_outs_and_lora_inputs(
@@ -303,14 +318,14 @@ def _base_outs_and_lora_inputs(
     xc: torch.Tensor,
     bases: list[tuple[torch.Tensor, torch.Tensor | None]],
     lora_As: list[torch.Tensor],
-    config: Any,
+    settings: Sequence[_Settings],
 ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor | None], list[torch.Tensor]]:
     """(base outputs ``xc W^T + b`` for ``bases``' ``(W, b)``, then :func:`_lora_input_products`'
     xa's, masks and A's in ``c``) of projections that share ``x2``, launched in the order
     :func:`_base_first` gives."""
-    first = _base_first(config)
+    first = _base_first(settings)
     ys = [_base_out(xc, w, b) for w, b in bases] if first else []
-    xas, masks, a_cs = _lora_input_products(x2, xc, lora_As, config)
+    xas, masks, a_cs = _lora_input_products(x2, xc, lora_As, settings)
     if not first:
         ys = [_base_out(xc, w, b) for w, b in bases]
     return ys, xas, masks, a_cs
@@ -340,14 +355,12 @@ def _proj_fwd(
     lora_A: torch.Tensor,
     lora_B: torch.Tensor,
     lora_bias: torch.Tensor | None,
-    scaling: float,
-    p: float,
-    dd: torch.dtype,
+    settings: _Settings,
 ) -> tuple[torch.Tensor, _LowRank]:
     """One projection of ``x2`` ``[M, K]``: (y ``[M, N]``, what its backward keeps)."""
-    (y,), (xa,), (mask,), (a_c,) = _base_outs_and_lora_inputs(x2, xc, [(weight, bias)], [lora_A], ((scaling, p, dd),))
+    (y,), (xa,), (mask,), (a_c,) = _base_outs_and_lora_inputs(x2, xc, [(weight, bias)], [lora_A], (settings,))
     b_c = lora_B.to(xc.dtype)
-    return _add_lora_out(y, xa, b_c, lora_bias, scaling), _LowRank(xa, mask, a_c, b_c)
+    return _add_lora_out(y, xa, b_c, lora_bias, settings.scaling), _LowRank(xa, mask, a_c, b_c)
 
 
 def _scaled_lora_grad(dy: torch.Tensor, b_c: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -355,13 +368,15 @@ def _scaled_lora_grad(dy: torch.Tensor, b_c: torch.Tensor, scaling: float) -> to
     return scaled_mm(dy, b_c, scaling, dy.dtype)
 
 
-def _kept_input(x2: torch.Tensor, mask: torch.Tensor | None, dd: torch.dtype, c: torch.dtype) -> torch.Tensor:
+def _kept_input(
+    x2: torch.Tensor, mask: torch.Tensor | None, dropout_dtype: torch.dtype, c: torch.dtype
+) -> torch.Tensor:
     """``x2 * m`` in ``c``: the LoRA input as the forward dropped it, without dropout's ``1 / (1 - p)``
     (``dA = (s G)^T d(x2)`` takes that factor as the matmul's scale instead). Under autocast the
-    forward's LoRA input was ``x2`` cast to ``dd``; here it goes on to ``c``. The mask's zeros and
-    ones change no value, so ``x2 * m`` is exact and one pass over ``x2``, in ``c`` (not in ``dd``,
-    which may be fp32 next to bf16 activations)."""
-    xc = x2 if x2.dtype == c else (x2 if x2.dtype == dd else x2.to(dd)).to(c)
+    forward's LoRA input was ``x2`` cast to ``dropout_dtype``; here it goes on to ``c``. The mask's
+    zeros and ones change no value, so ``x2 * m`` is exact and one pass over ``x2``, in ``c`` (not in
+    ``dropout_dtype``, which may be fp32 next to bf16 activations)."""
+    xc = x2 if x2.dtype == c else (x2 if x2.dtype == dropout_dtype else x2.to(dropout_dtype)).to(c)
     return xc if mask is None else masked(xc, mask, 1.0)
 
 
@@ -372,9 +387,7 @@ def _proj_bwd_params(
     weight: torch.Tensor,
     low: _LowRank,
     lora_dtype: torch.dtype,
-    scaling: float,
-    p: float,
-    dd: torch.dtype,
+    settings: _Settings,
     needs: tuple[bool, ...],
     gs: torch.Tensor | None,
 ) -> list[torch.Tensor | None]:
@@ -391,13 +404,13 @@ def _proj_bwd_params(
         if need_db:
             grads[1] = col_sum.to(weight.dtype)
         if need_dlb:
-            grads[4] = (col_sum * scaling).to(lora_dtype)
+            grads[4] = (col_sum * settings.scaling).to(lora_dtype)
     if need_dbb:
-        grads[3] = scaled_mm(dy.t(), low.xa, scaling, lora_dtype)
+        grads[3] = scaled_mm(dy.t(), low.xa, settings.scaling, lora_dtype)
     if need_da:
         assert gs is not None and x2 is not None
-        kept = 1.0 if low.mask is None else 1.0 / (1.0 - p)
-        grads[2] = scaled_mm(gs.t(), _kept_input(x2, low.mask, dd, dy.dtype), kept, lora_dtype)
+        kept = 1.0 if low.mask is None else 1.0 / (1.0 - settings.dropout_p)
+        grads[2] = scaled_mm(gs.t(), _kept_input(x2, low.mask, settings.dropout_dtype, dy.dtype), kept, lora_dtype)
     return grads
 
 
@@ -418,7 +431,7 @@ def _shared_input_bwd(
     weights: list[torch.Tensor],
     lows: list[_LowRank],
     lora_dtypes: list[torch.dtype],
-    config: Any,
+    settings: Sequence[_Settings],
     needs: list[tuple[bool, ...]],
     need_dx: bool,
 ) -> tuple[torch.Tensor | None, list[list[torch.Tensor | None]]]:
@@ -432,23 +445,22 @@ def _shared_input_bwd(
     projections without dropout those are stacked, as in the forward: their ``dA``\\ s come from one
     matmul that reads ``x2`` once, and their ``s G A`` terms go into dx with one ``addmm_``.
     """
-    n = len(config)
+    n = len(settings)
     live = [i for i in range(n) if dys[i] is not None]
     if not live:
         return None, [[None] * _SLOTS for _ in range(n)]
     c = dys[live[0]].dtype  # type: ignore[union-attr]
     gss: list[Any] = [None] * n
     grads: list[list[torch.Tensor | None]] = [[None] * _SLOTS for _ in range(n)]
-    groups = _stackable(config, [lora_dtypes[i] if i in live else None for i in range(n)])
+    groups = _stackable(settings, [lora_dtypes[i] if i in live else None for i in range(n)])
     stacked_da = {i for group in groups for i in group}
     for i in live:
         dy = dys[i]
         assert dy is not None
-        s, p, dd = config[i]
         if need_dx or needs[i][2]:
-            gss[i] = _scaled_lora_grad(dy, lows[i].b_c, s)
+            gss[i] = _scaled_lora_grad(dy, lows[i].b_c, settings[i].scaling)
         own_needs = (*needs[i][:2], needs[i][2] and i not in stacked_da, *needs[i][3:])
-        grads[i] = _proj_bwd_params(dy, x2, xc, weights[i], lows[i], lora_dtypes[i], s, p, dd, own_needs, gss[i])
+        grads[i] = _proj_bwd_params(dy, x2, xc, weights[i], lows[i], lora_dtypes[i], settings[i], own_needs, gss[i])
     stacked_gs: dict[tuple[int, ...], torch.Tensor] = {}  # [s G_i | s G_j | ...], concatenated once
 
     def gs_of(indices: list[int]) -> torch.Tensor:
@@ -460,7 +472,8 @@ def _shared_input_bwd(
     for group in groups:
         group = [i for i in group if needs[i][2]]
         if group:  # dA of projections without dropout: one read of d(x2) = x2, for all of them
-            da = scaled_mm(gs_of(group).t(), _kept_input(x2, None, config[group[0]][2], c), 1.0, lora_dtypes[group[0]])
+            kept = _kept_input(x2, None, settings[group[0]].dropout_dtype, c)
+            da = scaled_mm(gs_of(group).t(), kept, 1.0, lora_dtypes[group[0]])
             for i, da_i in zip(group, _blocks(da, [lows[i].a_c.shape[0] for i in group], 0), strict=True):
                 grads[i][2] = da_i
     if not need_dx:
@@ -476,7 +489,7 @@ def _shared_input_bwd(
     for i in live:
         mask = lows[i].mask
         if mask is not None:
-            add_masked_low_rank_(dx, gss[i], lows[i].a_c, mask, 1.0 / (1.0 - config[i][1]))
+            add_masked_low_rank_(dx, gss[i], lows[i].a_c, mask, 1.0 / (1.0 - settings[i].dropout_p))
     return dx, grads
 
 
@@ -506,36 +519,36 @@ _SLOTS = 5  # tensors per projection: weight, bias, lora_A, lora_B, lora_bias
 
 
 class _LoRAProjections(torch.autograd.Function):
-    """``len(config)`` LoRA projections of one input ``x``: returns one output per projection.
+    """``len(settings)`` LoRA projections of one input ``x``: returns one output per projection.
 
-    ``config`` is a tuple of ``(scaling, dropout_p, dropout dtype)`` per projection; ``params``
-    holds, per projection, ``weight, bias, lora_A, lora_B, lora_bias`` (None where absent). The
+    ``settings`` holds one :class:`_Settings` per projection; ``params`` holds, per projection,
+    ``weight, bias, lora_A, lora_B, lora_bias`` (None where absent). The
     weights share one dtype, the compute dtype; ``x`` may have another (autocast): it is cast.
     """
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, config: tuple[tuple[float, float, torch.dtype], ...], *params: Any) -> Any:
-        n = len(config)
+    def forward(ctx: Any, x: torch.Tensor, settings: tuple[_Settings, ...], *params: Any) -> Any:
+        n = len(settings)
         x2 = x.reshape(-1, x.shape[-1])
         c = params[0].dtype
         xc = x2 if x2.dtype == c else x2.to(c)
         bases = [(params[_SLOTS * i], params[_SLOTS * i + 1]) for i in range(n)]
         lora_As = [params[_SLOTS * i + 2] for i in range(n)]
-        ys, xas, masks, a_cs = _base_outs_and_lora_inputs(x2, xc, bases, lora_As, config)
+        ys, xas, masks, a_cs = _base_outs_and_lora_inputs(x2, xc, bases, lora_As, settings)
         outs, b_cs = [], []
-        for i, (s, _, _) in enumerate(config):
+        for i, setting in enumerate(settings):
             b_cs.append(params[_SLOTS * i + 3].to(c))
-            y = _add_lora_out(ys[i], xas[i], b_cs[-1], params[_SLOTS * i + 4], s)
+            y = _add_lora_out(ys[i], xas[i], b_cs[-1], params[_SLOTS * i + 4], setting.scaling)
             outs.append(y.view(*x.shape[:-1], y.shape[-1]))
         ctx.save_for_backward(x, *params[0::_SLOTS], *xas, *masks, *a_cs, *b_cs)
-        ctx.config = config
+        ctx.settings = settings
         ctx.lora_dtypes = [params[_SLOTS * i + 2].dtype for i in range(n)]
         ctx.set_materialize_grads(False)
         return tuple(outs)
 
     @staticmethod
     def backward(ctx: Any, *dys: Any) -> Any:
-        n = len(ctx.config)
+        n = len(ctx.settings)
         x, *saved = ctx.saved_tensors
         weights = saved[:n]
         lows = [_LowRank(*saved[n + i :: n]) for i in range(n)]  # (xa, mask, a_c, b_c) of projection i
@@ -546,7 +559,7 @@ class _LoRAProjections(torch.autograd.Function):
         needs = [ctx.needs_input_grad[2 + _SLOTS * i : 2 + _SLOTS * (i + 1)] for i in range(n)]
         with _autocast_off(x.device.type):
             dx, grads = _shared_input_bwd(
-                dys2, x2, xc, list(weights), lows, ctx.lora_dtypes, ctx.config, needs, ctx.needs_input_grad[0]
+                dys2, x2, xc, list(weights), lows, ctx.lora_dtypes, ctx.settings, needs, ctx.needs_input_grad[0]
             )
         if dx is not None:
             dx = dx.view(x.shape).to(x.dtype)
@@ -584,8 +597,7 @@ def _down_forward_in_chunks(
     ad: torch.Tensor,
     bbd: torch.Tensor,
     lbd: torch.Tensor | None,
-    sd: float,
-    dd: torch.dtype,
+    settings: _Settings,
 ) -> tuple[torch.Tensor, _LowRank]:
     """The down projection of ``h = act(gate) * up`` (no dropout), ``rows`` rows at a time:
     returns (y, what the backward keeps) as :func:`_proj_fwd` would for the whole ``h``.
@@ -597,15 +609,15 @@ def _down_forward_in_chunks(
     c = gate.dtype
     y = torch.empty((gate.shape[0], wd.shape[0]), dtype=c, device=gate.device)
     xa = torch.empty((gate.shape[0], ad.shape[0]), dtype=c, device=gate.device)
-    a_parts, a_c = _lora_a_operands(c, ad, 0.0, dd, c)  # (split once for all chunks)
+    a_parts, a_c = _lora_a_operands(c, ad, 0.0, settings.dropout_dtype, c)  # (split once for all chunks)
     for start in range(0, gate.shape[0], rows):
         part = slice(start, start + rows)
         h = gated_act_forward(gate[part], up[part], act)
         _base_out(h, wd, bd, out=y[part])
-        _lora_input_product(h, h, ad, 0.0, dd, a_parts, out=xa[part])
+        _lora_input_product(h, h, ad, 0.0, settings.dropout_dtype, a_parts, out=xa[part])
         del h
     b_c = bbd.to(c)
-    return _add_lora_out(y, xa, b_c, lbd, sd), _LowRank(xa, None, a_c, b_c)
+    return _add_lora_out(y, xa, b_c, lbd, settings.scaling), _LowRank(xa, None, a_c, b_c)
 
 
 def _down_backward(
@@ -616,9 +628,7 @@ def _down_backward(
     wd: torch.Tensor,
     low: _LowRank,
     lora_dtype: torch.dtype,
-    sd: float,
-    pd: float,
-    dd: torch.dtype,
+    settings: _Settings,
     needs: tuple[bool, ...],
 ) -> tuple[list[torch.Tensor | None], torch.Tensor | None, torch.Tensor | None, bool]:
     """The down projection's backward and the activation's, for the rows of ``dy2``, ``gate`` and
@@ -631,17 +641,17 @@ def _down_backward(
     ``h``. Without d gate and d up, ``h`` is recomputed alone.
     """
     need_gu, param_needs = needs[0], needs[1:]
-    gs = _scaled_lora_grad(dy2, low.b_c, sd) if need_gu or param_needs[2] else None
+    gs = _scaled_lora_grad(dy2, low.b_c, settings.scaling) if need_gu or param_needs[2] else None
     dgate = dup = None
     written = False
     if need_gu:
         assert gs is not None
-        dh = _proj_bwd_input(dy2, wd, low.a_c, gs, low.mask, pd)
+        dh = _proj_bwd_input(dy2, wd, low.a_c, gs, low.mask, settings.dropout_p)
         dgate, dup, h, written = gated_act_backward_with_value(dh, gate, up, act, inplace=True)
         del dh  # (its buffer holds h now)
     else:
         h = gated_act_forward(gate, up, act)
-    grads = _proj_bwd_params(dy2, h, h, wd, low, lora_dtype, sd, pd, dd, param_needs, gs)
+    grads = _proj_bwd_params(dy2, h, h, wd, low, lora_dtype, settings, param_needs, gs)
     return grads, dgate, dup, written
 
 
@@ -654,8 +664,7 @@ def _down_backward_in_chunks(
     wd: torch.Tensor,
     low: _LowRank,
     lora_dtype: torch.dtype,
-    sd: float,
-    dd: torch.dtype,
+    settings: _Settings,
     needs: tuple[bool, ...],
 ) -> list[torch.Tensor | None]:
     """:func:`_down_backward` (no dropout) ``rows`` rows at a time, with (when ``needs[0]``)
@@ -668,8 +677,8 @@ def _down_backward_in_chunks(
     the chunks in fp32 (``fk.core.matmul.accumulate_mm``).
     """
     need_gu, (need_dw, need_db, need_da, need_dbb, need_dlb) = needs[0], needs[1:]
-    gs = _scaled_lora_grad(dy2, low.b_c, sd) if need_gu or need_da else None
-    grads = _proj_bwd_params(dy2, None, None, wd, low, lora_dtype, sd, 0.0, dd,
+    gs = _scaled_lora_grad(dy2, low.b_c, settings.scaling) if need_gu or need_da else None
+    grads = _proj_bwd_params(dy2, None, None, wd, low, lora_dtype, settings,
                              (False, need_db, False, need_dbb, need_dlb), gs)  # fmt: skip
     n_inter = gate.shape[1]
     acc_da = torch.empty((low.a_c.shape[0], n_inter), dtype=torch.float32, device=gate.device) if need_da else None
@@ -703,33 +712,33 @@ def _down_backward_in_chunks(
 class _LoRAMLP(torch.autograd.Function):
     """``down(act(gate(x)) * up(x))`` with three LoRA projections; ``act`` is fk.glu's kernel.
 
-    ``config`` = ``(act, (s, p, dd) of gate, (s, p, dd) of up, (s, p, dd) of down)``; ``params``
-    as in :class:`_LoRAProjections`, gate then up then down.
+    ``act`` is the fk.glu activation; ``settings`` the :class:`_Settings` of gate, up and down;
+    ``params`` as in :class:`_LoRAProjections`, gate then up then down.
     """
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, config: tuple[Any, ...], *params: Any) -> Any:
-        act, (sg, _, _), (su, _, _), (sd, pd, dd) = config
+    def forward(ctx: Any, x: torch.Tensor, act: str, settings: tuple[_Settings, ...], *params: Any) -> Any:
+        settings_g, settings_u, settings_d = settings
         x2 = x.reshape(-1, x.shape[-1])
         wg, bg, ag, bbg, lbg, wu, bu, au, bbu, lbu, wd, bd, ad, bbd, lbd = params
         c = wg.dtype
         xc = x2 if x2.dtype == c else x2.to(c)
         (gate, up), (xa_g, xa_u), (m_g, m_u), (ac_g, ac_u) = _base_outs_and_lora_inputs(
-            x2, xc, [(wg, bg), (wu, bu)], [ag, au], config[1:3]
+            x2, xc, [(wg, bg), (wu, bu)], [ag, au], settings[:2]
         )
         low_g, low_u = _LowRank(xa_g, m_g, ac_g, bbg.to(c)), _LowRank(xa_u, m_u, ac_u, bbu.to(c))
-        _add_lora_out(gate, xa_g, low_g.b_c, lbg, sg)
-        _add_lora_out(up, xa_u, low_u.b_c, lbu, su)
+        _add_lora_out(gate, xa_g, low_g.b_c, lbg, settings_g.scaling)
+        _add_lora_out(up, xa_u, low_u.b_c, lbu, settings_u.scaling)
         del xc
-        rows = _mlp_chunk_rows(gate, pd)
+        rows = _mlp_chunk_rows(gate, settings_d.dropout_p)
         if rows >= gate.shape[0]:
             h = gated_act_forward(gate, up, act)
-            y, low_d = _proj_fwd(h, h, wd, bd, ad, bbd, lbd, sd, pd, dd)
+            y, low_d = _proj_fwd(h, h, wd, bd, ad, bbd, lbd, settings_d)
             del h  # recomputed in the backward
         else:  # h a chunk of rows at a time: never [M, I] at once
-            y, low_d = _down_forward_in_chunks(gate, up, act, rows, wd, bd, ad, bbd, lbd, sd, dd)
+            y, low_d = _down_forward_in_chunks(gate, up, act, rows, wd, bd, ad, bbd, lbd, settings_d)
         ctx.save_for_backward(x, gate, up, wg, wu, wd, *low_g, *low_u, *low_d)
-        ctx.config = config
+        ctx.act, ctx.settings = act, settings
         ctx.lora_dtypes = (ag.dtype, au.dtype, ad.dtype)
         return y.view(*x.shape[:-1], y.shape[-1])
 
@@ -740,22 +749,22 @@ class _LoRAMLP(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx: Any, dy: torch.Tensor) -> Any:
-        act, (sg, pg, dg), (su, pu, du), (sd, pd, dd) = ctx.config
+        act, settings_d = ctx.act, ctx.settings[2]
         x, gate, up, wg, wu, wd, *lows = ctx.saved_tensors
         low_g, low_u, low_d = _LowRank(*lows[0:4]), _LowRank(*lows[4:8]), _LowRank(*lows[8:12])
         ld_g, ld_u, ld_d = ctx.lora_dtypes
         needs = ctx.needs_input_grad
         need_dx = needs[0]
-        need_gu = need_dx or any(needs[2:12])
+        need_gu = need_dx or any(needs[3:13])
         dy2 = dy.reshape(-1, dy.shape[-1])
-        down_needs = (need_gu, *needs[12:17])
-        rows = _mlp_chunk_rows(gate, pd)
+        down_needs = (need_gu, *needs[13:18])
+        rows = _mlp_chunk_rows(gate, settings_d.dropout_p)
         chunked = rows < gate.shape[0] and uses_kernel(gate) and not torch.compiler.is_compiling()
         if chunked:  # eager: (dg, du) of each chunk of rows written over its gate and up rows
-            grads_d = _down_backward_in_chunks(dy2, gate, up, act, rows, wd, low_d, ld_d, sd, dd, down_needs)
+            grads_d = _down_backward_in_chunks(dy2, gate, up, act, rows, wd, low_d, ld_d, settings_d, down_needs)
             dgate, dup, written = (gate, up, True) if need_gu else (None, None, False)
         else:
-            grads_d, dgate, dup, written = _down_backward(dy2, gate, up, act, wd, low_d, ld_d, sd, pd, dd, down_needs)
+            grads_d, dgate, dup, written = _down_backward(dy2, gate, up, act, wd, low_d, ld_d, settings_d, down_needs)
         grads_g: list[torch.Tensor | None] = [None] * _SLOTS
         grads_u: list[torch.Tensor | None] = [None] * _SLOTS
         dx = None
@@ -764,14 +773,14 @@ class _LoRAMLP(torch.autograd.Function):
                 torch.autograd.graph.increment_version(gate)
                 torch.autograd.graph.increment_version(up)
             x2 = x.reshape(-1, x.shape[-1])
-            xc = _cast_if_needed(x2, wg.dtype, needs[2] or needs[7])
+            xc = _cast_if_needed(x2, wg.dtype, needs[3] or needs[8])
             dx, (grads_g, grads_u) = _shared_input_bwd(
                 [dgate, dup], x2, xc, [wg, wu], [low_g, low_u], [ld_g, ld_u],
-                ((sg, pg, dg), (su, pu, du)), [needs[2:7], needs[7:12]], need_dx,
+                ctx.settings[:2], [needs[3:8], needs[8:13]], need_dx,
             )  # fmt: skip
         if dx is not None:
             dx = dx.view(x.shape).to(x.dtype)
-        return (dx, None, *grads_g, *grads_u, *grads_d)
+        return (dx, None, None, *grads_g, *grads_u, *grads_d)
 
 
 # --- 3. Functional API ----------------------------------------------------------------------------
@@ -808,10 +817,10 @@ def _check_optional_vector(name: str, t: object, n: int, like_name: str, like: t
 
 def _check_parts(
     prefix: str, x: torch.Tensor, parts: object, cast: torch.dtype | None = None
-) -> tuple[tuple[float, float, torch.dtype], list[Any]]:
-    """Validate one projection's parameters against ``x``; returns ((scaling, p, dropout dtype),
-    flat params). ``cast``: autocast's dtype, which the base weight need not have; the parameters
-    are returned cast to it (None: outside autocast, the base weight must have ``x``'s dtype)."""
+) -> tuple[_Settings, list[Any]]:
+    """Validate one projection's parameters against ``x``; returns (its settings, flat params).
+    ``cast``: autocast's dtype, which the base weight need not have; the parameters are returned
+    cast to it (None: outside autocast, the base weight must have ``x``'s dtype)."""
     if not isinstance(parts, tuple) or len(parts) not in (5, 6, 7):
         raise TypeError(f"{prefix or 'parts'} must be a LoRAWeights (or a tuple of its 5 to 7 fields), got {type(parts).__name__}")  # fmt: skip
     w, b, a, bb, s, *rest = parts
@@ -838,12 +847,12 @@ def _check_parts(
     params = [w, b, a, bb, lb]
     if cast is not None:  # as autocast casts each F.linear's operands (autograd sees the casts)
         params = [t if t is None or t.dtype == cast else t.to(cast) for t in params]
-    return (scaling, p, a.dtype), params
+    return _Settings(scaling, p, a.dtype), params
 
 
 def _module_parts(
     prefix: str, x: torch.Tensor, parts: LoRAWeights, cast: torch.dtype | None = None
-) -> tuple[tuple[float, float, torch.dtype], list[Any]]:
+) -> tuple[_Settings, list[Any]]:
     """:func:`_check_parts` for parameters that ``fk.lora.patch``'s forwards read from a PEFT
     ``lora.Linear`` (``fk.lora.patching._call_parts``, which checked their kinds and float dtypes
     and PEFT's scaling and dropout): only the input's width against the weight is checked here,
@@ -855,19 +864,19 @@ def _module_parts(
     return _module_params(parts, cast)
 
 
-def _module_params(parts: LoRAWeights, cast: torch.dtype | None) -> tuple[tuple[float, float, torch.dtype], list[Any]]:
-    """The config and parameters of :func:`_module_parts`, without the width check."""
+def _module_params(parts: LoRAWeights, cast: torch.dtype | None) -> tuple[_Settings, list[Any]]:
+    """The settings and parameters of :func:`_module_parts`, without the width check."""
     w, b, a, bb, s, p, lb = parts
     params = [w, b, a, bb, lb]
     if cast is not None:  # as autocast casts each F.linear's operands (autograd sees the casts)
         params = [t if t is None or t.dtype == cast else t.to(cast) for t in params]
-    return (s, p, a.dtype), params
+    return _Settings(s, p, a.dtype), params
 
 
-def _apply(fn: Any, x: torch.Tensor, config: tuple[Any, ...], params: list[Any]) -> Any:
-    """``fn.apply(x, config, *params)`` with autocast disabled (the operands are already cast)."""
+def _apply(fn: Any, x: torch.Tensor, *args: Any) -> Any:
+    """``fn.apply(x, *args)`` with autocast disabled (the operands are already cast)."""
     with _autocast_off(x.device.type):
-        return fn.apply(x, config, *params)
+        return fn.apply(x, *args)
 
 
 def _check_x(x: object) -> torch.Tensor:
@@ -907,8 +916,10 @@ def lora_linear(
     """
     x = _check_x(x)
     cast = _autocast_dtype(x)
-    cfg, params = _check_parts("", x, (base_weight, base_bias, lora_A, lora_B, scaling, dropout_p, lora_bias), cast)
-    (y,) = _apply(_LoRAProjections, x, (cfg,), params)
+    settings, params = _check_parts(
+        "", x, (base_weight, base_bias, lora_A, lora_B, scaling, dropout_p, lora_bias), cast
+    )
+    (y,) = _apply(_LoRAProjections, x, (settings,), *params)
     return y
 
 
@@ -930,12 +941,12 @@ def module_projections(x: torch.Tensor, parts: Sequence[LoRAWeights], *, from_mo
         raise ValueError("lora_projections needs at least one LoRAWeights")
     cast = _autocast_dtype(x)
     check = _module_parts if from_module else _check_parts
-    configs, flat = [], []
-    for i, p in enumerate(parts):
-        cfg, params = check("" if from_module else f"parts[{i}].", x, p, cast)
-        configs.append(cfg)
+    settings, flat = [], []
+    for i, part in enumerate(parts):
+        part_settings, params = check("" if from_module else f"parts[{i}].", x, part, cast)
+        settings.append(part_settings)
         flat += params
-    return tuple(_apply(_LoRAProjections, x, tuple(configs), flat))
+    return tuple(_apply(_LoRAProjections, x, tuple(settings), *flat))
 
 
 def lora_qkv(
@@ -949,12 +960,12 @@ def lora_qkv(
     """
     x = _check_x(x)
     cast = _autocast_dtype(x)
-    cfgs, flat = [], []
+    settings, flat = [], []
     for name, parts in (("q_parts", q_parts), ("k_parts", k_parts), ("v_parts", v_parts)):
-        cfg, params = _check_parts(f"{name}.", x, parts, cast)
-        cfgs.append(cfg)
+        part_settings, params = _check_parts(f"{name}.", x, parts, cast)
+        settings.append(part_settings)
         flat += params
-    q, k, v = _apply(_LoRAProjections, x, tuple(cfgs), flat)
+    q, k, v = _apply(_LoRAProjections, x, tuple(settings), *flat)
     return q, k, v
 
 
@@ -989,16 +1000,16 @@ def module_mlp(
     act = _resolve_mlp_activation(activation)
     cast = _autocast_dtype(x)
     check = _module_parts if from_module else _check_parts
-    cfg_g, pg = check("gate_parts.", x, gate_parts, cast)
-    cfg_u, pu = check("up_parts.", x, up_parts, cast)
+    settings_g, pg = check("gate_parts.", x, gate_parts, cast)
+    settings_u, pu = check("up_parts.", x, up_parts, cast)
     n_inter = pg[0].shape[0]
     if pu[0].shape[0] != n_inter:
         raise ValueError(f"up_parts.weight must have {n_inter} rows (gate_parts.weight's), got shape {tuple(pu[0].shape)}")  # fmt: skip
     if from_module:  # the intermediate's width is all there is to check: no tensor stands in for it
         if down_parts[0].shape[1] != n_inter:
             raise ValueError(f"down_parts.weight takes {down_parts[0].shape[1]} input features, gate_parts.weight gives {n_inter}")  # fmt: skip
-        cfg_d, pd = _module_params(down_parts, cast)
+        settings_d, pd = _module_params(down_parts, cast)
     else:
         h_like = x.new_empty((1, n_inter), dtype=pg[0].dtype) if x.ndim else x
-        cfg_d, pd = _check_parts("down_parts.", h_like, down_parts, cast)
-    return _apply(_LoRAMLP, x, (act, cfg_g, cfg_u, cfg_d), [*pg, *pu, *pd])
+        settings_d, pd = _check_parts("down_parts.", h_like, down_parts, cast)
+    return _apply(_LoRAMLP, x, act, (settings_g, settings_u, settings_d), *pg, *pu, *pd)
