@@ -38,8 +38,8 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Sequence
-from typing import Any, NamedTuple
+from collections.abc import Iterable, Sequence
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -167,6 +167,43 @@ class _Settings(NamedTuple):
     it, ``_cast_input_dtype``)."""
 
 
+class _Params(NamedTuple):
+    """One projection's tensors, as the autograd functions take them: cast to autocast's dtype
+    under autocast; flat, five a projection, at the functions' boundary (:func:`_flat`)."""
+
+    weight: torch.Tensor
+    """``W`` ``[N, K]``, in the compute dtype ``c``."""
+    bias: torch.Tensor | None
+    """``b`` ``[N]``."""
+    lora_A: torch.Tensor
+    """``A`` ``[r, K]``, in the LoRA dtype."""
+    lora_B: torch.Tensor
+    """``B`` ``[N, r]``."""
+    lora_bias: torch.Tensor | None
+    """``c_bias`` ``[N]``."""
+
+
+class _Needs(NamedTuple):
+    """Which of one projection's :class:`_Params` need a gradient (its share of ``needs_input_grad``)."""
+
+    weight: bool
+    bias: bool
+    lora_A: bool
+    lora_B: bool
+    lora_bias: bool
+
+
+class _Grads(NamedTuple):
+    """The gradients of one projection's :class:`_Params` (``dW``, ``db``, ``dA``, ``dB``,
+    ``dc_bias``), None where not needed; the LoRA ones in the LoRA dtype."""
+
+    weight: torch.Tensor | None = None
+    bias: torch.Tensor | None = None
+    lora_A: torch.Tensor | None = None
+    lora_B: torch.Tensor | None = None
+    lora_bias: torch.Tensor | None = None
+
+
 def _bf16_split_applies(x_dtype: torch.dtype, lora_A: torch.Tensor, p: float, dropout_dtype: torch.dtype) -> bool:
     """Whether :func:`_lora_input_product` takes ``mm_bf16_fp32`` (bf16 input, fp32 ``A``, no dropout)."""
     return p == 0 and x_dtype == torch.bfloat16 and lora_A.dtype == dropout_dtype == torch.float32
@@ -236,6 +273,22 @@ class _LowRank(NamedTuple):
     """``A`` ``[r, K]``."""
     b_c: torch.Tensor
     """``B`` ``[N, r]``."""
+
+
+_PerProjection = TypeVar("_PerProjection", _Params, _Needs, _LowRank)
+
+
+def _flat(per_projection: Iterable[tuple[Any, ...]]) -> list[Any]:
+    """The fields of each projection's :class:`_Params` (or :class:`_Grads`, or :class:`_LowRank`)
+    one after the other: the flat list an autograd function takes, returns or saves."""
+    return [field for fields in per_projection for field in fields]
+
+
+def _unflat(kind: type[_PerProjection], flat: Sequence[Any]) -> list[_PerProjection]:
+    """:func:`_flat` undone: ``flat`` cut into one ``kind`` per projection (``kind`` :class:`_Needs`
+    cuts the projections' part of ``ctx.needs_input_grad``)."""
+    size = len(kind._fields)
+    return [kind(*flat[start : start + size]) for start in range(0, len(flat), size)]
 
 
 def _lora_input_products(
@@ -314,20 +367,15 @@ def _base_first(settings: Sequence[_Settings]) -> bool:
 
 
 def _base_outs_and_lora_inputs(
-    x2: torch.Tensor,
-    xc: torch.Tensor,
-    bases: list[tuple[torch.Tensor, torch.Tensor | None]],
-    lora_As: list[torch.Tensor],
-    settings: Sequence[_Settings],
+    x2: torch.Tensor, xc: torch.Tensor, params: Sequence[_Params], settings: Sequence[_Settings]
 ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor | None], list[torch.Tensor]]:
-    """(base outputs ``xc W^T + b`` for ``bases``' ``(W, b)``, then :func:`_lora_input_products`'
-    xa's, masks and A's in ``c``) of projections that share ``x2``, launched in the order
-    :func:`_base_first` gives."""
+    """(base outputs ``xc W^T + b``, then :func:`_lora_input_products`' xa's, masks and A's in
+    ``c``) of projections that share ``x2``, launched in the order :func:`_base_first` gives."""
     first = _base_first(settings)
-    ys = [_base_out(xc, w, b) for w, b in bases] if first else []
-    xas, masks, a_cs = _lora_input_products(x2, xc, lora_As, settings)
+    ys = [_base_out(xc, proj.weight, proj.bias) for proj in params] if first else []
+    xas, masks, a_cs = _lora_input_products(x2, xc, [proj.lora_A for proj in params], settings)
     if not first:
-        ys = [_base_out(xc, w, b) for w, b in bases]
+        ys = [_base_out(xc, proj.weight, proj.bias) for proj in params]
     return ys, xas, masks, a_cs
 
 
@@ -348,19 +396,12 @@ def _add_lora_out(
 
 
 def _proj_fwd(
-    x2: torch.Tensor,
-    xc: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    lora_A: torch.Tensor,
-    lora_B: torch.Tensor,
-    lora_bias: torch.Tensor | None,
-    settings: _Settings,
+    x2: torch.Tensor, xc: torch.Tensor, params: _Params, settings: _Settings
 ) -> tuple[torch.Tensor, _LowRank]:
     """One projection of ``x2`` ``[M, K]``: (y ``[M, N]``, what its backward keeps)."""
-    (y,), (xa,), (mask,), (a_c,) = _base_outs_and_lora_inputs(x2, xc, [(weight, bias)], [lora_A], (settings,))
-    b_c = lora_B.to(xc.dtype)
-    return _add_lora_out(y, xa, b_c, lora_bias, settings.scaling), _LowRank(xa, mask, a_c, b_c)
+    (y,), (xa,), (mask,), (a_c,) = _base_outs_and_lora_inputs(x2, xc, [params], [settings])
+    b_c = params.lora_B.to(xc.dtype)
+    return _add_lora_out(y, xa, b_c, params.lora_bias, settings.scaling), _LowRank(xa, mask, a_c, b_c)
 
 
 def _scaled_lora_grad(dy: torch.Tensor, b_c: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -388,30 +429,33 @@ def _proj_bwd_params(
     low: _LowRank,
     lora_dtype: torch.dtype,
     settings: _Settings,
-    needs: tuple[bool, ...],
+    needs: _Needs,
     gs: torch.Tensor | None,
-) -> list[torch.Tensor | None]:
-    """The parameter gradients of :func:`_proj_fwd`: [dW, db, dA, dB, dlora_bias], None where not
-    in ``needs`` (the same five flags); the LoRA ones in ``lora_dtype``. ``x2`` is needed only for
-    dA, ``xc`` (``x2`` in ``dy``'s dtype) only for dW, ``gs`` (:func:`_scaled_lora_grad`) only for dA."""
-    need_dw, need_db, need_da, need_dbb, need_dlb = needs
-    grads: list[torch.Tensor | None] = [None] * 5
-    if need_dw:
+) -> _Grads:
+    """The parameter gradients of :func:`_proj_fwd`, None where not in ``needs``; the LoRA ones in
+    ``lora_dtype``. ``x2`` is needed only for dA, ``xc`` (``x2`` in ``dy``'s dtype) only for dW,
+    ``gs`` (:func:`_scaled_lora_grad`) only for dA."""
+    dW: torch.Tensor | None = None
+    db: torch.Tensor | None = None
+    dA: torch.Tensor | None = None
+    dB: torch.Tensor | None = None
+    dc_bias: torch.Tensor | None = None
+    if needs.weight:
         assert xc is not None
-        grads[0] = scaled_mm(dy.t(), xc, 1.0, weight.dtype)
-    if need_db or need_dlb:
+        dW = scaled_mm(dy.t(), xc, 1.0, weight.dtype)
+    if needs.bias or needs.lora_bias:
         col_sum = column_sum(dy)
-        if need_db:
-            grads[1] = col_sum.to(weight.dtype)
-        if need_dlb:
-            grads[4] = (col_sum * settings.scaling).to(lora_dtype)
-    if need_dbb:
-        grads[3] = scaled_mm(dy.t(), low.xa, settings.scaling, lora_dtype)
-    if need_da:
+        if needs.bias:
+            db = col_sum.to(weight.dtype)
+        if needs.lora_bias:
+            dc_bias = (col_sum * settings.scaling).to(lora_dtype)
+    if needs.lora_B:
+        dB = scaled_mm(dy.t(), low.xa, settings.scaling, lora_dtype)
+    if needs.lora_A:
         assert gs is not None and x2 is not None
         kept = 1.0 if low.mask is None else 1.0 / (1.0 - settings.dropout_p)
-        grads[2] = scaled_mm(gs.t(), _kept_input(x2, low.mask, settings.dropout_dtype, dy.dtype), kept, lora_dtype)
-    return grads
+        dA = scaled_mm(gs.t(), _kept_input(x2, low.mask, settings.dropout_dtype, dy.dtype), kept, lora_dtype)
+    return _Grads(dW, db, dA, dB, dc_bias)
 
 
 def _proj_bwd_input(
@@ -432,15 +476,15 @@ def _shared_input_bwd(
     lows: list[_LowRank],
     lora_dtypes: list[torch.dtype],
     settings: Sequence[_Settings],
-    needs: list[tuple[bool, ...]],
+    needs: Sequence[_Needs],
     need_dx: bool,
-) -> tuple[torch.Tensor | None, list[list[torch.Tensor | None]]]:
+) -> tuple[torch.Tensor | None, list[_Grads]]:
     """Backward of the projections of one input ``x2`` (q, k, v; gate, up; or one alone): returns
-    (dx, [dW, db, dA, dB, dlora_bias] of each projection).
+    (dx, the parameter gradients of each projection).
 
     ``dys[i]`` ``[M, N_i]`` (None: projection i got no gradient), ``weights[i]`` its base weight,
-    ``lows[i]`` what its forward kept, ``lora_dtypes[i]`` its LoRA weights' dtype, ``needs[i]`` its
-    five flags; ``xc`` is ``x2`` in the gradients' dtype (needed for dW only).
+    ``lows[i]`` what its forward kept, ``lora_dtypes[i]`` its LoRA weights' dtype; ``xc`` is ``x2``
+    in the gradients' dtype (needed for dW only).
     dx is one buffer: the ``dy W`` terms first, then the rank-sized ``s G A`` terms. For the
     projections without dropout those are stacked, as in the forward: their ``dA``\\ s come from one
     matmul that reads ``x2`` once, and their ``s G A`` terms go into dx with one ``addmm_``.
@@ -448,18 +492,18 @@ def _shared_input_bwd(
     n = len(settings)
     live = [i for i in range(n) if dys[i] is not None]
     if not live:
-        return None, [[None] * _SLOTS for _ in range(n)]
+        return None, [_Grads()] * n
     c = dys[live[0]].dtype  # type: ignore[union-attr]
     gss: list[Any] = [None] * n
-    grads: list[list[torch.Tensor | None]] = [[None] * _SLOTS for _ in range(n)]
+    grads = [_Grads()] * n
     groups = _stackable(settings, [lora_dtypes[i] if i in live else None for i in range(n)])
     stacked_da = {i for group in groups for i in group}
     for i in live:
         dy = dys[i]
         assert dy is not None
-        if need_dx or needs[i][2]:
+        if need_dx or needs[i].lora_A:
             gss[i] = _scaled_lora_grad(dy, lows[i].b_c, settings[i].scaling)
-        own_needs = (*needs[i][:2], needs[i][2] and i not in stacked_da, *needs[i][3:])
+        own_needs = needs[i]._replace(lora_A=needs[i].lora_A and i not in stacked_da)
         grads[i] = _proj_bwd_params(dy, x2, xc, weights[i], lows[i], lora_dtypes[i], settings[i], own_needs, gss[i])
     stacked_gs: dict[tuple[int, ...], torch.Tensor] = {}  # [s G_i | s G_j | ...], concatenated once
 
@@ -470,12 +514,12 @@ def _shared_input_bwd(
         return stacked_gs[key]
 
     for group in groups:
-        group = [i for i in group if needs[i][2]]
+        group = [i for i in group if needs[i].lora_A]
         if group:  # dA of projections without dropout: one read of d(x2) = x2, for all of them
-            kept = _kept_input(x2, None, settings[group[0]].dropout_dtype, c)
-            da = scaled_mm(gs_of(group).t(), kept, 1.0, lora_dtypes[group[0]])
-            for i, da_i in zip(group, _blocks(da, [lows[i].a_c.shape[0] for i in group], 0), strict=True):
-                grads[i][2] = da_i
+            kept_input = _kept_input(x2, None, settings[group[0]].dropout_dtype, c)
+            dA = scaled_mm(gs_of(group).t(), kept_input, 1.0, lora_dtypes[group[0]])
+            for i, dA_i in zip(group, _blocks(dA, [lows[i].a_c.shape[0] for i in group], 0), strict=True):
+                grads[i] = grads[i]._replace(lora_A=dA_i)
     if not need_dx:
         return None, grads
     dx: torch.Tensor | None = None
@@ -515,34 +559,29 @@ def _autocast_off(device_type: str) -> Any:
     return contextlib.nullcontext()
 
 
-_SLOTS = 5  # tensors per projection: weight, bias, lora_A, lora_B, lora_bias
-
-
 class _LoRAProjections(torch.autograd.Function):
     """``len(settings)`` LoRA projections of one input ``x``: returns one output per projection.
 
-    ``settings`` holds one :class:`_Settings` per projection; ``params`` holds, per projection,
-    ``weight, bias, lora_A, lora_B, lora_bias`` (None where absent). The
-    weights share one dtype, the compute dtype; ``x`` may have another (autocast): it is cast.
+    ``settings`` holds one :class:`_Settings` per projection, ``flat`` their :class:`_Params`
+    (:func:`_flat`). The weights share one dtype, the compute dtype; ``x`` may have another
+    (autocast): it is cast.
     """
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, settings: tuple[_Settings, ...], *params: Any) -> Any:
-        n = len(settings)
+    def forward(ctx: Any, x: torch.Tensor, settings: tuple[_Settings, ...], *flat: Any) -> Any:
+        params = _unflat(_Params, flat)
         x2 = x.reshape(-1, x.shape[-1])
-        c = params[0].dtype
+        c = params[0].weight.dtype
         xc = x2 if x2.dtype == c else x2.to(c)
-        bases = [(params[_SLOTS * i], params[_SLOTS * i + 1]) for i in range(n)]
-        lora_As = [params[_SLOTS * i + 2] for i in range(n)]
-        ys, xas, masks, a_cs = _base_outs_and_lora_inputs(x2, xc, bases, lora_As, settings)
-        outs, b_cs = [], []
-        for i, setting in enumerate(settings):
-            b_cs.append(params[_SLOTS * i + 3].to(c))
-            y = _add_lora_out(ys[i], xas[i], b_cs[-1], params[_SLOTS * i + 4], setting.scaling)
+        ys, xas, masks, a_cs = _base_outs_and_lora_inputs(x2, xc, params, settings)
+        outs, lows = [], []
+        for y, xa, mask, a_c, proj, setting in zip(ys, xas, masks, a_cs, params, settings, strict=True):
+            lows.append(_LowRank(xa, mask, a_c, proj.lora_B.to(c)))
+            y = _add_lora_out(y, xa, lows[-1].b_c, proj.lora_bias, setting.scaling)
             outs.append(y.view(*x.shape[:-1], y.shape[-1]))
-        ctx.save_for_backward(x, *params[0::_SLOTS], *xas, *masks, *a_cs, *b_cs)
+        ctx.save_for_backward(x, *(proj.weight for proj in params), *_flat(lows))
         ctx.settings = settings
-        ctx.lora_dtypes = [params[_SLOTS * i + 2].dtype for i in range(n)]
+        ctx.lora_dtypes = [proj.lora_A.dtype for proj in params]
         ctx.set_materialize_grads(False)
         return tuple(outs)
 
@@ -550,20 +589,19 @@ class _LoRAProjections(torch.autograd.Function):
     def backward(ctx: Any, *dys: Any) -> Any:
         n = len(ctx.settings)
         x, *saved = ctx.saved_tensors
-        weights = saved[:n]
-        lows = [_LowRank(*saved[n + i :: n]) for i in range(n)]  # (xa, mask, a_c, b_c) of projection i
+        weights, lows = saved[:n], _unflat(_LowRank, saved[n:])
         x2 = x.reshape(-1, x.shape[-1])
         c = weights[0].dtype
-        xc = _cast_if_needed(x2, c, any(ctx.needs_input_grad[2::_SLOTS]))
+        needs = _unflat(_Needs, ctx.needs_input_grad[2:])
+        xc = _cast_if_needed(x2, c, any(need.weight for need in needs))
         dys2 = [None if dy is None else dy.reshape(-1, dy.shape[-1]) for dy in dys]
-        needs = [ctx.needs_input_grad[2 + _SLOTS * i : 2 + _SLOTS * (i + 1)] for i in range(n)]
         with _autocast_off(x.device.type):
             dx, grads = _shared_input_bwd(
                 dys2, x2, xc, list(weights), lows, ctx.lora_dtypes, ctx.settings, needs, ctx.needs_input_grad[0]
             )
         if dx is not None:
             dx = dx.view(x.shape).to(x.dtype)
-        return (dx, None, *(g for projection in grads for g in projection))
+        return (dx, None, *_flat(grads))
 
 
 MLP_CHUNK_BYTES = 128 << 20
@@ -588,16 +626,7 @@ def _mlp_chunk_rows(gate: torch.Tensor, p_down: float) -> int:
 
 
 def _down_forward_in_chunks(
-    gate: torch.Tensor,
-    up: torch.Tensor,
-    act: str,
-    rows: int,
-    wd: torch.Tensor,
-    bd: torch.Tensor | None,
-    ad: torch.Tensor,
-    bbd: torch.Tensor,
-    lbd: torch.Tensor | None,
-    settings: _Settings,
+    gate: torch.Tensor, up: torch.Tensor, act: str, rows: int, down: _Params, settings: _Settings
 ) -> tuple[torch.Tensor, _LowRank]:
     """The down projection of ``h = act(gate) * up`` (no dropout), ``rows`` rows at a time:
     returns (y, what the backward keeps) as :func:`_proj_fwd` would for the whole ``h``.
@@ -607,17 +636,17 @@ def _down_forward_in_chunks(
     ``s xa B^T`` is then added to all rows at once. Per chunk: the activation and two matmuls.
     """
     c = gate.dtype
-    y = torch.empty((gate.shape[0], wd.shape[0]), dtype=c, device=gate.device)
-    xa = torch.empty((gate.shape[0], ad.shape[0]), dtype=c, device=gate.device)
-    a_parts, a_c = _lora_a_operands(c, ad, 0.0, settings.dropout_dtype, c)  # (split once for all chunks)
+    y = torch.empty((gate.shape[0], down.weight.shape[0]), dtype=c, device=gate.device)
+    xa = torch.empty((gate.shape[0], down.lora_A.shape[0]), dtype=c, device=gate.device)
+    a_parts, a_c = _lora_a_operands(c, down.lora_A, 0.0, settings.dropout_dtype, c)  # (split once for all chunks)
     for start in range(0, gate.shape[0], rows):
         part = slice(start, start + rows)
         h = gated_act_forward(gate[part], up[part], act)
-        _base_out(h, wd, bd, out=y[part])
-        _lora_input_product(h, h, ad, 0.0, settings.dropout_dtype, a_parts, out=xa[part])
+        _base_out(h, down.weight, down.bias, out=y[part])
+        _lora_input_product(h, h, down.lora_A, 0.0, settings.dropout_dtype, a_parts, out=xa[part])
         del h
-    b_c = bbd.to(c)
-    return _add_lora_out(y, xa, b_c, lbd, settings.scaling), _LowRank(xa, None, a_c, b_c)
+    b_c = down.lora_B.to(c)
+    return _add_lora_out(y, xa, b_c, down.lora_bias, settings.scaling), _LowRank(xa, None, a_c, b_c)
 
 
 def _down_backward(
@@ -629,19 +658,19 @@ def _down_backward(
     low: _LowRank,
     lora_dtype: torch.dtype,
     settings: _Settings,
-    needs: tuple[bool, ...],
-) -> tuple[list[torch.Tensor | None], torch.Tensor | None, torch.Tensor | None, bool]:
+    need_gu: bool,
+    needs: _Needs,
+) -> tuple[_Grads, torch.Tensor | None, torch.Tensor | None, bool]:
     """The down projection's backward and the activation's, for the rows of ``dy2``, ``gate`` and
-    ``up``: returns ([dW, db, dA, dB, dlora_bias] of the down projection, d gate, d up, written).
+    ``up``: returns (the down projection's parameter gradients, d gate, d up, written).
 
-    ``needs`` = (d gate and d up, then the down projection's five parameter flags). The input
-    gradient ``dh`` needs no ``h``, so it comes first; fk.glu's gradient pass then forms
+    ``need_gu``: whether d gate and d up are needed; ``needs``: the down projection's flags. The
+    input gradient ``dh`` needs no ``h``, so it comes first; fk.glu's gradient pass then forms
     (d gate, d up) and recomputes ``h = act(gate) * up`` over ``dh``'s buffer, in eager mode with
     the gradients over ``gate``'s and ``up``'s (``written``), and the parameter gradients read that
     ``h``. Without d gate and d up, ``h`` is recomputed alone.
     """
-    need_gu, param_needs = needs[0], needs[1:]
-    gs = _scaled_lora_grad(dy2, low.b_c, settings.scaling) if need_gu or param_needs[2] else None
+    gs = _scaled_lora_grad(dy2, low.b_c, settings.scaling) if need_gu or needs.lora_A else None
     dgate = dup = None
     written = False
     if need_gu:
@@ -651,7 +680,7 @@ def _down_backward(
         del dh  # (its buffer holds h now)
     else:
         h = gated_act_forward(gate, up, act)
-    grads = _proj_bwd_params(dy2, h, h, wd, low, lora_dtype, settings, param_needs, gs)
+    grads = _proj_bwd_params(dy2, h, h, wd, low, lora_dtype, settings, needs, gs)
     return grads, dgate, dup, written
 
 
@@ -665,9 +694,10 @@ def _down_backward_in_chunks(
     low: _LowRank,
     lora_dtype: torch.dtype,
     settings: _Settings,
-    needs: tuple[bool, ...],
-) -> list[torch.Tensor | None]:
-    """:func:`_down_backward` (no dropout) ``rows`` rows at a time, with (when ``needs[0]``)
+    need_gu: bool,
+    needs: _Needs,
+) -> _Grads:
+    """:func:`_down_backward` (no dropout) ``rows`` rows at a time, with (when ``need_gu``)
     (d gate, d up) of each chunk written over its gate and up rows. Returns the down projection's
     parameter gradients.
 
@@ -676,13 +706,13 @@ def _down_backward_in_chunks(
     (which leaves ``h`` in ``dh``'s buffer), and one matmul each for dA and dW, accumulated over
     the chunks in fp32 (``fk.core.matmul.accumulate_mm``).
     """
-    need_gu, (need_dw, need_db, need_da, need_dbb, need_dlb) = needs[0], needs[1:]
-    gs = _scaled_lora_grad(dy2, low.b_c, settings.scaling) if need_gu or need_da else None
-    grads = _proj_bwd_params(dy2, None, None, wd, low, lora_dtype, settings,
-                             (False, need_db, False, need_dbb, need_dlb), gs)  # fmt: skip
+    gs = _scaled_lora_grad(dy2, low.b_c, settings.scaling) if need_gu or needs.lora_A else None
+    grads = _proj_bwd_params(
+        dy2, None, None, wd, low, lora_dtype, settings, needs._replace(weight=False, lora_A=False), gs
+    )
     n_inter = gate.shape[1]
-    acc_da = torch.empty((low.a_c.shape[0], n_inter), dtype=torch.float32, device=gate.device) if need_da else None
-    acc_dw = torch.empty((wd.shape[0], n_inter), dtype=torch.float32, device=gate.device) if need_dw else None
+    acc_da = torch.empty((low.a_c.shape[0], n_inter), dtype=torch.float32, device=gate.device) if needs.lora_A else None
+    acc_dw = torch.empty((wd.shape[0], n_inter), dtype=torch.float32, device=gate.device) if needs.weight else None
     for start in range(0, gate.shape[0], rows):
         part = slice(start, start + rows)
         if need_gu:
@@ -703,9 +733,9 @@ def _down_backward_in_chunks(
             accumulate_mm(acc_dw, dy2[part].t(), h, first=start == 0)  # dW += dy^T h
         del h
     if acc_dw is not None:
-        grads[0] = acc_dw.to(wd.dtype)
+        grads = grads._replace(weight=acc_dw.to(wd.dtype))
     if acc_da is not None:
-        grads[2] = acc_da.to(lora_dtype)
+        grads = grads._replace(lora_A=acc_da.to(lora_dtype))
     return grads
 
 
@@ -713,33 +743,35 @@ class _LoRAMLP(torch.autograd.Function):
     """``down(act(gate(x)) * up(x))`` with three LoRA projections; ``act`` is fk.glu's kernel.
 
     ``act`` is the fk.glu activation; ``settings`` the :class:`_Settings` of gate, up and down;
-    ``params`` as in :class:`_LoRAProjections`, gate then up then down.
+    ``flat`` their :class:`_Params` (:func:`_flat`).
     """
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, act: str, settings: tuple[_Settings, ...], *params: Any) -> Any:
+    def forward(ctx: Any, x: torch.Tensor, act: str, settings: tuple[_Settings, ...], *flat: Any) -> Any:
+        params_g, params_u, params_d = _unflat(_Params, flat)
         settings_g, settings_u, settings_d = settings
         x2 = x.reshape(-1, x.shape[-1])
-        wg, bg, ag, bbg, lbg, wu, bu, au, bbu, lbu, wd, bd, ad, bbd, lbd = params
-        c = wg.dtype
+        c = params_g.weight.dtype
         xc = x2 if x2.dtype == c else x2.to(c)
         (gate, up), (xa_g, xa_u), (m_g, m_u), (ac_g, ac_u) = _base_outs_and_lora_inputs(
-            x2, xc, [(wg, bg), (wu, bu)], [ag, au], settings[:2]
+            x2, xc, [params_g, params_u], settings[:2]
         )
-        low_g, low_u = _LowRank(xa_g, m_g, ac_g, bbg.to(c)), _LowRank(xa_u, m_u, ac_u, bbu.to(c))
-        _add_lora_out(gate, xa_g, low_g.b_c, lbg, settings_g.scaling)
-        _add_lora_out(up, xa_u, low_u.b_c, lbu, settings_u.scaling)
+        low_g = _LowRank(xa_g, m_g, ac_g, params_g.lora_B.to(c))
+        low_u = _LowRank(xa_u, m_u, ac_u, params_u.lora_B.to(c))
+        _add_lora_out(gate, xa_g, low_g.b_c, params_g.lora_bias, settings_g.scaling)
+        _add_lora_out(up, xa_u, low_u.b_c, params_u.lora_bias, settings_u.scaling)
         del xc
         rows = _mlp_chunk_rows(gate, settings_d.dropout_p)
         if rows >= gate.shape[0]:
             h = gated_act_forward(gate, up, act)
-            y, low_d = _proj_fwd(h, h, wd, bd, ad, bbd, lbd, settings_d)
+            y, low_d = _proj_fwd(h, h, params_d, settings_d)
             del h  # recomputed in the backward
         else:  # h a chunk of rows at a time: never [M, I] at once
-            y, low_d = _down_forward_in_chunks(gate, up, act, rows, wd, bd, ad, bbd, lbd, settings_d)
-        ctx.save_for_backward(x, gate, up, wg, wu, wd, *low_g, *low_u, *low_d)
+            y, low_d = _down_forward_in_chunks(gate, up, act, rows, params_d, settings_d)
+        weights = (params_g.weight, params_u.weight, params_d.weight)
+        ctx.save_for_backward(x, gate, up, *weights, *_flat([low_g, low_u, low_d]))
         ctx.act, ctx.settings = act, settings
-        ctx.lora_dtypes = (ag.dtype, au.dtype, ad.dtype)
+        ctx.lora_dtypes = (params_g.lora_A.dtype, params_u.lora_A.dtype, params_d.lora_A.dtype)
         return y.view(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
@@ -751,36 +783,36 @@ class _LoRAMLP(torch.autograd.Function):
     def _backward(ctx: Any, dy: torch.Tensor) -> Any:
         act, settings_d = ctx.act, ctx.settings[2]
         x, gate, up, wg, wu, wd, *lows = ctx.saved_tensors
-        low_g, low_u, low_d = _LowRank(*lows[0:4]), _LowRank(*lows[4:8]), _LowRank(*lows[8:12])
+        low_g, low_u, low_d = _unflat(_LowRank, lows)
         ld_g, ld_u, ld_d = ctx.lora_dtypes
-        needs = ctx.needs_input_grad
-        need_dx = needs[0]
-        need_gu = need_dx or any(needs[3:13])
+        need_dx = ctx.needs_input_grad[0]
+        needs_g, needs_u, needs_d = _unflat(_Needs, ctx.needs_input_grad[3:])
+        need_gu = need_dx or any(needs_g) or any(needs_u)
         dy2 = dy.reshape(-1, dy.shape[-1])
-        down_needs = (need_gu, *needs[13:18])
         rows = _mlp_chunk_rows(gate, settings_d.dropout_p)
         chunked = rows < gate.shape[0] and uses_kernel(gate) and not torch.compiler.is_compiling()
         if chunked:  # eager: (dg, du) of each chunk of rows written over its gate and up rows
-            grads_d = _down_backward_in_chunks(dy2, gate, up, act, rows, wd, low_d, ld_d, settings_d, down_needs)
+            grads_d = _down_backward_in_chunks(dy2, gate, up, act, rows, wd, low_d, ld_d, settings_d, need_gu, needs_d)
             dgate, dup, written = (gate, up, True) if need_gu else (None, None, False)
         else:
-            grads_d, dgate, dup, written = _down_backward(dy2, gate, up, act, wd, low_d, ld_d, settings_d, down_needs)
-        grads_g: list[torch.Tensor | None] = [None] * _SLOTS
-        grads_u: list[torch.Tensor | None] = [None] * _SLOTS
+            grads_d, dgate, dup, written = _down_backward(
+                dy2, gate, up, act, wd, low_d, ld_d, settings_d, need_gu, needs_d
+            )
+        grads_g = grads_u = _Grads()
         dx = None
         if dgate is not None and dup is not None:
             if written:  # the gradients overwrote gate and up: a second backward must fail loudly
                 torch.autograd.graph.increment_version(gate)
                 torch.autograd.graph.increment_version(up)
             x2 = x.reshape(-1, x.shape[-1])
-            xc = _cast_if_needed(x2, wg.dtype, needs[3] or needs[8])
+            xc = _cast_if_needed(x2, wg.dtype, needs_g.weight or needs_u.weight)
             dx, (grads_g, grads_u) = _shared_input_bwd(
                 [dgate, dup], x2, xc, [wg, wu], [low_g, low_u], [ld_g, ld_u],
-                ctx.settings[:2], [needs[3:8], needs[8:13]], need_dx,
+                ctx.settings[:2], [needs_g, needs_u], need_dx,
             )  # fmt: skip
         if dx is not None:
             dx = dx.view(x.shape).to(x.dtype)
-        return (dx, None, None, *grads_g, *grads_u, *grads_d)
+        return (dx, None, None, *_flat([grads_g, grads_u, grads_d]))
 
 
 # --- 3. Functional API ----------------------------------------------------------------------------
@@ -817,10 +849,10 @@ def _check_optional_vector(name: str, t: object, n: int, like_name: str, like: t
 
 def _check_parts(
     prefix: str, x: torch.Tensor, parts: object, cast: torch.dtype | None = None
-) -> tuple[_Settings, list[Any]]:
-    """Validate one projection's parameters against ``x``; returns (its settings, flat params).
-    ``cast``: autocast's dtype, which the base weight need not have; the parameters are returned
-    cast to it (None: outside autocast, the base weight must have ``x``'s dtype)."""
+) -> tuple[_Settings, _Params]:
+    """Validate one projection's parameters against ``x``; returns (its settings, its tensors).
+    ``cast``: autocast's dtype, which the base weight need not have; the tensors are returned cast
+    to it (None: outside autocast, the base weight must have ``x``'s dtype)."""
     if not isinstance(parts, tuple) or len(parts) not in (5, 6, 7):
         raise TypeError(f"{prefix or 'parts'} must be a LoRAWeights (or a tuple of its 5 to 7 fields), got {type(parts).__name__}")  # fmt: skip
     w, b, a, bb, s, *rest = parts
@@ -844,15 +876,20 @@ def _check_parts(
     _check_optional_vector(names[6], lb, n_out, names[3], bb)
     scaling = _check_scalar(names[4], s)
     p = _check_scalar(names[5], p, low=0.0, high=1.0)
-    params = [w, b, a, bb, lb]
-    if cast is not None:  # as autocast casts each F.linear's operands (autograd sees the casts)
-        params = [t if t is None or t.dtype == cast else t.to(cast) for t in params]
-    return _Settings(scaling, p, a.dtype), params
+    return _Settings(scaling, p, a.dtype), _cast_params(_Params(w, b, a, bb, lb), cast)
+
+
+def _cast_params(params: _Params, cast: torch.dtype | None) -> _Params:
+    """``params`` cast to autocast's dtype ``cast`` (None: as they are), as autocast casts each
+    ``F.linear``'s operands (autograd sees the casts)."""
+    if cast is None:
+        return params
+    return _Params._make(t if t is None or t.dtype == cast else t.to(cast) for t in params)
 
 
 def _module_parts(
     prefix: str, x: torch.Tensor, parts: LoRAWeights, cast: torch.dtype | None = None
-) -> tuple[_Settings, list[Any]]:
+) -> tuple[_Settings, _Params]:
     """:func:`_check_parts` for parameters that ``fk.lora.patch``'s forwards read from a PEFT
     ``lora.Linear`` (``fk.lora.patching._call_parts``, which checked their kinds and float dtypes
     and PEFT's scaling and dropout): only the input's width against the weight is checked here,
@@ -864,13 +901,10 @@ def _module_parts(
     return _module_params(parts, cast)
 
 
-def _module_params(parts: LoRAWeights, cast: torch.dtype | None) -> tuple[_Settings, list[Any]]:
-    """The settings and parameters of :func:`_module_parts`, without the width check."""
+def _module_params(parts: LoRAWeights, cast: torch.dtype | None) -> tuple[_Settings, _Params]:
+    """The settings and tensors of :func:`_module_parts`, without the width check."""
     w, b, a, bb, s, p, lb = parts
-    params = [w, b, a, bb, lb]
-    if cast is not None:  # as autocast casts each F.linear's operands (autograd sees the casts)
-        params = [t if t is None or t.dtype == cast else t.to(cast) for t in params]
-    return _Settings(s, p, a.dtype), params
+    return _Settings(s, p, a.dtype), _cast_params(_Params(w, b, a, bb, lb), cast)
 
 
 def _apply(fn: Any, x: torch.Tensor, *args: Any) -> Any:
@@ -919,7 +953,7 @@ def lora_linear(
     settings, params = _check_parts(
         "", x, (base_weight, base_bias, lora_A, lora_B, scaling, dropout_p, lora_bias), cast
     )
-    (y,) = _apply(_LoRAProjections, x, (settings,), *params)
+    (y,) = _apply(_LoRAProjections, x, (settings,), *_flat([params]))
     return y
 
 
@@ -941,12 +975,12 @@ def module_projections(x: torch.Tensor, parts: Sequence[LoRAWeights], *, from_mo
         raise ValueError("lora_projections needs at least one LoRAWeights")
     cast = _autocast_dtype(x)
     check = _module_parts if from_module else _check_parts
-    settings, flat = [], []
+    settings, params = [], []
     for i, part in enumerate(parts):
-        part_settings, params = check("" if from_module else f"parts[{i}].", x, part, cast)
+        part_settings, part_params = check("" if from_module else f"parts[{i}].", x, part, cast)
         settings.append(part_settings)
-        flat += params
-    return tuple(_apply(_LoRAProjections, x, tuple(settings), *flat))
+        params.append(part_params)
+    return tuple(_apply(_LoRAProjections, x, tuple(settings), *_flat(params)))
 
 
 def lora_qkv(
@@ -960,12 +994,12 @@ def lora_qkv(
     """
     x = _check_x(x)
     cast = _autocast_dtype(x)
-    settings, flat = [], []
+    settings, params = [], []
     for name, parts in (("q_parts", q_parts), ("k_parts", k_parts), ("v_parts", v_parts)):
-        part_settings, params = _check_parts(f"{name}.", x, parts, cast)
+        part_settings, part_params = _check_parts(f"{name}.", x, parts, cast)
         settings.append(part_settings)
-        flat += params
-    q, k, v = _apply(_LoRAProjections, x, tuple(settings), *flat)
+        params.append(part_params)
+    q, k, v = _apply(_LoRAProjections, x, tuple(settings), *_flat(params))
     return q, k, v
 
 
@@ -1000,16 +1034,17 @@ def module_mlp(
     act = _resolve_mlp_activation(activation)
     cast = _autocast_dtype(x)
     check = _module_parts if from_module else _check_parts
-    settings_g, pg = check("gate_parts.", x, gate_parts, cast)
-    settings_u, pu = check("up_parts.", x, up_parts, cast)
-    n_inter = pg[0].shape[0]
-    if pu[0].shape[0] != n_inter:
-        raise ValueError(f"up_parts.weight must have {n_inter} rows (gate_parts.weight's), got shape {tuple(pu[0].shape)}")  # fmt: skip
+    settings_g, params_g = check("gate_parts.", x, gate_parts, cast)
+    settings_u, params_u = check("up_parts.", x, up_parts, cast)
+    n_inter = params_g.weight.shape[0]
+    if params_u.weight.shape[0] != n_inter:
+        raise ValueError(f"up_parts.weight must have {n_inter} rows (gate_parts.weight's), got shape {tuple(params_u.weight.shape)}")  # fmt: skip
     if from_module:  # the intermediate's width is all there is to check: no tensor stands in for it
         if down_parts[0].shape[1] != n_inter:
             raise ValueError(f"down_parts.weight takes {down_parts[0].shape[1]} input features, gate_parts.weight gives {n_inter}")  # fmt: skip
-        settings_d, pd = _module_params(down_parts, cast)
+        settings_d, params_d = _module_params(down_parts, cast)
     else:
-        h_like = x.new_empty((1, n_inter), dtype=pg[0].dtype) if x.ndim else x
-        settings_d, pd = _check_parts("down_parts.", h_like, down_parts, cast)
-    return _apply(_LoRAMLP, x, act, (settings_g, settings_u, settings_d), *pg, *pu, *pd)
+        h_like = x.new_empty((1, n_inter), dtype=params_g.weight.dtype) if x.ndim else x
+        settings_d, params_d = _check_parts("down_parts.", h_like, down_parts, cast)
+    params = _flat([params_g, params_u, params_d])
+    return _apply(_LoRAMLP, x, act, (settings_g, settings_u, settings_d), *params)
