@@ -1,8 +1,8 @@
-"""LoRA projections with the frozen base matmul and the low-rank branch fused: ``y = x W^T + b + s (d(x) A^T) B^T + s c``.
+"""LoRA projections with the frozen base matmul and the low-rank branch fused: ``y = x W^T + b + s (d(x) A^T) B^T + s b_B``.
 
 Notation, for one projection: ``x`` ``[M, K]`` (the leading dimensions flattened), base weight
 ``W`` ``[N, K]`` and bias ``b`` ``[N]`` (frozen or trainable), LoRA ``A`` ``[r, K]``, ``B``
-``[N, r]``, ``lora_bias`` ``c`` ``[N]`` (PEFT's ``lora_bias=True`` gives ``lora_B`` a bias),
+``[N, r]``, ``lora_bias`` ``b_B`` ``[N]`` (PEFT's ``lora_bias=True`` gives ``lora_B`` a bias),
 ``scaling`` ``s`` (``alpha / r``, or ``alpha / sqrt(r)`` with rsLoRA) and ``d`` the LoRA dropout
 (``p``), applied to the LoRA branch only, as PEFT applies ``nn.Dropout`` before ``lora_A``.
 
@@ -20,7 +20,7 @@ layer's). ``A`` and ``B`` may be kept in another dtype (fp32 LoRA weights with b
 returned in the LoRA weights' dtype.
 
 Autocast: under ``torch.autocast`` enabled for ``x``'s device, the functions compute what PEFT's
-``lora.Linear`` computes under the same autocast. ``W``, ``b``, ``A``, ``B`` and ``c`` are cast to
+``lora.Linear`` computes under the same autocast. ``W``, ``b``, ``A``, ``B`` and ``b_B`` are cast to
 autocast's dtype (autograd carries their gradients back through the casts, as through autocast's
 own), the base matmul runs on ``x`` cast to that dtype, the dropout is drawn on ``x`` cast to the
 LoRA weights' own dtype (PEFT's ``_cast_input_dtype``) and its result is cast to autocast's dtype
@@ -117,12 +117,13 @@ def lora_mlp_ref(
 #   xa = d(x2.to(l)) A^T                         [M, r], in l, rounded to c   (d: dropout, mask m, 1/(1-p))
 #        (bf16 x2, fp32 A, no dropout, on a GPU: fk.core.matmul.mm_bf16_fp32 computes the same
 #        product reading x2 once in bf16, with no fp32 copy of it, against a two-part split of A)
-#   y += s xa B^T ; y += s c_bias                one buffer
-# Kept for the backward: xa, and A and B cast to c (cast once here, not again in the backward).
+#   y += s xa B^T ; y += s b_B                   one buffer
+# Kept for the backward: xa, and A and B cast to c, A_c and B_c (cast once here, not again in the
+# backward).
 #
 # Backward, with upstream gradient dy [M, N] and G = dy B [M, r] (rank-sized):
 #   dB      = s dy^T xa                          [N, r]
-#   dc_bias = s sum_rows(dy)                     [N]
+#   db_B    = s sum_rows(dy)                     [N]
 #   dA      = s G^T d(x2)                        [r, K]   d(x2) = x2 * m / (1 - p), formed as
 #             (s G)^T (x2 * m) scaled by 1/(1-p): x2 * m exact in c, one pass
 #   dW      = dy^T x2                            [N, K]   only when W requires grad
@@ -130,7 +131,7 @@ def lora_mlp_ref(
 #   dx      = dy W + s (G A) * m / (1 - p)       [M, K]
 # Each rank-sized matmul is one kernel (fk.core.matmul.scaled_mm): its scale is the matmul's alpha,
 # and dA and dB (fp32 next to bf16 activations) are the matmul's own fp32 output.
-# Under autocast, W, b, A, B and c_bias arrive cast to autocast's dtype, which is then c: x2 is cast
+# Under autocast, W, b, A, B and b_B arrive cast to autocast's dtype, which is then c: x2 is cast
 # to c for the base matmul (and recast in the backward for dW), the LoRA branch casts x2 to lora_A's
 # own dtype for the dropout and the result to c, and dx is formed in c and cast to x's dtype.
 # For projections that share x (q, k, v; gate, up), the rank-sized work of the ones without
@@ -180,7 +181,7 @@ class _Params(NamedTuple):
     lora_B: torch.Tensor
     """``B`` ``[N, r]``."""
     lora_bias: torch.Tensor | None
-    """``c_bias`` ``[N]``."""
+    """``b_B`` ``[N]``."""
 
 
 class _Needs(NamedTuple):
@@ -195,7 +196,7 @@ class _Needs(NamedTuple):
 
 class _Grads(NamedTuple):
     """The gradients of one projection's :class:`_Params` (``dW``, ``db``, ``dA``, ``dB``,
-    ``dc_bias``), None where not needed; the LoRA ones in the LoRA dtype."""
+    ``db_B``), None where not needed; the LoRA ones in the LoRA dtype."""
 
     weight: torch.Tensor | None = None
     bias: torch.Tensor | None = None
@@ -216,10 +217,10 @@ def _lora_a_operands(
     in the compute dtype ``c``, kept for the backward). The split's first part is ``A`` in bf16, so
     with bf16 activations ``A`` in ``c`` costs nothing more."""
     split = _bf16_split_applies(x_dtype, lora_A, p, dropout_dtype)
-    a_parts = bf16_parts(lora_A, n_parts=2) if split else None
-    if a_parts is not None and c == torch.bfloat16:
-        return a_parts, a_parts[: lora_A.shape[0]]
-    return a_parts, lora_A.to(c)
+    A_parts = bf16_parts(lora_A, n_parts=2) if split else None
+    if A_parts is not None and c == torch.bfloat16:
+        return A_parts, A_parts[: lora_A.shape[0]]
+    return A_parts, lora_A.to(c)
 
 
 def _lora_input_product(
@@ -228,7 +229,7 @@ def _lora_input_product(
     lora_A: torch.Tensor,
     p: float,
     dropout_dtype: torch.dtype,
-    a_parts: torch.Tensor | None = None,
+    A_parts: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``xa = d(x2 in dropout_dtype) A^T`` ``[M, r]``, computed in ``A``'s dtype and rounded to
@@ -237,7 +238,7 @@ def _lora_input_product(
     is read once.
 
     ``xc`` is ``x2`` in the weight's dtype (``x2`` itself outside autocast); ``dropout_dtype`` the
-    dtype the dropout is drawn in (``lora_A``'s own, before any autocast cast); ``a_parts`` the
+    dtype the dropout is drawn in (``lora_A``'s own, before any autocast cast); ``A_parts`` the
     two-part bf16 split of ``A`` (:func:`_lora_a_operands`); ``out`` an ``[M, r]`` buffer in ``c``
     for ``xa``.
     """
@@ -246,7 +247,7 @@ def _lora_input_product(
         if out is None:
             out = torch.empty((x2.shape[0], lora_A.shape[0]), dtype=c, device=x2.device)
         # x2.float() @ A^T rounded to c; on a GPU one bf16 matmul and no fp32 copy of x2.
-        return mm_bf16_fp32(x2, lora_A, a_parts, out=out), None
+        return mm_bf16_fp32(x2, lora_A, A_parts, out=out), None
     mask = None
     xl = x2 if x2.dtype == dropout_dtype else x2.to(dropout_dtype)
     if p == 0 and xl is x2 and lora_A.dtype == c:
@@ -269,9 +270,9 @@ class _LowRank(NamedTuple):
     """``d(x) A^T`` ``[M, r]``."""
     mask: torch.Tensor | None
     """The dropout mask (bool, ``[M, K]``), or None."""
-    a_c: torch.Tensor
+    A_c: torch.Tensor
     """``A`` ``[r, K]``."""
-    b_c: torch.Tensor
+    B_c: torch.Tensor
     """``B`` ``[N, r]``."""
 
 
@@ -302,23 +303,23 @@ def _lora_input_products(
     n = len(settings)
     xas: list[Any] = [None] * n
     masks: list[torch.Tensor | None] = [None] * n
-    a_cs: list[Any] = [None] * n
+    A_cs: list[Any] = [None] * n
     for group in _stackable(settings, [a.dtype for a in lora_As]):
         stacked = torch.cat([lora_As[i] for i in group]) if len(group) > 1 else lora_As[group[0]]
         dropout_dtype = settings[group[0]].dropout_dtype
-        a_parts, a_c = _lora_a_operands(x2.dtype, stacked, 0.0, dropout_dtype, xc.dtype)
-        xa, _ = _lora_input_product(x2, xc, stacked, 0.0, dropout_dtype, a_parts)
+        A_parts, A_c = _lora_a_operands(x2.dtype, stacked, 0.0, dropout_dtype, xc.dtype)
+        xa, _ = _lora_input_product(x2, xc, stacked, 0.0, dropout_dtype, A_parts)
         ranks = [lora_As[i].shape[0] for i in group]
-        for i, xa_i, a_c_i in zip(group, _blocks(xa, ranks, 1), _blocks(a_c, ranks, 0), strict=True):
-            xas[i], a_cs[i] = xa_i, a_c_i
-    cast: dict[torch.dtype, torch.Tensor] = {}  # x2 in each dropout dtype, cast once for all projections
+        for i, xa_i, A_c_i in zip(group, _blocks(xa, ranks, 1), _blocks(A_c, ranks, 0), strict=True):
+            xas[i], A_cs[i] = xa_i, A_c_i
+    x2_in: dict[torch.dtype, torch.Tensor] = {}  # x2 in each dropout dtype, cast once for all projections
     for i, (_, p, dropout_dtype) in enumerate(settings):
         if p > 0:
-            if dropout_dtype not in cast:
-                cast[dropout_dtype] = x2 if x2.dtype == dropout_dtype else x2.to(dropout_dtype)
-            xas[i], masks[i] = _lora_input_product(cast[dropout_dtype], xc, lora_As[i], p, dropout_dtype)
-            a_cs[i] = lora_As[i].to(xc.dtype)
-    return xas, masks, a_cs
+            if dropout_dtype not in x2_in:
+                x2_in[dropout_dtype] = x2 if x2.dtype == dropout_dtype else x2.to(dropout_dtype)
+            xas[i], masks[i] = _lora_input_product(x2_in[dropout_dtype], xc, lora_As[i], p, dropout_dtype)
+            A_cs[i] = lora_As[i].to(xc.dtype)
+    return xas, masks, A_cs
 
 
 def _blocks(t: torch.Tensor, sizes: list[int], dim: int) -> list[torch.Tensor]:
@@ -373,23 +374,23 @@ def _base_outs_and_lora_inputs(
     ``c``) of projections that share ``x2``, launched in the order :func:`_base_first` gives."""
     first = _base_first(settings)
     ys = [_base_out(xc, proj.weight, proj.bias) for proj in params] if first else []
-    xas, masks, a_cs = _lora_input_products(x2, xc, [proj.lora_A for proj in params], settings)
+    xas, masks, A_cs = _lora_input_products(x2, xc, [proj.lora_A for proj in params], settings)
     if not first:
         ys = [_base_out(xc, proj.weight, proj.bias) for proj in params]
-    return ys, xas, masks, a_cs
+    return ys, xas, masks, A_cs
 
 
 def _add_lora_out(
-    y: torch.Tensor, xa: torch.Tensor, b_c: torch.Tensor, lora_bias: torch.Tensor | None, scaling: float
+    y: torch.Tensor, xa: torch.Tensor, B_c: torch.Tensor, lora_bias: torch.Tensor | None, scaling: float
 ) -> torch.Tensor:
-    """``y += s xa B^T + s c`` in ``y``'s dtype (``xa`` and ``B`` in it already), in place; returns ``y``.
+    """``y += s xa B^T + s b_B`` in ``y``'s dtype (``xa`` and ``B`` in it already), in place; returns ``y``.
 
     (The base matmul writes ``y`` first and the rank-``r`` product is added into it. In the other
     order, with the base GEMM reading ``y`` in its epilogue, ``torch.compile``'s bf16 outputs
     under autocast came out a bf16 rounding away from eager's on CPU, which
     ``test_compile_fullgraph_matches_eager`` does not allow.)
     """
-    y.addmm_(xa, b_c.t(), alpha=scaling)
+    y.addmm_(xa, B_c.t(), alpha=scaling)
     if lora_bias is not None:
         y.add_(lora_bias.to(y.dtype), alpha=scaling)
     return y
@@ -399,14 +400,14 @@ def _proj_fwd(
     x2: torch.Tensor, xc: torch.Tensor, params: _Params, settings: _Settings
 ) -> tuple[torch.Tensor, _LowRank]:
     """One projection of ``x2`` ``[M, K]``: (y ``[M, N]``, what its backward keeps)."""
-    (y,), (xa,), (mask,), (a_c,) = _base_outs_and_lora_inputs(x2, xc, [params], [settings])
-    b_c = params.lora_B.to(xc.dtype)
-    return _add_lora_out(y, xa, b_c, params.lora_bias, settings.scaling), _LowRank(xa, mask, a_c, b_c)
+    (y,), (xa,), (mask,), (A_c,) = _base_outs_and_lora_inputs(x2, xc, [params], [settings])
+    B_c = params.lora_B.to(xc.dtype)
+    return _add_lora_out(y, xa, B_c, params.lora_bias, settings.scaling), _LowRank(xa, mask, A_c, B_c)
 
 
-def _scaled_lora_grad(dy: torch.Tensor, b_c: torch.Tensor, scaling: float) -> torch.Tensor:
+def _scaled_lora_grad(dy: torch.Tensor, B_c: torch.Tensor, scaling: float) -> torch.Tensor:
     """``s G = s dy B`` ``[M, r]``: the rank-sized term both ``dA`` and ``dx`` are formed from."""
-    return scaled_mm(dy, b_c, scaling, dy.dtype)
+    return scaled_mm(dy, B_c, scaling, dy.dtype)
 
 
 def _kept_input(
@@ -439,7 +440,7 @@ def _proj_bwd_params(
     db: torch.Tensor | None = None
     dA: torch.Tensor | None = None
     dB: torch.Tensor | None = None
-    dc_bias: torch.Tensor | None = None
+    db_B: torch.Tensor | None = None
     if needs.weight:
         assert xc is not None
         dW = scaled_mm(dy.t(), xc, 1.0, weight.dtype)
@@ -448,24 +449,24 @@ def _proj_bwd_params(
         if needs.bias:
             db = col_sum.to(weight.dtype)
         if needs.lora_bias:
-            dc_bias = (col_sum * settings.scaling).to(lora_dtype)
+            db_B = (col_sum * settings.scaling).to(lora_dtype)
     if needs.lora_B:
         dB = scaled_mm(dy.t(), low.xa, settings.scaling, lora_dtype)
     if needs.lora_A:
         assert gs is not None and x2 is not None
         kept = 1.0 if low.mask is None else 1.0 / (1.0 - settings.dropout_p)
         dA = scaled_mm(gs.t(), _kept_input(x2, low.mask, settings.dropout_dtype, dy.dtype), kept, lora_dtype)
-    return _Grads(dW, db, dA, dB, dc_bias)
+    return _Grads(dW, db, dA, dB, db_B)
 
 
 def _proj_bwd_input(
-    dy: torch.Tensor, weight: torch.Tensor, a_c: torch.Tensor, gs: torch.Tensor, mask: torch.Tensor | None, p: float
+    dy: torch.Tensor, weight: torch.Tensor, A_c: torch.Tensor, gs: torch.Tensor, mask: torch.Tensor | None, p: float
 ) -> torch.Tensor:
     """``dx = dy W + (s G A) * m / (1 - p)``, a new buffer (the order of :func:`_add_lora_out`)."""
     dx = torch.mm(dy, weight)
     if mask is None:
-        return dx.addmm_(gs, a_c)
-    return add_masked_low_rank_(dx, gs, a_c, mask, 1.0 / (1.0 - p))
+        return dx.addmm_(gs, A_c)
+    return add_masked_low_rank_(dx, gs, A_c, mask, 1.0 / (1.0 - p))
 
 
 def _shared_input_bwd(
@@ -497,13 +498,13 @@ def _shared_input_bwd(
     gss: list[Any] = [None] * n
     grads = [_Grads()] * n
     groups = _stackable(settings, [lora_dtypes[i] if i in live else None for i in range(n)])
-    stacked_da = {i for group in groups for i in group}
+    stacked_dA = {i for group in groups for i in group}
     for i in live:
         dy = dys[i]
         assert dy is not None
         if need_dx or needs[i].lora_A:
-            gss[i] = _scaled_lora_grad(dy, lows[i].b_c, settings[i].scaling)
-        own_needs = needs[i]._replace(lora_A=needs[i].lora_A and i not in stacked_da)
+            gss[i] = _scaled_lora_grad(dy, lows[i].B_c, settings[i].scaling)
+        own_needs = needs[i]._replace(lora_A=needs[i].lora_A and i not in stacked_dA)
         grads[i] = _proj_bwd_params(dy, x2, xc, weights[i], lows[i], lora_dtypes[i], settings[i], own_needs, gss[i])
     stacked_gs: dict[tuple[int, ...], torch.Tensor] = {}  # [s G_i | s G_j | ...], concatenated once
 
@@ -518,7 +519,7 @@ def _shared_input_bwd(
         if group:  # dA of projections without dropout: one read of d(x2) = x2, for all of them
             kept_input = _kept_input(x2, None, settings[group[0]].dropout_dtype, c)
             dA = scaled_mm(gs_of(group).t(), kept_input, 1.0, lora_dtypes[group[0]])
-            for i, dA_i in zip(group, _blocks(dA, [lows[i].a_c.shape[0] for i in group], 0), strict=True):
+            for i, dA_i in zip(group, _blocks(dA, [lows[i].A_c.shape[0] for i in group], 0), strict=True):
                 grads[i] = grads[i]._replace(lora_A=dA_i)
     if not need_dx:
         return None, grads
@@ -528,12 +529,12 @@ def _shared_input_bwd(
     assert dx is not None
     plain = [i for i in live if lows[i].mask is None]
     if plain:  # s G A of the projections without dropout: one pass over dx
-        a_c = torch.cat([lows[i].a_c for i in plain]) if len(plain) > 1 else lows[plain[0]].a_c
-        dx.addmm_(gs_of(plain), a_c)
+        A_c = torch.cat([lows[i].A_c for i in plain]) if len(plain) > 1 else lows[plain[0]].A_c
+        dx.addmm_(gs_of(plain), A_c)
     for i in live:
         mask = lows[i].mask
         if mask is not None:
-            add_masked_low_rank_(dx, gss[i], lows[i].a_c, mask, 1.0 / (1.0 - settings[i].dropout_p))
+            add_masked_low_rank_(dx, gss[i], lows[i].A_c, mask, 1.0 / (1.0 - settings[i].dropout_p))
     return dx, grads
 
 
@@ -573,11 +574,11 @@ class _LoRAProjections(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1])
         c = params[0].weight.dtype
         xc = x2 if x2.dtype == c else x2.to(c)
-        ys, xas, masks, a_cs = _base_outs_and_lora_inputs(x2, xc, params, settings)
+        ys, xas, masks, A_cs = _base_outs_and_lora_inputs(x2, xc, params, settings)
         outs, lows = [], []
-        for y, xa, mask, a_c, proj, setting in zip(ys, xas, masks, a_cs, params, settings, strict=True):
-            lows.append(_LowRank(xa, mask, a_c, proj.lora_B.to(c)))
-            y = _add_lora_out(y, xa, lows[-1].b_c, proj.lora_bias, setting.scaling)
+        for y, xa, mask, A_c, proj, setting in zip(ys, xas, masks, A_cs, params, settings, strict=True):
+            lows.append(_LowRank(xa, mask, A_c, proj.lora_B.to(c)))
+            y = _add_lora_out(y, xa, lows[-1].B_c, proj.lora_bias, setting.scaling)
             outs.append(y.view(*x.shape[:-1], y.shape[-1]))
         ctx.save_for_backward(x, *(proj.weight for proj in params), *_flat(lows))
         ctx.settings = settings
@@ -638,15 +639,15 @@ def _down_forward_in_chunks(
     c = gate.dtype
     y = torch.empty((gate.shape[0], down.weight.shape[0]), dtype=c, device=gate.device)
     xa = torch.empty((gate.shape[0], down.lora_A.shape[0]), dtype=c, device=gate.device)
-    a_parts, a_c = _lora_a_operands(c, down.lora_A, 0.0, settings.dropout_dtype, c)  # (split once for all chunks)
+    A_parts, A_c = _lora_a_operands(c, down.lora_A, 0.0, settings.dropout_dtype, c)  # (split once for all chunks)
     for start in range(0, gate.shape[0], rows):
         part = slice(start, start + rows)
         h = gated_act_forward(gate[part], up[part], act)
         _base_out(h, down.weight, down.bias, out=y[part])
-        _lora_input_product(h, h, down.lora_A, 0.0, settings.dropout_dtype, a_parts, out=xa[part])
+        _lora_input_product(h, h, down.lora_A, 0.0, settings.dropout_dtype, A_parts, out=xa[part])
         del h
-    b_c = down.lora_B.to(c)
-    return _add_lora_out(y, xa, b_c, down.lora_bias, settings.scaling), _LowRank(xa, None, a_c, b_c)
+    B_c = down.lora_B.to(c)
+    return _add_lora_out(y, xa, B_c, down.lora_bias, settings.scaling), _LowRank(xa, None, A_c, B_c)
 
 
 def _down_backward(
@@ -662,26 +663,26 @@ def _down_backward(
     needs: _Needs,
 ) -> tuple[_Grads, torch.Tensor | None, torch.Tensor | None, bool]:
     """The down projection's backward and the activation's, for the rows of ``dy2``, ``gate`` and
-    ``up``: returns (the down projection's parameter gradients, d gate, d up, written).
+    ``up``: returns (the down projection's parameter gradients, dg, du, written).
 
-    ``need_gu``: whether d gate and d up are needed; ``needs``: the down projection's flags. The
-    input gradient ``dh`` needs no ``h``, so it comes first; fk.glu's gradient pass then forms
-    (d gate, d up) and recomputes ``h = act(gate) * up`` over ``dh``'s buffer, in eager mode with
+    ``need_gu``: whether dg and du are needed; ``needs``: the down projection's flags. The input
+    gradient ``dh`` needs no ``h``, so it comes first; fk.glu's gradient pass then forms (dg, du)
+    and recomputes ``h = act(gate) * up`` over ``dh``'s buffer, in eager mode with
     the gradients over ``gate``'s and ``up``'s (``written``), and the parameter gradients read that
-    ``h``. Without d gate and d up, ``h`` is recomputed alone.
+    ``h``. Without dg and du, ``h`` is recomputed alone.
     """
-    gs = _scaled_lora_grad(dy2, low.b_c, settings.scaling) if need_gu or needs.lora_A else None
-    dgate = dup = None
+    gs = _scaled_lora_grad(dy2, low.B_c, settings.scaling) if need_gu or needs.lora_A else None
+    dg = du = None
     written = False
     if need_gu:
         assert gs is not None
-        dh = _proj_bwd_input(dy2, wd, low.a_c, gs, low.mask, settings.dropout_p)
-        dgate, dup, h, written = gated_act_backward_with_value(dh, gate, up, act, inplace=True)
+        dh = _proj_bwd_input(dy2, wd, low.A_c, gs, low.mask, settings.dropout_p)
+        dg, du, h, written = gated_act_backward_with_value(dh, gate, up, act, inplace=True)
         del dh  # (its buffer holds h now)
     else:
         h = gated_act_forward(gate, up, act)
     grads = _proj_bwd_params(dy2, h, h, wd, low, lora_dtype, settings, needs, gs)
-    return grads, dgate, dup, written
+    return grads, dg, du, written
 
 
 def _down_backward_in_chunks(
@@ -698,26 +699,26 @@ def _down_backward_in_chunks(
     needs: _Needs,
 ) -> _Grads:
     """:func:`_down_backward` (no dropout) ``rows`` rows at a time, with (when ``need_gu``)
-    (d gate, d up) of each chunk written over its gate and up rows. Returns the down projection's
+    (dg, du) of each chunk written over its gate and up rows. Returns the down projection's
     parameter gradients.
 
     What needs no ``h`` is formed for all rows at once: ``s G`` (:func:`_scaled_lora_grad`), and
-    db, dB and d lora_bias. Per chunk: ``dh`` (a matmul and an ``addmm_``), fk.glu's gradient pass
+    db, dB and db_B. Per chunk: ``dh`` (a matmul and an ``addmm_``), fk.glu's gradient pass
     (which leaves ``h`` in ``dh``'s buffer), and one matmul each for dA and dW, accumulated over
     the chunks in fp32 (``fk.core.matmul.accumulate_mm``).
     """
-    gs = _scaled_lora_grad(dy2, low.b_c, settings.scaling) if need_gu or needs.lora_A else None
+    gs = _scaled_lora_grad(dy2, low.B_c, settings.scaling) if need_gu or needs.lora_A else None
     grads = _proj_bwd_params(
         dy2, None, None, wd, low, lora_dtype, settings, needs._replace(weight=False, lora_A=False), gs
     )
     n_inter = gate.shape[1]
-    acc_da = torch.empty((low.a_c.shape[0], n_inter), dtype=torch.float32, device=gate.device) if needs.lora_A else None
-    acc_dw = torch.empty((wd.shape[0], n_inter), dtype=torch.float32, device=gate.device) if needs.weight else None
+    acc_dA = torch.empty((low.A_c.shape[0], n_inter), dtype=torch.float32, device=gate.device) if needs.lora_A else None
+    acc_dW = torch.empty((wd.shape[0], n_inter), dtype=torch.float32, device=gate.device) if needs.weight else None
     for start in range(0, gate.shape[0], rows):
         part = slice(start, start + rows)
         if need_gu:
             assert gs is not None
-            dh = _proj_bwd_input(dy2[part], wd, low.a_c, gs[part], None, 0.0)  # dy Wd + s G Ad
+            dh = _proj_bwd_input(dy2[part], wd, low.A_c, gs[part], None, 0.0)  # dy Wd + s G Ad
             dg, du, h, written = gated_act_backward_with_value(dh, gate[part], up[part], act, inplace=True)
             del dh  # (its buffer holds h now)
             if not written:
@@ -726,16 +727,16 @@ def _down_backward_in_chunks(
             del dg, du
         else:
             h = gated_act_forward(gate[part], up[part], act)
-        if acc_da is not None:
+        if acc_dA is not None:
             assert gs is not None
-            accumulate_mm(acc_da, gs[part].t(), h, first=start == 0)  # dA += (s G)^T h
-        if acc_dw is not None:
-            accumulate_mm(acc_dw, dy2[part].t(), h, first=start == 0)  # dW += dy^T h
+            accumulate_mm(acc_dA, gs[part].t(), h, first=start == 0)  # dA += (s G)^T h
+        if acc_dW is not None:
+            accumulate_mm(acc_dW, dy2[part].t(), h, first=start == 0)  # dW += dy^T h
         del h
-    if acc_dw is not None:
-        grads = grads._replace(weight=acc_dw.to(wd.dtype))
-    if acc_da is not None:
-        grads = grads._replace(lora_A=acc_da.to(lora_dtype))
+    if acc_dW is not None:
+        grads = grads._replace(weight=acc_dW.to(wd.dtype))
+    if acc_dA is not None:
+        grads = grads._replace(lora_A=acc_dA.to(lora_dtype))
     return grads
 
 
@@ -753,13 +754,13 @@ class _LoRAMLP(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1])
         c = params_g.weight.dtype
         xc = x2 if x2.dtype == c else x2.to(c)
-        (gate, up), (xa_g, xa_u), (m_g, m_u), (ac_g, ac_u) = _base_outs_and_lora_inputs(
+        (gate, up), (xa_g, xa_u), (m_g, m_u), (A_c_g, A_c_u) = _base_outs_and_lora_inputs(
             x2, xc, [params_g, params_u], settings[:2]
         )
-        low_g = _LowRank(xa_g, m_g, ac_g, params_g.lora_B.to(c))
-        low_u = _LowRank(xa_u, m_u, ac_u, params_u.lora_B.to(c))
-        _add_lora_out(gate, xa_g, low_g.b_c, params_g.lora_bias, settings_g.scaling)
-        _add_lora_out(up, xa_u, low_u.b_c, params_u.lora_bias, settings_u.scaling)
+        low_g = _LowRank(xa_g, m_g, A_c_g, params_g.lora_B.to(c))
+        low_u = _LowRank(xa_u, m_u, A_c_u, params_u.lora_B.to(c))
+        _add_lora_out(gate, xa_g, low_g.B_c, params_g.lora_bias, settings_g.scaling)
+        _add_lora_out(up, xa_u, low_u.B_c, params_u.lora_bias, settings_u.scaling)
         del xc
         rows = _mlp_chunk_rows(gate, settings_d.dropout_p)
         if rows >= gate.shape[0]:
@@ -793,21 +794,19 @@ class _LoRAMLP(torch.autograd.Function):
         chunked = rows < gate.shape[0] and uses_kernel(gate) and not torch.compiler.is_compiling()
         if chunked:  # eager: (dg, du) of each chunk of rows written over its gate and up rows
             grads_d = _down_backward_in_chunks(dy2, gate, up, act, rows, wd, low_d, ld_d, settings_d, need_gu, needs_d)
-            dgate, dup, written = (gate, up, True) if need_gu else (None, None, False)
+            dg, du, written = (gate, up, True) if need_gu else (None, None, False)
         else:
-            grads_d, dgate, dup, written = _down_backward(
-                dy2, gate, up, act, wd, low_d, ld_d, settings_d, need_gu, needs_d
-            )
+            grads_d, dg, du, written = _down_backward(dy2, gate, up, act, wd, low_d, ld_d, settings_d, need_gu, needs_d)
         grads_g = grads_u = _Grads()
         dx = None
-        if dgate is not None and dup is not None:
+        if dg is not None and du is not None:
             if written:  # the gradients overwrote gate and up: a second backward must fail loudly
                 torch.autograd.graph.increment_version(gate)
                 torch.autograd.graph.increment_version(up)
             x2 = x.reshape(-1, x.shape[-1])
             xc = _cast_if_needed(x2, wg.dtype, needs_g.weight or needs_u.weight)
             dx, (grads_g, grads_u) = _shared_input_bwd(
-                [dgate, dup], x2, xc, [wg, wu], [low_g, low_u], [ld_g, ld_u],
+                [dg, du], x2, xc, [wg, wu], [low_g, low_u], [ld_g, ld_u],
                 ctx.settings[:2], [needs_g, needs_u], need_dx,
             )  # fmt: skip
         if dx is not None:
@@ -855,28 +854,29 @@ def _check_parts(
     to it (None: outside autocast, the base weight must have ``x``'s dtype)."""
     if not isinstance(parts, tuple) or len(parts) not in (5, 6, 7):
         raise TypeError(f"{prefix or 'parts'} must be a LoRAWeights (or a tuple of its 5 to 7 fields), got {type(parts).__name__}")  # fmt: skip
-    w, b, a, bb, s, *rest = parts
-    p = rest[0] if rest else 0.0
-    lb = rest[1] if len(rest) > 1 else None
+    weight, bias, lora_A, lora_B, scaling, *rest = parts
+    dropout_p = rest[0] if rest else 0.0
+    lora_bias = rest[1] if len(rest) > 1 else None
     names = [f"{prefix}{n}" for n in ("weight", "bias", "lora_A", "lora_B", "scaling", "dropout_p", "lora_bias")]
-    for name, t in ((names[0], w), (names[2], a), (names[3], bb)):
+    for name, t in ((names[0], weight), (names[2], lora_A), (names[3], lora_B)):
         validate.check_tensor(name, t)
         validate.check_dtype(name, t)
         validate.check_same_device(name, t, "x", x)
         validate.check_ndim(name, t, 2)
     if cast is None:
-        validate.check_same_dtype(names[0], w, "x", x)
-    validate.check_same_dtype(names[3], bb, names[2], a)
-    n_out, k = w.shape
-    r = a.shape[0]
-    validate.check_shape(names[0], w, (n_out, x.shape[-1]))
-    validate.check_shape(names[2], a, (r, k))
-    validate.check_shape(names[3], bb, (n_out, r))
-    _check_optional_vector(names[1], b, n_out, names[0], w)
-    _check_optional_vector(names[6], lb, n_out, names[3], bb)
-    scaling = _check_scalar(names[4], s)
-    p = _check_scalar(names[5], p, low=0.0, high=1.0)
-    return _Settings(scaling, p, a.dtype), _cast_params(_Params(w, b, a, bb, lb), cast)
+        validate.check_same_dtype(names[0], weight, "x", x)
+    validate.check_same_dtype(names[3], lora_B, names[2], lora_A)
+    n_out, k = weight.shape
+    r = lora_A.shape[0]
+    validate.check_shape(names[0], weight, (n_out, x.shape[-1]))
+    validate.check_shape(names[2], lora_A, (r, k))
+    validate.check_shape(names[3], lora_B, (n_out, r))
+    _check_optional_vector(names[1], bias, n_out, names[0], weight)
+    _check_optional_vector(names[6], lora_bias, n_out, names[3], lora_B)
+    scaling = _check_scalar(names[4], scaling)
+    dropout_p = _check_scalar(names[5], dropout_p, low=0.0, high=1.0)
+    params = _Params(weight, bias, lora_A, lora_B, lora_bias)
+    return _Settings(scaling, dropout_p, lora_A.dtype), _cast_params(params, cast)
 
 
 def _cast_params(params: _Params, cast: torch.dtype | None) -> _Params:
@@ -903,8 +903,9 @@ def _module_parts(
 
 def _module_params(parts: LoRAWeights, cast: torch.dtype | None) -> tuple[_Settings, _Params]:
     """The settings and tensors of :func:`_module_parts`, without the width check."""
-    w, b, a, bb, s, p, lb = parts
-    return _Settings(s, p, a.dtype), _cast_params(_Params(w, b, a, bb, lb), cast)
+    weight, bias, lora_A, lora_B, scaling, dropout_p, lora_bias = parts
+    params = _Params(weight, bias, lora_A, lora_B, lora_bias)
+    return _Settings(scaling, dropout_p, lora_A.dtype), _cast_params(params, cast)
 
 
 def _apply(fn: Any, x: torch.Tensor, *args: Any) -> Any:
