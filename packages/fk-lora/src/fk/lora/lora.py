@@ -1,8 +1,8 @@
-"""LoRA projections with the frozen base matmul and the low-rank branch fused: ``y = x W^T + b + s (d(x) A^T) B^T + s c``.
+"""LoRA projections with the frozen base matmul and the low-rank branch fused: ``y = x W^T + b + s (d(x) A^T) B^T + s b_B``.
 
 Notation, for one projection: ``x`` ``[M, K]`` (the leading dimensions flattened), base weight
 ``W`` ``[N, K]`` and bias ``b`` ``[N]`` (frozen or trainable), LoRA ``A`` ``[r, K]``, ``B``
-``[N, r]``, ``lora_bias`` ``c`` ``[N]`` (PEFT's ``lora_bias=True`` gives ``lora_B`` a bias),
+``[N, r]``, ``lora_bias`` ``b_B`` ``[N]`` (PEFT's ``lora_bias=True`` gives ``lora_B`` a bias),
 ``scaling`` ``s`` (``alpha / r``, or ``alpha / sqrt(r)`` with rsLoRA) and ``d`` the LoRA dropout
 (``p``), applied to the LoRA branch only, as PEFT applies ``nn.Dropout`` before ``lora_A``.
 
@@ -20,7 +20,7 @@ layer's). ``A`` and ``B`` may be kept in another dtype (fp32 LoRA weights with b
 returned in the LoRA weights' dtype.
 
 Autocast: under ``torch.autocast`` enabled for ``x``'s device, the functions compute what PEFT's
-``lora.Linear`` computes under the same autocast. ``W``, ``b``, ``A``, ``B`` and ``c`` are cast to
+``lora.Linear`` computes under the same autocast. ``W``, ``b``, ``A``, ``B`` and ``b_B`` are cast to
 autocast's dtype (autograd carries their gradients back through the casts, as through autocast's
 own), the base matmul runs on ``x`` cast to that dtype, the dropout is drawn on ``x`` cast to the
 LoRA weights' own dtype (PEFT's ``_cast_input_dtype``) and its result is cast to autocast's dtype
@@ -38,8 +38,8 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Sequence
-from typing import Any, NamedTuple
+from collections.abc import Iterable, Sequence
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -117,12 +117,13 @@ def lora_mlp_ref(
 #   xa = d(x2.to(l)) A^T                         [M, r], in l, rounded to c   (d: dropout, mask m, 1/(1-p))
 #        (bf16 x2, fp32 A, no dropout, on a GPU: fk.core.matmul.mm_bf16_fp32 computes the same
 #        product reading x2 once in bf16, with no fp32 copy of it, against a two-part split of A)
-#   y += s xa B^T ; y += s c_bias                one buffer
-# Kept for the backward: xa, and A and B cast to c (cast once here, not again in the backward).
+#   y += s xa B^T ; y += s b_B                   one buffer
+# Kept for the backward: xa, and A and B cast to c, A_c and B_c (cast once here, not again in the
+# backward).
 #
 # Backward, with upstream gradient dy [M, N] and G = dy B [M, r] (rank-sized):
 #   dB      = s dy^T xa                          [N, r]
-#   dc_bias = s sum_rows(dy)                     [N]
+#   db_B    = s sum_rows(dy)                     [N]
 #   dA      = s G^T d(x2)                        [r, K]   d(x2) = x2 * m / (1 - p), formed as
 #             (s G)^T (x2 * m) scaled by 1/(1-p): x2 * m exact in c, one pass
 #   dW      = dy^T x2                            [N, K]   only when W requires grad
@@ -130,7 +131,7 @@ def lora_mlp_ref(
 #   dx      = dy W + s (G A) * m / (1 - p)       [M, K]
 # Each rank-sized matmul is one kernel (fk.core.matmul.scaled_mm): its scale is the matmul's alpha,
 # and dA and dB (fp32 next to bf16 activations) are the matmul's own fp32 output.
-# Under autocast, W, b, A, B and c_bias arrive cast to autocast's dtype, which is then c: x2 is cast
+# Under autocast, W, b, A, B and b_B arrive cast to autocast's dtype, which is then c: x2 is cast
 # to c for the base matmul (and recast in the backward for dW), the LoRA branch casts x2 to lora_A's
 # own dtype for the dropout and the result to c, and dx is formed in c and cast to x's dtype.
 # For projections that share x (q, k, v; gate, up), the rank-sized work of the ones without
@@ -155,21 +156,71 @@ def lora_mlp_ref(
 # parameter gradients are then sums over the chunks, in fp32.
 
 
-def _bf16_split_applies(x_dtype: torch.dtype, lora_A: torch.Tensor, p: float, dd: torch.dtype) -> bool:
+class _Settings(NamedTuple):
+    """One projection's settings, as the autograd functions take them (beside its tensors)."""
+
+    scaling: float
+    """``s``."""
+    dropout_p: float
+    """``p``, 0 without dropout."""
+    dropout_dtype: torch.dtype
+    """The dtype ``d`` is drawn in: ``lora_A``'s own, before any autocast cast (PEFT casts ``x`` to
+    it, ``_cast_input_dtype``)."""
+
+
+class _Params(NamedTuple):
+    """One projection's tensors, as the autograd functions take them: cast to autocast's dtype
+    under autocast; flat, five a projection, at the functions' boundary (:func:`_flat`)."""
+
+    weight: torch.Tensor
+    """``W`` ``[N, K]``, in the compute dtype ``c``."""
+    bias: torch.Tensor | None
+    """``b`` ``[N]``."""
+    lora_A: torch.Tensor
+    """``A`` ``[r, K]``, in the LoRA dtype."""
+    lora_B: torch.Tensor
+    """``B`` ``[N, r]``."""
+    lora_bias: torch.Tensor | None
+    """``b_B`` ``[N]``."""
+
+
+class _Needs(NamedTuple):
+    """Which of one projection's :class:`_Params` need a gradient (its share of ``needs_input_grad``)."""
+
+    weight: bool
+    bias: bool
+    lora_A: bool
+    lora_B: bool
+    lora_bias: bool
+
+
+class _Grads(NamedTuple):
+    """The gradients of one projection's :class:`_Params` (``dW``, ``db``, ``dA``, ``dB``,
+    ``db_B``), None where not needed; the LoRA ones in the LoRA dtype."""
+
+    weight: torch.Tensor | None = None
+    bias: torch.Tensor | None = None
+    lora_A: torch.Tensor | None = None
+    lora_B: torch.Tensor | None = None
+    lora_bias: torch.Tensor | None = None
+
+
+def _bf16_split_applies(x_dtype: torch.dtype, lora_A: torch.Tensor, p: float, dropout_dtype: torch.dtype) -> bool:
     """Whether :func:`_lora_input_product` takes ``mm_bf16_fp32`` (bf16 input, fp32 ``A``, no dropout)."""
-    return p == 0 and x_dtype == torch.bfloat16 and lora_A.dtype == dd == torch.float32
+    return p == 0 and x_dtype == torch.bfloat16 and lora_A.dtype == dropout_dtype == torch.float32
 
 
 def _lora_a_operands(
-    x_dtype: torch.dtype, lora_A: torch.Tensor, p: float, dd: torch.dtype, c: torch.dtype
+    x_dtype: torch.dtype, lora_A: torch.Tensor, p: float, dropout_dtype: torch.dtype, c: torch.dtype
 ) -> tuple[torch.Tensor | None, torch.Tensor]:
     """(the two-part bf16 split of ``A`` where :func:`_lora_input_product` uses it, else None; ``A``
     in the compute dtype ``c``, kept for the backward). The split's first part is ``A`` in bf16, so
     with bf16 activations ``A`` in ``c`` costs nothing more."""
-    a_parts = bf16_parts(lora_A, n_parts=2) if _bf16_split_applies(x_dtype, lora_A, p, dd) else None
-    if a_parts is not None and c == torch.bfloat16:
-        return a_parts, a_parts[: lora_A.shape[0]]
-    return a_parts, lora_A.to(c)
+    split = _bf16_split_applies(x_dtype, lora_A, p, dropout_dtype)
+    A_parts = bf16_parts(lora_A, n_parts=2) if split else None
+    if A_parts is not None and c == torch.bfloat16:
+        return A_parts, A_parts[: lora_A.shape[0]]
+    return A_parts, lora_A.to(c)
 
 
 def _lora_input_product(
@@ -177,27 +228,28 @@ def _lora_input_product(
     xc: torch.Tensor,
     lora_A: torch.Tensor,
     p: float,
-    dd: torch.dtype,
-    a_parts: torch.Tensor | None = None,
+    dropout_dtype: torch.dtype,
+    A_parts: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``xa = d(x2 in dd) A^T`` ``[M, r]``, computed in ``A``'s dtype and rounded to ``xc``'s (the
-    compute dtype ``c``, in which every later use of ``xa`` runs), and the dropout mask (None
-    without dropout). ``A`` may be several projections' ``A``\\ s stacked (no dropout): ``x2`` is
-    read once.
+    """``xa = d(x2 in dropout_dtype) A^T`` ``[M, r]``, computed in ``A``'s dtype and rounded to
+    ``xc``'s (the compute dtype ``c``, in which every later use of ``xa`` runs), and the dropout mask
+    (None without dropout). ``A`` may be several projections' ``A``\\ s stacked (no dropout): ``x2``
+    is read once.
 
-    ``xc`` is ``x2`` in the weight's dtype (``x2`` itself outside autocast); ``dd`` the dtype the
-    dropout is drawn in (``lora_A``'s own, before any autocast cast); ``a_parts`` the two-part bf16
-    split of ``A`` (:func:`_lora_a_operands`); ``out`` an ``[M, r]`` buffer in ``c`` for ``xa``.
+    ``xc`` is ``x2`` in the weight's dtype (``x2`` itself outside autocast); ``dropout_dtype`` the
+    dtype the dropout is drawn in (``lora_A``'s own, before any autocast cast); ``A_parts`` the
+    two-part bf16 split of ``A`` (:func:`_lora_a_operands`); ``out`` an ``[M, r]`` buffer in ``c``
+    for ``xa``.
     """
     c = xc.dtype
-    if _bf16_split_applies(x2.dtype, lora_A, p, dd):
+    if _bf16_split_applies(x2.dtype, lora_A, p, dropout_dtype):
         if out is None:
             out = torch.empty((x2.shape[0], lora_A.shape[0]), dtype=c, device=x2.device)
         # x2.float() @ A^T rounded to c; on a GPU one bf16 matmul and no fp32 copy of x2.
-        return mm_bf16_fp32(x2, lora_A, a_parts, out=out), None
+        return mm_bf16_fp32(x2, lora_A, A_parts, out=out), None
     mask = None
-    xl = x2 if x2.dtype == dd else x2.to(dd)
+    xl = x2 if x2.dtype == dropout_dtype else x2.to(dropout_dtype)
     if p == 0 and xl is x2 and lora_A.dtype == c:
         xl = xc  # (autocast, no dropout: the base matmul's cast of x serves the LoRA branch too)
     if p > 0:
@@ -218,39 +270,56 @@ class _LowRank(NamedTuple):
     """``d(x) A^T`` ``[M, r]``."""
     mask: torch.Tensor | None
     """The dropout mask (bool, ``[M, K]``), or None."""
-    a_c: torch.Tensor
+    A_c: torch.Tensor
     """``A`` ``[r, K]``."""
-    b_c: torch.Tensor
+    B_c: torch.Tensor
     """``B`` ``[N, r]``."""
 
 
+_PerProjection = TypeVar("_PerProjection", _Params, _Needs, _LowRank)
+
+
+def _flat(per_projection: Iterable[tuple[Any, ...]]) -> list[Any]:
+    """The fields of each projection's :class:`_Params` (or :class:`_Grads`, or :class:`_LowRank`)
+    one after the other: the flat list an autograd function takes, returns or saves."""
+    return [field for fields in per_projection for field in fields]
+
+
+def _unflat(kind: type[_PerProjection], flat: Sequence[Any]) -> list[_PerProjection]:
+    """:func:`_flat` undone: ``flat`` cut into one ``kind`` per projection (``kind`` :class:`_Needs`
+    cuts the projections' part of ``ctx.needs_input_grad``)."""
+    size = len(kind._fields)
+    return [kind(*flat[start : start + size]) for start in range(0, len(flat), size)]
+
+
 def _lora_input_products(
-    x2: torch.Tensor, xc: torch.Tensor, lora_As: list[torch.Tensor], config: Any
+    x2: torch.Tensor, xc: torch.Tensor, lora_As: list[torch.Tensor], settings: Sequence[_Settings]
 ) -> tuple[list[torch.Tensor], list[torch.Tensor | None], list[torch.Tensor]]:
-    """(xa's, masks, A's in ``c``) of projections that share ``x2`` (``config``: ``(s, p, dd)``
-    each). Those without dropout whose ``A``\\ s share a dtype take one matmul against their stacked
-    ``A``\\ s, so ``x2`` is read once for all of them; each ``xa`` is then a column block of its
-    result (and each ``A`` in ``c`` a row block of the stack's). Dropout masks are drawn projection
-    by projection, in order, as PEFT draws them."""
-    n = len(config)
+    """(xa's, masks, A's in ``c``) of projections that share ``x2`` (with ``settings`` each). Those
+    without dropout whose ``A``\\ s share a dtype take one matmul against their stacked ``A``\\ s,
+    so ``x2`` is read once for all of them; each ``xa`` is then a column block of its result (and
+    each ``A`` in ``c`` a row block of the stack's). Dropout masks are drawn projection by
+    projection, in order, as PEFT draws them."""
+    n = len(settings)
     xas: list[Any] = [None] * n
     masks: list[torch.Tensor | None] = [None] * n
-    a_cs: list[Any] = [None] * n
-    for group in _stackable(config, [a.dtype for a in lora_As]):
+    A_cs: list[Any] = [None] * n
+    for group in _stackable(settings, [a.dtype for a in lora_As]):
         stacked = torch.cat([lora_As[i] for i in group]) if len(group) > 1 else lora_As[group[0]]
-        a_parts, a_c = _lora_a_operands(x2.dtype, stacked, 0.0, config[group[0]][2], xc.dtype)
-        xa, _ = _lora_input_product(x2, xc, stacked, 0.0, config[group[0]][2], a_parts)
+        dropout_dtype = settings[group[0]].dropout_dtype
+        A_parts, A_c = _lora_a_operands(x2.dtype, stacked, 0.0, dropout_dtype, xc.dtype)
+        xa, _ = _lora_input_product(x2, xc, stacked, 0.0, dropout_dtype, A_parts)
         ranks = [lora_As[i].shape[0] for i in group]
-        for i, xa_i, a_c_i in zip(group, _blocks(xa, ranks, 1), _blocks(a_c, ranks, 0), strict=True):
-            xas[i], a_cs[i] = xa_i, a_c_i
-    cast: dict[torch.dtype, torch.Tensor] = {}  # x2 in each dropout dtype, cast once for all projections
-    for i, (_, p, dd) in enumerate(config):
+        for i, xa_i, A_c_i in zip(group, _blocks(xa, ranks, 1), _blocks(A_c, ranks, 0), strict=True):
+            xas[i], A_cs[i] = xa_i, A_c_i
+    x2_in: dict[torch.dtype, torch.Tensor] = {}  # x2 in each dropout dtype, cast once for all projections
+    for i, (_, p, dropout_dtype) in enumerate(settings):
         if p > 0:
-            if dd not in cast:
-                cast[dd] = x2 if x2.dtype == dd else x2.to(dd)
-            xas[i], masks[i] = _lora_input_product(cast[dd], xc, lora_As[i], p, dd)
-            a_cs[i] = lora_As[i].to(xc.dtype)
-    return xas, masks, a_cs
+            if dropout_dtype not in x2_in:
+                x2_in[dropout_dtype] = x2 if x2.dtype == dropout_dtype else x2.to(dropout_dtype)
+            xas[i], masks[i] = _lora_input_product(x2_in[dropout_dtype], xc, lora_As[i], p, dropout_dtype)
+            A_cs[i] = lora_As[i].to(xc.dtype)
+    return xas, masks, A_cs
 
 
 def _blocks(t: torch.Tensor, sizes: list[int], dim: int) -> list[torch.Tensor]:
@@ -265,14 +334,14 @@ def _blocks(t: torch.Tensor, sizes: list[int], dim: int) -> list[torch.Tensor]:
     return blocks
 
 
-def _stackable(config: Any, lora_dtypes: list[torch.dtype | None]) -> list[list[int]]:
+def _stackable(settings: Sequence[_Settings], lora_dtypes: list[torch.dtype | None]) -> list[list[int]]:
     """Indices of the projections without dropout, grouped by (LoRA weights' dtype, dropout dtype):
     the ones whose rank-sized terms can be stacked (a None in ``lora_dtypes`` leaves one out)."""
     groups: dict[tuple[torch.dtype, torch.dtype], list[int]] = {}
-    for i, (_, p, dd) in enumerate(config):
+    for i, (_, p, dropout_dtype) in enumerate(settings):
         ld = lora_dtypes[i]
         if ld is not None and p == 0:
-            groups.setdefault((ld, dd), []).append(i)
+            groups.setdefault((ld, dropout_dtype), []).append(i)
     return list(groups.values())
 
 
@@ -290,78 +359,66 @@ def _base_out(
     return torch.addmm(bias, xc, weight.t(), out=out)
 
 
-def _base_first(config: Any) -> bool:
-    """Whether the forward launches the base matmuls of projections of one input (``config``: their
-    ``(s, p, dd)``) before their LoRA inputs: without dropout, where those take rank-sized buffers
-    only. With dropout, the LoRA input's [M, K] buffers (``x`` cast, dropped) are formed and freed
-    first, so they never coexist with the base outputs."""
-    return all(p == 0 for _, p, _ in config)
+def _base_first(settings: Sequence[_Settings]) -> bool:
+    """Whether the forward launches the base matmuls of projections of one input (with ``settings``
+    each) before their LoRA inputs: without dropout, where those take rank-sized buffers only. With
+    dropout, the LoRA input's [M, K] buffers (``x`` cast, dropped) are formed and freed first, so
+    they never coexist with the base outputs."""
+    return all(setting.dropout_p == 0 for setting in settings)
 
 
 def _base_outs_and_lora_inputs(
-    x2: torch.Tensor,
-    xc: torch.Tensor,
-    bases: list[tuple[torch.Tensor, torch.Tensor | None]],
-    lora_As: list[torch.Tensor],
-    config: Any,
+    x2: torch.Tensor, xc: torch.Tensor, params: Sequence[_Params], settings: Sequence[_Settings]
 ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor | None], list[torch.Tensor]]:
-    """(base outputs ``xc W^T + b`` for ``bases``' ``(W, b)``, then :func:`_lora_input_products`'
-    xa's, masks and A's in ``c``) of projections that share ``x2``, launched in the order
-    :func:`_base_first` gives."""
-    first = _base_first(config)
-    ys = [_base_out(xc, w, b) for w, b in bases] if first else []
-    xas, masks, a_cs = _lora_input_products(x2, xc, lora_As, config)
+    """(base outputs ``xc W^T + b``, then :func:`_lora_input_products`' xa's, masks and A's in
+    ``c``) of projections that share ``x2``, launched in the order :func:`_base_first` gives."""
+    first = _base_first(settings)
+    ys = [_base_out(xc, proj.weight, proj.bias) for proj in params] if first else []
+    xas, masks, A_cs = _lora_input_products(x2, xc, [proj.lora_A for proj in params], settings)
     if not first:
-        ys = [_base_out(xc, w, b) for w, b in bases]
-    return ys, xas, masks, a_cs
+        ys = [_base_out(xc, proj.weight, proj.bias) for proj in params]
+    return ys, xas, masks, A_cs
 
 
 def _add_lora_out(
-    y: torch.Tensor, xa: torch.Tensor, b_c: torch.Tensor, lora_bias: torch.Tensor | None, scaling: float
+    y: torch.Tensor, xa: torch.Tensor, B_c: torch.Tensor, lora_bias: torch.Tensor | None, scaling: float
 ) -> torch.Tensor:
-    """``y += s xa B^T + s c`` in ``y``'s dtype (``xa`` and ``B`` in it already), in place; returns ``y``.
+    """``y += s xa B^T + s b_B`` in ``y``'s dtype (``xa`` and ``B`` in it already), in place; returns ``y``.
 
     (The base matmul writes ``y`` first and the rank-``r`` product is added into it. In the other
     order, with the base GEMM reading ``y`` in its epilogue, ``torch.compile``'s bf16 outputs
     under autocast came out a bf16 rounding away from eager's on CPU, which
     ``test_compile_fullgraph_matches_eager`` does not allow.)
     """
-    y.addmm_(xa, b_c.t(), alpha=scaling)
+    y.addmm_(xa, B_c.t(), alpha=scaling)
     if lora_bias is not None:
         y.add_(lora_bias.to(y.dtype), alpha=scaling)
     return y
 
 
 def _proj_fwd(
-    x2: torch.Tensor,
-    xc: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    lora_A: torch.Tensor,
-    lora_B: torch.Tensor,
-    lora_bias: torch.Tensor | None,
-    scaling: float,
-    p: float,
-    dd: torch.dtype,
+    x2: torch.Tensor, xc: torch.Tensor, params: _Params, settings: _Settings
 ) -> tuple[torch.Tensor, _LowRank]:
     """One projection of ``x2`` ``[M, K]``: (y ``[M, N]``, what its backward keeps)."""
-    (y,), (xa,), (mask,), (a_c,) = _base_outs_and_lora_inputs(x2, xc, [(weight, bias)], [lora_A], ((scaling, p, dd),))
-    b_c = lora_B.to(xc.dtype)
-    return _add_lora_out(y, xa, b_c, lora_bias, scaling), _LowRank(xa, mask, a_c, b_c)
+    (y,), (xa,), (mask,), (A_c,) = _base_outs_and_lora_inputs(x2, xc, [params], [settings])
+    B_c = params.lora_B.to(xc.dtype)
+    return _add_lora_out(y, xa, B_c, params.lora_bias, settings.scaling), _LowRank(xa, mask, A_c, B_c)
 
 
-def _scaled_lora_grad(dy: torch.Tensor, b_c: torch.Tensor, scaling: float) -> torch.Tensor:
+def _scaled_lora_grad(dy: torch.Tensor, B_c: torch.Tensor, scaling: float) -> torch.Tensor:
     """``s G = s dy B`` ``[M, r]``: the rank-sized term both ``dA`` and ``dx`` are formed from."""
-    return scaled_mm(dy, b_c, scaling, dy.dtype)
+    return scaled_mm(dy, B_c, scaling, dy.dtype)
 
 
-def _kept_input(x2: torch.Tensor, mask: torch.Tensor | None, dd: torch.dtype, c: torch.dtype) -> torch.Tensor:
+def _kept_input(
+    x2: torch.Tensor, mask: torch.Tensor | None, dropout_dtype: torch.dtype, c: torch.dtype
+) -> torch.Tensor:
     """``x2 * m`` in ``c``: the LoRA input as the forward dropped it, without dropout's ``1 / (1 - p)``
     (``dA = (s G)^T d(x2)`` takes that factor as the matmul's scale instead). Under autocast the
-    forward's LoRA input was ``x2`` cast to ``dd``; here it goes on to ``c``. The mask's zeros and
-    ones change no value, so ``x2 * m`` is exact and one pass over ``x2``, in ``c`` (not in ``dd``,
-    which may be fp32 next to bf16 activations)."""
-    xc = x2 if x2.dtype == c else (x2 if x2.dtype == dd else x2.to(dd)).to(c)
+    forward's LoRA input was ``x2`` cast to ``dropout_dtype``; here it goes on to ``c``. The mask's
+    zeros and ones change no value, so ``x2 * m`` is exact and one pass over ``x2``, in ``c`` (not in
+    ``dropout_dtype``, which may be fp32 next to bf16 activations)."""
+    xc = x2 if x2.dtype == c else (x2 if x2.dtype == dropout_dtype else x2.to(dropout_dtype)).to(c)
     return xc if mask is None else masked(xc, mask, 1.0)
 
 
@@ -372,43 +429,44 @@ def _proj_bwd_params(
     weight: torch.Tensor,
     low: _LowRank,
     lora_dtype: torch.dtype,
-    scaling: float,
-    p: float,
-    dd: torch.dtype,
-    needs: tuple[bool, ...],
+    settings: _Settings,
+    needs: _Needs,
     gs: torch.Tensor | None,
-) -> list[torch.Tensor | None]:
-    """The parameter gradients of :func:`_proj_fwd`: [dW, db, dA, dB, dlora_bias], None where not
-    in ``needs`` (the same five flags); the LoRA ones in ``lora_dtype``. ``x2`` is needed only for
-    dA, ``xc`` (``x2`` in ``dy``'s dtype) only for dW, ``gs`` (:func:`_scaled_lora_grad`) only for dA."""
-    need_dw, need_db, need_da, need_dbb, need_dlb = needs
-    grads: list[torch.Tensor | None] = [None] * 5
-    if need_dw:
+) -> _Grads:
+    """The parameter gradients of :func:`_proj_fwd`, None where not in ``needs``; the LoRA ones in
+    ``lora_dtype``. ``x2`` is needed only for dA, ``xc`` (``x2`` in ``dy``'s dtype) only for dW,
+    ``gs`` (:func:`_scaled_lora_grad`) only for dA."""
+    dW: torch.Tensor | None = None
+    db: torch.Tensor | None = None
+    dA: torch.Tensor | None = None
+    dB: torch.Tensor | None = None
+    db_B: torch.Tensor | None = None
+    if needs.weight:
         assert xc is not None
-        grads[0] = scaled_mm(dy.t(), xc, 1.0, weight.dtype)
-    if need_db or need_dlb:
+        dW = scaled_mm(dy.t(), xc, 1.0, weight.dtype)
+    if needs.bias or needs.lora_bias:
         col_sum = column_sum(dy)
-        if need_db:
-            grads[1] = col_sum.to(weight.dtype)
-        if need_dlb:
-            grads[4] = (col_sum * scaling).to(lora_dtype)
-    if need_dbb:
-        grads[3] = scaled_mm(dy.t(), low.xa, scaling, lora_dtype)
-    if need_da:
+        if needs.bias:
+            db = col_sum.to(weight.dtype)
+        if needs.lora_bias:
+            db_B = (col_sum * settings.scaling).to(lora_dtype)
+    if needs.lora_B:
+        dB = scaled_mm(dy.t(), low.xa, settings.scaling, lora_dtype)
+    if needs.lora_A:
         assert gs is not None and x2 is not None
-        kept = 1.0 if low.mask is None else 1.0 / (1.0 - p)
-        grads[2] = scaled_mm(gs.t(), _kept_input(x2, low.mask, dd, dy.dtype), kept, lora_dtype)
-    return grads
+        kept = 1.0 if low.mask is None else 1.0 / (1.0 - settings.dropout_p)
+        dA = scaled_mm(gs.t(), _kept_input(x2, low.mask, settings.dropout_dtype, dy.dtype), kept, lora_dtype)
+    return _Grads(dW, db, dA, dB, db_B)
 
 
 def _proj_bwd_input(
-    dy: torch.Tensor, weight: torch.Tensor, a_c: torch.Tensor, gs: torch.Tensor, mask: torch.Tensor | None, p: float
+    dy: torch.Tensor, weight: torch.Tensor, A_c: torch.Tensor, gs: torch.Tensor, mask: torch.Tensor | None, p: float
 ) -> torch.Tensor:
     """``dx = dy W + (s G A) * m / (1 - p)``, a new buffer (the order of :func:`_add_lora_out`)."""
     dx = torch.mm(dy, weight)
     if mask is None:
-        return dx.addmm_(gs, a_c)
-    return add_masked_low_rank_(dx, gs, a_c, mask, 1.0 / (1.0 - p))
+        return dx.addmm_(gs, A_c)
+    return add_masked_low_rank_(dx, gs, A_c, mask, 1.0 / (1.0 - p))
 
 
 def _shared_input_bwd(
@@ -418,37 +476,36 @@ def _shared_input_bwd(
     weights: list[torch.Tensor],
     lows: list[_LowRank],
     lora_dtypes: list[torch.dtype],
-    config: Any,
-    needs: list[tuple[bool, ...]],
+    settings: Sequence[_Settings],
+    needs: Sequence[_Needs],
     need_dx: bool,
-) -> tuple[torch.Tensor | None, list[list[torch.Tensor | None]]]:
+) -> tuple[torch.Tensor | None, list[_Grads]]:
     """Backward of the projections of one input ``x2`` (q, k, v; gate, up; or one alone): returns
-    (dx, [dW, db, dA, dB, dlora_bias] of each projection).
+    (dx, the parameter gradients of each projection).
 
     ``dys[i]`` ``[M, N_i]`` (None: projection i got no gradient), ``weights[i]`` its base weight,
-    ``lows[i]`` what its forward kept, ``lora_dtypes[i]`` its LoRA weights' dtype, ``needs[i]`` its
-    five flags; ``xc`` is ``x2`` in the gradients' dtype (needed for dW only).
+    ``lows[i]`` what its forward kept, ``lora_dtypes[i]`` its LoRA weights' dtype; ``xc`` is ``x2``
+    in the gradients' dtype (needed for dW only).
     dx is one buffer: the ``dy W`` terms first, then the rank-sized ``s G A`` terms. For the
     projections without dropout those are stacked, as in the forward: their ``dA``\\ s come from one
     matmul that reads ``x2`` once, and their ``s G A`` terms go into dx with one ``addmm_``.
     """
-    n = len(config)
+    n = len(settings)
     live = [i for i in range(n) if dys[i] is not None]
     if not live:
-        return None, [[None] * _SLOTS for _ in range(n)]
+        return None, [_Grads()] * n
     c = dys[live[0]].dtype  # type: ignore[union-attr]
     gss: list[Any] = [None] * n
-    grads: list[list[torch.Tensor | None]] = [[None] * _SLOTS for _ in range(n)]
-    groups = _stackable(config, [lora_dtypes[i] if i in live else None for i in range(n)])
-    stacked_da = {i for group in groups for i in group}
+    grads = [_Grads()] * n
+    groups = _stackable(settings, [lora_dtypes[i] if i in live else None for i in range(n)])
+    stacked_dA = {i for group in groups for i in group}
     for i in live:
         dy = dys[i]
         assert dy is not None
-        s, p, dd = config[i]
-        if need_dx or needs[i][2]:
-            gss[i] = _scaled_lora_grad(dy, lows[i].b_c, s)
-        own_needs = (*needs[i][:2], needs[i][2] and i not in stacked_da, *needs[i][3:])
-        grads[i] = _proj_bwd_params(dy, x2, xc, weights[i], lows[i], lora_dtypes[i], s, p, dd, own_needs, gss[i])
+        if need_dx or needs[i].lora_A:
+            gss[i] = _scaled_lora_grad(dy, lows[i].B_c, settings[i].scaling)
+        own_needs = needs[i]._replace(lora_A=needs[i].lora_A and i not in stacked_dA)
+        grads[i] = _proj_bwd_params(dy, x2, xc, weights[i], lows[i], lora_dtypes[i], settings[i], own_needs, gss[i])
     stacked_gs: dict[tuple[int, ...], torch.Tensor] = {}  # [s G_i | s G_j | ...], concatenated once
 
     def gs_of(indices: list[int]) -> torch.Tensor:
@@ -458,11 +515,12 @@ def _shared_input_bwd(
         return stacked_gs[key]
 
     for group in groups:
-        group = [i for i in group if needs[i][2]]
+        group = [i for i in group if needs[i].lora_A]
         if group:  # dA of projections without dropout: one read of d(x2) = x2, for all of them
-            da = scaled_mm(gs_of(group).t(), _kept_input(x2, None, config[group[0]][2], c), 1.0, lora_dtypes[group[0]])
-            for i, da_i in zip(group, _blocks(da, [lows[i].a_c.shape[0] for i in group], 0), strict=True):
-                grads[i][2] = da_i
+            kept_input = _kept_input(x2, None, settings[group[0]].dropout_dtype, c)
+            dA = scaled_mm(gs_of(group).t(), kept_input, 1.0, lora_dtypes[group[0]])
+            for i, dA_i in zip(group, _blocks(dA, [lows[i].A_c.shape[0] for i in group], 0), strict=True):
+                grads[i] = grads[i]._replace(lora_A=dA_i)
     if not need_dx:
         return None, grads
     dx: torch.Tensor | None = None
@@ -471,12 +529,12 @@ def _shared_input_bwd(
     assert dx is not None
     plain = [i for i in live if lows[i].mask is None]
     if plain:  # s G A of the projections without dropout: one pass over dx
-        a_c = torch.cat([lows[i].a_c for i in plain]) if len(plain) > 1 else lows[plain[0]].a_c
-        dx.addmm_(gs_of(plain), a_c)
+        A_c = torch.cat([lows[i].A_c for i in plain]) if len(plain) > 1 else lows[plain[0]].A_c
+        dx.addmm_(gs_of(plain), A_c)
     for i in live:
         mask = lows[i].mask
         if mask is not None:
-            add_masked_low_rank_(dx, gss[i], lows[i].a_c, mask, 1.0 / (1.0 - config[i][1]))
+            add_masked_low_rank_(dx, gss[i], lows[i].A_c, mask, 1.0 / (1.0 - settings[i].dropout_p))
     return dx, grads
 
 
@@ -502,55 +560,49 @@ def _autocast_off(device_type: str) -> Any:
     return contextlib.nullcontext()
 
 
-_SLOTS = 5  # tensors per projection: weight, bias, lora_A, lora_B, lora_bias
-
-
 class _LoRAProjections(torch.autograd.Function):
-    """``len(config)`` LoRA projections of one input ``x``: returns one output per projection.
+    """``len(settings)`` LoRA projections of one input ``x``: returns one output per projection.
 
-    ``config`` is a tuple of ``(scaling, dropout_p, dropout dtype)`` per projection; ``params``
-    holds, per projection, ``weight, bias, lora_A, lora_B, lora_bias`` (None where absent). The
-    weights share one dtype, the compute dtype; ``x`` may have another (autocast): it is cast.
+    ``settings`` holds one :class:`_Settings` per projection, ``flat`` their :class:`_Params`
+    (:func:`_flat`). The weights share one dtype, the compute dtype; ``x`` may have another
+    (autocast): it is cast.
     """
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, config: tuple[tuple[float, float, torch.dtype], ...], *params: Any) -> Any:
-        n = len(config)
+    def forward(ctx: Any, x: torch.Tensor, settings: tuple[_Settings, ...], *flat: Any) -> Any:
+        params = _unflat(_Params, flat)
         x2 = x.reshape(-1, x.shape[-1])
-        c = params[0].dtype
+        c = params[0].weight.dtype
         xc = x2 if x2.dtype == c else x2.to(c)
-        bases = [(params[_SLOTS * i], params[_SLOTS * i + 1]) for i in range(n)]
-        lora_As = [params[_SLOTS * i + 2] for i in range(n)]
-        ys, xas, masks, a_cs = _base_outs_and_lora_inputs(x2, xc, bases, lora_As, config)
-        outs, b_cs = [], []
-        for i, (s, _, _) in enumerate(config):
-            b_cs.append(params[_SLOTS * i + 3].to(c))
-            y = _add_lora_out(ys[i], xas[i], b_cs[-1], params[_SLOTS * i + 4], s)
+        ys, xas, masks, A_cs = _base_outs_and_lora_inputs(x2, xc, params, settings)
+        outs, lows = [], []
+        for y, xa, mask, A_c, proj, setting in zip(ys, xas, masks, A_cs, params, settings, strict=True):
+            lows.append(_LowRank(xa, mask, A_c, proj.lora_B.to(c)))
+            y = _add_lora_out(y, xa, lows[-1].B_c, proj.lora_bias, setting.scaling)
             outs.append(y.view(*x.shape[:-1], y.shape[-1]))
-        ctx.save_for_backward(x, *params[0::_SLOTS], *xas, *masks, *a_cs, *b_cs)
-        ctx.config = config
-        ctx.lora_dtypes = [params[_SLOTS * i + 2].dtype for i in range(n)]
+        ctx.save_for_backward(x, *(proj.weight for proj in params), *_flat(lows))
+        ctx.settings = settings
+        ctx.lora_dtypes = [proj.lora_A.dtype for proj in params]
         ctx.set_materialize_grads(False)
         return tuple(outs)
 
     @staticmethod
     def backward(ctx: Any, *dys: Any) -> Any:
-        n = len(ctx.config)
+        n = len(ctx.settings)
         x, *saved = ctx.saved_tensors
-        weights = saved[:n]
-        lows = [_LowRank(*saved[n + i :: n]) for i in range(n)]  # (xa, mask, a_c, b_c) of projection i
+        weights, lows = saved[:n], _unflat(_LowRank, saved[n:])
         x2 = x.reshape(-1, x.shape[-1])
         c = weights[0].dtype
-        xc = _cast_if_needed(x2, c, any(ctx.needs_input_grad[2::_SLOTS]))
+        needs = _unflat(_Needs, ctx.needs_input_grad[2:])
+        xc = _cast_if_needed(x2, c, any(need.weight for need in needs))
         dys2 = [None if dy is None else dy.reshape(-1, dy.shape[-1]) for dy in dys]
-        needs = [ctx.needs_input_grad[2 + _SLOTS * i : 2 + _SLOTS * (i + 1)] for i in range(n)]
         with _autocast_off(x.device.type):
             dx, grads = _shared_input_bwd(
-                dys2, x2, xc, list(weights), lows, ctx.lora_dtypes, ctx.config, needs, ctx.needs_input_grad[0]
+                dys2, x2, xc, list(weights), lows, ctx.lora_dtypes, ctx.settings, needs, ctx.needs_input_grad[0]
             )
         if dx is not None:
             dx = dx.view(x.shape).to(x.dtype)
-        return (dx, None, *(g for projection in grads for g in projection))
+        return (dx, None, *_flat(grads))
 
 
 MLP_CHUNK_BYTES = 128 << 20
@@ -575,17 +627,7 @@ def _mlp_chunk_rows(gate: torch.Tensor, p_down: float) -> int:
 
 
 def _down_forward_in_chunks(
-    gate: torch.Tensor,
-    up: torch.Tensor,
-    act: str,
-    rows: int,
-    wd: torch.Tensor,
-    bd: torch.Tensor | None,
-    ad: torch.Tensor,
-    bbd: torch.Tensor,
-    lbd: torch.Tensor | None,
-    sd: float,
-    dd: torch.dtype,
+    gate: torch.Tensor, up: torch.Tensor, act: str, rows: int, down: _Params, settings: _Settings
 ) -> tuple[torch.Tensor, _LowRank]:
     """The down projection of ``h = act(gate) * up`` (no dropout), ``rows`` rows at a time:
     returns (y, what the backward keeps) as :func:`_proj_fwd` would for the whole ``h``.
@@ -595,17 +637,17 @@ def _down_forward_in_chunks(
     ``s xa B^T`` is then added to all rows at once. Per chunk: the activation and two matmuls.
     """
     c = gate.dtype
-    y = torch.empty((gate.shape[0], wd.shape[0]), dtype=c, device=gate.device)
-    xa = torch.empty((gate.shape[0], ad.shape[0]), dtype=c, device=gate.device)
-    a_parts, a_c = _lora_a_operands(c, ad, 0.0, dd, c)  # (split once for all chunks)
+    y = torch.empty((gate.shape[0], down.weight.shape[0]), dtype=c, device=gate.device)
+    xa = torch.empty((gate.shape[0], down.lora_A.shape[0]), dtype=c, device=gate.device)
+    A_parts, A_c = _lora_a_operands(c, down.lora_A, 0.0, settings.dropout_dtype, c)  # (split once for all chunks)
     for start in range(0, gate.shape[0], rows):
         part = slice(start, start + rows)
         h = gated_act_forward(gate[part], up[part], act)
-        _base_out(h, wd, bd, out=y[part])
-        _lora_input_product(h, h, ad, 0.0, dd, a_parts, out=xa[part])
+        _base_out(h, down.weight, down.bias, out=y[part])
+        _lora_input_product(h, h, down.lora_A, 0.0, settings.dropout_dtype, A_parts, out=xa[part])
         del h
-    b_c = bbd.to(c)
-    return _add_lora_out(y, xa, b_c, lbd, sd), _LowRank(xa, None, a_c, b_c)
+    B_c = down.lora_B.to(c)
+    return _add_lora_out(y, xa, B_c, down.lora_bias, settings.scaling), _LowRank(xa, None, A_c, B_c)
 
 
 def _down_backward(
@@ -616,33 +658,31 @@ def _down_backward(
     wd: torch.Tensor,
     low: _LowRank,
     lora_dtype: torch.dtype,
-    sd: float,
-    pd: float,
-    dd: torch.dtype,
-    needs: tuple[bool, ...],
-) -> tuple[list[torch.Tensor | None], torch.Tensor | None, torch.Tensor | None, bool]:
+    settings: _Settings,
+    need_gu: bool,
+    needs: _Needs,
+) -> tuple[_Grads, torch.Tensor | None, torch.Tensor | None, bool]:
     """The down projection's backward and the activation's, for the rows of ``dy2``, ``gate`` and
-    ``up``: returns ([dW, db, dA, dB, dlora_bias] of the down projection, d gate, d up, written).
+    ``up``: returns (the down projection's parameter gradients, dg, du, written).
 
-    ``needs`` = (d gate and d up, then the down projection's five parameter flags). The input
-    gradient ``dh`` needs no ``h``, so it comes first; fk.glu's gradient pass then forms
-    (d gate, d up) and recomputes ``h = act(gate) * up`` over ``dh``'s buffer, in eager mode with
+    ``need_gu``: whether dg and du are needed; ``needs``: the down projection's flags. The input
+    gradient ``dh`` needs no ``h``, so it comes first; fk.glu's gradient pass then forms (dg, du)
+    and recomputes ``h = act(gate) * up`` over ``dh``'s buffer, in eager mode with
     the gradients over ``gate``'s and ``up``'s (``written``), and the parameter gradients read that
-    ``h``. Without d gate and d up, ``h`` is recomputed alone.
+    ``h``. Without dg and du, ``h`` is recomputed alone.
     """
-    need_gu, param_needs = needs[0], needs[1:]
-    gs = _scaled_lora_grad(dy2, low.b_c, sd) if need_gu or param_needs[2] else None
-    dgate = dup = None
+    gs = _scaled_lora_grad(dy2, low.B_c, settings.scaling) if need_gu or needs.lora_A else None
+    dg = du = None
     written = False
     if need_gu:
         assert gs is not None
-        dh = _proj_bwd_input(dy2, wd, low.a_c, gs, low.mask, pd)
-        dgate, dup, h, written = gated_act_backward_with_value(dh, gate, up, act, inplace=True)
+        dh = _proj_bwd_input(dy2, wd, low.A_c, gs, low.mask, settings.dropout_p)
+        dg, du, h, written = gated_act_backward_with_value(dh, gate, up, act, inplace=True)
         del dh  # (its buffer holds h now)
     else:
         h = gated_act_forward(gate, up, act)
-    grads = _proj_bwd_params(dy2, h, h, wd, low, lora_dtype, sd, pd, dd, param_needs, gs)
-    return grads, dgate, dup, written
+    grads = _proj_bwd_params(dy2, h, h, wd, low, lora_dtype, settings, needs, gs)
+    return grads, dg, du, written
 
 
 def _down_backward_in_chunks(
@@ -654,31 +694,31 @@ def _down_backward_in_chunks(
     wd: torch.Tensor,
     low: _LowRank,
     lora_dtype: torch.dtype,
-    sd: float,
-    dd: torch.dtype,
-    needs: tuple[bool, ...],
-) -> list[torch.Tensor | None]:
-    """:func:`_down_backward` (no dropout) ``rows`` rows at a time, with (when ``needs[0]``)
-    (d gate, d up) of each chunk written over its gate and up rows. Returns the down projection's
+    settings: _Settings,
+    need_gu: bool,
+    needs: _Needs,
+) -> _Grads:
+    """:func:`_down_backward` (no dropout) ``rows`` rows at a time, with (when ``need_gu``)
+    (dg, du) of each chunk written over its gate and up rows. Returns the down projection's
     parameter gradients.
 
     What needs no ``h`` is formed for all rows at once: ``s G`` (:func:`_scaled_lora_grad`), and
-    db, dB and d lora_bias. Per chunk: ``dh`` (a matmul and an ``addmm_``), fk.glu's gradient pass
+    db, dB and db_B. Per chunk: ``dh`` (a matmul and an ``addmm_``), fk.glu's gradient pass
     (which leaves ``h`` in ``dh``'s buffer), and one matmul each for dA and dW, accumulated over
     the chunks in fp32 (``fk.core.matmul.accumulate_mm``).
     """
-    need_gu, (need_dw, need_db, need_da, need_dbb, need_dlb) = needs[0], needs[1:]
-    gs = _scaled_lora_grad(dy2, low.b_c, sd) if need_gu or need_da else None
-    grads = _proj_bwd_params(dy2, None, None, wd, low, lora_dtype, sd, 0.0, dd,
-                             (False, need_db, False, need_dbb, need_dlb), gs)  # fmt: skip
+    gs = _scaled_lora_grad(dy2, low.B_c, settings.scaling) if need_gu or needs.lora_A else None
+    grads = _proj_bwd_params(
+        dy2, None, None, wd, low, lora_dtype, settings, needs._replace(weight=False, lora_A=False), gs
+    )
     n_inter = gate.shape[1]
-    acc_da = torch.empty((low.a_c.shape[0], n_inter), dtype=torch.float32, device=gate.device) if need_da else None
-    acc_dw = torch.empty((wd.shape[0], n_inter), dtype=torch.float32, device=gate.device) if need_dw else None
+    acc_dA = torch.empty((low.A_c.shape[0], n_inter), dtype=torch.float32, device=gate.device) if needs.lora_A else None
+    acc_dW = torch.empty((wd.shape[0], n_inter), dtype=torch.float32, device=gate.device) if needs.weight else None
     for start in range(0, gate.shape[0], rows):
         part = slice(start, start + rows)
         if need_gu:
             assert gs is not None
-            dh = _proj_bwd_input(dy2[part], wd, low.a_c, gs[part], None, 0.0)  # dy Wd + s G Ad
+            dh = _proj_bwd_input(dy2[part], wd, low.A_c, gs[part], None, 0.0)  # dy Wd + s G Ad
             dg, du, h, written = gated_act_backward_with_value(dh, gate[part], up[part], act, inplace=True)
             del dh  # (its buffer holds h now)
             if not written:
@@ -687,50 +727,52 @@ def _down_backward_in_chunks(
             del dg, du
         else:
             h = gated_act_forward(gate[part], up[part], act)
-        if acc_da is not None:
+        if acc_dA is not None:
             assert gs is not None
-            accumulate_mm(acc_da, gs[part].t(), h, first=start == 0)  # dA += (s G)^T h
-        if acc_dw is not None:
-            accumulate_mm(acc_dw, dy2[part].t(), h, first=start == 0)  # dW += dy^T h
+            accumulate_mm(acc_dA, gs[part].t(), h, first=start == 0)  # dA += (s G)^T h
+        if acc_dW is not None:
+            accumulate_mm(acc_dW, dy2[part].t(), h, first=start == 0)  # dW += dy^T h
         del h
-    if acc_dw is not None:
-        grads[0] = acc_dw.to(wd.dtype)
-    if acc_da is not None:
-        grads[2] = acc_da.to(lora_dtype)
+    if acc_dW is not None:
+        grads = grads._replace(weight=acc_dW.to(wd.dtype))
+    if acc_dA is not None:
+        grads = grads._replace(lora_A=acc_dA.to(lora_dtype))
     return grads
 
 
 class _LoRAMLP(torch.autograd.Function):
     """``down(act(gate(x)) * up(x))`` with three LoRA projections; ``act`` is fk.glu's kernel.
 
-    ``config`` = ``(act, (s, p, dd) of gate, (s, p, dd) of up, (s, p, dd) of down)``; ``params``
-    as in :class:`_LoRAProjections`, gate then up then down.
+    ``act`` is the fk.glu activation; ``settings`` the :class:`_Settings` of gate, up and down;
+    ``flat`` their :class:`_Params` (:func:`_flat`).
     """
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, config: tuple[Any, ...], *params: Any) -> Any:
-        act, (sg, _, _), (su, _, _), (sd, pd, dd) = config
+    def forward(ctx: Any, x: torch.Tensor, act: str, settings: tuple[_Settings, ...], *flat: Any) -> Any:
+        params_g, params_u, params_d = _unflat(_Params, flat)
+        settings_g, settings_u, settings_d = settings
         x2 = x.reshape(-1, x.shape[-1])
-        wg, bg, ag, bbg, lbg, wu, bu, au, bbu, lbu, wd, bd, ad, bbd, lbd = params
-        c = wg.dtype
+        c = params_g.weight.dtype
         xc = x2 if x2.dtype == c else x2.to(c)
-        (gate, up), (xa_g, xa_u), (m_g, m_u), (ac_g, ac_u) = _base_outs_and_lora_inputs(
-            x2, xc, [(wg, bg), (wu, bu)], [ag, au], config[1:3]
+        (gate, up), (xa_g, xa_u), (m_g, m_u), (A_c_g, A_c_u) = _base_outs_and_lora_inputs(
+            x2, xc, [params_g, params_u], settings[:2]
         )
-        low_g, low_u = _LowRank(xa_g, m_g, ac_g, bbg.to(c)), _LowRank(xa_u, m_u, ac_u, bbu.to(c))
-        _add_lora_out(gate, xa_g, low_g.b_c, lbg, sg)
-        _add_lora_out(up, xa_u, low_u.b_c, lbu, su)
+        low_g = _LowRank(xa_g, m_g, A_c_g, params_g.lora_B.to(c))
+        low_u = _LowRank(xa_u, m_u, A_c_u, params_u.lora_B.to(c))
+        _add_lora_out(gate, xa_g, low_g.B_c, params_g.lora_bias, settings_g.scaling)
+        _add_lora_out(up, xa_u, low_u.B_c, params_u.lora_bias, settings_u.scaling)
         del xc
-        rows = _mlp_chunk_rows(gate, pd)
+        rows = _mlp_chunk_rows(gate, settings_d.dropout_p)
         if rows >= gate.shape[0]:
             h = gated_act_forward(gate, up, act)
-            y, low_d = _proj_fwd(h, h, wd, bd, ad, bbd, lbd, sd, pd, dd)
+            y, low_d = _proj_fwd(h, h, params_d, settings_d)
             del h  # recomputed in the backward
         else:  # h a chunk of rows at a time: never [M, I] at once
-            y, low_d = _down_forward_in_chunks(gate, up, act, rows, wd, bd, ad, bbd, lbd, sd, dd)
-        ctx.save_for_backward(x, gate, up, wg, wu, wd, *low_g, *low_u, *low_d)
-        ctx.config = config
-        ctx.lora_dtypes = (ag.dtype, au.dtype, ad.dtype)
+            y, low_d = _down_forward_in_chunks(gate, up, act, rows, params_d, settings_d)
+        weights = (params_g.weight, params_u.weight, params_d.weight)
+        ctx.save_for_backward(x, gate, up, *weights, *_flat([low_g, low_u, low_d]))
+        ctx.act, ctx.settings = act, settings
+        ctx.lora_dtypes = (params_g.lora_A.dtype, params_u.lora_A.dtype, params_d.lora_A.dtype)
         return y.view(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
@@ -740,38 +782,36 @@ class _LoRAMLP(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx: Any, dy: torch.Tensor) -> Any:
-        act, (sg, pg, dg), (su, pu, du), (sd, pd, dd) = ctx.config
+        act, settings_d = ctx.act, ctx.settings[2]
         x, gate, up, wg, wu, wd, *lows = ctx.saved_tensors
-        low_g, low_u, low_d = _LowRank(*lows[0:4]), _LowRank(*lows[4:8]), _LowRank(*lows[8:12])
+        low_g, low_u, low_d = _unflat(_LowRank, lows)
         ld_g, ld_u, ld_d = ctx.lora_dtypes
-        needs = ctx.needs_input_grad
-        need_dx = needs[0]
-        need_gu = need_dx or any(needs[2:12])
+        need_dx = ctx.needs_input_grad[0]
+        needs_g, needs_u, needs_d = _unflat(_Needs, ctx.needs_input_grad[3:])
+        need_gu = need_dx or any(needs_g) or any(needs_u)
         dy2 = dy.reshape(-1, dy.shape[-1])
-        down_needs = (need_gu, *needs[12:17])
-        rows = _mlp_chunk_rows(gate, pd)
+        rows = _mlp_chunk_rows(gate, settings_d.dropout_p)
         chunked = rows < gate.shape[0] and uses_kernel(gate) and not torch.compiler.is_compiling()
         if chunked:  # eager: (dg, du) of each chunk of rows written over its gate and up rows
-            grads_d = _down_backward_in_chunks(dy2, gate, up, act, rows, wd, low_d, ld_d, sd, dd, down_needs)
-            dgate, dup, written = (gate, up, True) if need_gu else (None, None, False)
+            grads_d = _down_backward_in_chunks(dy2, gate, up, act, rows, wd, low_d, ld_d, settings_d, need_gu, needs_d)
+            dg, du, written = (gate, up, True) if need_gu else (None, None, False)
         else:
-            grads_d, dgate, dup, written = _down_backward(dy2, gate, up, act, wd, low_d, ld_d, sd, pd, dd, down_needs)
-        grads_g: list[torch.Tensor | None] = [None] * _SLOTS
-        grads_u: list[torch.Tensor | None] = [None] * _SLOTS
+            grads_d, dg, du, written = _down_backward(dy2, gate, up, act, wd, low_d, ld_d, settings_d, need_gu, needs_d)
+        grads_g = grads_u = _Grads()
         dx = None
-        if dgate is not None and dup is not None:
+        if dg is not None and du is not None:
             if written:  # the gradients overwrote gate and up: a second backward must fail loudly
                 torch.autograd.graph.increment_version(gate)
                 torch.autograd.graph.increment_version(up)
             x2 = x.reshape(-1, x.shape[-1])
-            xc = _cast_if_needed(x2, wg.dtype, needs[2] or needs[7])
+            xc = _cast_if_needed(x2, wg.dtype, needs_g.weight or needs_u.weight)
             dx, (grads_g, grads_u) = _shared_input_bwd(
-                [dgate, dup], x2, xc, [wg, wu], [low_g, low_u], [ld_g, ld_u],
-                ((sg, pg, dg), (su, pu, du)), [needs[2:7], needs[7:12]], need_dx,
+                [dg, du], x2, xc, [wg, wu], [low_g, low_u], [ld_g, ld_u],
+                ctx.settings[:2], [needs_g, needs_u], need_dx,
             )  # fmt: skip
         if dx is not None:
             dx = dx.view(x.shape).to(x.dtype)
-        return (dx, None, *grads_g, *grads_u, *grads_d)
+        return (dx, None, None, *_flat([grads_g, grads_u, grads_d]))
 
 
 # --- 3. Functional API ----------------------------------------------------------------------------
@@ -808,42 +848,48 @@ def _check_optional_vector(name: str, t: object, n: int, like_name: str, like: t
 
 def _check_parts(
     prefix: str, x: torch.Tensor, parts: object, cast: torch.dtype | None = None
-) -> tuple[tuple[float, float, torch.dtype], list[Any]]:
-    """Validate one projection's parameters against ``x``; returns ((scaling, p, dropout dtype),
-    flat params). ``cast``: autocast's dtype, which the base weight need not have; the parameters
-    are returned cast to it (None: outside autocast, the base weight must have ``x``'s dtype)."""
+) -> tuple[_Settings, _Params]:
+    """Validate one projection's parameters against ``x``; returns (its settings, its tensors).
+    ``cast``: autocast's dtype, which the base weight need not have; the tensors are returned cast
+    to it (None: outside autocast, the base weight must have ``x``'s dtype)."""
     if not isinstance(parts, tuple) or len(parts) not in (5, 6, 7):
         raise TypeError(f"{prefix or 'parts'} must be a LoRAWeights (or a tuple of its 5 to 7 fields), got {type(parts).__name__}")  # fmt: skip
-    w, b, a, bb, s, *rest = parts
-    p = rest[0] if rest else 0.0
-    lb = rest[1] if len(rest) > 1 else None
+    weight, bias, lora_A, lora_B, scaling, *rest = parts
+    dropout_p = rest[0] if rest else 0.0
+    lora_bias = rest[1] if len(rest) > 1 else None
     names = [f"{prefix}{n}" for n in ("weight", "bias", "lora_A", "lora_B", "scaling", "dropout_p", "lora_bias")]
-    for name, t in ((names[0], w), (names[2], a), (names[3], bb)):
+    for name, t in ((names[0], weight), (names[2], lora_A), (names[3], lora_B)):
         validate.check_tensor(name, t)
         validate.check_dtype(name, t)
         validate.check_same_device(name, t, "x", x)
         validate.check_ndim(name, t, 2)
     if cast is None:
-        validate.check_same_dtype(names[0], w, "x", x)
-    validate.check_same_dtype(names[3], bb, names[2], a)
-    n_out, k = w.shape
-    r = a.shape[0]
-    validate.check_shape(names[0], w, (n_out, x.shape[-1]))
-    validate.check_shape(names[2], a, (r, k))
-    validate.check_shape(names[3], bb, (n_out, r))
-    _check_optional_vector(names[1], b, n_out, names[0], w)
-    _check_optional_vector(names[6], lb, n_out, names[3], bb)
-    scaling = _check_scalar(names[4], s)
-    p = _check_scalar(names[5], p, low=0.0, high=1.0)
-    params = [w, b, a, bb, lb]
-    if cast is not None:  # as autocast casts each F.linear's operands (autograd sees the casts)
-        params = [t if t is None or t.dtype == cast else t.to(cast) for t in params]
-    return (scaling, p, a.dtype), params
+        validate.check_same_dtype(names[0], weight, "x", x)
+    validate.check_same_dtype(names[3], lora_B, names[2], lora_A)
+    n_out, k = weight.shape
+    r = lora_A.shape[0]
+    validate.check_shape(names[0], weight, (n_out, x.shape[-1]))
+    validate.check_shape(names[2], lora_A, (r, k))
+    validate.check_shape(names[3], lora_B, (n_out, r))
+    _check_optional_vector(names[1], bias, n_out, names[0], weight)
+    _check_optional_vector(names[6], lora_bias, n_out, names[3], lora_B)
+    scaling = _check_scalar(names[4], scaling)
+    dropout_p = _check_scalar(names[5], dropout_p, low=0.0, high=1.0)
+    params = _Params(weight, bias, lora_A, lora_B, lora_bias)
+    return _Settings(scaling, dropout_p, lora_A.dtype), _cast_params(params, cast)
+
+
+def _cast_params(params: _Params, cast: torch.dtype | None) -> _Params:
+    """``params`` cast to autocast's dtype ``cast`` (None: as they are), as autocast casts each
+    ``F.linear``'s operands (autograd sees the casts)."""
+    if cast is None:
+        return params
+    return _Params._make(t if t is None or t.dtype == cast else t.to(cast) for t in params)
 
 
 def _module_parts(
     prefix: str, x: torch.Tensor, parts: LoRAWeights, cast: torch.dtype | None = None
-) -> tuple[tuple[float, float, torch.dtype], list[Any]]:
+) -> tuple[_Settings, _Params]:
     """:func:`_check_parts` for parameters that ``fk.lora.patch``'s forwards read from a PEFT
     ``lora.Linear`` (``fk.lora.patching._call_parts``, which checked their kinds and float dtypes
     and PEFT's scaling and dropout): only the input's width against the weight is checked here,
@@ -855,19 +901,17 @@ def _module_parts(
     return _module_params(parts, cast)
 
 
-def _module_params(parts: LoRAWeights, cast: torch.dtype | None) -> tuple[tuple[float, float, torch.dtype], list[Any]]:
-    """The config and parameters of :func:`_module_parts`, without the width check."""
-    w, b, a, bb, s, p, lb = parts
-    params = [w, b, a, bb, lb]
-    if cast is not None:  # as autocast casts each F.linear's operands (autograd sees the casts)
-        params = [t if t is None or t.dtype == cast else t.to(cast) for t in params]
-    return (s, p, a.dtype), params
+def _module_params(parts: LoRAWeights, cast: torch.dtype | None) -> tuple[_Settings, _Params]:
+    """The settings and tensors of :func:`_module_parts`, without the width check."""
+    weight, bias, lora_A, lora_B, scaling, dropout_p, lora_bias = parts
+    params = _Params(weight, bias, lora_A, lora_B, lora_bias)
+    return _Settings(scaling, dropout_p, lora_A.dtype), _cast_params(params, cast)
 
 
-def _apply(fn: Any, x: torch.Tensor, config: tuple[Any, ...], params: list[Any]) -> Any:
-    """``fn.apply(x, config, *params)`` with autocast disabled (the operands are already cast)."""
+def _apply(fn: Any, x: torch.Tensor, *args: Any) -> Any:
+    """``fn.apply(x, *args)`` with autocast disabled (the operands are already cast)."""
     with _autocast_off(x.device.type):
-        return fn.apply(x, config, *params)
+        return fn.apply(x, *args)
 
 
 def _check_x(x: object) -> torch.Tensor:
@@ -907,8 +951,10 @@ def lora_linear(
     """
     x = _check_x(x)
     cast = _autocast_dtype(x)
-    cfg, params = _check_parts("", x, (base_weight, base_bias, lora_A, lora_B, scaling, dropout_p, lora_bias), cast)
-    (y,) = _apply(_LoRAProjections, x, (cfg,), params)
+    settings, params = _check_parts(
+        "", x, (base_weight, base_bias, lora_A, lora_B, scaling, dropout_p, lora_bias), cast
+    )
+    (y,) = _apply(_LoRAProjections, x, (settings,), *_flat([params]))
     return y
 
 
@@ -930,12 +976,12 @@ def module_projections(x: torch.Tensor, parts: Sequence[LoRAWeights], *, from_mo
         raise ValueError("lora_projections needs at least one LoRAWeights")
     cast = _autocast_dtype(x)
     check = _module_parts if from_module else _check_parts
-    configs, flat = [], []
-    for i, p in enumerate(parts):
-        cfg, params = check("" if from_module else f"parts[{i}].", x, p, cast)
-        configs.append(cfg)
-        flat += params
-    return tuple(_apply(_LoRAProjections, x, tuple(configs), flat))
+    settings, params = [], []
+    for i, part in enumerate(parts):
+        part_settings, part_params = check("" if from_module else f"parts[{i}].", x, part, cast)
+        settings.append(part_settings)
+        params.append(part_params)
+    return tuple(_apply(_LoRAProjections, x, tuple(settings), *_flat(params)))
 
 
 def lora_qkv(
@@ -949,12 +995,12 @@ def lora_qkv(
     """
     x = _check_x(x)
     cast = _autocast_dtype(x)
-    cfgs, flat = [], []
+    settings, params = [], []
     for name, parts in (("q_parts", q_parts), ("k_parts", k_parts), ("v_parts", v_parts)):
-        cfg, params = _check_parts(f"{name}.", x, parts, cast)
-        cfgs.append(cfg)
-        flat += params
-    q, k, v = _apply(_LoRAProjections, x, tuple(cfgs), flat)
+        part_settings, part_params = _check_parts(f"{name}.", x, parts, cast)
+        settings.append(part_settings)
+        params.append(part_params)
+    q, k, v = _apply(_LoRAProjections, x, tuple(settings), *_flat(params))
     return q, k, v
 
 
@@ -989,16 +1035,17 @@ def module_mlp(
     act = _resolve_mlp_activation(activation)
     cast = _autocast_dtype(x)
     check = _module_parts if from_module else _check_parts
-    cfg_g, pg = check("gate_parts.", x, gate_parts, cast)
-    cfg_u, pu = check("up_parts.", x, up_parts, cast)
-    n_inter = pg[0].shape[0]
-    if pu[0].shape[0] != n_inter:
-        raise ValueError(f"up_parts.weight must have {n_inter} rows (gate_parts.weight's), got shape {tuple(pu[0].shape)}")  # fmt: skip
+    settings_g, params_g = check("gate_parts.", x, gate_parts, cast)
+    settings_u, params_u = check("up_parts.", x, up_parts, cast)
+    n_inter = params_g.weight.shape[0]
+    if params_u.weight.shape[0] != n_inter:
+        raise ValueError(f"up_parts.weight must have {n_inter} rows (gate_parts.weight's), got shape {tuple(params_u.weight.shape)}")  # fmt: skip
     if from_module:  # the intermediate's width is all there is to check: no tensor stands in for it
         if down_parts[0].shape[1] != n_inter:
             raise ValueError(f"down_parts.weight takes {down_parts[0].shape[1]} input features, gate_parts.weight gives {n_inter}")  # fmt: skip
-        cfg_d, pd = _module_params(down_parts, cast)
+        settings_d, params_d = _module_params(down_parts, cast)
     else:
-        h_like = x.new_empty((1, n_inter), dtype=pg[0].dtype) if x.ndim else x
-        cfg_d, pd = _check_parts("down_parts.", h_like, down_parts, cast)
-    return _apply(_LoRAMLP, x, (act, cfg_g, cfg_u, cfg_d), [*pg, *pu, *pd])
+        h_like = x.new_empty((1, n_inter), dtype=params_g.weight.dtype) if x.ndim else x
+        settings_d, params_d = _check_parts("down_parts.", h_like, down_parts, cast)
+    params = _flat([params_g, params_u, params_d])
+    return _apply(_LoRAMLP, x, act, (settings_g, settings_u, settings_d), *params)
