@@ -212,7 +212,7 @@ def rope_forward(
     """A copy of ``stock`` (an attention forward) whose globals named in ``replacements`` (``(name,
     fk's function)`` pairs, e.g. ``apply_rotary_pos_emb``) are fk's, under the same wrappers (see
     :func:`fk.hf.functions.rewrapped`). One copy per ``stock`` and replacements (so the patched
-    class is made once per attention class). :func:`fk.hf.recognize.rope_plan` checked that the
+    class is made once per attention class). :func:`fk.hf.recognize.rope_candidate` checked that the
     function under the wrappers reads those globals and that it can be rewrapped."""
     outer, inner = stock, inspect.unwrap(stock)  # (transformers 5.24 wraps it: renamed-argument deprecation)
     # The copy's globals are a module of their own, registered under its own name: torch.compile
@@ -224,5 +224,5 @@ def rope_forward(
     namespace.__dict__.update(replacements)
     sys.modules[name] = namespace
     copy = rewrapped(outer, function_copy(inner, namespace.__dict__, inner.__closure__))
-    assert copy is not None  # (rope_plan checked)
+    assert copy is not None  # (rope_candidate checked)
     return copy

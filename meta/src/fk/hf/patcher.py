@@ -39,7 +39,6 @@ from fk.hf.recognize import (
     MlpPlan,
     NormPlan,
     Refusal,
-    RopePlan,
     head_candidate,
     mlp_candidate,
     norm_candidate,
@@ -226,7 +225,7 @@ def _patch_block(module: torch.nn.Module, switches: dict[str, bool], verdicts: _
             verdicts.record(module, "rope", Refusal("rope", fk_rope))
         else:
             forward = rope_forward(cls.forward, ((ROPE_FUNCTION, fk_rope),))
-            _set_forward(module, "rope", forward, RopePlan(forward))
+            _set_forward(module, "rope", forward)  # (the copied forward is all it needs)
             verdicts.record(module, "rope")
     if switches["qkv"] and _group_projections(module):
         verdicts.record(module, "qkv")

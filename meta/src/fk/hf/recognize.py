@@ -72,12 +72,6 @@ class MlpPlan:
 
 
 @dataclass(frozen=True)
-class RopePlan:
-    forward: Callable[..., Any]
-    """The attention's forward with fk's rotary function (see :func:`fk.hf.blocks.rope_forward`)."""
-
-
-@dataclass(frozen=True)
 class HeadPlan:
     backbone: str
     """The attribute of the decoder the head's forward calls (``"model"``)."""
