@@ -162,9 +162,17 @@ def check(session: nox.Session) -> None:
 
 @nox.session(venv_backend="none")
 def gpu(session: nox.Session) -> None:
-    """The full test suite, `gpu` tests included, in the current interpreter (no install)."""
+    """The full test suite, `gpu` tests included, in the current interpreter (no install).
+
+    Two passes: every test but the ``serial`` ones across ``FK_GPU_WORKERS`` xdist workers (default
+    12) sharing the one GPU, then the ``serial`` ones alone (they assert timings, which the other
+    workers' kernels would stretch, or start heavy subprocesses). Extra arguments go to both passes.
+    """
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [_src_paths(), os.environ.get("PYTHONPATH")]))}
-    session.run(sys.executable, "-m", "pytest", *session.posargs, env=env)
+    workers = os.environ.get("FK_GPU_WORKERS", "12")
+    pytest = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider"]
+    session.run(*pytest, "-n", workers, "-m", "not serial", *session.posargs, env=env)
+    session.run(*pytest, "-m", "serial", *session.posargs, env=env)
 
 
 @nox.session(venv_backend="none")

@@ -19,6 +19,7 @@ SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_distributed
 
 
 @pytest.mark.skipif(not SCRIPT.exists(), reason="needs a checkout with benchmarks/")
+@pytest.mark.serial
 def test_tiny_run_under_torchrun(tmp_path: Path) -> None:
     # CPU tensors and gloo: the kernels run in Triton's interpreter, except on a GPU machine, where
     # the CPU tensors take the reference path (the GPU run of the benchmark covers the kernels).

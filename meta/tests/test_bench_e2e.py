@@ -45,6 +45,7 @@ def test_rounds_merge_into_the_median_of_all_steps() -> None:
     assert merged["peak_gib"] == 4.0 and merged["losses"] == [5.0]  # the largest peak; the first round's losses
 
 
+@pytest.mark.serial
 def test_tiny_run_with_two_rounds(tmp_path: Path) -> None:
     interpret = "0" if torch.cuda.is_available() else "1"
     env = {**os.environ, "TRITON_INTERPRET": interpret, "PYTHONPATH": os.pathsep.join(sys.path)}

@@ -93,6 +93,7 @@ def test_ceilings_need_cuda() -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.serial
 def test_gpu_only_leaves_the_host_out() -> None:
     """A call whose host path (here a 1 ms Python wait) outlasts its GPU work: the plain timing
     measures the host, ``gpu_only`` the GPU work alone; a host path longer than half the head start
@@ -111,6 +112,7 @@ def test_gpu_only_leaves_the_host_out() -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.serial
 def test_graph_time_counts_the_gpu_work_of_one_call() -> None:
     """Calls of a 50 us spin kernel replayed from a CUDA graph: 50 us a call, whatever the host (a
     1 ms Python wait per call does not count: it runs at capture, not at replay)."""
