@@ -2,8 +2,40 @@
 
 - :func:`fused_linear_logprobs` (and ``_ref``): per-token log-probabilities (and entropies) of
   ``hidden @ weight.T + bias`` at a temperature, the building block of every loss here.
+- :func:`fused_linear_dpo_loss`, :func:`fused_linear_cpo_loss` (SimPO, AlphaPO),
+  :func:`fused_linear_orpo_loss`: preference losses as TRL computes them, with TRL's metrics
+  (:class:`PreferenceOutput`); their formulas on sequence log-probabilities are
+  :func:`dpo_pair_losses`, :func:`cpo_pair_losses`, :func:`orpo_pair_losses`.
 """
 
 from fk.align.logprobs import LogProbsOutput, fused_linear_logprobs, fused_linear_logprobs_ref
+from fk.align.preference import (
+    CPO_LOSS_TYPES,
+    DPO_LOSS_TYPES,
+    PreferenceOutput,
+    SequenceLogps,
+    cpo_pair_losses,
+    dpo_pair_losses,
+    fused_linear_cpo_loss,
+    fused_linear_dpo_loss,
+    fused_linear_orpo_loss,
+    orpo_pair_losses,
+    sequence_logps,
+)
 
-__all__ = ["LogProbsOutput", "fused_linear_logprobs", "fused_linear_logprobs_ref"]
+__all__ = [
+    "CPO_LOSS_TYPES",
+    "DPO_LOSS_TYPES",
+    "LogProbsOutput",
+    "PreferenceOutput",
+    "SequenceLogps",
+    "cpo_pair_losses",
+    "dpo_pair_losses",
+    "fused_linear_cpo_loss",
+    "fused_linear_dpo_loss",
+    "fused_linear_logprobs",
+    "fused_linear_logprobs_ref",
+    "fused_linear_orpo_loss",
+    "orpo_pair_losses",
+    "sequence_logps",
+]
