@@ -6,8 +6,13 @@
   :func:`fused_linear_orpo_loss`: preference losses as TRL computes them, with TRL's metrics
   (:class:`PreferenceOutput`); their formulas on sequence log-probabilities are
   :func:`dpo_pair_losses`, :func:`cpo_pair_losses`, :func:`orpo_pair_losses`.
+- :func:`fused_linear_grpo_loss`: GRPO and TRL's variants (:data:`GRPO_LOSS_TYPES`), token or
+  sequence importance sampling, KL to a reference, entropy bonus, TRL's metrics
+  (:class:`GRPOOutput`); in one pass with gradients at the token level.
 """
 
+from fk.align.grpo import LOSS_TYPES as GRPO_LOSS_TYPES
+from fk.align.grpo import GRPOOutput, fused_linear_grpo_loss
 from fk.align.logprobs import LogProbsOutput, fused_linear_logprobs, fused_linear_logprobs_ref
 from fk.align.preference import (
     CPO_LOSS_TYPES,
@@ -26,6 +31,8 @@ from fk.align.preference import (
 __all__ = [
     "CPO_LOSS_TYPES",
     "DPO_LOSS_TYPES",
+    "GRPO_LOSS_TYPES",
+    "GRPOOutput",
     "LogProbsOutput",
     "PreferenceOutput",
     "SequenceLogps",
@@ -33,6 +40,7 @@ __all__ = [
     "dpo_pair_losses",
     "fused_linear_cpo_loss",
     "fused_linear_dpo_loss",
+    "fused_linear_grpo_loss",
     "fused_linear_logprobs",
     "fused_linear_logprobs_ref",
     "fused_linear_orpo_loss",
