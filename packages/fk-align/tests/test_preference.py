@@ -22,8 +22,6 @@ from fk.align import (
 from fk.core import testing
 from fk.core.testing import DTYPES, dtype_name
 
-pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter evaluates masked lanes too
-
 P, T, H, V = 2, 7, 16, 1003  # 2 pairs of 7 tokens: 28 tokens, an odd count per sequence
 SMALL_CHUNKS = 8 * V * 4  # several chunks
 

@@ -150,7 +150,9 @@ def _token_logprob_kernel(
                 e = tl.exp(-tl.abs(z - m))
                 new_max = z > m
                 if ENTROPY:
-                    u = tl.where(new_max, (u + s * (m - z)) * e, u + tl.where(mask, e * (z - m), 0.0))
+                    # (a column past the end stands at m: no inf - inf, and it adds e * 0)
+                    z_in = tl.where(mask, z, m)
+                    u = tl.where(new_max, (u + s * (m - z_in)) * e, u + e * (z_in - m))
                 s = tl.where(new_max, s * e + 1.0, s + e)
                 m = tl.maximum(m, z)
             m_row = tl.max(m, axis=0)
