@@ -222,3 +222,29 @@ def test_bad_input_raises_naming_the_argument(change: dict[str, Any], message: s
             kw[key] = value
     with pytest.raises(ValueError, match=message):
         fused_linear_grpo_loss(*args, **kw)
+
+
+def test_frozen_head_gets_no_gradient(device: str) -> None:
+    batch = _batch(device, torch.float32, seed=9)
+    batch["w"].requires_grad_(False)
+    _compare(batch, off_policy=True, loss_type="dapo", beta=0.04)
+    fused_linear_grpo_loss(batch["h"], batch["w"], batch["ids"], batch["mask"], batch["adv"]).loss.backward()
+    assert batch["w"].grad is None and batch["h"].grad is not None
+
+
+@pytest.mark.gpu
+def test_no_host_synchronization() -> None:
+    batch = _batch("cuda", torch.bfloat16, seed=10, bias=True)
+    args = (batch["h"], batch["w"], batch["ids"], batch["mask"], batch["adv"])
+    kw: dict[str, Any] = {"bias": batch["b"], "old_per_token_logps": batch["old"],
+                          "ref_per_token_logps": batch["ref"], "beta": 0.04, "entropy_coef": 0.01}  # fmt: skip
+    fused_linear_grpo_loss(*args, **kw).loss.backward()  # compile and warm up first
+    items = torch.tensor(12.0, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for level in ("token", "sequence"):
+            out = fused_linear_grpo_loss(*args, importance_sampling_level=level, num_items_in_batch=items, **kw)
+            out.loss.backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

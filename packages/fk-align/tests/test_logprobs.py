@@ -156,3 +156,18 @@ def test_bad_input_raises_naming_the_argument(device: str, change: dict[str, Any
 
 def test_output_type() -> None:
     assert LogProbsOutput._fields == ("logps", "entropy")
+
+
+@pytest.mark.gpu
+def test_no_host_synchronization() -> None:
+    h, w, b = _inputs(300, torch.bfloat16, "cuda", seed=17, bias=True)
+    target = _labels((300,), "cuda", seed=18)
+    fused_linear_logprobs(h, w, target, bias=b).sum().backward()  # compile and warm up first
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for budget in (ONE_CHUNK, SMALL_CHUNKS):
+            out = fused_linear_logprobs(h, w, target, bias=b, return_entropy=True, memory_budget=budget)
+            (out.logps.sum() + out.entropy.sum()).backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

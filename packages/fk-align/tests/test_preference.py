@@ -227,3 +227,44 @@ def test_bad_input_raises_naming_the_argument(kw: dict[str, Any], message: str) 
             kw[name] = torch.zeros(P + 1)
     with pytest.raises(ValueError, match=message):
         fused_linear_dpo_loss(h, w, labels, **kw)
+
+
+def test_frozen_head_gets_no_gradient(device: str) -> None:
+    h, w, _, labels = _batch(device, torch.float32, seed=12)
+    w.requires_grad_(False)
+    out = fused_linear_dpo_loss(h, w, labels, shift=True, memory_budget=SMALL_CHUNKS)
+    want = fused_linear_dpo_loss(h, w, labels, shift=True, reference=True)
+    torch.testing.assert_close(torch.autograd.grad(out.loss, h)[0], torch.autograd.grad(want.loss, h)[0],
+                               rtol=1e-4, atol=1e-6)  # fmt: skip
+    fused_linear_dpo_loss(h, w, labels, shift=True).loss.backward()
+    assert w.grad is None
+
+
+def test_compile_matches_eager(device: str) -> None:
+    h, w, b, labels = _batch(device, torch.float32, seed=13, bias=True)
+    ref_chosen, ref_rejected = _refs(device, seed=14)
+
+    def loss(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return fused_linear_dpo_loss(h, w, labels, bias=b, shift=True, ref_chosen_logps=ref_chosen,
+                                     ref_rejected_logps=ref_rejected, memory_budget=SMALL_CHUNKS).loss  # fmt: skip
+
+    testing.assert_compile_matches_eager(loss, [h, w, b])
+
+
+@pytest.mark.gpu
+def test_no_host_synchronization() -> None:
+    h, w, b, labels = _batch("cuda", torch.bfloat16, seed=15, bias=True)
+    ref_chosen, ref_rejected = _refs("cuda", seed=16)
+    fused_linear_dpo_loss(h, w, labels, bias=b, shift=True).loss.backward()  # compile and warm up first
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for loss_type in DPO_LOSS_TYPES:
+            smoothing = 0.1 if loss_type in ("exo_pair", "robust") else 0.0
+            fused_linear_dpo_loss(h, w, labels, bias=b, shift=True, ref_chosen_logps=ref_chosen,
+                                  ref_rejected_logps=ref_rejected, loss_type=loss_type,
+                                  label_smoothing=smoothing).loss.backward()  # fmt: skip
+        for fn in (fused_linear_cpo_loss, fused_linear_orpo_loss):
+            fn(h, w, labels, bias=b, shift=True).loss.backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

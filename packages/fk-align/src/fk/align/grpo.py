@@ -55,6 +55,7 @@ from fk.flce.chunks import (
     head_grads,
     scale_grads,
 )
+from fk.flce.cross_entropy import check_num_items
 from fk.flce.linear_cross_entropy import check_inputs
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo")
@@ -204,7 +205,8 @@ def token_weights(
     elif loss_type == "luspo":
         w = m / n_seqs
     else:  # dapo, cispo: the caller's global count, already per accumulation window (no division below)
-        items = m.sum() if num_items_in_batch is None else torch.as_tensor(num_items_in_batch, device=m.device)
+        items = m.sum() if num_items_in_batch is None else check_num_items(num_items_in_batch, "mean", m.device)
+        assert items is not None
         return m / items.to(m.dtype).clamp(min=1.0)
     return w / gradient_accumulation_steps
 
