@@ -14,8 +14,10 @@ import torch
 from fk.align import (
     CPO_LOSS_TYPES,
     DPO_LOSS_TYPES,
+    KTO_LOSS_TYPES,
     fused_linear_cpo_loss,
     fused_linear_dpo_loss,
+    fused_linear_kto_loss,
     fused_linear_logprobs_ref,
     fused_linear_orpo_loss,
 )
@@ -88,6 +90,28 @@ def test_cpo_matches_full_logits(device: str, loss_type: str) -> None:
 def test_orpo_and_alphapo_match_full_logits(device: str, dtype: torch.dtype) -> None:
     _compare(fused_linear_orpo_loss, _batch(device, dtype, seed=5, bias=True), beta=0.2)
     _compare(fused_linear_cpo_loss, _batch(device, dtype, seed=6), loss_type="simpo", cpo_alpha=0.0, alpha=0.1)
+
+
+def _kto_extras(device: str, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"desirable": torch.tensor([True, False, True, True]).to(device),
+            "ref_logps": (-30 + 3 * torch.randn(2 * P, generator=g)).to(device),
+            "kl_logps": (-31 + 3 * torch.randn(3, generator=g)).to(device),
+            "ref_kl_logps": (-33 + 3 * torch.randn(3, generator=g)).to(device)}  # fmt: skip
+
+
+@pytest.mark.parametrize("loss_type", KTO_LOSS_TYPES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
+def test_kto_matches_full_logits(device: str, loss_type: str, dtype: torch.dtype) -> None:
+    extras = _kto_extras(device, seed=17)
+    desirable = extras.pop("desirable")
+
+    def kto(h: torch.Tensor, w: torch.Tensor, target: torch.Tensor, **kw: Any) -> Any:
+        out = fused_linear_kto_loss(h, w, target, desirable.to(h.device), **kw)
+        return (out.loss, out.logps, out.rewards, *out.metrics.values())
+
+    _compare(kto, _batch(device, dtype, seed=18, bias=True), loss_type=loss_type, beta=0.2, desirable_weight=1.3,
+             undesirable_weight=0.7, **extras)  # fmt: skip
 
 
 # --- The formulas against TRL's code --------------------------------------------------------------
@@ -268,3 +292,47 @@ def test_no_host_synchronization() -> None:
             fn(h, w, labels, bias=b, shift=True).loss.backward()
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.parametrize("loss_type", KTO_LOSS_TYPES)
+def test_kto_equals_trl_kto_trainer(loss_type: str) -> None:
+    from trl import KTOTrainer
+
+    h, w, _, labels = _batch("cpu", torch.float64, seed=19)
+    kl_h, _, _, kl_labels = _batch("cpu", torch.float64, seed=20)
+    extras = {k: v.double() if v.is_floating_point() else v for k, v in _kto_extras("cpu", seed=21).items()}
+    completion_mask = (labels != -100).long()
+    kl_completion_mask = (kl_labels != -100).long()
+    input_ids, kl_input_ids = labels.clamp(min=0), kl_labels.clamp(min=0)
+    ref_kl = extras["ref_kl_logps"][:1].expand(2 * P).clone()  # TRL: one KL completion per example
+
+    def model(input_ids: torch.Tensor, labels: torch.Tensor, fused_lm_head: bool, **_: Any) -> SimpleNamespace:
+        hidden = kl_h if input_ids is kl_input_ids else h
+        logps = fused_linear_logprobs_ref(hidden[:, :-1], w, labels[:, 1:])
+        zeros = torch.zeros_like(logps)
+        return SimpleNamespace(log_probs=logps, entropy=zeros, mean_logits=zeros)
+
+    trainer = SimpleNamespace(
+        model=SimpleNamespace(training=True), accelerator=_accelerator(h.device), calculate_KL=loss_type == "kto",
+        precompute_ref_logps=True, aux_loss_enabled=False, loss_type=loss_type, beta=0.2, desirable_weight=1.3,
+        undesirable_weight=0.7, _metrics=defaultdict(lambda: defaultdict(list)), _total_train_tokens=0, _tp_size=1,
+    )  # fmt: skip
+    trainer._compute_kl_logps = lambda model_, batch: KTOTrainer._compute_kl_logps(trainer, model_, batch)
+    inputs = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), "completion_mask": completion_mask,
+              "KL_input_ids": kl_input_ids, "KL_attention_mask": torch.ones_like(kl_input_ids),
+              "KL_completion_mask": kl_completion_mask, "label": extras["desirable"], "ref_logps": extras["ref_logps"],
+              "ref_KL_logps": ref_kl}  # fmt: skip
+    want = KTOTrainer._compute_loss(trainer, model, inputs, return_outputs=False)
+    kl_logps = None
+    if loss_type == "kto":
+        with torch.no_grad():
+            kl_logps = fused_linear_logprobs_ref(kl_h, w, kl_labels, shift=True).sum(-1)
+    got = fused_linear_kto_loss(h, w, labels, extras["desirable"], shift=True, ref_logps=extras["ref_logps"],
+                                kl_logps=kl_logps, ref_kl_logps=ref_kl if kl_logps is not None else None,
+                                loss_type=loss_type, beta=0.2, desirable_weight=1.3, undesirable_weight=0.7,
+                                reference=True)  # fmt: skip
+    torch.testing.assert_close(got.loss, want, rtol=1e-10, atol=1e-12)
+    for a, b in zip(torch.autograd.grad(got.loss, (h, w)), torch.autograd.grad(want, (h, w)), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+    for key in ("kl", "rewards/chosen", "logps/chosen", "rewards/rejected", "logps/rejected", "rewards/margins"):
+        assert float(got.metrics[key]) == pytest.approx(_metric(trainer, key), rel=1e-9, abs=1e-12), key

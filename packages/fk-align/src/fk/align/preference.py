@@ -1,6 +1,6 @@
-"""Preference losses on the fused LM head: DPO (and its TRL variants), CPO/SimPO and ORPO.
+"""Preference losses on the fused LM head: DPO (and its TRL variants), CPO/SimPO, ORPO and KTO.
 
-Inputs as TRL builds them: the policy's hidden states ``(B, T, H)`` of the concatenated batch,
+Inputs as TRL builds them (KTO's are unpaired: one ``desirable`` flag per sequence): the policy's hidden states ``(B, T, H)`` of the concatenated batch,
 chosen sequences first, then rejected ones (``B = 2 P`` for ``P`` pairs), the LM head and the
 labels ``(B, T)`` with ``ignore_index`` where a token is not scored (the prompt, padding). A
 sequence's log-probability is the sum of its scored tokens' log-probabilities (their mean where
@@ -405,3 +405,121 @@ def fused_linear_orpo_loss(
     return _metrics(loss, chosen, rejected, beta * chosen, beta * rejected, nll_loss=nll.detach(),
                     log_odds_ratio=ratio.mean().detach(),
                     log_odds_chosen=log_odds.mean().detach())  # fmt: skip
+
+
+# --- 5. KTO ---------------------------------------------------------------------------------------
+
+KTO_LOSS_TYPES = ("kto", "apo_zero_unpaired")
+"""TRL 1.16's ``KTOConfig.loss_type`` values, all supported."""
+
+
+class KTOOutput(NamedTuple):
+    """The loss (0-dim fp32, differentiable), each sequence's log-probability (sum over its scored
+    tokens) and reward ``(B,)`` without gradient, and TRL's metrics by their TRL names (0-dim
+    tensors of this batch: ``kl``, ``rewards/chosen``, ``logps/chosen``, ``rewards/rejected``,
+    ``logps/rejected``, ``rewards/margins``; a mean over no desirable (undesirable) sequence is
+    NaN, where TRL logs nothing)."""
+
+    loss: torch.Tensor
+    logps: torch.Tensor
+    rewards: torch.Tensor
+    metrics: dict[str, torch.Tensor]
+
+
+def kto_sequence_losses(
+    logps: torch.Tensor,
+    ref_logps: torch.Tensor,
+    desirable: torch.Tensor,
+    kl: torch.Tensor,
+    *,
+    beta: float,
+    loss_type: str,
+    desirable_weight: float = 1.0,
+    undesirable_weight: float = 1.0,
+) -> torch.Tensor:
+    """One KTO loss per sequence, as TRL 1.16's ``KTOTrainer``: with ``l = logps - ref_logps``,
+    desirable ``w_d (1 - sigmoid(beta (l - kl)))``, undesirable ``w_u (1 - sigmoid(beta (kl - l)))``
+    (``"apo_zero_unpaired"``: ``w_d (1 - sigmoid(beta l))`` and ``w_u sigmoid(beta l)``)."""
+    logratios = logps - ref_logps
+    if loss_type == "kto":
+        chosen = 1 - torch.sigmoid(beta * (logratios - kl))
+        rejected = 1 - torch.sigmoid(beta * (kl - logratios))
+    elif loss_type == "apo_zero_unpaired":
+        chosen = 1 - torch.sigmoid(beta * logratios)
+        rejected = torch.sigmoid(beta * logratios)
+    else:
+        raise ValueError(f"loss_type must be one of {', '.join(repr(t) for t in KTO_LOSS_TYPES)}, got {loss_type!r}")
+    return torch.where(desirable, desirable_weight * chosen, undesirable_weight * rejected)
+
+
+def fused_linear_kto_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    desirable: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    ref_logps: torch.Tensor | None = None,
+    kl_logps: torch.Tensor | None = None,
+    ref_kl_logps: torch.Tensor | None = None,
+    beta: float = 0.1,
+    loss_type: str = "kto",
+    desirable_weight: float = 1.0,
+    undesirable_weight: float = 1.0,
+    ignore_index: int = -100,
+    shift: bool = False,
+    reference: bool = False,
+    accum_dtype: torch.dtype | None = None,
+    memory_budget: int = DEFAULT_MEMORY_BUDGET,
+) -> KTOOutput:
+    """KTO on the fused head, as TRL 1.16's ``KTOTrainer`` (unpaired: one label per sequence).
+
+    Args:
+        hidden, weight, target, bias, ignore_index, shift, reference, accum_dtype, memory_budget:
+            as in :func:`fused_linear_dpo_loss`, for ``B`` sequences in any order.
+        desirable: ``(B,)`` bool, TRL's ``label`` (True: desirable).
+        ref_logps: ``(B,)`` the reference model's sequence log-probabilities (None: 0).
+        kl_logps, ref_kl_logps: the policy's and the reference's sequence log-probabilities of
+            TRL's mismatched KL completions (``(B_kl,)``, the policy's without gradient: compute
+            them with :func:`fk.align.fused_linear_logprobs` under ``torch.no_grad()``); the KL
+            estimate is ``max(mean(kl_logps - ref_kl_logps), 0)``. None: 0 (TRL's
+            ``apo_zero_unpaired`` never computes it).
+        beta, loss_type, desirable_weight, undesirable_weight: TRL's ``KTOConfig`` fields.
+
+    The loss is the mean over the ``B`` sequences of :func:`kto_sequence_losses` (8 N H V FLOPs).
+    """
+    beta = _check_beta(beta)
+    validate.check_choice("loss_type", loss_type, KTO_LOSS_TYPES)
+    validate.check_tensor("desirable", desirable)
+    validate.check_shape("desirable", desirable, tuple(hidden.shape[:1]))
+    if (kl_logps is None) != (ref_kl_logps is None):
+        raise ValueError("kl_logps and ref_kl_logps must both be given, or both None (a KL estimate of 0)")
+    for name, value in (("desirable_weight", desirable_weight), ("undesirable_weight", undesirable_weight)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+            raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+    seq = sequence_logps(hidden, weight, target, bias=bias, ignore_index=ignore_index, shift=shift,
+                         reference=reference, accum_dtype=accum_dtype, memory_budget=memory_budget)  # fmt: skip
+    logps = seq.sums
+    _check_ref("ref_logps", ref_logps, logps.shape[0], hidden.device)
+    ref = torch.zeros_like(logps) if ref_logps is None else ref_logps.to(logps.dtype)
+    if kl_logps is not None and ref_kl_logps is not None:
+        validate.check_tensor("kl_logps", kl_logps)
+        _check_ref("ref_kl_logps", ref_kl_logps, kl_logps.shape[0], hidden.device)
+        kl = (kl_logps.detach() - ref_kl_logps).to(logps.dtype).mean().clamp(min=0)
+    else:
+        kl = logps.new_zeros(())
+    desirable = desirable.to(device=logps.device, dtype=torch.bool)
+    losses = kto_sequence_losses(logps, ref, desirable, kl, beta=beta, loss_type=loss_type,
+                                 desirable_weight=desirable_weight, undesirable_weight=undesirable_weight)  # fmt: skip
+    rewards = (beta * (logps - ref)).detach()
+    n_chosen = desirable.sum()
+    n_rejected = (~desirable).sum()
+    metrics = {
+        "kl": kl.detach(),
+        "rewards/chosen": torch.where(desirable, rewards, 0).sum() / n_chosen,
+        "logps/chosen": torch.where(desirable, logps.detach(), 0).sum() / n_chosen,
+        "rewards/rejected": torch.where(desirable, 0, rewards).sum() / n_rejected,
+        "logps/rejected": torch.where(desirable, 0, logps.detach()).sum() / n_rejected,
+    }
+    metrics["rewards/margins"] = metrics["rewards/chosen"] - metrics["rewards/rejected"]
+    return KTOOutput(losses.mean(), logps.detach(), rewards, metrics)
