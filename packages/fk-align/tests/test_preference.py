@@ -29,9 +29,8 @@ SMALL_CHUNKS = 8 * V * 4  # several chunks
 
 
 def _batch(device: str, dtype: torch.dtype, seed: int, *, bias: bool = False) -> list[Any]:
-    """(hidden, weight, bias, labels): unshifted labels as TRL builds them, the prompt (first 2
-    tokens, 3 for the second pair) and one padded tail ignored; one rejected sequence all ignored
-    after the shift but its first token."""
+    """(hidden, weight, bias, labels): unshifted labels as TRL builds them, the prompt (the first
+    2 tokens, 3 for the rejected sequences) and one padded tail ignored."""
     h = testing.random_tensor((2 * P, T, H), dtype, device, seed=seed, requires_grad=True)
     w = testing.random_tensor((V, H), dtype, device, seed=seed + 1, scale=H**-0.5 * 2, requires_grad=True)
     b = testing.random_tensor((V,), dtype, device, seed=seed + 2, requires_grad=True) if bias else None
@@ -90,6 +89,21 @@ def test_cpo_matches_full_logits(device: str, loss_type: str) -> None:
 def test_orpo_and_alphapo_match_full_logits(device: str, dtype: torch.dtype) -> None:
     _compare(fused_linear_orpo_loss, _batch(device, dtype, seed=5, bias=True), beta=0.2)
     _compare(fused_linear_cpo_loss, _batch(device, dtype, seed=6), loss_type="simpo", cpo_alpha=0.0, alpha=0.1)
+
+
+def test_dpo_with_a_sequence_without_scored_tokens(device: str) -> None:
+    """An all-ignored rejected sequence: log-probability 0 and no gradient from its tokens."""
+    batch = _batch(device, torch.float32, seed=22, bias=True)
+    batch[3] = batch[3].clone()
+    batch[3][-1, :] = -100
+    ref_chosen, ref_rejected = _refs(device, seed=23)
+    for loss_type in ("sigmoid", "ipo"):
+        _compare(fused_linear_dpo_loss, batch, ref_chosen_logps=ref_chosen, ref_rejected_logps=ref_rejected,
+                 loss_type=loss_type)  # fmt: skip
+    out = fused_linear_dpo_loss(batch[0], batch[1], batch[3], shift=True, memory_budget=SMALL_CHUNKS)
+    assert float(out.rejected_logps[-1]) == 0.0
+    out.loss.backward()
+    assert bool((batch[0].grad[-1] == 0).all())
 
 
 def _kto_extras(device: str, seed: int) -> dict[str, torch.Tensor]:
@@ -336,3 +350,27 @@ def test_kto_equals_trl_kto_trainer(loss_type: str) -> None:
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
     for key in ("kl", "rewards/chosen", "logps/chosen", "rewards/rejected", "logps/rejected", "rewards/margins"):
         assert float(got.metrics[key]) == pytest.approx(_metric(trainer, key), rel=1e-9, abs=1e-12), key
+
+
+@pytest.mark.parametrize(
+    ("kw", "message"),
+    [
+        ({"desirable": "wrong_shape"}, "desirable"),
+        ({"kl_logps": "only"}, "ref_kl_logps"),
+        ({"ref_logps": "wrong_shape"}, "ref_logps"),
+        ({"loss_type": "bco"}, "loss_type"),
+        ({"desirable_weight": -1.0}, "desirable_weight"),
+    ],
+)
+def test_kto_bad_input_raises_naming_the_argument(kw: dict[str, Any], message: str) -> None:
+    h, w, _, labels = _batch("cpu", torch.float32, seed=24)
+    kw = dict(kw)
+    desirable = torch.tensor([True, False, True, False])
+    if kw.pop("desirable", None) == "wrong_shape":
+        desirable = desirable[:3]
+    if kw.get("kl_logps") == "only":
+        kw["kl_logps"] = torch.zeros(3)
+    if kw.get("ref_logps") == "wrong_shape":
+        kw["ref_logps"] = torch.zeros(3)
+    with pytest.raises(ValueError, match=message):
+        fused_linear_kto_loss(h, w, labels, desirable, **kw)

@@ -55,7 +55,7 @@ from fk.flce.chunks import (
     head_grads,
     scale_grads,
 )
-from fk.flce.cross_entropy import check_num_items
+from fk.flce.cross_entropy import check_num_items, row_values
 from fk.flce.linear_cross_entropy import check_inputs
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo")
@@ -305,10 +305,6 @@ Outputs = tuple[
 ]
 
 
-def _rows(hidden: torch.Tensor) -> torch.Tensor:
-    return torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
-
-
 def _grpo_fwd(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -341,9 +337,9 @@ def _grpo_fwd(
     :func:`fk.flce.chunks.head_grads` returns them, plus per token logp, entropy, coef_1 and KL."""
     options = GRPOOptions(loss_type, beta, epsilon_low, epsilon_high, delta, "token", use_bias_correction_kl,
                           sapo_temperature_pos, sapo_temperature_neg)  # fmt: skip
-    logp, lse, coef_1, loss_rows = _rows(hidden), _rows(hidden), _rows(hidden), _rows(hidden)
-    entropy = _rows(hidden) if want_entropy else empty_output(hidden, torch.float32)
-    kl = _rows(hidden) if beta != 0.0 else empty_output(hidden, torch.float32)
+    logp, lse, coef_1, loss_rows = row_values(hidden), row_values(hidden), row_values(hidden), row_values(hidden)
+    entropy = row_values(hidden) if want_entropy else empty_output(hidden, torch.float32)
+    kl = row_values(hidden) if beta != 0.0 else empty_output(hidden, torch.float32)
 
     def chunk_loss(logits: torch.Tensor, rows: slice, want_grad: bool) -> None:
         launch_token_logprobs(logits, target[rows], IGNORE, temperature, lse=lse[rows], logp=logp[rows],
@@ -380,7 +376,7 @@ def _grpo_fwd_fake(
     compute_dw: bool,
     compute_db: bool,
 ) -> Outputs:
-    rows = _rows(hidden)
+    rows = row_values(hidden)
     none = empty_output(hidden, torch.float32)
     return (
         rows.new_empty(()), rows, torch.empty_like(rows) if want_entropy else none, torch.empty_like(rows),

@@ -49,7 +49,7 @@ from fk.flce.chunks import (
     run_chunks,
     scale_grads,
 )
-from fk.flce.cross_entropy import LAUNCH
+from fk.flce.cross_entropy import LAUNCH, row_values
 from fk.flce.linear_cross_entropy import check_inputs, shift_labels
 
 
@@ -223,10 +223,6 @@ def launch_token_logprobs(
 # --- 3. Launchers, registered as custom ops -------------------------------------------------------
 
 
-def _row_values(hidden: torch.Tensor) -> torch.Tensor:
-    return torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
-
-
 def _logprobs_fwd(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -241,8 +237,8 @@ def _logprobs_fwd(
     """Forward launcher on 2-D ``hidden`` ``(N, H)``: (logp, entropy, lse), fp32 per token; the
     entropy is empty unless ``want_entropy``. No gradient is computed (see the module docstring);
     ``accum_fp32`` is for the backward."""
-    logp, lse = _row_values(hidden), _row_values(hidden)
-    entropy = _row_values(hidden) if want_entropy else empty_output(hidden, torch.float32)
+    logp, lse = row_values(hidden), row_values(hidden)
+    entropy = row_values(hidden) if want_entropy else empty_output(hidden, torch.float32)
 
     def chunk_loss(logits: torch.Tensor, rows: slice, want_grad: bool) -> None:
         launch_token_logprobs(logits, target[rows], ignore_index, temperature, logp=logp[rows], lse=lse[rows],
@@ -253,7 +249,7 @@ def _logprobs_fwd(
 
 
 def _logprobs_fwd_fake(hidden: torch.Tensor, want_entropy: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    rows = _row_values(hidden)
+    rows = row_values(hidden)
     return rows, torch.empty_like(rows) if want_entropy else empty_output(hidden, torch.float32), torch.empty_like(rows)
 
 

@@ -20,7 +20,8 @@ each is the same formula on :func:`fk.align.fused_linear_logprobs_ref` (full log
 compare the two, and compare the formulas with TRL's own trainer code.
 
 Not matched (yet): TRL's DPO ``f_divergence_type`` other than ``"reverse_kl"``, ``ld_alpha``,
-``use_weighting`` (WPO), ``loss_weights`` only as given (no per-type defaults); ORPO's and CPO's
+``use_weighting`` (WPO), ``loss_weights`` only as given (no per-type defaults); the metrics TRL
+computes from extra head outputs (entropy, ``logits/*``, ``mean_token_accuracy``); ORPO's and CPO's
 NLL term is over the scored tokens of the chosen labels given here, where TRL's (decoder-only)
 scores the prompt too; a sequence with no scored token has log-probability 0 and mean 0 (TRL's
 mean is NaN there).
@@ -490,6 +491,7 @@ def fused_linear_kto_loss(
     """
     beta = _check_beta(beta)
     validate.check_choice("loss_type", loss_type, KTO_LOSS_TYPES)
+    validate.check_tensor("hidden", hidden)
     validate.check_tensor("desirable", desirable)
     validate.check_shape("desirable", desirable, tuple(hidden.shape[:1]))
     if (kl_logps is None) != (ref_kl_logps is None):
