@@ -42,7 +42,7 @@ def _batch(device: str, dtype: torch.dtype, seed: int, *, bias: bool = False) ->
             "old": old.float().to(device), "ref": ref.float().to(device)}  # fmt: skip
 
 
-def _compare(batch: dict[str, Any], *, off_policy: bool, **kw: Any) -> None:
+def _compare(batch: dict[str, Any], *, off_policy: bool, memory_budget: int = SMALL_CHUNKS, **kw: Any) -> None:
     ids, mask, adv = batch["ids"], batch["mask"], batch["adv"]
     old = batch["old"] if off_policy else None
     ref = batch["ref"] if kw.get("beta", 0.0) else None
@@ -55,7 +55,7 @@ def _compare(batch: dict[str, Any], *, off_policy: bool, **kw: Any) -> None:
             out = fused_linear_grpo_loss(h, w, ids.to(h.device), mask.to(h.device), cast(adv), bias=b,
                                          old_per_token_logps=cast(old) if old is not None else None,
                                          ref_per_token_logps=cast(ref) if ref is not None else None,
-                                         reference=reference, memory_budget=SMALL_CHUNKS, **kw)  # fmt: skip
+                                         reference=reference, memory_budget=memory_budget, **kw)  # fmt: skip
             return (out.loss, out.per_token_logps, *([out.entropies] if out.entropies is not None else []),
                     *out.metrics.values())  # fmt: skip
 
@@ -82,8 +82,11 @@ def test_off_policy_with_kl_matches_full_logits(device: str, loss_type: str, lev
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
-def test_on_policy_dtypes(device: str, dtype: torch.dtype) -> None:
-    _compare(_batch(device, dtype, seed=2, bias=True), off_policy=False, loss_type="dapo")
+@pytest.mark.parametrize("budget", [1 << 30, SMALL_CHUNKS], ids=["one_chunk", "chunks"])
+def test_on_policy_dtypes(device: str, dtype: torch.dtype, budget: int) -> None:
+    """One chunk keeps the logits' gradient for the backward's weight gradient; several
+    accumulate it in fp32 in the forward."""
+    _compare(_batch(device, dtype, seed=2, bias=True), off_policy=False, loss_type="dapo", memory_budget=budget)
 
 
 def test_two_sided_clip_bias_correction_and_entropy_bonus(device: str) -> None:
