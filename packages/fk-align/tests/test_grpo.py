@@ -4,6 +4,7 @@ called with stand-ins for the trainer, its model and accelerate."""
 
 from __future__ import annotations
 
+import importlib.util
 from collections import defaultdict
 from types import SimpleNamespace
 from typing import Any
@@ -125,7 +126,7 @@ def test_compile_matches_eager(device: str) -> None:
 
 # --- Against TRL's code ---------------------------------------------------------------------------
 
-trl = pytest.importorskip("trl")
+needs_trl = pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="needs TRL (fk-align[testing])")
 
 
 def _trl_loss(batch: dict[str, Any], h: torch.Tensor, w: torch.Tensor, kw: dict[str, Any], old: Any, ref: Any) -> Any:
@@ -161,6 +162,7 @@ def _trl_loss(batch: dict[str, Any], h: torch.Tensor, w: torch.Tensor, kw: dict[
     return GRPOTrainer._compute_loss(trainer, None, inputs), trainer._metrics["train"]
 
 
+@needs_trl
 @pytest.mark.parametrize("loss_type", GRPO_LOSS_TYPES)
 @pytest.mark.parametrize("level", ["token", "sequence"])
 @pytest.mark.parametrize("off_policy", [False, True], ids=["on_policy", "off_policy"])

@@ -4,6 +4,7 @@ trainer code, called with stand-ins for the trainer, the model and accelerate.""
 
 from __future__ import annotations
 
+import importlib.util
 from collections import defaultdict
 from types import SimpleNamespace
 from typing import Any
@@ -130,7 +131,7 @@ def test_kto_matches_full_logits(device: str, loss_type: str, dtype: torch.dtype
 
 # --- The formulas against TRL's code --------------------------------------------------------------
 
-trl = pytest.importorskip("trl")
+needs_trl = pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="needs TRL (fk-align[testing])")
 
 
 def _accelerator(device: torch.device) -> SimpleNamespace:
@@ -143,6 +144,7 @@ def _metric(trainer: SimpleNamespace, key: str) -> float:
     return float(trainer._metrics["train"][key][-1])
 
 
+@needs_trl
 @pytest.mark.parametrize("loss_type", DPO_LOSS_TYPES)
 def test_dpo_equals_trl_dpo_trainer(loss_type: str) -> None:
     """TRL's ``DPOTrainer._compute_loss`` on a stand-in model whose fused head gives the fp64
@@ -191,6 +193,7 @@ def _full_logits_logps(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, t
     return trainer_class.get_batch_logps(h @ w.T, labels, average_log_prob=True)
 
 
+@needs_trl
 @pytest.mark.parametrize(("loss_type", "alpha"), [(t, 0.0) for t in CPO_LOSS_TYPES] + [("simpo", 0.2)])
 def test_cpo_equals_trl_cpo_loss(loss_type: str, alpha: float) -> None:
     from trl.experimental.cpo import CPOTrainer
@@ -216,6 +219,7 @@ def test_cpo_equals_trl_cpo_loss(loss_type: str, alpha: float) -> None:
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
 
 
+@needs_trl
 def test_orpo_equals_trl_odds_ratio_loss() -> None:
     from trl.experimental.orpo import ORPOTrainer
 
@@ -308,6 +312,7 @@ def test_no_host_synchronization() -> None:
         torch.cuda.set_sync_debug_mode("default")
 
 
+@needs_trl
 @pytest.mark.parametrize("loss_type", KTO_LOSS_TYPES)
 def test_kto_equals_trl_kto_trainer(loss_type: str) -> None:
     from trl import KTOTrainer
