@@ -171,3 +171,38 @@ def test_no_host_synchronization() -> None:
             (out.logps.sum() + out.entropy.sum()).backward()
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def test_no_tokens(device: str) -> None:
+    h, w, _ = _inputs(0, torch.float32, device, seed=19, bias=False)
+    out = fused_linear_logprobs(h, w, torch.zeros(0, dtype=torch.long, device=device), return_entropy=True)
+    assert out.logps.shape == (0,) and out.entropy.shape == (0,)
+    (out.logps.sum() + out.entropy.sum()).backward()
+    assert w.grad is not None and bool((w.grad == 0).all())
+
+
+def test_int32_labels_equal_int64(device: str) -> None:
+    h, w, _ = _inputs(9, torch.float32, device, seed=20, bias=False)
+    target = _labels((9,), device, seed=21)
+    torch.testing.assert_close(fused_linear_logprobs(h, w, target.int()), fused_linear_logprobs(h, w, target))
+
+
+def test_property_shapes_dtypes_budgets(device: str) -> None:
+    """Any token count and vocabulary size, any dtype, any number of chunks."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    @settings(max_examples=8, deadline=None)
+    @given(n=st.integers(1, 40), vocab=st.integers(1, 700), dtype=testing.strategies().dtypes,
+           chunk_rows=st.integers(1, 48), temperature=st.sampled_from([1.0, 0.6, 1.7]))  # fmt: skip
+    def check(n: int, vocab: int, dtype: torch.dtype, chunk_rows: int, temperature: float) -> None:
+        h = testing.random_tensor((n, 8), dtype, device, seed=n, requires_grad=True)
+        w = testing.random_tensor((vocab, 8), dtype, device, seed=vocab, scale=0.7, requires_grad=True)
+        g = torch.Generator().manual_seed(n + vocab)
+        target = torch.randint(0, vocab, (n,), generator=g)
+        target[torch.rand(n, generator=g) < 0.3] = -100
+        fk, ref = _pair(target.to(device), temperature=temperature, return_entropy=True,
+                        memory_budget=chunk_rows * vocab * h.element_size())  # fmt: skip
+        testing.compare_with_reference(lambda h, w: fk(h, w, None), lambda h, w: ref(h, w, None), [h, w])
+
+    check()
