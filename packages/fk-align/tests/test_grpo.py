@@ -253,3 +253,18 @@ def test_no_host_synchronization() -> None:
             out.loss.backward()
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def test_reference_path_without_triton() -> None:
+    """A CPU-only user without Triton's interpreter gets the PyTorch reference for every loss."""
+    testing.run_on_reference_path(
+        "import torch\n"
+        "from fk.align import fused_linear_dpo_loss, fused_linear_grpo_loss, fused_linear_logprobs\n"
+        "h = torch.randn(2, 5, 8, requires_grad=True)\n"
+        "w = torch.randn(11, 8, requires_grad=True)\n"
+        "ids = torch.randint(0, 11, (2, 5))\n"
+        "out = fused_linear_grpo_loss(h, w, ids, torch.ones(2, 5), torch.randn(2), entropy_coef=0.1)\n"
+        "(out.loss + fused_linear_dpo_loss(h, w, ids).loss + fused_linear_logprobs(h, w, ids).sum()).backward()\n"
+        "assert h.grad is not None and w.grad is not None\n"
+        "print('ok')\n"
+    )
