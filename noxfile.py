@@ -9,10 +9,12 @@ installing anything, for a GPU machine whose Python already has torch, triton an
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import sys
 import zipfile
 from pathlib import Path
+from typing import Any
 
 import nox
 
@@ -39,16 +41,38 @@ def _install_runtime(session: nox.Session) -> None:
     session.install(TORCH, TRITON)
 
 
-def _extra(dist: Path, name: str) -> list[str]:
-    """The requirements of the extra ``name`` of a distribution (``[]`` when it has none)."""
+def _project(dist: Path) -> dict[str, Any]:
+    """The ``[project]`` table of a distribution's pyproject.toml."""
     if sys.version_info >= (3, 11):
         import tomllib
     else:  # Python 3.10: nox itself depends on tomli there
         import tomli as tomllib
 
-    project = tomllib.loads((dist / "pyproject.toml").read_text())["project"]
-    requirements: list[str] = project.get("optional-dependencies", {}).get(name, [])
+    project: dict[str, Any] = tomllib.loads((dist / "pyproject.toml").read_text())["project"]
+    return project
+
+
+def _extra(dist: Path, name: str) -> list[str]:
+    """The requirements of the extra ``name`` of a distribution (``[]`` when it has none)."""
+    requirements: list[str] = _project(dist).get("optional-dependencies", {}).get(name, [])
     return requirements
+
+
+def _local_dependencies(dist: Path) -> list[Path]:
+    """The fk distributions of this repository that ``dist`` needs, read from the dependencies its
+    pyproject.toml declares, and theirs (fk-core aside, which the sessions install with its
+    extras): fk-align's fk-flce, fk-lora's fk-glu, every kernel package for the meta-package. They
+    are not on the package index yet, so the sessions install them from here, in one pip command."""
+    local = {p.name: p for p in PACKAGES}
+    found: list[Path] = []
+    pending = [dist]
+    while pending:
+        requirements = _project(pending.pop()).get("dependencies", [])
+        for name in (re.split(r"[\s<>=!~;\[]", req, maxsplit=1)[0] for req in requirements):
+            if name in local and name != "fk-core" and local[name] not in found:
+                found.append(local[name])
+                pending.append(local[name])
+    return found
 
 
 def _test_extras(dist: Path) -> list[str]:
@@ -87,10 +111,9 @@ def tests_isolated(session: nox.Session, dist: str) -> None:
     # The fk distributions are not on the index yet: install the local ones this one depends on,
     # then the package itself with its declared dependencies resolved normally.
     session.install(f"{ROOT / 'packages' / 'fk-core'}[testing,bench]")
-    if path == META:
-        session.install(*(str(p) for p in PACKAGES if p.name != "fk-core"))
-    elif path.name == "fk-lora":
-        session.install(str(ROOT / "packages" / "fk-glu"))
+    local = _local_dependencies(path)
+    if local:
+        session.install(*(str(p) for p in local))
     _install_test_extras(session, [path])
     session.install(str(path), TORCH)
     tests_dir = path / "tests"

@@ -1,0 +1,59 @@
+"""fk.align: preference and RL losses on the fused LM head, without the ``[tokens, vocab]`` logits.
+
+- :func:`fused_linear_logprobs` (and ``_ref``): per-token log-probabilities (and entropies) of
+  ``hidden @ weight.T + bias`` at a temperature, the building block of every loss here.
+- :func:`fused_linear_dpo_loss`, :func:`fused_linear_cpo_loss` (SimPO, AlphaPO),
+  :func:`fused_linear_orpo_loss`: paired preference losses as TRL computes them, with TRL's
+  metrics (:class:`PreferenceOutput`); :func:`fused_linear_kto_loss` (:class:`KTOOutput`) for
+  unpaired ones. Their formulas on sequence log-probabilities: :func:`dpo_pair_losses`,
+  :func:`cpo_pair_losses`, :func:`orpo_pair_losses`, :func:`kto_sequence_losses`;
+  :func:`sequence_logps` gives those log-probabilities.
+- :func:`fused_linear_grpo_loss`: GRPO and TRL's variants (:data:`GRPO_LOSS_TYPES`), token or
+  sequence importance sampling, KL to a reference, entropy bonus, TRL's metrics
+  (:class:`GRPOOutput`); in one pass with gradients at the token level.
+"""
+
+from fk.align.grpo import LOSS_TYPES as GRPO_LOSS_TYPES
+from fk.align.grpo import GRPOOutput, fused_linear_grpo_loss
+from fk.align.logprobs import LogProbsOutput, fused_linear_logprobs, fused_linear_logprobs_ref
+from fk.align.preference import (
+    CPO_LOSS_TYPES,
+    DPO_LOSS_TYPES,
+    KTO_LOSS_TYPES,
+    KTOOutput,
+    PreferenceOutput,
+    SequenceLogps,
+    cpo_pair_losses,
+    dpo_pair_losses,
+    fused_linear_cpo_loss,
+    fused_linear_dpo_loss,
+    fused_linear_kto_loss,
+    fused_linear_orpo_loss,
+    kto_sequence_losses,
+    orpo_pair_losses,
+    sequence_logps,
+)
+
+__all__ = [
+    "CPO_LOSS_TYPES",
+    "DPO_LOSS_TYPES",
+    "GRPO_LOSS_TYPES",
+    "KTO_LOSS_TYPES",
+    "GRPOOutput",
+    "KTOOutput",
+    "LogProbsOutput",
+    "PreferenceOutput",
+    "SequenceLogps",
+    "cpo_pair_losses",
+    "dpo_pair_losses",
+    "fused_linear_cpo_loss",
+    "fused_linear_dpo_loss",
+    "fused_linear_grpo_loss",
+    "fused_linear_kto_loss",
+    "fused_linear_logprobs",
+    "fused_linear_logprobs_ref",
+    "fused_linear_orpo_loss",
+    "kto_sequence_losses",
+    "orpo_pair_losses",
+    "sequence_logps",
+]

@@ -1,0 +1,384 @@
+"""Preference losses on the fused head: against the same losses on the full logits in float64
+(values, metrics and gradients of hidden, weight, bias), and their formulas against TRL 1.16's own
+trainer code, called with stand-ins for the trainer, the model and accelerate."""
+
+from __future__ import annotations
+
+import importlib.util
+from collections import defaultdict
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from fk.align import (
+    CPO_LOSS_TYPES,
+    DPO_LOSS_TYPES,
+    KTO_LOSS_TYPES,
+    fused_linear_cpo_loss,
+    fused_linear_dpo_loss,
+    fused_linear_kto_loss,
+    fused_linear_logprobs_ref,
+    fused_linear_orpo_loss,
+)
+from fk.core import testing
+from fk.core.testing import DTYPES, dtype_name
+
+P, T, H, V = 2, 7, 16, 1003  # 2 pairs of 7 tokens: 28 tokens, an odd count per sequence
+SMALL_CHUNKS = 8 * V * 4  # several chunks
+
+
+def _batch(device: str, dtype: torch.dtype, seed: int, *, bias: bool = False) -> list[Any]:
+    """(hidden, weight, bias, labels): unshifted labels as TRL builds them, the prompt (the first
+    2 tokens, 3 for the rejected sequences) and one padded tail ignored."""
+    h = testing.random_tensor((2 * P, T, H), dtype, device, seed=seed, requires_grad=True)
+    w = testing.random_tensor((V, H), dtype, device, seed=seed + 1, scale=H**-0.5 * 2, requires_grad=True)
+    b = testing.random_tensor((V,), dtype, device, seed=seed + 2, requires_grad=True) if bias else None
+    g = torch.Generator().manual_seed(seed + 3)
+    labels = torch.randint(0, V, (2 * P, T), generator=g)
+    labels[:, :2] = -100
+    labels[1::2, 2] = -100
+    labels[0, -1] = -100
+    return [h, w, b, labels.to(device)]
+
+
+def _refs(device: str, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return (-30 + 3 * torch.randn(P, generator=g)).to(device), (-32 + 3 * torch.randn(P, generator=g)).to(device)
+
+
+def _compare(loss_fn: Any, args: list[Any], **kw: Any) -> None:
+    h, w, b, labels = args
+
+    def fk(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> Any:
+        return loss_fn(h, w, labels.to(h.device), bias=b, shift=True, memory_budget=SMALL_CHUNKS, **_moved(kw, h))
+
+    def ref(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> Any:
+        return loss_fn(h, w, labels.to(h.device), bias=b, shift=True, reference=True, **_moved(kw, h))
+
+    testing.compare_with_reference(fk, ref, [h, w, b], arg_names=["hidden", "weight", "bias"])
+
+
+def _moved(kw: dict[str, Any], like: torch.Tensor) -> dict[str, Any]:
+    dtype = torch.float64 if like.dtype == torch.float64 else torch.float32
+    return {k: v.to(like.device, dtype) if torch.is_tensor(v) else v for k, v in kw.items()}
+
+
+# The fused path is the same for every loss type (the loss is PyTorch on per-sequence values); these
+# cover the different uses of those values: sums, per-token means (ipo), sorting (aot), all pairs
+# at once (sft). Every type's formula is checked against TRL's code below.
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo", "aot", "sft", "exo_pair"])
+def test_dpo_matches_full_logits(device: str, loss_type: str) -> None:
+    ref_chosen, ref_rejected = _refs(device, seed=1)
+    smoothing = 0.1 if loss_type in ("exo_pair", "robust", "aot", "aot_unpaired") else 0.0
+    _compare(fused_linear_dpo_loss, _batch(device, torch.float32, seed=2, bias=loss_type == "sigmoid"),
+             ref_chosen_logps=ref_chosen, ref_rejected_logps=ref_rejected, loss_type=loss_type, beta=0.1,
+             label_smoothing=smoothing)  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
+def test_dpo_dtypes_reference_free_and_combined_types(device: str, dtype: torch.dtype) -> None:
+    _compare(fused_linear_dpo_loss, _batch(device, dtype, seed=3), loss_type=["sigmoid", "sft"],
+             loss_weights=[1.0, 0.5], beta=0.05)  # fmt: skip
+
+
+@pytest.mark.parametrize("loss_type", CPO_LOSS_TYPES)
+def test_cpo_matches_full_logits(device: str, loss_type: str) -> None:
+    _compare(fused_linear_cpo_loss, _batch(device, torch.float32, seed=4), loss_type=loss_type,
+             cpo_alpha=0.0 if loss_type == "simpo" else 1.0, label_smoothing=0.1 if loss_type == "sigmoid" else 0.0)  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
+def test_orpo_and_alphapo_match_full_logits(device: str, dtype: torch.dtype) -> None:
+    _compare(fused_linear_orpo_loss, _batch(device, dtype, seed=5, bias=True), beta=0.2)
+    _compare(fused_linear_cpo_loss, _batch(device, dtype, seed=6), loss_type="simpo", cpo_alpha=0.0, alpha=0.1)
+
+
+def test_dpo_with_a_sequence_without_scored_tokens(device: str) -> None:
+    """An all-ignored rejected sequence: log-probability 0 and no gradient from its tokens."""
+    batch = _batch(device, torch.float32, seed=22, bias=True)
+    batch[3] = batch[3].clone()
+    batch[3][-1, :] = -100
+    ref_chosen, ref_rejected = _refs(device, seed=23)
+    for loss_type in ("sigmoid", "ipo"):
+        _compare(fused_linear_dpo_loss, batch, ref_chosen_logps=ref_chosen, ref_rejected_logps=ref_rejected,
+                 loss_type=loss_type)  # fmt: skip
+    out = fused_linear_dpo_loss(batch[0], batch[1], batch[3], shift=True, memory_budget=SMALL_CHUNKS)
+    assert float(out.rejected_logps[-1]) == 0.0
+    out.loss.backward()
+    assert bool((batch[0].grad[-1] == 0).all())
+
+
+def _kto_extras(device: str, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"desirable": torch.tensor([True, False, True, True]).to(device),
+            "ref_logps": (-30 + 3 * torch.randn(2 * P, generator=g)).to(device),
+            "kl_logps": (-31 + 3 * torch.randn(3, generator=g)).to(device),
+            "ref_kl_logps": (-33 + 3 * torch.randn(3, generator=g)).to(device)}  # fmt: skip
+
+
+@pytest.mark.parametrize("loss_type", KTO_LOSS_TYPES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
+def test_kto_matches_full_logits(device: str, loss_type: str, dtype: torch.dtype) -> None:
+    extras = _kto_extras(device, seed=17)
+    desirable = extras.pop("desirable")
+
+    def kto(h: torch.Tensor, w: torch.Tensor, target: torch.Tensor, **kw: Any) -> Any:
+        out = fused_linear_kto_loss(h, w, target, desirable.to(h.device), **kw)
+        return (out.loss, out.logps, out.rewards, *out.metrics.values())
+
+    _compare(kto, _batch(device, dtype, seed=18, bias=True), loss_type=loss_type, beta=0.2, desirable_weight=1.3,
+             undesirable_weight=0.7, **extras)  # fmt: skip
+
+
+# --- The formulas against TRL's code --------------------------------------------------------------
+
+needs_trl = pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="needs TRL (fk-align[testing])")
+
+
+def _accelerator(device: torch.device) -> SimpleNamespace:
+    same = lambda t: t  # noqa: E731  (one process: gathering returns the tensor)
+    return SimpleNamespace(device=device, gather=same, gather_for_metrics=same, num_processes=1,
+                           reduce=lambda t, reduction: t)  # fmt: skip
+
+
+def _metric(trainer: SimpleNamespace, key: str) -> float:
+    return float(trainer._metrics["train"][key][-1])
+
+
+@needs_trl
+@pytest.mark.parametrize("loss_type", DPO_LOSS_TYPES)
+def test_dpo_equals_trl_dpo_trainer(loss_type: str) -> None:
+    """TRL's ``DPOTrainer._compute_loss`` on a stand-in model whose fused head gives the fp64
+    log-probabilities of the full logits: the same loss, gradients and logged metrics."""
+    from trl import DPOTrainer
+
+    h, w, _, labels = _batch("cpu", torch.float64, seed=7)
+    ref_chosen, ref_rejected = (r.double() for r in _refs("cpu", seed=8))
+    smoothing = 0.1 if loss_type in ("exo_pair", "robust", "aot", "aot_unpaired") else 0.0
+    completion_mask = (labels != -100).long()
+    input_ids = labels.clamp(min=0)
+
+    def model(input_ids: torch.Tensor, labels: torch.Tensor, fused_lm_head: bool, **_: Any) -> SimpleNamespace:
+        assert fused_lm_head
+        logps = fused_linear_logprobs_ref(h[:, :-1], w, labels[:, 1:])
+        zeros = torch.zeros_like(logps)
+        return SimpleNamespace(log_probs=logps, entropy=zeros, mean_logits=zeros, is_top1=zeros.bool())
+
+    trainer = SimpleNamespace(
+        model=SimpleNamespace(training=True), accelerator=_accelerator(h.device), aux_loss_enabled=False,
+        precompute_ref_logps=True, ld_alpha=None, f_divergence_type="reverse_kl", loss_types=[loss_type],
+        loss_weights=[1.0], beta=0.1, label_smoothing=smoothing, use_weighting=False,
+        args=SimpleNamespace(discopop_tau=0.05), _metrics=defaultdict(lambda: defaultdict(list)),
+        _total_train_tokens=0, _tp_size=1,
+    )  # fmt: skip
+    inputs = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids),
+              "completion_mask": completion_mask, "ref_chosen_logps": ref_chosen, "ref_rejected_logps": ref_rejected}  # fmt: skip
+    want = DPOTrainer._compute_loss(trainer, model, inputs, return_outputs=False)
+    want_grads = torch.autograd.grad(want, (h, w))
+    got = fused_linear_dpo_loss(h, w, labels, shift=True, ref_chosen_logps=ref_chosen, ref_rejected_logps=ref_rejected,
+                                loss_type=loss_type, beta=0.1, label_smoothing=smoothing, reference=True)  # fmt: skip
+    got_grads = torch.autograd.grad(got.loss, (h, w))
+    # (TRL makes exo_pair's epsilon an fp32 tensor: its log(epsilon) is 1e-8 off in fp64 arithmetic.)
+    rtol = 1e-6 if loss_type == "exo_pair" else 1e-10
+    torch.testing.assert_close(got.loss, want, rtol=rtol, atol=1e-12)
+    for a, b in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=rtol, atol=1e-12)
+    for key, value in [("rewards/chosen", got.chosen_rewards), ("rewards/rejected", got.rejected_rewards),
+                       ("rewards/margins", got.reward_margins), ("rewards/accuracies", got.reward_accuracies),
+                       ("logps/chosen", got.chosen_logps), ("logps/rejected", got.rejected_logps)]:  # fmt: skip
+        assert float(value.mean()) == pytest.approx(_metric(trainer, key), rel=1e-9, abs=1e-12), key
+
+
+def _full_logits_logps(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, trainer_class: Any) -> torch.Tensor:
+    """TRL's own ``get_batch_logps`` (shift inside, mean per token) on the full logits."""
+    return trainer_class.get_batch_logps(h @ w.T, labels, average_log_prob=True)
+
+
+@needs_trl
+@pytest.mark.parametrize(("loss_type", "alpha"), [(t, 0.0) for t in CPO_LOSS_TYPES] + [("simpo", 0.2)])
+def test_cpo_equals_trl_cpo_loss(loss_type: str, alpha: float) -> None:
+    from trl.experimental.cpo import CPOTrainer
+
+    h, w, _, labels = _batch("cpu", torch.float64, seed=9)
+    average = loss_type in ("ipo", "simpo")
+    trainer = SimpleNamespace(alpha=alpha, beta=0.1, loss_type=loss_type, simpo_gamma=0.5, label_smoothing=0.1,
+                              accelerator=_accelerator(h.device))  # fmt: skip
+    logps = CPOTrainer.get_batch_logps(h @ w.T, labels, average_log_prob=average)
+    losses, chosen_rewards, rejected_rewards = CPOTrainer.cpo_loss(trainer, logps[:P], logps[P:])
+    chosen_logits = (h @ w.T)[:P, :-1].reshape(-1, V)
+    nll = torch.nn.functional.cross_entropy(chosen_logits, labels[:P, 1:].reshape(-1))
+    want = losses.mean() + 1.0 * nll
+    got = fused_linear_cpo_loss(h, w, labels, shift=True, loss_type=loss_type, alpha=alpha, beta=0.1,
+                                label_smoothing=0.1, simpo_gamma=0.5, reference=True)  # fmt: skip
+    torch.testing.assert_close(got.loss, want, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(got.chosen_rewards, chosen_rewards, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(got.rejected_rewards, rejected_rewards, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(got.nll_loss, nll.detach(), rtol=1e-10, atol=1e-12)
+    want_grads = torch.autograd.grad(want, (h, w))
+    got_grads = torch.autograd.grad(got.loss, (h, w))
+    for a, b in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+
+
+@needs_trl
+def test_orpo_equals_trl_odds_ratio_loss() -> None:
+    from trl.experimental.orpo import ORPOTrainer
+
+    h, w, _, labels = _batch("cpu", torch.float64, seed=10)
+    logps = ORPOTrainer.get_batch_logps(h @ w.T, labels, average_log_prob=True)
+    trainer = SimpleNamespace(beta=0.2, accelerator=_accelerator(h.device))
+    losses, chosen_rewards, rejected_rewards, log_odds_ratio, log_odds_chosen = ORPOTrainer.odds_ratio_loss(
+        trainer, logps[:P], logps[P:]
+    )
+    nll = torch.nn.functional.cross_entropy((h @ w.T)[:P, :-1].reshape(-1, V), labels[:P, 1:].reshape(-1))
+    want = nll - losses.mean()
+    got = fused_linear_orpo_loss(h, w, labels, shift=True, beta=0.2, reference=True)
+    # TRL casts the log-probabilities to fp32 (fk's are fp32 already): agreement to fp32 rounding.
+    torch.testing.assert_close(got.loss, want, rtol=1e-6, atol=1e-7)
+    for a, b in [(got.chosen_rewards, chosen_rewards), (got.rejected_rewards, rejected_rewards),
+                 (got.log_odds_ratio, log_odds_ratio), (got.log_odds_chosen, log_odds_chosen)]:  # fmt: skip
+        torch.testing.assert_close(a, b.detach().double(), rtol=1e-6, atol=1e-7)
+    for a, b in zip(torch.autograd.grad(got.loss, (h, w)), torch.autograd.grad(want, (h, w)), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+# --- Bad input ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kw", "message"),
+    [
+        ({"beta": 0.0}, "beta"),
+        ({"loss_type": "dpo"}, "loss_type"),
+        ({"loss_type": "robust", "label_smoothing": 0.5}, "label_smoothing"),
+        ({"loss_type": "exo_pair"}, "label_smoothing"),
+        ({"ref_chosen_logps": "only"}, "ref_rejected_logps"),
+        ({"ref_chosen_logps": "wrong_shape", "ref_rejected_logps": "wrong_shape"}, "ref_chosen_logps"),
+        ({"loss_weights": [1.0, 2.0]}, "loss_weights"),
+        ({"odd_batch": True}, "hidden"),
+    ],
+)
+def test_bad_input_raises_naming_the_argument(kw: dict[str, Any], message: str) -> None:
+    h, w, _, labels = _batch("cpu", torch.float32, seed=11)
+    kw = dict(kw)
+    if kw.pop("odd_batch", False):
+        h, labels = h[:3], labels[:3]
+    for name in ("ref_chosen_logps", "ref_rejected_logps"):
+        if kw.get(name) == "only":
+            kw[name] = torch.zeros(P)
+        elif kw.get(name) == "wrong_shape":
+            kw[name] = torch.zeros(P + 1)
+    with pytest.raises(ValueError, match=message):
+        fused_linear_dpo_loss(h, w, labels, **kw)
+
+
+def test_frozen_head_gets_no_gradient(device: str) -> None:
+    h, w, _, labels = _batch(device, torch.float32, seed=12)
+    w.requires_grad_(False)
+    out = fused_linear_dpo_loss(h, w, labels, shift=True, memory_budget=SMALL_CHUNKS)
+    want = fused_linear_dpo_loss(h, w, labels, shift=True, reference=True)
+    torch.testing.assert_close(torch.autograd.grad(out.loss, h)[0], torch.autograd.grad(want.loss, h)[0],
+                               rtol=1e-4, atol=1e-6)  # fmt: skip
+    fused_linear_dpo_loss(h, w, labels, shift=True).loss.backward()
+    assert w.grad is None
+
+
+def test_compile_matches_eager(device: str) -> None:
+    h, w, b, labels = _batch(device, torch.float32, seed=13, bias=True)
+    ref_chosen, ref_rejected = _refs(device, seed=14)
+
+    def loss(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return fused_linear_dpo_loss(h, w, labels, bias=b, shift=True, ref_chosen_logps=ref_chosen,
+                                     ref_rejected_logps=ref_rejected, memory_budget=SMALL_CHUNKS).loss  # fmt: skip
+
+    testing.assert_compile_matches_eager(loss, [h, w, b])
+
+
+@pytest.mark.gpu
+def test_no_host_synchronization() -> None:
+    h, w, b, labels = _batch("cuda", torch.bfloat16, seed=15, bias=True)
+    ref_chosen, ref_rejected = _refs("cuda", seed=16)
+    fused_linear_dpo_loss(h, w, labels, bias=b, shift=True).loss.backward()  # compile and warm up first
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for loss_type in DPO_LOSS_TYPES:
+            smoothing = 0.1 if loss_type in ("exo_pair", "robust") else 0.0
+            fused_linear_dpo_loss(h, w, labels, bias=b, shift=True, ref_chosen_logps=ref_chosen,
+                                  ref_rejected_logps=ref_rejected, loss_type=loss_type,
+                                  label_smoothing=smoothing).loss.backward()  # fmt: skip
+        for fn in (fused_linear_cpo_loss, fused_linear_orpo_loss):
+            fn(h, w, labels, bias=b, shift=True).loss.backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@needs_trl
+@pytest.mark.parametrize("loss_type", KTO_LOSS_TYPES)
+def test_kto_equals_trl_kto_trainer(loss_type: str) -> None:
+    from trl import KTOTrainer
+
+    h, w, _, labels = _batch("cpu", torch.float64, seed=19)
+    kl_h, _, _, kl_labels = _batch("cpu", torch.float64, seed=20)
+    extras = {k: v.double() if v.is_floating_point() else v for k, v in _kto_extras("cpu", seed=21).items()}
+    completion_mask = (labels != -100).long()
+    kl_completion_mask = (kl_labels != -100).long()
+    input_ids, kl_input_ids = labels.clamp(min=0), kl_labels.clamp(min=0)
+    ref_kl = extras["ref_kl_logps"][:1].expand(2 * P).clone()  # TRL: one KL completion per example
+
+    def model(input_ids: torch.Tensor, labels: torch.Tensor, fused_lm_head: bool, **_: Any) -> SimpleNamespace:
+        hidden = kl_h if input_ids is kl_input_ids else h
+        logps = fused_linear_logprobs_ref(hidden[:, :-1], w, labels[:, 1:])
+        zeros = torch.zeros_like(logps)
+        return SimpleNamespace(log_probs=logps, entropy=zeros, mean_logits=zeros)
+
+    trainer = SimpleNamespace(
+        model=SimpleNamespace(training=True), accelerator=_accelerator(h.device), calculate_KL=loss_type == "kto",
+        precompute_ref_logps=True, aux_loss_enabled=False, loss_type=loss_type, beta=0.2, desirable_weight=1.3,
+        undesirable_weight=0.7, _metrics=defaultdict(lambda: defaultdict(list)), _total_train_tokens=0, _tp_size=1,
+    )  # fmt: skip
+    trainer._compute_kl_logps = lambda model_, batch: KTOTrainer._compute_kl_logps(trainer, model_, batch)
+    inputs = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), "completion_mask": completion_mask,
+              "KL_input_ids": kl_input_ids, "KL_attention_mask": torch.ones_like(kl_input_ids),
+              "KL_completion_mask": kl_completion_mask, "label": extras["desirable"], "ref_logps": extras["ref_logps"],
+              "ref_KL_logps": ref_kl}  # fmt: skip
+    want = KTOTrainer._compute_loss(trainer, model, inputs, return_outputs=False)
+    kl_logps = None
+    if loss_type == "kto":
+        with torch.no_grad():
+            kl_logps = fused_linear_logprobs_ref(kl_h, w, kl_labels, shift=True).sum(-1)
+    got = fused_linear_kto_loss(h, w, labels, extras["desirable"], shift=True, ref_logps=extras["ref_logps"],
+                                kl_logps=kl_logps, ref_kl_logps=ref_kl if kl_logps is not None else None,
+                                loss_type=loss_type, beta=0.2, desirable_weight=1.3, undesirable_weight=0.7,
+                                reference=True)  # fmt: skip
+    torch.testing.assert_close(got.loss, want, rtol=1e-10, atol=1e-12)
+    for a, b in zip(torch.autograd.grad(got.loss, (h, w)), torch.autograd.grad(want, (h, w)), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+    for key in ("kl", "rewards/chosen", "logps/chosen", "rewards/rejected", "logps/rejected", "rewards/margins"):
+        assert float(got.metrics[key]) == pytest.approx(_metric(trainer, key), rel=1e-9, abs=1e-12), key
+
+
+@pytest.mark.parametrize(
+    ("kw", "message"),
+    [
+        ({"desirable": "wrong_shape"}, "desirable"),
+        ({"kl_logps": "only"}, "ref_kl_logps"),
+        ({"ref_logps": "wrong_shape"}, "ref_logps"),
+        ({"loss_type": "bco"}, "loss_type"),
+        ({"desirable_weight": -1.0}, "desirable_weight"),
+    ],
+)
+def test_kto_bad_input_raises_naming_the_argument(kw: dict[str, Any], message: str) -> None:
+    h, w, _, labels = _batch("cpu", torch.float32, seed=24)
+    kw = dict(kw)
+    desirable = torch.tensor([True, False, True, False])
+    if kw.pop("desirable", None) == "wrong_shape":
+        desirable = desirable[:3]
+    if kw.get("kl_logps") == "only":
+        kw["kl_logps"] = torch.zeros(3)
+    if kw.get("ref_logps") == "wrong_shape":
+        kw["ref_logps"] = torch.zeros(3)
+    with pytest.raises(ValueError, match=message):
+        fused_linear_kto_loss(h, w, labels, desirable, **kw)
