@@ -340,23 +340,24 @@ def _distill_kernel(
                 m_t, s_t = _online_lse(m_t, s_t, b)
             if RAW_LSE:
                 m_x, s_x = _online_lse(m_x, s_x, tl.where(mask, x, -float("inf")))
+        # lse = top + log_sum, kept apart: log p = (a - top) - log_sum rounds as log_softmax does.
         top_s = tl.max(m_s, axis=0)
         w_s = tl.exp(m_s - top_s)
         sum_s = tl.sum(s_s * w_s, axis=0)
-        lse_s = top_s + tl.log(sum_s)
+        log_sum_s = tl.log(sum_s)
         top_t = tl.max(m_t, axis=0)
         w_t = tl.exp(m_t - top_t)
         sum_t = tl.sum(s_t * w_t, axis=0)
-        lse_t = top_t + tl.log(sum_t)
+        log_sum_t = tl.log(sum_t)
         # kl: the divergence's own KL (reverse or forward); extra: the sum pass 3 subtracts.
         kl = 0.0
         extra = 0.0
         div = 0.0
         if DIVERGENCE == 0:
-            kl = tl.sum(r_t * w_t, axis=0) / sum_t - lse_t + lse_s
+            kl = tl.sum(r_t * w_t, axis=0) / sum_t - (top_t - top_s) - (log_sum_t - log_sum_s)
             div = kl
         elif DIVERGENCE == 1:
-            kl = tl.sum(r_s * w_s, axis=0) / sum_s - lse_s + lse_t
+            kl = tl.sum(r_s * w_s, axis=0) / sum_s - (top_s - top_t) - (log_sum_s - log_sum_t)
             div = kl
         else:
             # Pass 2 (JSD, TVD): the loss and the sum pass 3 subtracts.
@@ -367,8 +368,8 @@ def _distill_kernel(
                 mask = c < n_cols
                 x = tl.load(x_row + c, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
                 y = tl.load(y_row + c, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
-                log_ps = x * inv_temperature - lse_s
-                log_pt = y * inv_temperature - lse_t
+                log_ps = (x * inv_temperature - top_s) - log_sum_s
+                log_pt = (y * inv_temperature - top_t) - log_sum_t
                 ps = tl.exp(log_ps)
                 pt = tl.exp(log_pt)
                 if DIVERGENCE == 2:
@@ -386,15 +387,16 @@ def _distill_kernel(
             else:
                 div = 0.5 * tl.sum(acc_loss, axis=0)
         loss = weight_soft * div
-        lse_x = lse_s
+        top_x = top_s
+        log_sum_x = log_sum_s
         label_ok = False
         if HARD:
             if RAW_LSE:
                 top_x = tl.max(m_x, axis=0)
-                lse_x = top_x + tl.log(tl.sum(s_x * tl.exp(m_x - top_x), axis=0))
+                log_sum_x = tl.log(tl.sum(s_x * tl.exp(m_x - top_x), axis=0))
             label_ok = (label >= 0) & (label < n_cols) & (label != ignore_index)
             x_y = tl.load(x_row + label, mask=label_ok, other=0.0).to(tl.float32)
-            loss += weight_hard * (lse_x - x_y)
+            loss += weight_hard * (log_sum_x - (x_y - top_x))
         tl.store(loss_ptr + row, tl.where(ignored, 0.0, loss))
         # Pass 3: the gradient, scaled; blocks backwards (the last read are likeliest in L2).
         if COMPUTE_GRAD:
@@ -408,8 +410,8 @@ def _distill_kernel(
                 mask = c < n_cols
                 x = tl.load(x_row + c, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
                 y = tl.load(y_row + c, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
-                log_ps = x * inv_temperature - lse_s
-                log_pt = y * inv_temperature - lse_t
+                log_ps = (x * inv_temperature - top_s) - log_sum_s
+                log_pt = (y * inv_temperature - top_t) - log_sum_t
                 ps = tl.exp(log_ps)
                 if DIVERGENCE == 0:
                     g = ps - tl.exp(log_pt)
@@ -422,7 +424,7 @@ def _distill_kernel(
                     g = 0.5 * ps * (tl.where(diff > 0, 1.0, tl.where(diff < 0, -1.0, 0.0)) - extra)
                 g = g * soft_scale
                 if HARD:
-                    g += (weight_hard * scale) * (tl.exp(x - lse_x) - tl.where(c == label32, 1.0, 0.0))
+                    g += (weight_hard * scale) * (tl.exp((x - top_x) - log_sum_x) - tl.where(c == label32, 1.0, 0.0))
                 tl.store(x_row + c, g.to(student_ptr.dtype.element_ty), mask=mask)
 
 
