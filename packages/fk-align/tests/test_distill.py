@@ -11,6 +11,7 @@ from typing import Any, NamedTuple
 import pytest
 import torch
 
+from fk.align import distill
 from fk.align.distill import (
     FORWARD_KL,
     JSD,
@@ -40,9 +41,9 @@ DIVERGENCES = [("jsd", 0.5), ("jsd", 0.2), ("jsd", 0.0), ("jsd", 1.0), ("forward
 DIVERGENCE_IDS = [f"{loss}-{beta}" for loss, beta in DIVERGENCES]
 
 
-def _labels(shape: tuple[int, ...], device: str, seed: int) -> torch.Tensor:
+def _labels(shape: tuple[int, ...], device: str, seed: int, vocab: int = V) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
-    t = torch.randint(0, V, shape, generator=g)
+    t = torch.randint(0, vocab, shape, generator=g)
     t.view(-1)[::4] = -100
     return t.to(device)
 
@@ -54,20 +55,28 @@ class Head(NamedTuple):
 
 
 def _heads(
-    shape: tuple[int, ...], dtype: torch.dtype, device: str, seed: int, *, bias: bool = False
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    device: str,
+    seed: int,
+    *,
+    bias: bool = False,
+    vocab: int = V,
+    hidden: int = H,
+    teacher_hidden: int = H_T,
 ) -> tuple[Head, Head]:
     """(student, teacher): the student's leaves require grad; logits of spread about 3, so both
     distributions are peaked."""
     rand = testing.random_tensor
     student = Head(
-        rand((*shape, H), dtype, device, seed=seed, requires_grad=True),
-        rand((V, H), dtype, device, seed=seed + 1, scale=3 * H**-0.5, requires_grad=True),
-        rand((V,), dtype, device, seed=seed + 2, requires_grad=True) if bias else None,
+        rand((*shape, hidden), dtype, device, seed=seed, requires_grad=True),
+        rand((vocab, hidden), dtype, device, seed=seed + 1, scale=3 * hidden**-0.5, requires_grad=True),
+        rand((vocab,), dtype, device, seed=seed + 2, requires_grad=True) if bias else None,
     )
     teacher = Head(
-        rand((*shape, H_T), dtype, device, seed=seed + 3),
-        rand((V, H_T), dtype, device, seed=seed + 4, scale=3 * H_T**-0.5),
-        rand((V,), dtype, device, seed=seed + 5) if bias else None,
+        rand((*shape, teacher_hidden), dtype, device, seed=seed + 3),
+        rand((vocab, teacher_hidden), dtype, device, seed=seed + 4, scale=3 * teacher_hidden**-0.5),
+        rand((vocab,), dtype, device, seed=seed + 5) if bias else None,
     )
     return student, teacher
 
@@ -129,12 +138,7 @@ def test_closed_form_gradient_is_autograds(loss: str, beta: float, temperature: 
     torch.testing.assert_close(grad, x.grad, rtol=1e-10, atol=1e-13)
 
 
-@pytest.mark.parametrize("divergence", [FORWARD_KL, REVERSE_KL, JSD, TVD])
-@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
-def test_kernel_matches_closed_form(device: str, divergence: int, dtype: torch.dtype) -> None:
-    """The kernel alone, on chunks of logits: its per-row loss and the gradient it writes over the
-    student logits (one upstream gradient per row, a hard loss, an untempered log-sum-exp)."""
-    n = 7
+def _check_kernel(device: str, divergence: int, dtype: torch.dtype, n: int) -> None:
     student, teacher = _logits(n, dtype, seed=3)
     target = _labels((n,), "cpu", seed=4)
     options = DistillOptions(divergence, 0.3, 1.7, -100, 0.8, 0.25)
@@ -146,7 +150,25 @@ def test_kernel_matches_closed_form(device: str, divergence: int, dtype: torch.d
     launch_distill(grad, teacher.to(device), target.to(device), options, loss=rows, grad_scale=scale.to(device))
     testing.assert_close(rows, want_rows, base_rows, name="loss")
     testing.assert_close(grad, want_grad * scale[:, None], (base_grad * scale[:, None]).to(dtype), name="gradient")
-    assert not grad[target == -100].any(), "an ignored row's gradient must be 0"
+    assert not grad[target.to(device) == -100].any(), "an ignored row's gradient must be 0"
+
+
+@pytest.mark.parametrize("divergence", [FORWARD_KL, REVERSE_KL, JSD, TVD])
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
+def test_kernel_matches_closed_form(device: str, divergence: int, dtype: torch.dtype) -> None:
+    """The kernel alone, on chunks of logits: its per-row loss and the gradient it writes over the
+    student logits (one upstream gradient per row, a hard loss, an untempered log-sum-exp)."""
+    _check_kernel(device, divergence, dtype, n=7)
+
+
+@pytest.mark.parametrize("divergence", [FORWARD_KL, REVERSE_KL, JSD, TVD])
+def test_kernel_loops_over_column_blocks_and_rows(
+    device: str, divergence: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rows wider than one load (the tiled loop over V, its last block partial: 1003 = 3 * 256 +
+    235) and more rows than programs (each program strides over several)."""
+    monkeypatch.setattr(distill, "LAUNCH", distill.LaunchParams(programs_per_sm=1, max_block=256, num_warps=4))
+    _check_kernel(device, divergence, torch.float32, n=11 if device == "cpu" else 300)
 
 
 # --- Against the reference: values and gradients of hidden, weight and bias ------------------------
@@ -271,10 +293,39 @@ def test_compile_matches_eager(device: str) -> None:
     )  # fmt: skip
 
 
+def test_compile_reduction_none(device: str) -> None:
+    """Reduction "none": the backward recomputes both heads' logits, under torch.compile too."""
+    student, teacher = _heads((9,), torch.float32, device, seed=25)
+    target = _labels((9,), device, seed=26)
+    row_weights = torch.arange(9, device=device, dtype=torch.float32)
+    testing.assert_compile_matches_eager(
+        lambda h, w: (fused_linear_distill(h, w, teacher.hidden, teacher.weight, target, loss="tvd", reduction="none",
+                                           memory_budget=SMALL_CHUNKS) * row_weights).sum(),
+        [student.hidden, student.weight],
+    )  # fmt: skip
+
+
+def test_out_of_range_labels_unchecked_give_nan_with_a_hard_loss(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Labels outside [0, V), unchecked (on a GPU by default, everywhere with FK_CHECK_LABELS=0):
+    with a hard loss, NaN loss and gradient for those tokens only, as fk-flce gives; without one
+    the labels only mask, so any value but ignore_index is a scored token."""
+    monkeypatch.setenv("FK_CHECK_LABELS", "0")
+    student, teacher = _heads((6,), torch.float32, device, seed=27)
+    h, w = student.hidden, student.weight
+    target = torch.tensor([1, V, -100, -3, 2, V + 7], device=device)
+    loss = fused_linear_distill(h, w, teacher.hidden, teacher.weight, target, weight_hard_loss=0.5, reduction="none")
+    assert torch.isfinite(loss[[0, 2, 4]]).all() and torch.isnan(loss[[1, 3, 5]]).all()
+    (grad,) = torch.autograd.grad(loss, [h], torch.ones_like(loss))
+    assert torch.isfinite(grad[[0, 2, 4]]).all() and torch.isnan(grad[[1, 3, 5]]).all()
+    soft = fused_linear_distill(h, w, teacher.hidden, teacher.weight, target, reduction="none")
+    assert torch.isfinite(soft).all() and soft[2] == 0 and (soft[[0, 1, 3, 4, 5]] > 0).all()
+
+
 # --- Against TRL's GKD trainer --------------------------------------------------------------------
 
 
-TRL_IMPORT_WARNINGS = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch.jit, inside trl's imports
+# trl's imports warn: torch.jit's deprecation, and that trl.experimental may change.
+TRL_IMPORT_WARNINGS = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore:You are importing from 'trl")
 
 
 @TRL_IMPORT_WARNINGS
@@ -378,3 +429,46 @@ def test_reference_path_without_triton() -> None:
         "got.backward(); assert h.grad is not None\n"
         "print('ok')\n"
     )
+
+
+# --- On a GPU --------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
+@pytest.mark.parametrize("vocab", [128256, 262144])
+@pytest.mark.parametrize(("loss", "beta"), [("jsd", 0.5), ("reverse_kl", 0.5), ("tvd", 0.5)])
+def test_large_vocabularies(dtype: torch.dtype, vocab: int, loss: str, beta: float) -> None:
+    """Llama 3's and Gemma 3's vocabularies: the kernel's loop over V, several chunks."""
+    shape = (517,)
+    student, teacher = _heads(shape, dtype, "cuda", seed=40, bias=True, vocab=vocab, hidden=256, teacher_hidden=384)
+    labels = _labels(shape, "cuda", seed=41, vocab=vocab)
+    kw: dict[str, Any] = {"loss": loss, "beta": beta, "temperature": 2.0, "weight_hard_loss": 0.3,
+                          "memory_budget": 1 << 27}  # fmt: skip
+    testing.compare_with_reference(_fk(teacher, labels, **kw), _ref(teacher, labels, **kw), list(student),
+                                   arg_names=["student_hidden", "student_weight", "student_bias"])  # fmt: skip
+
+
+@pytest.mark.gpu
+def test_no_host_synchronization() -> None:
+    student, teacher = _heads((300,), torch.bfloat16, "cuda", seed=42, bias=True, vocab=5000, hidden=64)
+    h, w, b = student
+    target = _labels((300,), "cuda", seed=43, vocab=5000)
+
+    def step(**kw: Any) -> None:
+        fused_linear_distill(h, w, teacher.hidden, teacher.weight, target, student_bias=b, **kw).backward()
+
+    step()  # compile and warm up first
+    # Built before the check: copying a Python number to the GPU is itself a synchronizing copy.
+    counts = (250, torch.tensor(250, device="cuda"))
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for budget in (1 << 30, 1 << 20):
+            for loss in ("jsd", "forward_kl", "reverse_kl", "tvd"):
+                step(loss=loss, memory_budget=budget, weight_hard_loss=0.5)
+        for num_items in counts:
+            step(num_items_in_batch=num_items)
+        step(reduction="mean")
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

@@ -390,18 +390,22 @@ def _distill_kernel(
         top_x = top_s
         log_sum_x = log_sum_s
         label_ok = False
+        bad_label = False
         if HARD:
             if RAW_LSE:
                 top_x = tl.max(m_x, axis=0)
                 log_sum_x = tl.log(tl.sum(s_x * tl.exp(m_x - top_x), axis=0))
             label_ok = (label >= 0) & (label < n_cols) & (label != ignore_index)
+            bad_label = (label != ignore_index) & ~label_ok  # unchecked on a GPU: NaN, as fk-flce gives
             x_y = tl.load(x_row + label, mask=label_ok, other=0.0).to(tl.float32)
             loss += weight_hard * (log_sum_x - (x_y - top_x))
+            loss = tl.where(bad_label, float("nan"), loss)
         tl.store(loss_ptr + row, tl.where(ignored, 0.0, loss))
         # Pass 3: the gradient, scaled; blocks backwards (the last read are likeliest in L2).
         if COMPUTE_GRAD:
             scale = tl.load(grad_scale_ptr + row) if ROW_SCALE else tl.load(grad_scale_ptr)
             scale = tl.where(ignored, 0.0, scale)
+            scale = tl.where(bad_label, float("nan"), scale)
             soft_scale = weight_soft * inv_temperature * scale
             label32 = tl.where(label_ok, label, -1).to(tl.int32)
             n_blocks = tl.cdiv(n_cols, BLOCK)
@@ -905,7 +909,10 @@ def fused_linear_distill(
         teacher_weight: ``(V, H_t)`` the teacher's head (the same vocabulary), ``teacher_hidden``'s
             dtype. The teacher gets no gradient: it is frozen (its inputs are detached).
         target: optional labels, ``student_hidden.shape[:-1]``: a token whose label is
-            ``ignore_index`` counts for nothing (TRL's ``labels``); the hard loss's labels.
+            ``ignore_index`` counts for nothing (TRL's ``labels``); the hard loss's labels. With a
+            hard loss, a label outside ``[0, V)`` raises a ``ValueError`` on the CPU and gives its
+            token a NaN loss and gradient on a GPU unless ``FK_CHECK_LABELS=1``, as in
+            :func:`fk.flce.linear_cross_entropy`; without one, only ``ignore_index`` is looked at.
         loss: "jsd" (generalized, weighted by ``beta``), "forward_kl", "reverse_kl" or "tvd".
         beta: the JSD's weight in [0, 1], as TRL's (0: forward KL, 1: reverse KL).
         temperature: both heads' logits are divided by it (> 0) before the softmax, as in TRL.
