@@ -187,8 +187,8 @@ def distill_logits_grad_ref(
     these formulas against autograd of :func:`distill_loss_ref`, and the kernel against these."""
     compute = torch.promote_types(student_logits.dtype, torch.float32)
     x, y = student_logits.to(compute), teacher_logits.to(compute)
-    t = options.temperature
-    log_ps, log_pt = (x / t).log_softmax(-1), (y / t).log_softmax(-1)
+    temperature = options.temperature
+    log_ps, log_pt = (x / temperature).log_softmax(-1), (y / temperature).log_softmax(-1)
     ps, pt = log_ps.exp(), log_pt.exp()
     div = options.divergence
     if div == FORWARD_KL:
@@ -207,7 +207,7 @@ def distill_logits_grad_ref(
         sign = torch.sign(ps - pt)
         loss = 0.5 * (ps - pt).abs().sum(-1)
         grad = 0.5 * ps * (sign - (ps * sign).sum(-1, keepdim=True))
-    loss, grad = options.weight_soft * loss, options.weight_soft / t * grad
+    loss, grad = options.weight_soft * loss, options.weight_soft / temperature * grad
     if target is not None:
         valid = target != options.ignore_index
         if options.weight_hard != 0:
@@ -223,23 +223,24 @@ def distill_logits_grad_ref(
 # --- 2. Kernel ------------------------------------------------------------------------------------
 #
 # Per token, with a = x / T and b = y / T, log p_s = a - lse_s, log p_t = b - lse_t. Through the
-# softmax, a function f(p_s) has d f / d a_j = p_j (g_j - sum_v p_v g_v) with g = d f / d p_s, and
-# d / d x = (1 / T) d / d a. So, per divergence:
-#   forward KL:  f = -sum p_t log p_s + const       ->  d f / d a = p_s - p_t
-#   reverse KL:  g = log p_s - log p_t + 1          ->  d f / d a = p_s (log p_s - log p_t - KL(p_s || p_t))
-#   JSD:         f = beta sum p_t log p_t + (1 - beta) sum p_s log p_s - sum m log m
-#                g = (1 - beta) (log p_s - log m)   ->  d f / d a = (1 - beta) p_s (log p_s - log m - KL(p_s || m))
-#   TVD:         g = 0.5 sign(p_s - p_t)            ->  d f / d a = 0.5 p_s (sign - sum_v p_s sign)
-# and the hard loss, CE(x, y) = lse(x) - x_y, adds d / d x_v = softmax(x)_v - [v == y].
+# softmax, a function f of p_s has d f / d a_j = p_j (phi_j - sum_v p_v phi_v), phi = d f / d p_s,
+# and d / d x = (1 / T) d / d a. So, per divergence (m: the JSD's mixture):
+#   forward KL:  f = -sum p_t log p_s + const      ->  d f / d a = p_s - p_t
+#   reverse KL:  phi = log p_s - log p_t + 1       ->  d f / d a = p_s (log p_s - log p_t - KL(p_s || p_t))
+#   JSD:         f = beta sum p_t log p_t + (1 - beta) sum p_s log p_s - sum m log m,
+#                phi = (1 - beta) (log p_s - log m) ->  d f / d a = (1 - beta) p_s (log p_s - log m - KL(p_s || m))
+#   TVD:         phi = 0.5 sign(p_s - p_t)         ->  d f / d a = 0.5 p_s (sign - sum_v p_s sign)
+# and the hard loss, CE = lse(x) - x_k for the label k, adds d / d x_v = softmax(x)_v - [v == k].
 # Each row's gradient is scaled by the reduction's factor and the upstream gradient
 # (``grad_scale_ptr``: one value, or one per row for reduction "none"); an ignored row gets 0.
 #
 # Passes over a row (each reads the student and the teacher row):
-#   1. online log-sum-exp of a and of b (per lane: running max m and sum s of exp(. - m), one exp
-#      per element as in fk.flce's cross-entropy kernel), and the expectations the KLs need:
-#      E_{p_s}[a - b] and E_{p_t}[b - a], rescaled along with s; so KL(p_s || p_t) =
-#      E_{p_s}[a - b] - lse_s + lse_t and KL(p_t || p_s) = E_{p_t}[b - a] - lse_t + lse_s come out
-#      of this pass. With a hard loss and T != 1, also the log-sum-exp of the untempered x.
+#   1. online log-sum-exp of a and of b (per lane: a running peak and mass = sum exp(. - peak), one
+#      exp per element as in fk.flce's cross-entropy kernel), and the expectation its KL needs,
+#      rescaled along with the mass: KL(p_s || p_t) = E_{p_s}[a - b] - lse_s + lse_t and
+#      KL(p_t || p_s) = E_{p_t}[b - a] - lse_t + lse_s come out of this pass. With a hard loss and
+#      T != 1, also the log-sum-exp of the untempered x. Each lse is kept as top + log_sum (top:
+#      the row's peak), so log p = (a - top) - log_sum rounds as log_softmax does.
 #   2. JSD and TVD only: the row's loss and the sum their gradient subtracts (KL(p_s || m), or
 #      sum p_s sign), which need both log-sum-exps first.
 #   3. the gradient, written over the student logits (each element after its last read).
@@ -247,32 +248,32 @@ def distill_logits_grad_ref(
 
 @triton.jit
 def _log_mixture(log_ps, log_pt, log_beta, log_1m_beta):
-    """log(beta p_t + (1 - beta) p_s), stably (log-add-exp)."""
-    u = log_pt + log_beta
-    w = log_ps + log_1m_beta
-    hi = tl.maximum(u, w)
-    return hi + tl.log(1.0 + tl.exp(tl.minimum(u, w) - hi))
+    """log m = log(beta p_t + (1 - beta) p_s), stably (log-add-exp)."""
+    from_teacher = log_pt + log_beta
+    from_student = log_ps + log_1m_beta
+    hi = tl.maximum(from_teacher, from_student)
+    return hi + tl.log(1.0 + tl.exp(tl.minimum(from_teacher, from_student) - hi))
 
 
 @triton.jit
-def _online_lse(m, s, z):
-    """One block of an online log-sum-exp: each lane's running max m and sum s of exp(z - m). One
-    exp per element: exp(-|z - m|) rescales the old sum when z is the new maximum and is the new
-    term otherwise."""
-    e = tl.exp(-tl.abs(z - m))
-    s = tl.where(z > m, s * e + 1.0, s + e)
-    return tl.maximum(m, z), s
+def _online_lse(peak, mass, z):
+    """One block of an online log-sum-exp: each lane's running peak (max) and mass (sum of
+    exp(z - peak)). One exp per element: exp(-|z - peak|) rescales the old mass when z is the new
+    peak and is the new term otherwise."""
+    e = tl.exp(-tl.abs(z - peak))
+    mass = tl.where(z > peak, mass * e + 1.0, mass + e)
+    return tl.maximum(peak, z), mass
 
 
 @triton.jit
-def _online_expectation(m, s, r, z, d):
-    """:func:`_online_lse` and, rescaled along with s, r = sum exp(z - m) d: r / s is then the
-    expectation of d under softmax(z)."""
-    e = tl.exp(-tl.abs(z - m))
-    up = z > m
-    s = tl.where(up, s * e + 1.0, s + e)
+def _online_expectation(peak, mass, r, z, d):
+    """:func:`_online_lse` and, rescaled along with the mass, r = sum exp(z - peak) d: r / mass is
+    then the expectation of d under softmax(z)."""
+    e = tl.exp(-tl.abs(z - peak))
+    up = z > peak
+    mass = tl.where(up, mass * e + 1.0, mass + e)
     r = tl.where(up, r * e + d, r + e * d)
-    return tl.maximum(m, z), s, r
+    return tl.maximum(peak, z), mass, r
 
 
 @triton.jit
@@ -313,15 +314,15 @@ def _distill_kernel(
         if HAS_TARGET:
             label = tl.load(target_ptr + row).to(tl.int64)
             ignored = label == ignore_index
-        # Pass 1. m starts finite so that a lane that has seen only -inf never takes exp(-inf + inf).
-        m_s = tl.full([BLOCK], -1e30, tl.float32)
-        s_s = tl.zeros([BLOCK], tl.float32)
+        # Pass 1. The peak starts finite: a lane that has seen only -inf never takes exp(-inf + inf).
+        peak_s = tl.full([BLOCK], -1e30, tl.float32)
+        mass_s = tl.zeros([BLOCK], tl.float32)
         r_s = tl.zeros([BLOCK], tl.float32)
-        m_t = tl.full([BLOCK], -1e30, tl.float32)
-        s_t = tl.zeros([BLOCK], tl.float32)
+        peak_t = tl.full([BLOCK], -1e30, tl.float32)
+        mass_t = tl.zeros([BLOCK], tl.float32)
         r_t = tl.zeros([BLOCK], tl.float32)
-        m_x = tl.full([BLOCK], -1e30, tl.float32)
-        s_x = tl.zeros([BLOCK], tl.float32)
+        peak_x = tl.full([BLOCK], -1e30, tl.float32)
+        mass_x = tl.zeros([BLOCK], tl.float32)
         for start in range(0, n_cols, BLOCK):
             c = start + cols
             mask = c < n_cols
@@ -329,35 +330,34 @@ def _distill_kernel(
             y = tl.load(y_row + c, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
             a = tl.where(mask, x * inv_temperature, -float("inf"))
             b = tl.where(mask, y * inv_temperature, -float("inf"))
-            d = tl.where(mask, (x - y) * inv_temperature, 0.0)  # a - b (0 past the end): the KLs'
+            d = tl.where(mask, (x - y) * inv_temperature, 0.0)  # a - b, which the KLs average (0 past the end)
             if DIVERGENCE == 1:
-                m_s, s_s, r_s = _online_expectation(m_s, s_s, r_s, a, d)
+                peak_s, mass_s, r_s = _online_expectation(peak_s, mass_s, r_s, a, d)
             else:
-                m_s, s_s = _online_lse(m_s, s_s, a)
+                peak_s, mass_s = _online_lse(peak_s, mass_s, a)
             if DIVERGENCE == 0:
-                m_t, s_t, r_t = _online_expectation(m_t, s_t, r_t, b, -d)
+                peak_t, mass_t, r_t = _online_expectation(peak_t, mass_t, r_t, b, -d)
             else:
-                m_t, s_t = _online_lse(m_t, s_t, b)
+                peak_t, mass_t = _online_lse(peak_t, mass_t, b)
             if RAW_LSE:
-                m_x, s_x = _online_lse(m_x, s_x, tl.where(mask, x, -float("inf")))
-        # lse = top + log_sum, kept apart: log p = (a - top) - log_sum rounds as log_softmax does.
-        top_s = tl.max(m_s, axis=0)
-        w_s = tl.exp(m_s - top_s)
-        sum_s = tl.sum(s_s * w_s, axis=0)
+                peak_x, mass_x = _online_lse(peak_x, mass_x, tl.where(mask, x, -float("inf")))
+        top_s = tl.max(peak_s, axis=0)
+        fold_s = tl.exp(peak_s - top_s)
+        sum_s = tl.sum(mass_s * fold_s, axis=0)
         log_sum_s = tl.log(sum_s)
-        top_t = tl.max(m_t, axis=0)
-        w_t = tl.exp(m_t - top_t)
-        sum_t = tl.sum(s_t * w_t, axis=0)
+        top_t = tl.max(peak_t, axis=0)
+        fold_t = tl.exp(peak_t - top_t)
+        sum_t = tl.sum(mass_t * fold_t, axis=0)
         log_sum_t = tl.log(sum_t)
         # kl: the divergence's own KL (reverse or forward); extra: the sum pass 3 subtracts.
         kl = 0.0
         extra = 0.0
         div = 0.0
         if DIVERGENCE == 0:
-            kl = tl.sum(r_t * w_t, axis=0) / sum_t - (top_t - top_s) - (log_sum_t - log_sum_s)
+            kl = tl.sum(r_t * fold_t, axis=0) / sum_t - (top_t - top_s) - (log_sum_t - log_sum_s)
             div = kl
         elif DIVERGENCE == 1:
-            kl = tl.sum(r_s * w_s, axis=0) / sum_s - (top_s - top_t) - (log_sum_s - log_sum_t)
+            kl = tl.sum(r_s * fold_s, axis=0) / sum_s - (top_s - top_t) - (log_sum_s - log_sum_t)
             div = kl
         else:
             # Pass 2 (JSD, TVD): the loss and the sum pass 3 subtracts.
@@ -393,12 +393,12 @@ def _distill_kernel(
         bad_label = False
         if HARD:
             if RAW_LSE:
-                top_x = tl.max(m_x, axis=0)
-                log_sum_x = tl.log(tl.sum(s_x * tl.exp(m_x - top_x), axis=0))
+                top_x = tl.max(peak_x, axis=0)
+                log_sum_x = tl.log(tl.sum(mass_x * tl.exp(peak_x - top_x), axis=0))
             label_ok = (label >= 0) & (label < n_cols) & (label != ignore_index)
             bad_label = (label != ignore_index) & ~label_ok  # unchecked on a GPU: NaN, as fk-flce gives
-            x_y = tl.load(x_row + label, mask=label_ok, other=0.0).to(tl.float32)
-            loss += weight_hard * (log_sum_x - (x_y - top_x))
+            x_label = tl.load(x_row + label, mask=label_ok, other=0.0).to(tl.float32)
+            loss += weight_hard * (log_sum_x - (x_label - top_x))
             loss = tl.where(bad_label, float("nan"), loss)
         tl.store(loss_ptr + row, tl.where(ignored, 0.0, loss))
         # Pass 3: the gradient, scaled; blocks backwards (the last read are likeliest in L2).
