@@ -229,6 +229,17 @@ def test_all_ignored_gives_zero_loss_and_gradients(device: str) -> None:
         assert all(not g.any() for g in grads), reduction
 
 
+@pytest.mark.parametrize("reduction", ["batchmean", "mean", "sum", "none"])
+@pytest.mark.parametrize("with_target", [True, False], ids=["target", "no_target"])
+def test_zero_tokens(device: str, reduction: str, with_target: bool) -> None:
+    student, teacher = _heads((0, 4), torch.float32, device, seed=28)
+    target = torch.zeros((0, 4), dtype=torch.long, device=device) if with_target else None
+    out = _fk(teacher, target, reduction=reduction)(*student)
+    assert out.shape == ((0, 4) if reduction == "none" else ()) and not out.isnan().any()
+    grads = torch.autograd.grad(out.sum(), [student.hidden, student.weight])
+    assert grads[0].shape == (0, 4, H) and not grads[1].any()
+
+
 def test_teacher_logits_variant_equals_teacher_head(device: str) -> None:
     """What TRL's GKD trainer passes (the teacher's logits), bf16 teacher under an fp32 student."""
     student, teacher = _heads((2, 6), torch.float32, device, seed=13)

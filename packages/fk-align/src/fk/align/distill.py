@@ -151,7 +151,7 @@ def distill_loss_ref(
     if num_items_in_batch is not None:
         return total / torch.as_tensor(num_items_in_batch, dtype=compute, device=x.device)
     if reduction == "batchmean":
-        first = float(rows_shape[0]) if len(rows_shape) else 1.0
+        first = float(max(rows_shape[0], 1)) if len(rows_shape) else 1.0  # (TRL: at least 1)
         return total / (n_valid.clamp_min(1) if target is not None else first)
     denominator = n_valid * n_classes
     return total / torch.where(denominator != 0, denominator, 1.0)
@@ -807,7 +807,7 @@ def _denominator(
         count = torch.full((), float(math.prod(rows)), dtype=torch.float32, device=device)
     if reduction == "batchmean":
         if target is None:  # TRL and F.kl_div: the first dimension, the batch
-            return torch.full((), float(rows[0]) if rows else 1.0, dtype=torch.float32, device=device)
+            return torch.full((), float(max(rows[0], 1)) if rows else 1.0, dtype=torch.float32, device=device)
         return count.clamp_min(1.0)
     if reduction == "mean":
         count = count * n_classes
