@@ -13,6 +13,8 @@ the divergence ``loss=`` is one of (TRL's ``GKDTrainer.generalized_jsd_loss`` an
                    special-cases them: the formula itself tends to 0 at both ends)
     "tvd":         0.5 sum_v |p_s - p_t|   (total variation distance)
 
+Each head's logits may first be scaled and softcapped, as the model predicts with them (Cohere's
+``logit_scale``, Gemma 2's ``final_logit_softcapping``; TRL's ``DistillationTrainer`` does the same).
 Optionally, as Liger's distillation losses do, a hard loss is mixed in:
 ``weight_soft_loss * divergence + weight_hard_loss * CE(x, target)`` (the cross entropy on the
 untempered student logits). A token whose ``target`` is ``ignore_index`` counts for nothing.
@@ -85,6 +87,17 @@ class DistillOptions(NamedTuple):
     ignore_index: int
     weight_soft: float  # on the divergence
     weight_hard: float  # on the cross entropy of the untempered student logits with target
+    student_scale: float = 1.0  # each head's logits are multiplied by its scale (Cohere's logit_scale),
+    student_softcap: float = 0.0  # then softcapped, softcap * tanh(. / softcap) (Gemma 2's; 0.0: none),
+    teacher_scale: float = 1.0  # before the temperature: the logits of the model as it predicts
+    teacher_softcap: float = 0.0
+
+
+def transform_logits(logits: torch.Tensor, scale: float, softcap: float) -> torch.Tensor:
+    """A head's logits as its model predicts with them: times ``scale``, then softcapped (``softcap``
+    0: not)."""
+    z = logits * scale if scale != 1.0 else logits
+    return softcap * torch.tanh(z / softcap) if softcap else z
 
 
 def divergence_code(loss: str, beta: float) -> int:
@@ -124,14 +137,18 @@ def distill_loss_ref(
     weight_soft_loss: float = 1.0,
     weight_hard_loss: float = 0.0,
     num_items_in_batch: torch.Tensor | float | None = None,
+    student_logit_scale: float = 1.0,
+    teacher_logit_scale: float = 1.0,
+    student_softcap: float | None = None,
+    teacher_softcap: float | None = None,
 ) -> torch.Tensor:
     """Plain PyTorch: the loss of full logits ``(..., V)`` in fp32 (fp64 for fp64 input), as the
     module docstring defines it. The definition the kernels are tested against."""
     compute = torch.promote_types(student_logits.dtype, torch.float32)
     rows_shape = student_logits.shape[:-1]
     n_classes = student_logits.shape[-1]
-    x = student_logits.reshape(-1, n_classes).to(compute)
-    y = teacher_logits.reshape(-1, n_classes).to(compute)
+    x = transform_logits(student_logits.reshape(-1, n_classes).to(compute), student_logit_scale, student_softcap or 0.0)
+    y = transform_logits(teacher_logits.reshape(-1, n_classes).to(compute), teacher_logit_scale, teacher_softcap or 0.0)
     per_row = weight_soft_loss * _divergence_rows(x / temperature, y / temperature, divergence_code(loss, beta), beta)
     if target is not None:
         labels = target.reshape(-1)
@@ -186,7 +203,8 @@ def distill_logits_grad_ref(
     forms the kernel implements (section 2), in plain PyTorch without autograd: the tests check
     these formulas against autograd of :func:`distill_loss_ref`, and the kernel against these."""
     compute = torch.promote_types(student_logits.dtype, torch.float32)
-    x, y = student_logits.to(compute), teacher_logits.to(compute)
+    x = transform_logits(student_logits.to(compute), options.student_scale, options.student_softcap)
+    y = transform_logits(teacher_logits.to(compute), options.teacher_scale, options.teacher_softcap)
     temperature = options.temperature
     log_ps, log_pt = (x / temperature).log_softmax(-1), (y / temperature).log_softmax(-1)
     ps, pt = log_ps.exp(), log_pt.exp()
@@ -217,14 +235,20 @@ def distill_logits_grad_ref(
             grad = grad + options.weight_hard * (log_q.exp() - F.one_hot(labels, x.shape[-1]).to(compute))
         loss = torch.where(valid, loss, 0.0)
         grad = torch.where(valid[:, None], grad, 0.0)
-    return loss, grad
+    # Through the transform: d x / d raw = scale (1 - (x / softcap)^2), or scale without a softcap.
+    if options.student_softcap:
+        grad = grad * (1 - (x / options.student_softcap).square())
+    return loss, grad * options.student_scale
 
 
 # --- 2. Kernel ------------------------------------------------------------------------------------
 #
-# Per token, with a = x / T and b = y / T, log p_s = a - lse_s, log p_t = b - lse_t. Through the
-# softmax, a function f of p_s has d f / d a_j = p_j (phi_j - sum_v p_v phi_v), phi = d f / d p_s,
-# and d / d x = (1 / T) d / d a. So, per divergence (m: the JSD's mixture):
+# Per token, x and y are the student's and the teacher's logits as their models predict with them:
+# the head's output times its scale s, then softcapped, x = c tanh(s raw / c), so the gradient is
+# multiplied last by d x / d raw = s (1 - (x / c)^2). With a = x / T and b = y / T, log p_s =
+# a - lse_s and log p_t = b - lse_t. Through the softmax, a function f of p_s has
+# d f / d a_j = p_j (phi_j - sum_v p_v phi_v) with phi = d f / d p_s, and d / d x = (1 / T) d / d a.
+# So, per divergence (m: the JSD's mixture):
 #   forward KL:  f = -sum p_t log p_s + const      ->  d f / d a = p_s - p_t
 #   reverse KL:  phi = log p_s - log p_t + 1       ->  d f / d a = p_s (log p_s - log p_t - KL(p_s || p_t))
 #   JSD:         f = beta sum p_t log p_t + (1 - beta) sum p_s log p_s - sum m log m,
@@ -244,6 +268,15 @@ def distill_logits_grad_ref(
 #   2. JSD and TVD only: the row's loss and the sum their gradient subtracts (KL(p_s || m), or
 #      sum p_s sign), which need both log-sum-exps first.
 #   3. the gradient, written over the student logits (each element after its last read).
+
+
+@triton.jit
+def _transformed(raw, scale, softcap, HAS_SOFTCAP: tl.constexpr):
+    """A head's logits as its model predicts with them: ``raw`` times ``scale``, softcapped."""
+    z = raw * scale
+    if HAS_SOFTCAP:
+        z = softcap * (2.0 * tl.sigmoid(2.0 * z / softcap) - 1.0)  # softcap * tanh(z / softcap)
+    return z
 
 
 @triton.jit
@@ -294,10 +327,16 @@ def _distill_kernel(
     log_1m_beta,
     weight_soft,
     weight_hard,
+    student_scale,
+    student_softcap,
+    teacher_scale,
+    teacher_softcap,
     DIVERGENCE: tl.constexpr,  # 0 forward KL, 1 reverse KL, 2 JSD, 3 TVD
     HAS_TARGET: tl.constexpr,
     HARD: tl.constexpr,  # a hard loss (weight_hard != 0; needs HAS_TARGET)
     RAW_LSE: tl.constexpr,  # HARD with T != 1: the untempered log-sum-exp is its own sum
+    STUDENT_SOFTCAP: tl.constexpr,
+    TEACHER_SOFTCAP: tl.constexpr,
     COMPUTE_GRAD: tl.constexpr,
     ROW_SCALE: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -327,7 +366,9 @@ def _distill_kernel(
             c = start + cols
             mask = c < n_cols
             x = tl.load(x_row + c, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+            x = _transformed(x, student_scale, student_softcap, STUDENT_SOFTCAP)
             y = tl.load(y_row + c, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+            y = _transformed(y, teacher_scale, teacher_softcap, TEACHER_SOFTCAP)
             a = tl.where(mask, x * inv_temperature, -float("inf"))
             b = tl.where(mask, y * inv_temperature, -float("inf"))
             d = tl.where(mask, (x - y) * inv_temperature, 0.0)  # a - b, which the KLs average (0 past the end)
@@ -367,7 +408,9 @@ def _distill_kernel(
                 c = start + cols
                 mask = c < n_cols
                 x = tl.load(x_row + c, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+                x = _transformed(x, student_scale, student_softcap, STUDENT_SOFTCAP)
                 y = tl.load(y_row + c, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+                y = _transformed(y, teacher_scale, teacher_softcap, TEACHER_SOFTCAP)
                 log_ps = (x * inv_temperature - top_s) - log_sum_s
                 log_pt = (y * inv_temperature - top_t) - log_sum_t
                 ps = tl.exp(log_ps)
@@ -398,6 +441,7 @@ def _distill_kernel(
             label_ok = (label >= 0) & (label < n_cols) & (label != ignore_index)
             bad_label = (label != ignore_index) & ~label_ok  # unchecked on a GPU: NaN, as fk-flce gives
             x_label = tl.load(x_row + label, mask=label_ok, other=0.0).to(tl.float32)
+            x_label = _transformed(x_label, student_scale, student_softcap, STUDENT_SOFTCAP)
             loss += weight_hard * (log_sum_x - (x_label - top_x))
             loss = tl.where(bad_label, float("nan"), loss)
         tl.store(loss_ptr + row, tl.where(ignored, 0.0, loss))
@@ -413,7 +457,9 @@ def _distill_kernel(
                 c = (n_blocks - 1 - back) * BLOCK + cols
                 mask = c < n_cols
                 x = tl.load(x_row + c, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+                x = _transformed(x, student_scale, student_softcap, STUDENT_SOFTCAP)
                 y = tl.load(y_row + c, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+                y = _transformed(y, teacher_scale, teacher_softcap, TEACHER_SOFTCAP)
                 log_ps = (x * inv_temperature - top_s) - log_sum_s
                 log_pt = (y * inv_temperature - top_t) - log_sum_t
                 ps = tl.exp(log_ps)
@@ -429,6 +475,10 @@ def _distill_kernel(
                 g = g * soft_scale
                 if HARD:
                     g += (weight_hard * scale) * (tl.exp((x - top_x) - log_sum_x) - tl.where(c == label32, 1.0, 0.0))
+                if STUDENT_SOFTCAP:
+                    x_capped = x / student_softcap
+                    g = g * (1.0 - x_capped * x_capped)
+                g = g * student_scale
                 tl.store(x_row + c, g.to(student_ptr.dtype.element_ty), mask=mask)
 
 
@@ -471,8 +521,10 @@ def launch_distill(
         options.ignore_index, 1.0 / options.temperature, beta,
         math.log(beta) if jsd else 0.0, math.log1p(-beta) if jsd else 0.0,
         options.weight_soft, options.weight_hard,
+        options.student_scale, options.student_softcap, options.teacher_scale, options.teacher_softcap,
         DIVERGENCE=options.divergence, HAS_TARGET=target is not None,
         HARD=options.weight_hard != 0, RAW_LSE=options.weight_hard != 0 and options.temperature != 1.0,
+        STUDENT_SOFTCAP=options.student_softcap > 0, TEACHER_SOFTCAP=options.teacher_softcap > 0,
         COMPUTE_GRAD=grad_scale is not None,
         ROW_SCALE=grad_scale is not None and grad_scale.numel() == n_rows and n_rows != 1,
         BLOCK=min(LAUNCH.max_block, next_power_of_2(n_cols)),
@@ -540,6 +592,10 @@ def _distill_fwd(
     ignore_index: int,
     weight_soft: float,
     weight_hard: float,
+    student_scale: float,
+    student_softcap: float,
+    teacher_scale: float,
+    teacher_softcap: float,
     reduction: str,
     chunk_tokens: int,
     accum_fp32: bool,
@@ -551,7 +607,8 @@ def _distill_fwd(
     (loss, dh, dw, db, dlogits). ``denominator`` (fp32, 0-dim) divides the sum for "batchmean" and
     "mean". The gradients (empty when not computed) are those of the loss for an upstream gradient
     of 1, as :func:`fk.flce.chunks.head_grads` returns them."""
-    options = DistillOptions(divergence, beta, temperature, ignore_index, weight_soft, weight_hard)
+    options = DistillOptions(divergence, beta, temperature, ignore_index, weight_soft, weight_hard, student_scale,
+                             student_softcap, teacher_scale, teacher_softcap)  # fmt: skip
     teacher = _Teacher(teacher_hidden, teacher_weight, teacher_bias, teacher_logits)
     loss = row_values(student_hidden)
     grad_scale = (1.0 / denominator).reshape(1)
@@ -604,6 +661,10 @@ def _distill_bwd(
     ignore_index: int,
     weight_soft: float,
     weight_hard: float,
+    student_scale: float,
+    student_softcap: float,
+    teacher_scale: float,
+    teacher_softcap: float,
     chunk_tokens: int,
     accum_fp32: bool,
     need_dh: bool,
@@ -617,7 +678,8 @@ def _distill_bwd(
     (:func:`fk.flce.chunks.scale_grads`). Otherwise both heads' logits are recomputed chunk by
     chunk and each row's gradient is scaled by its own upstream gradient."""
     if not precomputed:
-        options = DistillOptions(divergence, beta, temperature, ignore_index, weight_soft, weight_hard)
+        options = DistillOptions(divergence, beta, temperature, ignore_index, weight_soft, weight_hard,
+                                 student_scale, student_softcap, teacher_scale, teacher_softcap)  # fmt: skip
         teacher = _Teacher(teacher_hidden, teacher_weight, teacher_bias, teacher_logits)
         chunk_loss = _distill_chunks(teacher, target, options, grad_loss.float().reshape(-1).contiguous(),
                                      row_values(student_hidden), chunk_tokens)  # fmt: skip
@@ -640,7 +702,7 @@ def _distill_bwd_fake(
     return backward_fakes(student_hidden, student_weight, student_bias, need_dh, need_dw, need_db)
 
 
-_N_INPUTS = 21
+_N_INPUTS = 25
 
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
@@ -689,16 +751,22 @@ _fused_linear_distill = define_autograd_op(
 
 
 def check_options(
-    loss: str,
-    beta: float,
-    temperature: float,
-    ignore_index: int,
-    reduction: str,
-    weight_soft_loss: float,
-    weight_hard_loss: float,
+    *,
+    loss: str = "jsd",
+    beta: float = 0.5,
+    temperature: float = 1.0,
+    ignore_index: int = -100,
+    reduction: str = "batchmean",
+    weight_soft_loss: float = 1.0,
+    weight_hard_loss: float = 0.0,
+    student_logit_scale: float = 1.0,
+    teacher_logit_scale: float = 1.0,
+    student_softcap: float | None = None,
+    teacher_softcap: float | None = None,
 ) -> DistillOptions:
-    """Validate the options of the distillation losses (a ``ValueError``/``TypeError`` naming
-    the argument); returns them as the kernel takes them."""
+    """Validate the options of the distillation losses (the keywords of :func:`distill_loss_ref`
+    but ``num_items_in_batch``; a ``ValueError``/``TypeError`` names the argument); returns them
+    as the kernel takes them."""
     validate.check_choice("loss", loss, LOSSES)
     validate.check_choice("reduction", reduction, REDUCTIONS)
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
@@ -709,11 +777,23 @@ def check_options(
             raise TypeError(f"{name} must be a finite float, got {value!r}")
     if not 0.0 <= beta <= 1.0:
         raise ValueError(f"beta must be in [0, 1], got {beta}")
-    temperature = validate.check_positive_float("temperature", temperature)
-    if not math.isfinite(temperature):
-        raise ValueError(f"temperature must be finite, got {temperature}")
-    return DistillOptions(divergence_code(loss, beta), float(beta), temperature, ignore_index,
-                          float(weight_soft_loss), float(weight_hard_loss))  # fmt: skip
+    positive: dict[str, float] = {}
+    named: tuple[tuple[str, float | None], ...] = (
+        ("temperature", temperature), ("student_logit_scale", student_logit_scale),
+        ("teacher_logit_scale", teacher_logit_scale), ("student_softcap", student_softcap),
+        ("teacher_softcap", teacher_softcap),
+    )  # fmt: skip
+    for name, given in named:
+        if given is None:  # (a softcap not given)
+            positive[name] = 0.0
+            continue
+        positive[name] = validate.check_positive_float(name, given)
+        if not math.isfinite(positive[name]):
+            raise ValueError(f"{name} must be finite, got {given}")
+    return DistillOptions(divergence_code(loss, beta), float(beta), positive["temperature"], ignore_index,
+                          float(weight_soft_loss), float(weight_hard_loss), positive["student_logit_scale"],
+                          positive["student_softcap"], positive["teacher_logit_scale"],
+                          positive["teacher_softcap"])  # fmt: skip
 
 
 def _check_head(prefix: str, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -828,31 +908,25 @@ def _fused_distill(
     teacher: _Teacher,
     target: torch.Tensor | None,
     *,
-    loss: str,
-    beta: float,
-    temperature: float,
-    ignore_index: int,
-    reduction: str,
-    weight_soft_loss: float,
-    weight_hard_loss: float,
     num_items_in_batch: torch.Tensor | float | None,
     accum_dtype: torch.dtype | None,
     memory_budget: int,
+    **loss_options: Any,
 ) -> torch.Tensor:
-    options = check_options(loss, beta, temperature, ignore_index, reduction, weight_soft_loss, weight_hard_loss)
+    """The two functional APIs' common body; ``loss_options``: the keywords of :func:`check_options`."""
+    options = check_options(**loss_options)
+    reduction, ignore_index = loss_options["reduction"], options.ignore_index
     num_items = check_inputs(student_hidden, student_weight, student_bias, teacher, target, options, reduction,
                              num_items_in_batch, accum_dtype, memory_budget)  # fmt: skip
     rows, n_classes = tuple(student_hidden.shape[:-1]), student_weight.shape[0]
-    keywords: dict[str, Any] = {"loss": loss, "beta": beta, "temperature": temperature, "ignore_index": ignore_index,
-                "reduction": reduction, "weight_soft_loss": weight_soft_loss, "weight_hard_loss": weight_hard_loss,
-                "num_items_in_batch": num_items}  # fmt: skip
     if not uses_kernel(student_hidden):
         teacher_logits = teacher.logits
         if teacher_logits is None:
             with torch.no_grad():
                 teacher_logits = F.linear(teacher.hidden, teacher.weight, teacher.bias)  # type: ignore[arg-type]
         student_logits = F.linear(student_hidden, student_weight, student_bias)
-        return distill_loss_ref(student_logits, teacher_logits.detach(), target, **keywords).float()
+        return distill_loss_ref(student_logits, teacher_logits.detach(), target, num_items_in_batch=num_items,
+                                **loss_options).float()  # fmt: skip
     denominator = _denominator(rows, n_classes, target, ignore_index, reduction, num_items, student_hidden.device)
     hidden2d = _as_rows(student_hidden)
     teacher2d = _Teacher(
@@ -894,6 +968,10 @@ def fused_linear_distill(
     teacher_bias: torch.Tensor | None = None,
     weight_soft_loss: float = 1.0,
     weight_hard_loss: float = 0.0,
+    student_logit_scale: float = 1.0,
+    teacher_logit_scale: float = 1.0,
+    student_softcap: float | None = None,
+    teacher_softcap: float | None = None,
     num_items_in_batch: torch.Tensor | float | None = None,
     accum_dtype: torch.dtype | None = None,
     memory_budget: int = DEFAULT_MEMORY_BUDGET,
@@ -921,6 +999,11 @@ def fused_linear_distill(
         weight_soft_loss, weight_hard_loss: the loss is ``weight_soft_loss * divergence +
             weight_hard_loss * cross_entropy(student logits, target)`` per token (Liger's
             ``weight_*``; their defaults are 0.5 and 0.5, TRL's GKD has no hard loss).
+        student_logit_scale, teacher_logit_scale, student_softcap, teacher_softcap: each head's
+            logits are multiplied by its scale (> 0; Cohere's ``logit_scale``, Granite's
+            ``1 / logits_scaling``), then softcapped, ``softcap * tanh(logits / softcap)`` (Gemma 2's
+            ``final_logit_softcapping``), before the temperature and the hard loss: the logits the
+            model predicts with, as TRL's ``DistillationTrainer`` takes them.
         num_items_in_batch: the divisor of "batchmean" instead of the count of tokens (gradient
             accumulation: the count in the whole batch).
         accum_dtype: dtype the weight gradient accumulates in across chunks (fp32 by default).
@@ -933,8 +1016,9 @@ def fused_linear_distill(
     return _fused_distill(
         student_hidden, student_weight, student_bias, _Teacher(teacher_hidden, teacher_weight, teacher_bias, None),
         target, loss=loss, beta=beta, temperature=temperature, ignore_index=ignore_index, reduction=reduction,
-        weight_soft_loss=weight_soft_loss, weight_hard_loss=weight_hard_loss, num_items_in_batch=num_items_in_batch,
-        accum_dtype=accum_dtype, memory_budget=memory_budget,
+        weight_soft_loss=weight_soft_loss, weight_hard_loss=weight_hard_loss, student_logit_scale=student_logit_scale,
+        teacher_logit_scale=teacher_logit_scale, student_softcap=student_softcap, teacher_softcap=teacher_softcap,
+        num_items_in_batch=num_items_in_batch, accum_dtype=accum_dtype, memory_budget=memory_budget,
     )  # fmt: skip
 
 
@@ -952,6 +1036,10 @@ def fused_linear_distill_from_logits(
     student_bias: torch.Tensor | None = None,
     weight_soft_loss: float = 1.0,
     weight_hard_loss: float = 0.0,
+    student_logit_scale: float = 1.0,
+    teacher_logit_scale: float = 1.0,
+    student_softcap: float | None = None,
+    teacher_softcap: float | None = None,
     num_items_in_batch: torch.Tensor | float | None = None,
     accum_dtype: torch.dtype | None = None,
     memory_budget: int = DEFAULT_MEMORY_BUDGET,
@@ -963,8 +1051,9 @@ def fused_linear_distill_from_logits(
     return _fused_distill(
         student_hidden, student_weight, student_bias, _Teacher(None, None, None, teacher_logits), target, loss=loss,
         beta=beta, temperature=temperature, ignore_index=ignore_index, reduction=reduction,
-        weight_soft_loss=weight_soft_loss, weight_hard_loss=weight_hard_loss, num_items_in_batch=num_items_in_batch,
-        accum_dtype=accum_dtype, memory_budget=memory_budget,
+        weight_soft_loss=weight_soft_loss, weight_hard_loss=weight_hard_loss, student_logit_scale=student_logit_scale,
+        teacher_logit_scale=teacher_logit_scale, student_softcap=student_softcap, teacher_softcap=teacher_softcap,
+        num_items_in_batch=num_items_in_batch, accum_dtype=accum_dtype, memory_budget=memory_budget,
     )  # fmt: skip
 
 
@@ -980,13 +1069,12 @@ class LinearDistillLoss(torch.nn.Module):
     def __init__(self, **options: Any) -> None:
         super().__init__()
         allowed = {"loss", "beta", "temperature", "ignore_index", "reduction", "weight_soft_loss", "weight_hard_loss",
-                   "accum_dtype", "memory_budget"}  # fmt: skip
+                   "student_logit_scale", "teacher_logit_scale", "student_softcap", "teacher_softcap", "accum_dtype",
+                   "memory_budget"}  # fmt: skip
         unknown = sorted(set(options) - allowed)
         if unknown:
             raise TypeError(f"unknown option(s) {', '.join(unknown)}; allowed: {', '.join(sorted(allowed))}")
-        check_options(options.get("loss", "jsd"), options.get("beta", 0.5), options.get("temperature", 1.0),
-                      options.get("ignore_index", -100), options.get("reduction", "batchmean"),
-                      options.get("weight_soft_loss", 1.0), options.get("weight_hard_loss", 0.0))  # fmt: skip
+        check_options(**{k: v for k, v in options.items() if k not in ("accum_dtype", "memory_budget")})
         self.options = options
 
     def forward(
