@@ -1,6 +1,12 @@
 """Distillation losses on the fused LM head: a student learns a frozen teacher's next-token
 distribution without either model's ``[tokens, vocab]`` logits.
 
+- :func:`fused_linear_distill` / :class:`LinearDistillLoss`: student head against teacher head
+  (hidden states and LM-head weights of both; the hidden sizes may differ, the vocabulary not).
+- :func:`fused_linear_distill_from_logits`: student head against the teacher's logits, as TRL's
+  GKD trainer has them (only the student's logits are then spared).
+- :func:`fused_linear_distill_ref` / :func:`distill_loss_ref`: the plain PyTorch definitions.
+
 Per token, with temperature T, student logits ``x`` and teacher logits ``y`` (V classes), the
 tempered log-probabilities ``log p_s = log_softmax(x / T)`` and ``log p_t = log_softmax(y / T)``,
 the divergence ``loss=`` is one of (TRL's ``GKDTrainer.generalized_jsd_loss`` and Liger Kernel's
@@ -993,7 +999,10 @@ def fused_linear_distill(
             :func:`fk.flce.linear_cross_entropy`; without one, only ``ignore_index`` is looked at.
         loss: "jsd" (generalized, weighted by ``beta``), "forward_kl", "reverse_kl" or "tvd".
         beta: the JSD's weight in [0, 1], as TRL's (0: forward KL, 1: reverse KL).
-        temperature: both heads' logits are divided by it (> 0) before the softmax, as in TRL.
+        temperature: both heads' logits are divided by it (> 0) before the softmax, as in TRL's
+            ``generalized_jsd_loss`` and Liger (no ``T^2`` factor). TRL's ``GKDTrainer`` calls that
+            loss with its default 1 (its ``temperature`` is the sampling one); its
+            ``DistillationTrainer`` passes its ``temperature``.
         reduction: "batchmean" (TRL's default), "sum", "mean" or "none" (see the module docstring).
         student_bias, teacher_bias: optional ``(V,)``.
         weight_soft_loss, weight_hard_loss: the loss is ``weight_soft_loss * divergence +
