@@ -510,11 +510,10 @@ def test_reference_path_without_triton() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
-@pytest.mark.parametrize("vocab", [128256, 262144])
-@pytest.mark.parametrize(("loss", "beta"), [("jsd", 0.5), ("reverse_kl", 0.5), ("tvd", 0.5)])
-def test_large_vocabularies(dtype: torch.dtype, vocab: int, loss: str, beta: float) -> None:
+@pytest.mark.parametrize(("vocab", "loss"), [(128256, "jsd"), (128256, "tvd"), (262144, "reverse_kl")])
+def test_large_vocabularies(dtype: torch.dtype, vocab: int, loss: str) -> None:
     """Llama 3's and Gemma 3's vocabularies: the kernel's loop over V, several chunks."""
-    shape = (517,)
+    shape, beta = (257,), 0.5
     student, teacher = _heads(shape, dtype, "cuda", seed=40, bias=True, vocab=vocab, hidden=256, teacher_hidden=384)
     labels = _labels(shape, "cuda", seed=41, vocab=vocab)
     kw: dict[str, Any] = {"loss": loss, "beta": beta, "temperature": 2.0, "weight_hard_loss": 0.3,
