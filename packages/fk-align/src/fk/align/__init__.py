@@ -1,4 +1,4 @@
-"""fk.align: preference and RL losses on the fused LM head, without the ``[tokens, vocab]`` logits.
+"""fk.align: preference, RL and distillation losses on the fused LM head, without the ``[tokens, vocab]`` logits.
 
 - :func:`fused_linear_logprobs` (and ``_ref``): per-token log-probabilities (and entropies) of
   ``hidden @ weight.T + bias`` at a temperature, the building block of every loss here.
@@ -11,8 +11,19 @@
 - :func:`fused_linear_grpo_loss`: GRPO and TRL's variants (:data:`GRPO_LOSS_TYPES`), token or
   sequence importance sampling, KL to a reference, entropy bonus, TRL's metrics
   (:class:`GRPOOutput`); in one pass with gradients at the token level.
+- :func:`fused_linear_distill` (and ``_ref``), :class:`LinearDistillLoss`: a student head
+  distilled from a frozen teacher head (generalized JSD, forward/reverse KL, TVD) as TRL computes
+  them, neither head's logits built; :func:`fused_linear_distill_from_logits` from precomputed
+  teacher logits (TRL's GKD trainer); :func:`distill_loss_ref` on full logits.
 """
 
+from fk.align.distill import (
+    LinearDistillLoss,
+    distill_loss_ref,
+    fused_linear_distill,
+    fused_linear_distill_from_logits,
+    fused_linear_distill_ref,
+)
 from fk.align.grpo import LOSS_TYPES as GRPO_LOSS_TYPES
 from fk.align.grpo import GRPOOutput, fused_linear_grpo_loss
 from fk.align.logprobs import LogProbsOutput, fused_linear_logprobs, fused_linear_logprobs_ref
@@ -41,12 +52,17 @@ __all__ = [
     "KTO_LOSS_TYPES",
     "GRPOOutput",
     "KTOOutput",
+    "LinearDistillLoss",
     "LogProbsOutput",
     "PreferenceOutput",
     "SequenceLogps",
     "cpo_pair_losses",
+    "distill_loss_ref",
     "dpo_pair_losses",
     "fused_linear_cpo_loss",
+    "fused_linear_distill",
+    "fused_linear_distill_from_logits",
+    "fused_linear_distill_ref",
     "fused_linear_dpo_loss",
     "fused_linear_grpo_loss",
     "fused_linear_kto_loss",
