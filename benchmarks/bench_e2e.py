@@ -263,7 +263,9 @@ def run(args: argparse.Namespace) -> bench.BenchRecord:
     # The parent touches the GPU only now, so the workers had all of its memory.
     record = bench.BenchRecord(
         NAME,
-        notes=(f"the causal LM of each family (llama: LlamaForCausalLM) shaped as {shape_name} ({shape.describe()}), random init, bf16 weights, SDPA attention, "
+        notes=(f"the causal LM of each family (llama: LlamaForCausalLM) shaped as {shape_name} ({shape.describe()}), random init, bf16 weights, SDPA attention (eager where the family has no SDPA: gpt_oss), "
+               f"mixture-of-experts families with the experts of fk.hf.training.MOE_FIELDS (8 experts of intermediate/4; "
+               f"gpt_oss and qwen3_moe 2 a token, llama4_text 1 beside its shared expert), "
                f"AdamW (fused on CUDA), {args.batch} x {args.seq} tokens a step, {args.rounds} rounds of "
                f"{args.steps} timed steps after {args.warmup} (odd rounds in reverse provider order), tokens/s "
                f"from the median of all timed steps; lora: PEFT r=16, alpha=32, q/k/v/o/gate/up/down, fp32 adapters; "

@@ -52,13 +52,15 @@ class ModelShape:
         from transformers import CONFIG_MAPPING
 
         config_class: Any = CONFIG_MAPPING[model_type]  # (a config class of Llama's fields)
-        return config_class(
+        fields = dict(
             vocab_size=self.vocab, hidden_size=self.hidden, intermediate_size=self.intermediate,
             num_hidden_layers=self.layers, num_attention_heads=self.heads, num_key_value_heads=self.kv_heads,
             head_dim=self.head_dim, tie_word_embeddings=self.tie_word_embeddings, rms_norm_eps=1e-5,
             max_position_embeddings=max_positions, rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
             bos_token_id=None, eos_token_id=None, pad_token_id=None,
         )  # fmt: skip
+        fields.update({name: size(self) for name, size in MOE_FIELDS.get(model_type, {}).items()})
+        return config_class(**fields)
 
     def parameters(self) -> int:
         """How many parameters the model has (the tied head counted once), without building it."""
@@ -73,6 +75,25 @@ class ModelShape:
             f"{self.heads}/{self.kv_heads} heads of {self.head_dim}, vocab {self.vocab}, "
             f"{'tied' if self.tie_word_embeddings else 'untied'} embeddings, {_millions(self.parameters())} parameters"
         )
+
+
+def _expert_size(shape: ModelShape) -> int:
+    """A quarter of the dense intermediate size, a multiple of 8 (grouped matmuls need 16-byte strides)."""
+    return max(8, shape.intermediate // 32 * 8)
+
+
+MOE_FIELDS: dict[str, dict[str, Callable[[ModelShape], int]]] = {
+    # 8 experts of a quarter of the dense intermediate size, 2 a token: the MLP's parameters twice
+    # the dense model's, its FLOPs half (the defaults, 32 to 128 experts, make a 1B shape 5-20B).
+    "gpt_oss": {"num_local_experts": lambda s: 8, "num_experts_per_tok": lambda s: 2,
+                "intermediate_size": _expert_size},
+    "qwen3_moe": {"num_experts": lambda s: 8, "num_experts_per_tok": lambda s: 2,
+                  "moe_intermediate_size": _expert_size},
+    # Llama 4: one routed expert a token beside a shared one of the same size (its release's layout).
+    "llama4_text": {"num_local_experts": lambda s: 8, "num_experts_per_tok": lambda s: 1,
+                    "intermediate_size": _expert_size, "intermediate_size_mlp": lambda s: s.intermediate},
+}  # fmt: skip
+"""The expert fields of the mixture-of-experts families ``ModelShape.config`` builds, from the shape."""
 
 
 def _millions(n: int) -> str:
