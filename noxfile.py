@@ -188,13 +188,16 @@ def gpu(session: nox.Session) -> None:
     """The full test suite, `gpu` tests included, in the current interpreter (no install).
 
     Two passes: every test but the ``serial`` ones across ``FK_GPU_WORKERS`` xdist workers (default
-    12) sharing the one GPU, then the ``serial`` ones alone (they assert timings, which the other
+    14, each taking the next test as it frees up) sharing the one GPU, then the ``serial`` ones alone (they assert timings, which the other
     workers' kernels would stretch, or start heavy subprocesses). Extra arguments go to both passes.
     """
-    env = {"PYTHONPATH": os.pathsep.join(filter(None, [_src_paths(), os.environ.get("PYTHONPATH")]))}
-    workers = os.environ.get("FK_GPU_WORKERS", "12")
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [_src_paths(), os.environ.get("PYTHONPATH")])),
+           # Inductor's own pool of compile processes in every worker oversubscribes the host: three
+           # torch.compile tests took 220-240 s each under 14 workers (2026-11-27, H200, 16 cores).
+           "TORCHINDUCTOR_COMPILE_THREADS": "1"}  # fmt: skip
+    workers = os.environ.get("FK_GPU_WORKERS", "14")
     pytest = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider"]
-    session.run(*pytest, "-n", workers, "-m", "not serial", *session.posargs, env=env)
+    session.run(*pytest, "-n", workers, "--dist", "worksteal", "-m", "not serial", *session.posargs, env=env)
     session.run(*pytest, "-m", "serial", *session.posargs, env=env)
 
 

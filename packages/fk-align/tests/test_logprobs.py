@@ -97,7 +97,7 @@ def test_frozen_head_gets_no_gradient_and_hidden_one_is_right(device: str) -> No
     w.requires_grad_(False)
     target = _labels((11,), device, seed=10)
     fk, ref = _pair(target, return_entropy=True, memory_budget=SMALL_CHUNKS)
-    testing.compare_with_reference(lambda h: fk(h, w, None), lambda h: ref(h, w.to(h.dtype), None), [h])
+    testing.compare_with_reference(lambda h: fk(h, w, None), lambda h: ref(h, w.to(h), None), [h])
     fk(h, w, None).logps.sum().backward()
     assert w.grad is None
 
@@ -137,13 +137,17 @@ def test_compile_matches_eager(device: str, budget: int) -> None:
         ({"memory_budget": 0}, "memory_budget"),
     ],
 )
-def test_bad_input_raises_naming_the_argument(device: str, change: dict[str, Any], message: str) -> None:
+def test_bad_input_raises_naming_the_argument(device: str, change: dict[str, Any], message: str,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    monkeypatch.setenv("FK_CHECK_LABELS", "1")  # (labels are checked on CUDA only when asked)
     h, w, b = _inputs(7, torch.float32, device, seed=15, bias=True)
     kw: dict[str, Any] = {"bias": b, "temperature": 1.0, "memory_budget": ONE_CHUNK}
     target = _labels((7,), device, seed=16)
     for key, value in change.items():
         if key == "target":
-            target = target[:5] if value == "short" else target.clone().index_fill_(0, torch.tensor([3]), V)
+            target = (
+                target[:5] if value == "short" else target.clone().index_fill_(0, torch.tensor([3], device=device), V)
+            )
         elif key == "weight":
             w = w[:, :5]
         elif key == "bias":
