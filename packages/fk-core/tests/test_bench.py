@@ -362,3 +362,14 @@ def test_fresh_compile_never_falls_back_to_eager(device: str) -> None:
     torch._dynamo.reset()
     assert plain == [1, 0]  # the second shape ran eagerly: the failure mode itself
     assert fresh == [1, 1, 1]
+
+
+def test_merge_records_keeps_the_cases_not_run_with_their_dates() -> None:
+    old = bench.BenchRecord("x", rows=[{"op": "a", "provider": "fk", "ms": 1.0},
+                                       {"op": "b", "provider": "fk", "ms": 2.0, "measured_utc": "earlier"}])  # fmt: skip
+    old.environment["date_utc"] = "then"
+    new = bench.BenchRecord("x", rows=[{"op": "a", "provider": "fk", "ms": 3.0}], notes="now")
+    merged = bench.merge_records(new, old, lambda row: row["op"], ["a"])
+    assert merged.rows == [{"op": "b", "provider": "fk", "ms": 2.0, "measured_utc": "earlier"},
+                           {"op": "a", "provider": "fk", "ms": 3.0}]  # fmt: skip
+    assert merged.notes == "now; b: from the call of earlier"
