@@ -120,11 +120,11 @@ def _dpo_dataset() -> Any:
     return datasets.Dataset.from_dict(rows)
 
 
-def _train_dpo(tmp_path: Path, device: str, fk_on: bool, **overrides: Any) -> Any:
+def _train_dpo(tmp_path: Path, device: str, fk_on: bool, peft_config: Any = None, **overrides: Any) -> Any:
     args = _config(trl.DPOConfig, tmp_path / ("fk" if fk_on else "stock"), device, **overrides)
     trainer = trl.DPOTrainer(
-        model=_model("llama", device), ref_model=_perturbed(device), args=args, train_dataset=_dpo_dataset(),
-        processing_class=_tokenizer(),
+        model=_model("llama", device), ref_model=None if peft_config else _perturbed(device), args=args,
+        train_dataset=_dpo_dataset(), processing_class=_tokenizer(), peft_config=peft_config,
     )  # fmt: skip
     if fk_on:
         assert fk.hf.align_trainer(trainer) is trainer
@@ -147,6 +147,22 @@ def test_dpo_trainer_matches_stock(loss_type: list[str], device: str, tmp_path: 
     counts = fk.hf.patched_modules(patched.model)
     assert counts["rms_norm"] == _expected_counts("llama")["rms_norm"] and counts["swiglu"] > 0
     assert "rewards/margins" in _logs(patched)[0] and "mean_token_accuracy" in _logs(patched)[0]
+    _assert_same_logs(patched, stock)
+
+
+def test_dpo_trainer_with_peft_config(device: str, tmp_path: Path, spy: dict[str, int]) -> None:
+    """DPO of a LoRA adapter TRL adds from ``peft_config``, its reference the model with the adapter
+    off: fk.lora fuses the LoRA layers, fk-align computes the loss, and the logs are stock's."""
+    peft = pytest.importorskip("peft")
+    from test_hf_api import LORA_TARGETS
+
+    def lora() -> Any:
+        return peft.LoraConfig(r=4, lora_alpha=8, target_modules=LORA_TARGETS, init_lora_weights=False)
+
+    stock = _train_dpo(tmp_path, device, False, peft_config=lora())
+    patched = _train_dpo(tmp_path, device, True, peft_config=lora())
+    assert isinstance(patched.model, peft.PeftModel) and fk.hf.patched_modules(patched.model)["lora"] > 0
+    assert spy == {"fused_linear_dpo_loss": STEPS}
     _assert_same_logs(patched, stock)
 
 
@@ -194,7 +210,16 @@ def _train_grpo(model_dir: Path, tmp_path: Path, device: str, fk_on: bool, **ove
     return trainer
 
 
-@pytest.mark.parametrize("options", [{}, {"loss_type": "grpo", "entropy_coef": 0.01}])
+GRPO_OPTIONS = [
+    {},  # dapo, on-policy (ratio 1)
+    {"loss_type": "grpo", "entropy_coef": 0.01},  # the entropy bonus, and its policy_loss metric
+    # a second step on the first step's generations: old log-probs, ratios away from 1, clipped
+    {"loss_type": "bnpo", "num_iterations": 2, "epsilon": 0.002, "importance_sampling_level": "sequence"},
+    {"loss_type": "cispo", "num_iterations": 2, "epsilon_high": 1.001, "beta": 0.0},
+]
+
+
+@pytest.mark.parametrize("options", GRPO_OPTIONS)
 def test_grpo_trainer_matches_stock(options: dict[str, Any], device: str, tmp_path: Path, spy: dict[str, int]) -> None:
     """``fk.hf.align_trainer(GRPOTrainer(...))``: TRL generates and scores the completions as
     stock (the same from the same seed), every step's loss comes from
@@ -207,7 +232,7 @@ def test_grpo_trainer_matches_stock(options: dict[str, Any], device: str, tmp_pa
     patched = _train_grpo(model_dir, tmp_path, device, True, **options)
     assert spy == {"fused_linear_grpo_loss": STEPS}
     assert patched.__dict__["_fk_align"] == "grpo" and any(fk.hf.patched_modules(patched.model).values())
-    assert "kl" in _logs(patched)[0]
+    assert ("kl" in _logs(patched)[0]) == (options.get("beta", 0.05) != 0.0)
     _assert_same_logs(patched, stock)
 
 
