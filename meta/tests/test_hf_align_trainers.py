@@ -120,11 +120,13 @@ def _dpo_dataset() -> Any:
     return datasets.Dataset.from_dict(rows)
 
 
-def _train_dpo(tmp_path: Path, device: str, fk_on: bool, peft_config: Any = None, **overrides: Any) -> Any:
+def _train_dpo(
+    tmp_path: Path, device: str, fk_on: bool, peft_config: Any = None, callbacks: Any = None, **overrides: Any
+) -> Any:
     args = _config(trl.DPOConfig, tmp_path / ("fk" if fk_on else "stock"), device, **overrides)
     trainer = trl.DPOTrainer(
         model=_model("llama", device), ref_model=None if peft_config else _perturbed(device), args=args,
-        train_dataset=_dpo_dataset(), processing_class=_tokenizer(), peft_config=peft_config,
+        train_dataset=_dpo_dataset(), processing_class=_tokenizer(), peft_config=peft_config, callbacks=callbacks,
     )  # fmt: skip
     if fk_on:
         assert fk.hf.align_trainer(trainer) is trainer
@@ -152,7 +154,9 @@ def test_dpo_trainer_matches_stock(loss_type: list[str], device: str, tmp_path: 
 
 def test_dpo_trainer_with_peft_config(device: str, tmp_path: Path, spy: dict[str, int]) -> None:
     """DPO of a LoRA adapter TRL adds from ``peft_config``, its reference the model with the adapter
-    off: fk.lora fuses the LoRA layers, fk-align computes the loss, and the logs are stock's."""
+    off: fk.lora fuses the LoRA layers, fk-align computes the loss, and the logs are stock's. The
+    model was patched by an ``FkCallback`` given to the same trainer: ``align_trainer`` keeps that
+    patch (and its switches) and only takes the loss."""
     peft = pytest.importorskip("peft")
     from test_hf_api import LORA_TARGETS
 
@@ -160,8 +164,10 @@ def test_dpo_trainer_with_peft_config(device: str, tmp_path: Path, spy: dict[str
         return peft.LoraConfig(r=4, lora_alpha=8, target_modules=LORA_TARGETS, init_lora_weights=False)
 
     stock = _train_dpo(tmp_path, device, False, peft_config=lora())
-    patched = _train_dpo(tmp_path, device, True, peft_config=lora())
+    callback = fk.hf.FkCallback(rope=False)
+    patched = _train_dpo(tmp_path, device, True, peft_config=lora(), callbacks=[callback])
     assert isinstance(patched.model, peft.PeftModel) and fk.hf.patched_modules(patched.model)["lora"] > 0
+    assert callback.patched is not None and fk.hf.patched_modules(patched.model)["rope"] == 0
     assert spy == {"fused_linear_dpo_loss": STEPS}
     _assert_same_logs(patched, stock)
 

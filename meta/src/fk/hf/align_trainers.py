@@ -121,6 +121,8 @@ def unsupported_settings(trainer: Any, kind: str, method: str) -> list[str]:
         found.append("cast_lm_head_to_fp32=True")
     elif not (isinstance(head, torch.nn.Module) and plain_linear(head)):
         found.append(f"an lm_head that is not a plain nn.Linear ({type(head).__name__})")
+    if getattr(args, "n_gpu", 1) > 1:  # (a replica would see part of the batch: DPO's pairs split)
+        found.append(f"n_gpu={args.n_gpu} (nn.DataParallel: several GPUs in one process; DDP is taken)")
     if getattr(trainer, "aux_loss_enabled", False):
         found.append("router_aux_loss_coef (a mixture of experts' load-balancing loss)")
     if kind == "dpo":
