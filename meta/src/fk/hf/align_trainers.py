@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import sys
 import types
 from collections.abc import Callable
 from typing import Any
@@ -73,16 +74,17 @@ _STATS_BUDGET = 256 << 20  # bytes of fp32 logits per chunk of DPO's metrics pas
 
 
 def _trainer_classes() -> dict[str, tuple[type, str]]:
-    """kind -> (TRL's class, the method fk replaces). GKD first: it is an ``SFTTrainer``."""
-    import trl
-
-    classes: dict[str, tuple[type, str]] = {}
+    """kind -> (TRL's class, the method fk replaces); empty without TRL. GKD first (it is an
+    ``SFTTrainer``), and only when its module was imported (a GKDTrainer exists then): importing
+    ``trl.experimental`` warns."""
     try:
-        from trl.experimental.gkd import GKDTrainer
-
-        classes["gkd"] = (GKDTrainer, "compute_loss")
-    except ImportError:  # a TRL without it
-        pass
+        import trl
+    except ImportError:
+        return {}
+    classes: dict[str, tuple[type, str]] = {}
+    gkd = sys.modules.get("trl.experimental.gkd.gkd_trainer")
+    if gkd is not None:
+        classes["gkd"] = (gkd.GKDTrainer, "compute_loss")
     classes["dpo"] = (trl.DPOTrainer, "_compute_loss")
     classes["grpo"] = (trl.GRPOTrainer, "_compute_loss")
     return classes
