@@ -287,20 +287,38 @@ def test_patch_round_trip_on_a_model(device: str, checkpointing: bool) -> None:
     assert all(torch.equal(g, w) for g, w in zip(again_grads, want_grads, strict=True))
 
 
-def test_dora_falls_back_to_peft_with_a_log_line(device: str, caplog: pytest.LogCaptureFixture) -> None:
+@pytest.mark.parametrize("dropout", [0.0, 0.25], ids=["no_dropout", "dropout"])
+@pytest.mark.parametrize("case", list(DTYPE_CASES))
+@pytest.mark.parametrize("block", ["qkv", "o", "mlp"])
+def test_dora_layers_match_peft(device: str, block: str, case: str, dropout: float) -> None:
+    """PEFT's DoRA (``use_dora=True``): outputs and the gradients of x, the base bias, lora_A,
+    lora_B and the magnitude, with PEFT's dropout masks (PEFT's DoRA recomputes the base product
+    on the dropped input)."""
+    dtype, lora_fp32 = DTYPE_CASES[case]
+    model = _model(device, dtype, lora_fp32=lora_fp32, dropout=dropout, dora=True, base_bias=True, train_bias=True)
+    x = testing.random_tensor((2, 5, HIDDEN), dtype, device, seed=1)
+    floors = {torch.float32: testing.FLOOR[torch.bfloat16]} if lora_fp32 else None  # as in test_layers_match_peft
+    _compare(model, {"qkv": _qkv, "o": _o, "mlp": _mlp}[block], x, floors=floors)
+
+
+def test_dora_model_is_patched_with_its_mlp_per_projection(device: str) -> None:
+    """A DoRA model: q/k/v fused as a group, o_proj alone, and the MLP's projections one by one
+    (lora_mlp takes no magnitude): nothing is left to PEFT."""
+    model = _model(device, dora=True)
+    report = fk.lora.patch(model)
+    try:
+        assert not report.skipped and not report.mlp and len(report.qkv) == 1
+        assert sorted(n.rsplit(".", 1)[-1] for n in report.linear) == ["down_proj", "gate_proj", "o_proj", "up_proj"]
+    finally:
+        fk.lora.unpatch(model)
+
+
+def test_dora_under_autocast_falls_back_to_peft_with_a_log_line(
+    device: str, caplog: pytest.LogCaptureFixture
+) -> None:
     model = _model(device, dora=True)
     x = testing.random_tensor((2, 3, HIDDEN), torch.float32, device, seed=4)
-    want = _mlp(model, x)[0]
-    with caplog.at_level(logging.INFO, logger="fk.lora"):
-        report = fk.lora.patch(model)
-    assert report.n_patched == 0 and len(report.skipped) == len(TARGETS)
-    assert all("DoraLinearVariant" in r for r in report.skipped.values())
-    lines = [
-        r.getMessage() for r in caplog.records if r.name == "fk.lora" and "left to PEFT's forward" in r.getMessage()
-    ]
-    assert len(lines) == len(TARGETS) and any("down_proj" in line for line in lines)
-    assert torch.equal(_mlp(model, x)[0], want)
-    fk.lora.unpatch(model)
+    _assert_o_falls_back(model, x, caplog, "DoRA under autocast", autocast=True)
 
 
 class _QuantizedLinear(nn.Linear):

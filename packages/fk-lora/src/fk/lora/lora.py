@@ -71,6 +71,9 @@ class LoRAWeights(NamedTuple):
     """LoRA dropout probability; 0 when the dropout module is in eval mode."""
     lora_bias: torch.Tensor | None = None
     """``[N]``: ``lora_B``'s bias (PEFT ``lora_bias=True``), scaled by ``scaling`` like ``lora_B``."""
+    magnitude: torch.Tensor | None = None
+    """``[N]``: DoRA's magnitude vector ``m`` (PEFT ``use_dora=True``,
+    ``lora_magnitude_vector[adapter].weight``); None for plain LoRA. Not with ``lora_bias``."""
 
 
 # --- 1. Reference ---------------------------------------------------------------------------------
@@ -85,19 +88,37 @@ def lora_linear_ref(
     scaling: float,
     dropout_p: float = 0.0,
     lora_bias: torch.Tensor | None = None,
+    magnitude: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """PEFT's ``lora.Linear.forward`` for one adapter, in plain PyTorch (the definition tests use).
 
     ``result = base(x); result = result + lora_B(lora_A(dropout(x.to(A.dtype)))) * scaling``, cast
     back to the base result's dtype. Dropout (``dropout_p > 0``) draws from the global generator
     exactly as :func:`lora_linear` does.
+
+    With ``magnitude`` (DoRA, PEFT's ``DoraLinearLayer``): with ``xl`` the LoRA branch's input (``x``
+    in the LoRA dtype, dropped), ``n = ||W + s B A||`` over each output row, in ``xl``'s dtype and
+    detached, and ``g = m / n``, the result is ``result + (g - 1) base + g s lora``, where ``base`` is
+    ``result - b`` without dropout and ``xl W^T`` with it (PEFT recomputes the base product on the
+    dropped input).
     """
     result = F.linear(x, base_weight, base_bias)
     xl = x.to(lora_A.dtype)
     if dropout_p > 0:
         xl = F.dropout(xl, dropout_p, training=True)
     lora = F.linear(F.linear(xl, lora_A), lora_B, lora_bias) * scaling
-    return (result + lora).to(result.dtype)
+    if magnitude is None:
+        return (result + lora).to(result.dtype)
+    weight = base_weight.to(xl.dtype)
+    norm = torch.linalg.norm(weight + scaling * (lora_B @ lora_A).to(xl.dtype), dim=1).detach()
+    g = magnitude / norm
+    if dropout_p > 0:  # PEFT recomputes the base product on the dropped input
+        base = F.linear(xl, weight)
+    elif base_bias is not None:
+        base = result - base_bias
+    else:
+        base = result
+    return (result + (g - 1) * base + g * lora).to(result.dtype)
 
 
 def lora_mlp_ref(
@@ -276,7 +297,7 @@ class _LowRank(NamedTuple):
     """``B`` ``[N, r]``."""
 
 
-_PerProjection = TypeVar("_PerProjection", _Params, _Needs, _LowRank)
+_PerProjection = TypeVar("_PerProjection", _Params, _Needs, _LowRank, "_DoRAParams", "_DoRANeeds", "_DoRALowRank")
 
 
 def _flat(per_projection: Iterable[tuple[Any, ...]]) -> list[Any]:
@@ -814,6 +835,234 @@ class _LoRAMLP(torch.autograd.Function):
         return (dx, None, None, *_flat([grads_g, grads_u, grads_d]))
 
 
+# --- DoRA: the launchers with a magnitude vector (PEFT ``use_dora=True``) ---------------------------
+#
+# One projection with DoRA's magnitude m [N] (notation above; f = 1 / (1 - p), mk the dropout mask,
+# xd = d(x2) = f x2 * mk the LoRA branch's input, xa = xd A^T):
+#   n  = ||W + s B A|| over each row of W       [N], fp32, then rounded to the dropout dtype (PEFT
+#                                               computes it in the LoRA branch's input dtype) and
+#                                               detached (DoRA's paper, section 4.3: no gradient)
+#   g  = m / n                                  [N], fp32
+#   l  = s xa B^T                               [M, N]
+# Without dropout (PEFT scales the base layer's result less its bias):
+#   u  = x2 W^T + l                             one buffer, plain LoRA's y without b
+#   y  = g * u + b                              (g scales each column)
+# With dropout (PEFT recomputes the base product on the dropped input, v = xd W^T):
+#   v  = f (x2 * mk) W^T                        the matmul's scale is f; x2 * mk exact
+#   u  = v + l
+#   y  = x2 W^T + b + (g - 1) * v + g * l       summed in fp32, rounded once
+# Kept for the backward: u, g, n, and what plain LoRA keeps (xa, mk, A and B in c).
+#
+# The norm reads W once, in row chunks of DORA_NORM_CHUNK_ELEMENTS, forming each chunk of W + s B A
+# in fp32 (2 N K r FLOPs in all, as for B A itself; no [N, K] buffer). The cheaper-looking
+# expansion n^2 = ||W||^2 + 2 s <W A^T, B>_row + s^2 <B (A A^T), B>_row costs the same 2 N K r for
+# W A^T and cancels where s B A pulls a row of W towards zero: its relative error is
+# eps ||W||^2 / n^2 against eps for the direct sum, so the direct form is the one taken.
+#
+# Backward. n is detached, so m enters through g = m / n only; with dy [M, N]:
+#   dm   = colsum(dy * u) / n                   (both forms: dy/dg_j = sum_i dy_ij u_ij)
+#   db   = colsum(dy)                           (b is added once, unscaled)
+#   dyg  = g * dy                               the gradient reaching l
+#   dB   = s dyg^T xa ;  s G = s dyg B ;  dA = f (s G)^T (x2 * mk)
+# Without dropout x2 W^T is scaled by g as well:
+#   dW   = dyg^T x2 ;  dx = dyg W + s G A
+# With dropout x2 W^T is not, and v is scaled by (g - 1); with dyv = (g - 1) * dy:
+#   dW   = dy^T x2 + f dyv^T (x2 * mk)
+#   dx   = dy W + f (dyv W + s G A) * mk        (dyv W masked by masked_low_rank's ``masked``)
+# Under autocast DoRA is not fused (fk.lora.patch leaves it to PEFT; the functions refuse it).
+
+DORA_NORM_CHUNK_ELEMENTS = 1 << 24
+"""Elements of ``W + s B A`` the DoRA norm forms at a time, in fp32 (64 MiB): never ``[N, K]`` whole."""
+
+
+class _DoRAParams(NamedTuple):
+    """One DoRA projection's tensors, as :class:`_DoRAProjections` takes them (flat, five a projection)."""
+
+    weight: torch.Tensor
+    """``W`` ``[N, K]``."""
+    bias: torch.Tensor | None
+    """``b`` ``[N]``."""
+    lora_A: torch.Tensor
+    """``A`` ``[r, K]``."""
+    lora_B: torch.Tensor
+    """``B`` ``[N, r]``."""
+    magnitude: torch.Tensor
+    """``m`` ``[N]``."""
+
+
+class _DoRANeeds(NamedTuple):
+    """Which of one projection's :class:`_DoRAParams` need a gradient."""
+
+    weight: bool
+    bias: bool
+    lora_A: bool
+    lora_B: bool
+    magnitude: bool
+
+
+class _DoRAGrads(NamedTuple):
+    """The gradients of one projection's :class:`_DoRAParams`, None where not needed."""
+
+    weight: torch.Tensor | None = None
+    bias: torch.Tensor | None = None
+    lora_A: torch.Tensor | None = None
+    lora_B: torch.Tensor | None = None
+    magnitude: torch.Tensor | None = None
+
+
+class _DoRALowRank(NamedTuple):
+    """What one DoRA projection's forward keeps: plain LoRA's :class:`_LowRank` and DoRA's terms."""
+
+    xa: torch.Tensor
+    mask: torch.Tensor | None
+    A_c: torch.Tensor
+    B_c: torch.Tensor
+    u: torch.Tensor
+    """``[M, N]`` in ``c``: what ``g`` multiplies (``dm`` is formed from it)."""
+    g: torch.Tensor
+    """``m / n`` ``[N]``, fp32."""
+    norm: torch.Tensor
+    """``n`` ``[N]``, fp32 (holding the dropout dtype's rounding)."""
+
+
+def dora_weight_norm(
+    weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor, scaling: float, dtype: torch.dtype
+) -> torch.Tensor:
+    """DoRA's ``n = ||W + s B A||`` over each row of ``W`` ``[N, K]``, detached: formed in fp32 a
+    chunk of rows at a time (:data:`DORA_NORM_CHUNK_ELEMENTS`), rounded to ``dtype`` (PEFT's: the
+    LoRA branch's input dtype) and returned in fp32 ``[N]``."""
+    W, A32, B32 = weight.detach(), lora_A.detach().float(), lora_B.detach().float()
+    norm = torch.empty(W.shape[0], dtype=torch.float32, device=W.device)
+    n_rows = max(1, DORA_NORM_CHUNK_ELEMENTS // max(1, W.shape[1]))
+    for start in range(0, W.shape[0], n_rows):
+        rows = slice(start, start + n_rows)
+        merged = torch.addmm(W[rows].float(), B32[rows], A32, alpha=scaling)  # W + s B A, these rows
+        norm[rows] = torch.linalg.vector_norm(merged, dim=1)
+    return norm.to(dtype).float()
+
+
+def _dora_fwd(
+    x2: torch.Tensor,
+    xa: torch.Tensor,
+    mask: torch.Tensor | None,
+    A_c: torch.Tensor,
+    params: _DoRAParams,
+    settings: _Settings,
+) -> tuple[torch.Tensor, _DoRALowRank]:
+    """One DoRA projection of ``x2`` ``[M, K]`` (in ``c``) given its LoRA input product ``xa`` and
+    mask: (y ``[M, N]`` in ``c``, what its backward keeps)."""
+    c = x2.dtype
+    scaling, p, dropout_dtype = settings
+    norm = dora_weight_norm(params.weight, params.lora_A, params.lora_B, scaling, dropout_dtype)
+    g = params.magnitude.detach().float() / norm
+    B_c = params.lora_B.to(c)
+    if mask is None:
+        u = _add_lora_out(_base_out(x2, params.weight, None), xa, B_c, None, scaling)
+        y32 = u * g
+    else:
+        f = 1.0 / (1.0 - p)
+        v = scaled_mm(_kept_input(x2, mask, dropout_dtype, c), params.weight.t(), f, c)
+        lo = scaled_mm(xa, B_c.t(), scaling, c)
+        y32 = _base_out(x2, params.weight, None).float().addcmul_(v, g - 1).addcmul_(lo, g)
+        u = v.add_(lo)
+    if params.bias is not None:
+        y32.add_(params.bias)
+    return y32.to(c), _DoRALowRank(xa, mask, A_c, B_c, u, g, norm)
+
+
+def _dora_bwd(
+    dy: torch.Tensor,
+    x2: torch.Tensor,
+    weight: torch.Tensor,
+    low: _DoRALowRank,
+    dtypes: tuple[torch.dtype, torch.dtype],
+    settings: _Settings,
+    needs: _DoRANeeds,
+    dx: torch.Tensor | None,
+    need_dx: bool,
+) -> tuple[_DoRAGrads, torch.Tensor | None]:
+    """The backward of :func:`_dora_fwd` (see the equations above): (the parameter gradients, dx
+    with this projection's terms added, a new buffer when ``dx`` is None). ``dtypes``: the LoRA
+    weights' and the magnitude's."""
+    lora_dtype, magnitude_dtype = dtypes
+    scaling, p, dropout_dtype = settings
+    c = dy.dtype
+    f = 1.0 if low.mask is None else 1.0 / (1.0 - p)
+    grads = _DoRAGrads()
+    if needs.magnitude:
+        grads = grads._replace(magnitude=(column_sum(dy.float() * low.u) / low.norm).to(magnitude_dtype))
+    if needs.bias:
+        grads = grads._replace(bias=column_sum(dy).to(weight.dtype))
+    dyg = (dy * low.g).to(c)
+    gs = _scaled_lora_grad(dyg, low.B_c, scaling) if need_dx or needs.lora_A else None
+    need_kept = needs.lora_A or (needs.weight and low.mask is not None)  # x2 * mk, for dA and (dropout) dW
+    kept = _kept_input(x2, low.mask, dropout_dtype, c) if need_kept else None
+    if needs.lora_B:
+        grads = grads._replace(lora_B=scaled_mm(dyg.t(), low.xa, scaling, lora_dtype))
+    if needs.lora_A:
+        assert gs is not None and kept is not None
+        grads = grads._replace(lora_A=scaled_mm(gs.t(), kept, f, lora_dtype))
+    if low.mask is None:
+        if needs.weight:
+            grads = grads._replace(weight=scaled_mm(dyg.t(), x2, 1.0, weight.dtype))
+        if need_dx:
+            assert gs is not None
+            dx = torch.mm(dyg, weight) if dx is None else dx.addmm_(dyg, weight)
+            dx.addmm_(gs, low.A_c)
+        return grads, dx
+    dyv = (dy * (low.g - 1)).to(c)
+    if needs.weight:
+        assert kept is not None
+        dW = scaled_mm(dy.t(), x2, 1.0, torch.float32).add_(scaled_mm(dyv.t(), kept, f, torch.float32))
+        grads = grads._replace(weight=dW.to(weight.dtype))
+    if need_dx:
+        assert gs is not None and low.mask is not None
+        dx = torch.mm(dy, weight) if dx is None else dx.addmm_(dy, weight)
+        dx.add_(masked(torch.mm(dyv, weight), low.mask, f))
+        add_masked_low_rank_(dx, gs, low.A_c, low.mask, f)
+    return grads, dx
+
+
+class _DoRAProjections(torch.autograd.Function):
+    """``len(settings)`` DoRA projections of one input ``x`` (one output each): ``settings`` one
+    :class:`_Settings` per projection, ``flat`` their :class:`_DoRAParams` (:func:`_flat`). ``x``
+    and the base weights share one dtype, ``c``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, settings: tuple[_Settings, ...], *flat: Any) -> Any:
+        params = _unflat(_DoRAParams, flat)
+        x2 = x.reshape(-1, x.shape[-1])
+        xas, masks, A_cs = _lora_input_products(x2, x2, [proj.lora_A for proj in params], settings)
+        outs, lows = [], []
+        for xa, mask, A_c, proj, setting in zip(xas, masks, A_cs, params, settings, strict=True):
+            y, low = _dora_fwd(x2, xa, mask, A_c, proj, setting)
+            lows.append(low)
+            outs.append(y.view(*x.shape[:-1], y.shape[-1]))
+        ctx.save_for_backward(x, *(proj.weight for proj in params), *_flat(lows))
+        ctx.settings = settings
+        ctx.dtypes = [(proj.lora_A.dtype, proj.magnitude.dtype) for proj in params]
+        ctx.set_materialize_grads(False)
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx: Any, *dys: Any) -> Any:
+        n = len(ctx.settings)
+        x, *saved = ctx.saved_tensors
+        weights, lows = saved[:n], _unflat(_DoRALowRank, saved[n:])
+        x2 = x.reshape(-1, x.shape[-1])
+        needs = _unflat(_DoRANeeds, ctx.needs_input_grad[2:])
+        need_dx = ctx.needs_input_grad[0]
+        dx: torch.Tensor | None = None
+        grads = [_DoRAGrads()] * n
+        for i, dy in enumerate(dys):
+            if dy is not None:
+                dy2 = dy.reshape(-1, dy.shape[-1])
+                grads[i], dx = _dora_bwd(dy2, x2, weights[i], lows[i], ctx.dtypes[i], ctx.settings[i], needs[i], dx, need_dx)  # fmt: skip
+        if dx is not None:
+            dx = dx.view(x.shape)
+        return (dx, None, *_flat(grads))
+
+
 # --- 3. Functional API ----------------------------------------------------------------------------
 
 
@@ -848,16 +1097,18 @@ def _check_optional_vector(name: str, t: object, n: int, like_name: str, like: t
 
 def _check_parts(
     prefix: str, x: torch.Tensor, parts: object, cast: torch.dtype | None = None
-) -> tuple[_Settings, _Params]:
-    """Validate one projection's parameters against ``x``; returns (its settings, its tensors).
-    ``cast``: autocast's dtype, which the base weight need not have; the tensors are returned cast
-    to it (None: outside autocast, the base weight must have ``x``'s dtype)."""
-    if not isinstance(parts, tuple) or len(parts) not in (5, 6, 7):
-        raise TypeError(f"{prefix or 'parts'} must be a LoRAWeights (or a tuple of its 5 to 7 fields), got {type(parts).__name__}")  # fmt: skip
+) -> tuple[_Settings, _Params, torch.Tensor | None]:
+    """Validate one projection's parameters against ``x``; returns (its settings, its tensors, its
+    DoRA magnitude or None). ``cast``: autocast's dtype, which the base weight need not have; the
+    tensors are returned cast to it (None: outside autocast, the base weight must have ``x``'s
+    dtype)."""
+    if not isinstance(parts, tuple) or len(parts) not in (5, 6, 7, 8):
+        raise TypeError(f"{prefix or 'parts'} must be a LoRAWeights (or a tuple of its 5 to 8 fields), got {type(parts).__name__}")  # fmt: skip
     weight, bias, lora_A, lora_B, scaling, *rest = parts
     dropout_p = rest[0] if rest else 0.0
     lora_bias = rest[1] if len(rest) > 1 else None
-    names = [f"{prefix}{n}" for n in ("weight", "bias", "lora_A", "lora_B", "scaling", "dropout_p", "lora_bias")]
+    magnitude = rest[2] if len(rest) > 2 else None
+    names = [f"{prefix}{n}" for n in ("weight", "bias", "lora_A", "lora_B", "scaling", "dropout_p", "lora_bias", "magnitude")]  # fmt: skip
     for name, t in ((names[0], weight), (names[2], lora_A), (names[3], lora_B)):
         validate.check_tensor(name, t)
         validate.check_dtype(name, t)
@@ -875,8 +1126,24 @@ def _check_parts(
     _check_optional_vector(names[6], lora_bias, n_out, names[3], lora_B)
     scaling = _check_scalar(names[4], scaling)
     dropout_p = _check_scalar(names[5], dropout_p, low=0.0, high=1.0)
+    if magnitude is not None:
+        validate.check_tensor(names[7], magnitude)
+        assert isinstance(magnitude, torch.Tensor)
+        validate.check_dtype(names[7], magnitude)
+        validate.check_same_device(names[7], magnitude, "x", x)
+        validate.check_shape(names[7], magnitude, (n_out,))
+        _check_dora_combination(prefix, lora_bias is not None, cast)
     params = _Params(weight, bias, lora_A, lora_B, lora_bias)
-    return _Settings(scaling, dropout_p, lora_A.dtype), _cast_params(params, cast)
+    return _Settings(scaling, dropout_p, lora_A.dtype), _cast_params(params, cast), magnitude
+
+
+def _check_dora_combination(prefix: str, has_lora_bias: bool, cast: torch.dtype | None) -> None:
+    """DoRA (a magnitude) is fused without ``lora_bias`` (PEFT refuses the two together) and
+    outside autocast only."""
+    if has_lora_bias:
+        raise ValueError(f"{prefix}magnitude (DoRA) cannot be combined with {prefix}lora_bias (PEFT refuses them together too)")  # fmt: skip
+    if cast is not None:
+        raise ValueError(f"{prefix}magnitude (DoRA) is not fused under torch.autocast; call it outside autocast")
 
 
 def _cast_params(params: _Params, cast: torch.dtype | None) -> _Params:
@@ -889,7 +1156,7 @@ def _cast_params(params: _Params, cast: torch.dtype | None) -> _Params:
 
 def _module_parts(
     prefix: str, x: torch.Tensor, parts: LoRAWeights, cast: torch.dtype | None = None
-) -> tuple[_Settings, _Params]:
+) -> tuple[_Settings, _Params, torch.Tensor | None]:
     """:func:`_check_parts` for parameters that ``fk.lora.patch``'s forwards read from a PEFT
     ``lora.Linear`` (``fk.lora.patching._call_parts``, which checked their kinds and float dtypes
     and PEFT's scaling and dropout): only the input's width against the weight is checked here,
@@ -901,11 +1168,11 @@ def _module_parts(
     return _module_params(parts, cast)
 
 
-def _module_params(parts: LoRAWeights, cast: torch.dtype | None) -> tuple[_Settings, _Params]:
-    """The settings and tensors of :func:`_module_parts`, without the width check."""
-    weight, bias, lora_A, lora_B, scaling, dropout_p, lora_bias = parts
+def _module_params(parts: LoRAWeights, cast: torch.dtype | None) -> tuple[_Settings, _Params, torch.Tensor | None]:
+    """The settings, tensors and DoRA magnitude of :func:`_module_parts`, without the width check."""
+    weight, bias, lora_A, lora_B, scaling, dropout_p, lora_bias, magnitude = parts
     params = _Params(weight, bias, lora_A, lora_B, lora_bias)
-    return _Settings(scaling, dropout_p, lora_A.dtype), _cast_params(params, cast)
+    return _Settings(scaling, dropout_p, lora_A.dtype), _cast_params(params, cast), magnitude
 
 
 def _apply(fn: Any, x: torch.Tensor, *args: Any) -> Any:
@@ -931,6 +1198,7 @@ def lora_linear(
     scaling: float,
     dropout_p: float = 0.0,
     lora_bias: torch.Tensor | None = None,
+    magnitude: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """A LoRA linear layer, as PEFT's ``lora.Linear`` with one adapter, with the base matmul and the
     low-rank branch sharing one output buffer (see the module docstring).
@@ -945,17 +1213,35 @@ def lora_linear(
         dropout_p: LoRA dropout in ``[0, 1)``, applied to the LoRA branch's input only; the mask is
             drawn from the global generator as PEFT's ``nn.Dropout`` draws it. Pass 0 in eval mode.
         lora_bias: ``[N]`` or None, dtype of ``lora_B``: ``lora_B``'s bias (PEFT ``lora_bias=True``).
+        magnitude: ``[N]`` or None: DoRA's magnitude vector (PEFT ``use_dora=True``), any float
+            dtype; the output is then PEFT's DoRA output (see :func:`lora_linear_ref` and the DoRA
+            equations above the DoRA launchers). Not with ``lora_bias``, nor under autocast.
 
     Returns ``(..., N)`` in ``x``'s dtype, or in autocast's dtype under autocast (then
     ``base_weight`` may have any float dtype; see the module docstring).
     """
     x = _check_x(x)
     cast = _autocast_dtype(x)
-    settings, params = _check_parts(
-        "", x, (base_weight, base_bias, lora_A, lora_B, scaling, dropout_p, lora_bias), cast
-    )
-    (y,) = _apply(_LoRAProjections, x, (settings,), *_flat([params]))
+    checked = _check_parts("", x, (base_weight, base_bias, lora_A, lora_B, scaling, dropout_p, lora_bias, magnitude), cast)  # fmt: skip
+    (y,) = _projections(x, [checked])
     return y
+
+
+def _projections(x: torch.Tensor, checked: Sequence[tuple[_Settings, _Params, torch.Tensor | None]]) -> Any:
+    """The outputs of the projections of ``x`` that :func:`_check_parts` (or :func:`_module_parts`)
+    returned: plain LoRA's function, or DoRA's where every projection has a magnitude."""
+    settings = tuple(part[0] for part in checked)
+    magnitudes = [part[2] for part in checked]
+    if all(m is None for m in magnitudes):
+        return _apply(_LoRAProjections, x, settings, *_flat([part[1] for part in checked]))
+    present = [m for m in magnitudes if m is not None]
+    if len(present) < len(magnitudes):
+        raise ValueError("either every projection of one input has a magnitude (DoRA) or none has")
+    params = [
+        _DoRAParams(part[1].weight, part[1].bias, part[1].lora_A, part[1].lora_B, magnitude)
+        for part, magnitude in zip(checked, present, strict=True)
+    ]
+    return _apply(_DoRAProjections, x, settings, *_flat(params))
 
 
 lora_o = lora_linear
@@ -976,12 +1262,8 @@ def module_projections(x: torch.Tensor, parts: Sequence[LoRAWeights], *, from_mo
         raise ValueError("lora_projections needs at least one LoRAWeights")
     cast = _autocast_dtype(x)
     check = _module_parts if from_module else _check_parts
-    settings, params = [], []
-    for i, part in enumerate(parts):
-        part_settings, part_params = check("" if from_module else f"parts[{i}].", x, part, cast)
-        settings.append(part_settings)
-        params.append(part_params)
-    return tuple(_apply(_LoRAProjections, x, tuple(settings), *_flat(params)))
+    checked = [check("" if from_module else f"parts[{i}].", x, part, cast) for i, part in enumerate(parts)]
+    return tuple(_projections(x, checked))
 
 
 def lora_qkv(
@@ -995,12 +1277,8 @@ def lora_qkv(
     """
     x = _check_x(x)
     cast = _autocast_dtype(x)
-    settings, params = [], []
-    for name, parts in (("q_parts", q_parts), ("k_parts", k_parts), ("v_parts", v_parts)):
-        part_settings, part_params = _check_parts(f"{name}.", x, parts, cast)
-        settings.append(part_settings)
-        params.append(part_params)
-    q, k, v = _apply(_LoRAProjections, x, tuple(settings), *_flat(params))
+    parts = (("q_parts", q_parts), ("k_parts", k_parts), ("v_parts", v_parts))
+    q, k, v = _projections(x, [_check_parts(f"{name}.", x, part, cast) for name, part in parts])
     return q, k, v
 
 
@@ -1035,17 +1313,20 @@ def module_mlp(
     act = _resolve_mlp_activation(activation)
     cast = _autocast_dtype(x)
     check = _module_parts if from_module else _check_parts
-    settings_g, params_g = check("gate_parts.", x, gate_parts, cast)
-    settings_u, params_u = check("up_parts.", x, up_parts, cast)
+    settings_g, params_g, magnitude_g = check("gate_parts.", x, gate_parts, cast)
+    settings_u, params_u, magnitude_u = check("up_parts.", x, up_parts, cast)
     n_inter = params_g.weight.shape[0]
     if params_u.weight.shape[0] != n_inter:
         raise ValueError(f"up_parts.weight must have {n_inter} rows (gate_parts.weight's), got shape {tuple(params_u.weight.shape)}")  # fmt: skip
     if from_module:  # the intermediate's width is all there is to check: no tensor stands in for it
         if down_parts[0].shape[1] != n_inter:
             raise ValueError(f"down_parts.weight takes {down_parts[0].shape[1]} input features, gate_parts.weight gives {n_inter}")  # fmt: skip
-        settings_d, params_d = _module_params(down_parts, cast)
+        settings_d, params_d, magnitude_d = _module_params(down_parts, cast)
     else:
         h_like = x.new_empty((1, n_inter), dtype=params_g.weight.dtype) if x.ndim else x
-        settings_d, params_d = _check_parts("down_parts.", h_like, down_parts, cast)
+        settings_d, params_d, magnitude_d = _check_parts("down_parts.", h_like, down_parts, cast)
+    for name, magnitude in (("gate_parts", magnitude_g), ("up_parts", magnitude_u), ("down_parts", magnitude_d)):
+        if magnitude is not None:
+            raise ValueError(f"{name}.magnitude: DoRA is fused in lora_linear, lora_qkv and lora_projections, not in lora_mlp")  # fmt: skip
     params = _flat([params_g, params_u, params_d])
     return _apply(_LoRAMLP, x, act, (settings_g, settings_u, settings_d), *params)

@@ -23,17 +23,23 @@ from). Model source is never rewritten, and :func:`unpatch` gives back the origi
 module whose ``forward`` was replaced on the instance (by accelerate's hooks, say) is left alone:
 that forward would shadow fk.lora's.
 
-At every call the patched forward checks that the module is still plain LoRA (and, for a fused
-MLP, that no hooks are registered on its projections, which the fused call would skip: PEFT's
+DoRA (``use_dora=True``) is fused too: a DoRA ``lora.Linear`` passes its magnitude vector to
+:func:`fk.lora.lora_linear` / :func:`fk.lora.lora_projections` (a q/k/v group fuses when all its
+members are DoRA or none is); an MLP with DoRA projections keeps its forward and its projections
+are fused one by one, as :func:`fk.lora.lora_mlp` takes no magnitude.
+
+At every call the patched forward checks that the module is still plain LoRA or DoRA (and, for a
+fused MLP, that no hooks are registered on its projections, which the fused call would skip: PEFT's
 mixed-batch ``adapter_names`` arrive through such hooks): one active adapter,
-not merged, adapters enabled, no LoRA variant (DoRA, ...), a ``torch.nn.Linear`` base layer
+not merged, adapters enabled, no LoRA variant but DoRA, DoRA outside autocast (with its dropout
+module in its layer's training mode), a ``torch.nn.Linear`` base layer
 (not a bitsandbytes quantized one), base and LoRA weights in fp32, fp16 or bf16, the base weight
 in the input's dtype (any of those under autocast, which casts every operand, as fk.lora's
 functions then do), and PEFT's input dtype
 casting enabled where the LoRA weights' dtype is not the input's. Otherwise
 it runs PEFT's own forward, and says so once per module and reason on the ``fk.lora`` logger.
-Modules that can never take the fused path (quantized, DoRA at patch time) are left alone and
-reported as skipped.
+Modules that can never take the fused path (quantized, LoRA variants other than DoRA at patch
+time) are left alone and reported as skipped.
 
 This module imports ``peft`` (only when :func:`patch` is called); the rest of fk.lora does not.
 """
@@ -101,6 +107,26 @@ def _lora_layer_class() -> type:
     return LoraLayer
 
 
+def _dora_variant_class() -> type:
+    from peft.tuners.lora.variants import DoraLinearVariant
+
+    return DoraLinearVariant
+
+
+def _other_variants(module: Any) -> list[str]:
+    """The names of the LoRA variants of ``module``'s adapters other than DoRA (which fk.lora fuses)."""
+    dora = _dora_variant_class()
+    variants = getattr(module, "lora_variant", {}) or {}
+    return sorted(type(v).__name__ for v in variants.values() if type(v) is not dora)
+
+
+def _has_dora(module: Any) -> bool:
+    """Whether an adapter of ``module`` is DoRA."""
+    dora = _dora_variant_class()
+    variants = getattr(module, "lora_variant", {}) or {}
+    return any(type(v) is dora for v in variants.values()) or any((getattr(module, "use_dora", {}) or {}).values())
+
+
 def _static_reason(module: Any, lora_linear_cls: type) -> str | None:
     """Why ``module`` can never take the fused path (None: it can)."""
     if type(module) is not lora_linear_cls:
@@ -110,9 +136,9 @@ def _static_reason(module: Any, lora_linear_cls: type) -> str | None:
         return f"base layer {type(base).__name__} is not torch.nn.Linear"
     if getattr(module, "fan_in_fan_out", False):
         return "fan_in_fan_out=True"
-    variants = getattr(module, "lora_variant", {}) or {}
-    if variants:
-        return f"LoRA variant {', '.join(sorted(type(v).__name__ for v in variants.values()))} (e.g. DoRA)"
+    others = _other_variants(module)
+    if others:
+        return f"LoRA variant {', '.join(others)} (fk.lora fuses plain LoRA and DoRA)"
     return None
 
 
@@ -143,8 +169,12 @@ def _call_parts(module: Any, x: Any) -> LoRAWeights | str:
     if len(active) != 1:
         return f"{len(active)} active adapters (fk.lora fuses exactly one)"
     name = active[0]
-    if name in (getattr(module, "lora_variant", {}) or {}) or module.use_dora.get(name, False):
-        return "a LoRA variant (DoRA, ...) is active"
+    variant = (getattr(module, "lora_variant", {}) or {}).get(name)
+    dora = variant is not None and type(variant) is _dora_variant_class()
+    if variant is not None and not dora:
+        return f"LoRA variant {type(variant).__name__} is active (fk.lora fuses plain LoRA and DoRA)"
+    if not dora and module.use_dora.get(name, False):
+        return "use_dora is set without PEFT's DoRA variant"
     base = _base_layer(module)
     if type(base) is not nn.Linear:
         return f"base layer {type(base).__name__} is not torch.nn.Linear"
@@ -153,10 +183,19 @@ def _call_parts(module: Any, x: Any) -> LoRAWeights | str:
         p = 0.0
     elif type(dropout) is nn.Dropout:
         p = float(dropout.p) if dropout.training else 0.0
+        if dora and dropout.training != module.training:  # (PEFT's DoRA branch asks the module, not the dropout)
+            return "DoRA with the dropout's training mode unlike its module's"
     else:
         return f"dropout module {type(dropout).__name__}"
     if not isinstance(x, torch.Tensor) or x.dtype not in _FLOATS:
         return "input is not a float tensor"
+    magnitude = None
+    if dora:
+        if torch.is_autocast_enabled(x.device.type):
+            return "DoRA under autocast (fk.lora fuses DoRA outside autocast)"
+        magnitude = children["lora_magnitude_vector"]._modules[name]._parameters["weight"]
+        if magnitude is None or magnitude.dtype not in _FLOATS:
+            return "DoRA magnitude is not an fp32, fp16 or bf16 parameter"
     lora_a, lora_b = lora_a_dict[name]._parameters, lora_b_dict[name]._parameters
     weight, lora_a_w, lora_b_w = base._parameters["weight"], lora_a["weight"], lora_b["weight"]
     assert weight is not None and lora_a_w is not None and lora_b_w is not None
@@ -171,8 +210,9 @@ def _call_parts(module: Any, x: Any) -> LoRAWeights | str:
     if lora_a_w.dtype != x.dtype and not getattr(module, "cast_input_dtype_enabled", True):
         return "input dtype casting is disabled"
     return LoRAWeights(
-        weight, base._parameters.get("bias"), lora_a_w, lora_b_w, float(module.scaling[name]), p, lora_b.get("bias")
-    )
+        weight, base._parameters.get("bias"), lora_a_w, lora_b_w, float(module.scaling[name]), p, lora_b.get("bias"),
+        magnitude,
+    )  # fmt: skip
 
 
 def _fallback(module: nn.Module, label: str, reason: str) -> None:
@@ -219,6 +259,8 @@ def _shared_forward(
         if not group.split and not (args or kwargs):
             parts = [_call_parts(m, x) for m in group.members]
             reasons = [f"{_label(m)}: {p}" for m, p in zip(group.members, parts, strict=True) if isinstance(p, str)]
+            if not reasons and len({p.magnitude is None for p in parts if not isinstance(p, str)}) > 1:
+                reasons = ["DoRA on some of the projections only (each is fused alone)"]
             if not reasons:
                 return group.hand_out(x, module_projections(x, parts, from_module=True))  # type: ignore[arg-type]
             _fallback(module, label + " (QKV group)", "; ".join(reasons))
@@ -286,6 +328,7 @@ def _mlp_forward(mlp: nn.Module, label: str, act: str, x: Any, *args: Any, **kwa
         return stock_forward(mlp, _STOCK, x)
     parts = [_call_parts(m, x) for m in projections]
     reasons = [f"{n}: {p}" for n, p in zip(_MLP, parts, strict=True) if isinstance(p, str)]
+    reasons += [f"{n}: DoRA (fused per projection, not in lora_mlp)" for n, p in zip(_MLP, parts, strict=True) if isinstance(p, LoRAWeights) and p.magnitude is not None]  # fmt: skip
     if reasons:
         _fallback(mlp, label, "; ".join(reasons))
         return stock_forward(mlp, _STOCK, x)
@@ -341,6 +384,8 @@ def patch(peft_model: nn.Module) -> PatchReport:
                 qualname or type(parent).__name__,
             )
             act = None
+        if act is not None and any(m is not None and _has_dora(m) for m in mlp):
+            act = None  # DoRA projections are fused one by one (lora_mlp takes no magnitude)
         if act is not None and _replaced(parent) is None and all(eligible(m) for m in mlp):
             label = qualname or type(parent).__name__
             _swap(parent, (_mlp_forward, label, act), saved)
@@ -348,6 +393,8 @@ def patch(peft_model: nn.Module) -> PatchReport:
             report.mlp.append(qualname)
             continue
         qkv = [(n, children[n]) for n in _QKV if n in children and eligible(children[n])]
+        if len({_has_dora(m) for _, m in qkv}) > 1:
+            qkv = []  # DoRA on some of them only: each is fused alone
         if len(qkv) >= 2:
             group = SharedInputGroup([m for _, m in qkv])
             for i, (_, m) in enumerate(qkv):
