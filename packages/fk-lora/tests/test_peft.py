@@ -313,9 +313,7 @@ def test_dora_model_is_patched_with_its_mlp_per_projection(device: str) -> None:
         fk.lora.unpatch(model)
 
 
-def test_dora_under_autocast_falls_back_to_peft_with_a_log_line(
-    device: str, caplog: pytest.LogCaptureFixture
-) -> None:
+def test_dora_under_autocast_falls_back_to_peft_with_a_log_line(device: str, caplog: pytest.LogCaptureFixture) -> None:
     model = _model(device, dora=True)
     x = testing.random_tensor((2, 3, HIDDEN), torch.float32, device, seed=4)
     _assert_o_falls_back(model, x, caplog, "DoRA under autocast", autocast=True)

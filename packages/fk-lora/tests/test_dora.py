@@ -1,0 +1,180 @@
+"""fk.lora's DoRA (a magnitude vector, PEFT ``use_dora=True``) against the float64 evaluation of
+:func:`fk.lora.lora_linear_ref`, PEFT's definition (the norm detached): outputs and the gradients
+of x, the base weight and bias, lora_A, lora_B and the magnitude, with and without dropout (the
+reference replays the mask fk drew). PEFT's own DoRA layers are compared in ``test_peft.py``."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fk.lora.lora
+from fk.core import testing
+from fk.core.testing import dtype_name
+from fk.lora import LoRAWeights, lora_linear, lora_linear_ref, lora_mlp, lora_qkv
+from fk.lora.lora import dora_weight_norm
+
+K, N, R = 37, 29, 3  # awkward widths: hidden, projection width, rank
+SCALING = 1.5
+NAMES = ["x", "weight", "bias", "lora_A", "lora_B", "magnitude"]
+
+
+def _args(
+    dtype: torch.dtype, device: str, *, n: int = N, seed: int = 0, lora_dtype: torch.dtype | None = None,
+    train_base: bool = True,
+) -> list[Any]:  # fmt: skip
+    """x, W, b, A, B, m with the scales of a real layer; m is the norm PEFT initializes it to,
+    moved by up to 30% per row (so that m / n is not 1)."""
+    ld = lora_dtype or dtype
+    x = testing.random_tensor((2, 7, K), dtype, device, seed=seed, requires_grad=True)
+    w = testing.random_tensor((n, K), dtype, device, seed=seed + 1, scale=K**-0.5, requires_grad=train_base)
+    b = testing.random_tensor((n,), dtype, device, seed=seed + 2, scale=0.1, requires_grad=train_base)
+    a = testing.random_tensor((R, K), ld, device, seed=seed + 3, scale=K**-0.5, requires_grad=True)
+    bb = testing.random_tensor((n, R), ld, device, seed=seed + 4, scale=0.5, requires_grad=True)
+    norm = torch.linalg.norm(w.detach().double() + SCALING * bb.detach().double() @ a.detach().double(), dim=1)
+    moved = 1 + 0.3 * testing.random_tensor((n,), torch.float64, device, seed=seed + 5)
+    m = (norm * moved).to(ld).requires_grad_()
+    return [x, w, b, a, bb, m]
+
+
+def _drawn_mask(shape: torch.Size, dtype: torch.dtype, device: torch.device, p: float, seed: int) -> torch.Tensor:
+    """The dropout mask fk draws after ``torch.manual_seed(seed)`` on an input of ``shape`` in ``dtype``."""
+    torch.manual_seed(seed)
+    return torch.native_dropout(torch.ones(shape, dtype=dtype, device=device), p, True)[1]
+
+
+@contextlib.contextmanager
+def _replayed_dropout(masks: list[torch.Tensor]) -> Iterator[None]:
+    """``F.dropout`` (the reference's) applies ``masks`` in turn instead of drawing."""
+    queue = list(masks)
+
+    def replay(t: torch.Tensor, p: float, training: bool = True) -> torch.Tensor:
+        mask = queue.pop(0).to(t.device).reshape(t.shape)
+        return t * mask / (1 - p)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(F, "dropout", replay)
+        yield
+
+
+def _seeded_fk_and_reference(p: float, seed: int = 11) -> tuple[Any, Any]:
+    def fk_fn(x: torch.Tensor, w: Any, b: Any, a: Any, bb: Any, m: Any) -> torch.Tensor:
+        torch.manual_seed(seed)
+        return lora_linear(x, w, b, a, bb, SCALING, p, None, m)
+
+    def ref_fn(x: torch.Tensor, w: Any, b: Any, a: Any, bb: Any, m: Any) -> torch.Tensor:
+        if p == 0:
+            return lora_linear_ref(x, w, b, a, bb, SCALING, 0.0, None, m)
+        mask = _drawn_mask(x.shape, a.dtype, x.device, p, seed)
+        with _replayed_dropout([mask]):
+            return lora_linear_ref(x, w, b, a, bb, SCALING, p, None, m)
+
+    return fk_fn, ref_fn
+
+
+@pytest.mark.parametrize("p", [0.0, 0.3], ids=["no_dropout", "dropout"])
+@pytest.mark.parametrize("dtype", testing.DTYPES, ids=dtype_name)
+def test_dora_linear_matches_reference(device: str, dtype: torch.dtype, p: float) -> None:
+    fk_fn, ref_fn = _seeded_fk_and_reference(p)
+    result = testing.compare_with_reference(fk_fn, ref_fn, _args(dtype, device), arg_names=NAMES)
+    assert result.names == ["output0", *(f"grad of {n}" for n in NAMES)]
+
+
+@pytest.mark.parametrize("p", [0.0, 0.3], ids=["no_dropout", "dropout"])
+def test_dora_fp32_adapter_with_bf16_activations(device: str, p: float) -> None:
+    """PEFT's default: LoRA weights and magnitude in fp32 next to bf16 activations (the norm is
+    then fp32, and the gradients come back in fp32)."""
+    args = _args(torch.bfloat16, device, lora_dtype=torch.float32)
+    fk_fn, ref_fn = _seeded_fk_and_reference(p)
+    out = fk_fn(*args)
+    assert out.dtype == torch.bfloat16
+    out.sum().backward()
+    assert args[3].grad.dtype == args[5].grad.dtype == torch.float32
+    # the LoRA backward runs in bf16 (rank-sized results rounded to bf16, then cast to fp32)
+    floors = {torch.float32: testing.FLOOR[torch.bfloat16]}
+    testing.compare_with_reference(fk_fn, ref_fn, args, floors=floors, arg_names=NAMES)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_name)
+def test_dora_qkv_matches_three_references(device: str, dtype: torch.dtype) -> None:
+    """q and v without dropout (their LoRA inputs from one matmul), k with dropout between them:
+    each as PEFT's DoRA layer, and one dx."""
+    q, k, v = (_args(dtype, device, n=n, seed=s) for n, s in ((40, 0), (16, 10), (16, 20)))
+    flat = [q[0], *q[1:], *k[1:], *v[1:]]
+    drops = (0.0, 0.3, 0.0)
+
+    def parts(a: list[Any]) -> list[LoRAWeights]:
+        return [LoRAWeights(*a[1 + 5 * i : 5 + 5 * i], SCALING + i, drops[i], None, a[5 + 5 * i]) for i in range(3)]
+
+    def fk_fn(*a: Any) -> tuple[torch.Tensor, ...]:
+        torch.manual_seed(7)
+        return lora_qkv(a[0], *parts(list(a)))
+
+    def ref_fn(*a: Any) -> tuple[torch.Tensor, ...]:
+        x = a[0]
+        mask = _drawn_mask(x.shape, a[8].dtype, x.device, drops[1], 7)
+        with _replayed_dropout([mask]):
+            return tuple(lora_linear_ref(x, *part) for part in parts(list(a)))
+
+    names = ["x"] + [f"{p}.{n}" for p in "qkv" for n in NAMES[1:]]
+    result = testing.compare_with_reference(fk_fn, ref_fn, flat, arg_names=names)
+    assert result.names[:4] == ["output0", "output1", "output2", "grad of x"]
+    assert "grad of k.magnitude" in result.names
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_name)
+def test_dora_weight_norm_in_row_chunks_is_the_direct_norm(
+    device: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``||W + s B A||`` per row, formed five rows at a time, is the float64 norm rounded to the
+    dtype PEFT computes it in (at most one rounding apart)."""
+    _, w, _, a, bb, _ = _args(dtype, device)
+    monkeypatch.setattr(fk.lora.lora, "DORA_NORM_CHUNK_ELEMENTS", 5 * K)
+    got = dora_weight_norm(w, a, bb, SCALING, dtype)
+    want = torch.linalg.norm(w.detach().double() + SCALING * bb.detach().double() @ a.detach().double(), dim=1)
+    assert got.dtype == torch.float32 and got.shape == (N,)
+    ulp = torch.finfo(dtype).eps
+    torch.testing.assert_close(got.double(), want, rtol=ulp, atol=0.0)
+
+
+def test_dora_at_its_initial_magnitude_is_lora(device: str) -> None:
+    """PEFT starts m at the norm, so that m / n = 1: DoRA's output is then plain LoRA's."""
+    x, w, b, a, bb, _ = _args(torch.float32, device)
+    m = dora_weight_norm(w, a, bb, SCALING, torch.float32)
+    got = lora_linear(x, w, b, a, bb, SCALING, 0.0, None, m)
+    torch.testing.assert_close(got, lora_linear(x, w, b, a, bb, SCALING), rtol=1e-5, atol=1e-6)
+
+
+def test_dora_frozen_tensors_get_no_gradient(device: str) -> None:
+    x, w, b, a, bb, m = _args(torch.float32, device, train_base=False)
+    x.requires_grad_(False)
+    m.requires_grad_(False)
+    lora_linear(x, w, b, a, bb, SCALING, 0.3, None, m).square().sum().backward()
+    assert x.grad is None and w.grad is None and b.grad is None and m.grad is None
+    assert a.grad is not None and bb.grad is not None
+
+
+def test_dora_bad_inputs_name_the_argument(device: str) -> None:
+    x, w, b, a, bb, m = _args(torch.float32, device)
+    with pytest.raises(ValueError, match=r"^magnitude must have shape \(29,\)"):
+        lora_linear(x, w, b, a, bb, SCALING, 0.0, None, m[:5])
+    with pytest.raises(TypeError, match=r"^magnitude must have dtype in"):
+        lora_linear(x, w, b, a, bb, SCALING, 0.0, None, m.double())
+    with pytest.raises(ValueError, match=r"^magnitude \(DoRA\) cannot be combined with lora_bias"):
+        lora_linear(x, w, b, a, bb, SCALING, 0.0, torch.zeros_like(m), m)
+    autocast = torch.autocast(torch.device(device).type, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"^magnitude \(DoRA\) is not fused under torch.autocast"), autocast:
+        lora_linear(x, w, b, a, bb, SCALING, 0.0, None, m)
+    dora = LoRAWeights(w, b, a, bb, SCALING, 0.0, None, m)
+    with pytest.raises(ValueError, match=r"^either every projection of one input has a magnitude"):
+        lora_qkv(x, dora, dora._replace(magnitude=None), dora)
+    with pytest.raises(ValueError, match=r"^k_parts.magnitude must have shape"):
+        lora_qkv(x, dora, dora._replace(magnitude=m[:3]), dora)
+    wide = LoRAWeights(w.new_ones(K, K), None, a, bb.new_ones(K, R), SCALING)
+    with pytest.raises(ValueError, match=r"^gate_parts.magnitude: DoRA is fused in lora_linear"):
+        lora_mlp(x, wide._replace(magnitude=m.new_ones(K)), wide, wide)
