@@ -27,11 +27,16 @@ LoRA weights' own dtype (PEFT's ``_cast_input_dtype``) and its result is cast to
 for ``A``. Every matmul then runs in autocast's dtype, the output has that dtype, and ``dx`` is
 returned in ``x``'s. The fused functions themselves run with autocast disabled.
 
+DoRA (PEFT ``use_dora=True``): a projection given a magnitude vector ``m`` computes PEFT's
+``DoraLinearLayer`` output, ``m / ||W + s B A||`` (the row norm detached) scaling the base and LoRA
+products; see the DoRA launchers' equations.
+
 This file holds, in order: the references, the launchers (forward and backward of a group of
 projections that share their input, and of a gated MLP, as ``torch.autograd.Function``\\ s; the
 matmuls are PyTorch's, the MLP's activation is fk.glu's Triton kernel, the dropout's masked input
-gradient the kernel of :mod:`fk.lora.masked_low_rank`), and the functional API
-(:func:`lora_linear`, :func:`lora_o`, :func:`lora_qkv`, :func:`lora_mlp`).
+gradient the kernel of :mod:`fk.lora.masked_low_rank`), DoRA's launchers for projections of one
+input, and the functional API (:func:`lora_linear`, :func:`lora_o`, :func:`lora_qkv`,
+:func:`lora_mlp`).
 """
 
 from __future__ import annotations
