@@ -16,7 +16,7 @@ import torch.nn.functional as F
 import fk.lora.lora
 from fk.core import testing
 from fk.core.testing import dtype_name
-from fk.lora import LoRAWeights, lora_linear, lora_linear_ref, lora_mlp, lora_qkv
+from fk.lora import LoRAWeights, lora_linear, lora_linear_ref, lora_mlp, lora_mlp_ref, lora_qkv
 from fk.lora.lora import dora_weight_norm
 
 K, N, R = 37, 29, 3  # awkward widths: hidden, projection width, rank
@@ -127,6 +127,41 @@ def test_dora_qkv_matches_three_references(device: str, dtype: torch.dtype) -> N
     assert "grad of k.magnitude" in result.names
 
 
+@pytest.mark.parametrize("p", [0.0, 0.3], ids=["no_dropout", "dropout"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_name)
+def test_dora_mlp_matches_reference(device: str, dtype: torch.dtype, p: float) -> None:
+    """DoRA on gate, up and down (intermediate width 29), dropout on all three: masks drawn in the
+    order gate, up, down, the down projection's on the activation."""
+    gate, up = (_args(dtype, device, seed=s) for s in (0, 10))
+    down_bias = testing.random_tensor((K,), dtype, device, seed=30, scale=0.1, requires_grad=True)
+    down_w = testing.random_tensor((K, N), dtype, device, seed=31, scale=N**-0.5, requires_grad=True)
+    down_a = testing.random_tensor((R, N), dtype, device, seed=32, scale=N**-0.5, requires_grad=True)
+    down_b = testing.random_tensor((K, R), dtype, device, seed=33, scale=0.5, requires_grad=True)
+    down_m = testing.random_tensor((K,), dtype, device, seed=34, scale=0.2).add(1.0).requires_grad_()
+    down = [None, down_w, down_bias, down_a, down_b, down_m]
+    flat = [gate[0], *gate[1:], *up[1:], *down[1:]]
+
+    def parts(a: list[Any]) -> list[LoRAWeights]:
+        return [LoRAWeights(*a[1 + 5 * i : 5 + 5 * i], SCALING, p, None, a[5 + 5 * i]) for i in range(3)]
+
+    def fk_fn(*a: Any) -> torch.Tensor:
+        torch.manual_seed(7)
+        return lora_mlp(a[0], *parts(list(a)))
+
+    def ref_fn(*a: Any) -> torch.Tensor:
+        x = a[0]
+        if p == 0:
+            return lora_mlp_ref(x, *parts(list(a)))
+        torch.manual_seed(7)
+        masks = [torch.native_dropout(torch.ones(shape, dtype=dtype, device=x.device), p, True)[1] for shape in (x.shape, x.shape, (*x.shape[:-1], N))]  # fmt: skip
+        with _replayed_dropout(masks):
+            return lora_mlp_ref(x, *parts(list(a)))
+
+    names = ["x"] + [f"{proj}.{n}" for proj in ("gate", "up", "down") for n in NAMES[1:]]
+    result = testing.compare_with_reference(fk_fn, ref_fn, flat, arg_names=names)
+    assert "grad of down.magnitude" in result.names and "grad of gate.magnitude" in result.names
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_name)
 def test_dora_weight_norm_in_row_chunks_is_the_direct_norm(
     device: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
@@ -176,5 +211,7 @@ def test_dora_bad_inputs_name_the_argument(device: str) -> None:
     with pytest.raises(ValueError, match=r"^k_parts.magnitude must have shape"):
         lora_qkv(x, dora, dora._replace(magnitude=m[:3]), dora)
     wide = LoRAWeights(w.new_ones(K, K), None, a, bb.new_ones(K, R), SCALING)
-    with pytest.raises(ValueError, match=r"^gate_parts.magnitude: DoRA is fused in lora_linear"):
+    with pytest.raises(ValueError, match=r"^either every projection of one input has a magnitude"):
         lora_mlp(x, wide._replace(magnitude=m.new_ones(K)), wide, wide)
+    with pytest.raises(ValueError, match=r"^down_parts.magnitude must have shape \(37,\)"):
+        lora_mlp(x, wide, wide, wide._replace(magnitude=m))

@@ -301,14 +301,26 @@ def test_dora_layers_match_peft(device: str, block: str, case: str, dropout: flo
     _compare(model, {"qkv": _qkv, "o": _o, "mlp": _mlp}[block], x, floors=floors)
 
 
-def test_dora_model_is_patched_with_its_mlp_per_projection(device: str) -> None:
-    """A DoRA model: q/k/v fused as a group, o_proj alone, and the MLP's projections one by one
-    (lora_mlp takes no magnitude): nothing is left to PEFT."""
+def test_dora_model_is_patched_as_lora_is(device: str) -> None:
+    """A DoRA model: q/k/v fused as a group, o_proj alone, the MLP as a whole; nothing is left to PEFT."""
     model = _model(device, dora=True)
     report = fk.lora.patch(model)
     try:
-        assert not report.skipped and not report.mlp and len(report.qkv) == 1
-        assert sorted(n.rsplit(".", 1)[-1] for n in report.linear) == ["down_proj", "gate_proj", "o_proj", "up_proj"]
+        assert not report.skipped and len(report.mlp) == len(report.qkv) == 1
+        assert [n.rsplit(".", 1)[-1] for n in report.linear] == ["o_proj"]
+    finally:
+        fk.lora.unpatch(model)
+
+
+def test_dora_on_gate_but_not_up_fuses_the_projections_one_by_one(device: str) -> None:
+    model = _model(device, dora=True)
+    mlp = _layer(model).mlp
+    plain = _model(device)
+    mlp.up_proj = _layer(plain).mlp.up_proj
+    report = fk.lora.patch(model)
+    try:
+        assert not report.mlp and not report.skipped
+        assert {n.rsplit(".", 1)[-1] for n in report.linear} == {"o_proj", "gate_proj", "up_proj", "down_proj"}
     finally:
         fk.lora.unpatch(model)
 

@@ -2,7 +2,7 @@
 
 - :func:`lora_linear` / :func:`lora_o`: one LoRA linear layer, base matmul and LoRA branch in one
   output buffer, rank-sized intermediates only.
-  With ``magnitude``: DoRA (PEFT ``use_dora=True``), here and in :func:`lora_qkv`.
+  With ``magnitude``: DoRA (PEFT ``use_dora=True``), here, in :func:`lora_qkv` and :func:`lora_mlp`.
 - :func:`lora_qkv` / :func:`lora_projections`: several projections of one input (q, k, v), one
   ``dx`` in the backward.
 - :func:`lora_mlp`: gate/up/down LoRA projections around fk.glu's SwiGLU/GeGLU kernel, the

@@ -52,7 +52,7 @@ import torch.nn.functional as F
 from fk.core import validate
 from fk.core.backend import uses_kernel
 from fk.core.matmul import accumulate_mm, bf16_parts, column_sum, mm_bf16_fp32, scaled_mm
-from fk.glu import gated_act_backward_with_value, gated_act_forward, gated_act_ref, resolve_activation
+from fk.glu import gated_act, gated_act_backward_with_value, gated_act_forward, gated_act_ref, resolve_activation
 from fk.lora.masked_low_rank import add_masked_low_rank_, masked
 
 MLP_ACTIVATIONS: dict[str, str] = {"swiglu": "silu", "geglu": "gelu_tanh"}
@@ -1300,6 +1300,9 @@ def lora_mlp(
     ``hidden_act`` name (``"silu"``, ``"gelu_pytorch_tanh"``, ``"gelu"``, ...). The gated activation
     runs in fk.glu's Triton kernel; its output is not kept for the backward but recomputed from
     the gate and up projections. Dropout masks are drawn in the order gate, up, down.
+
+    DoRA: a ``magnitude`` on gate and up (both or neither), and/or on down; the MLP is then
+    composed of DoRA's launchers and :func:`fk.glu.gated_act` (see :func:`module_mlp`).
     """
     return module_mlp(x, gate_parts, up_parts, down_parts, activation, from_module=False)
 
@@ -1313,7 +1316,12 @@ def module_mlp(
     *,
     from_module: bool,
 ) -> torch.Tensor:
-    """:func:`lora_mlp`; ``from_module`` as in :func:`module_projections`."""
+    """:func:`lora_mlp`; ``from_module`` as in :func:`module_projections`.
+
+    With DoRA (a magnitude on gate and up, or on down, or on all three) the MLP is composed of
+    the DoRA launchers (gate and up as projections of one input: one ``dx``), fk.glu's
+    :func:`fk.glu.gated_act` and the down projection: ``act(gate) * up`` is then kept for the
+    backward, not recomputed as in the plain LoRA MLP."""
     x = _check_x(x)
     act = _resolve_mlp_activation(activation)
     cast = _autocast_dtype(x)
@@ -1330,8 +1338,11 @@ def module_mlp(
     else:
         h_like = x.new_empty((1, n_inter), dtype=params_g.weight.dtype) if x.ndim else x
         settings_d, params_d, magnitude_d = _check_parts("down_parts.", h_like, down_parts, cast)
-    for name, magnitude in (("gate_parts", magnitude_g), ("up_parts", magnitude_u), ("down_parts", magnitude_d)):
-        if magnitude is not None:
-            raise ValueError(f"{name}.magnitude: DoRA is fused in lora_linear, lora_qkv and lora_projections, not in lora_mlp")  # fmt: skip
+    if any(m is not None for m in (magnitude_g, magnitude_u, magnitude_d)):  # DoRA: composed, h kept
+        gate_up = [(settings_g, params_g, magnitude_g), (settings_u, params_u, magnitude_u)]
+        gate, up = _projections(x, gate_up)
+        h = gated_act(gate, up, act, inplace_grad=True)
+        (y,) = _projections(h, [(settings_d, params_d, magnitude_d)])
+        return y
     params = _flat([params_g, params_u, params_d])
     return _apply(_LoRAMLP, x, act, (settings_g, settings_u, settings_d), *params)

@@ -25,8 +25,8 @@ that forward would shadow fk.lora's.
 
 DoRA (``use_dora=True``) is fused too: a DoRA ``lora.Linear`` passes its magnitude vector to
 :func:`fk.lora.lora_linear` / :func:`fk.lora.lora_projections` (a q/k/v group fuses when all its
-members are DoRA or none is); an MLP with DoRA projections keeps its forward and its projections
-are fused one by one, as :func:`fk.lora.lora_mlp` takes no magnitude.
+members are DoRA or none is), and a DoRA MLP goes to :func:`fk.lora.lora_mlp` (with DoRA on gate
+and up, or on neither; otherwise its projections are fused one by one).
 
 At every call the patched forward checks that the module is still plain LoRA or DoRA (and, for a
 fused MLP, that no hooks are registered on its projections, which the fused call would skip: PEFT's
@@ -328,11 +328,12 @@ def _mlp_forward(mlp: nn.Module, label: str, act: str, x: Any, *args: Any, **kwa
         return stock_forward(mlp, _STOCK, x)
     parts = [_call_parts(m, x) for m in projections]
     reasons = [f"{n}: {p}" for n, p in zip(_MLP, parts, strict=True) if isinstance(p, str)]
-    reasons += [f"{n}: DoRA (fused per projection, not in lora_mlp)" for n, p in zip(_MLP, parts, strict=True) if isinstance(p, LoRAWeights) and p.magnitude is not None]  # fmt: skip
+    gate, up, down = parts
+    if not reasons and (gate.magnitude is None) != (up.magnitude is None):  # type: ignore[union-attr]
+        reasons = ["DoRA on one of gate_proj and up_proj only"]
     if reasons:
         _fallback(mlp, label, "; ".join(reasons))
         return stock_forward(mlp, _STOCK, x)
-    gate, up, down = parts
     return module_mlp(x, gate, up, down, act, from_module=True)  # type: ignore[arg-type]
 
 
@@ -384,8 +385,8 @@ def patch(peft_model: nn.Module) -> PatchReport:
                 qualname or type(parent).__name__,
             )
             act = None
-        if act is not None and any(m is not None and _has_dora(m) for m in mlp):
-            act = None  # DoRA projections are fused one by one (lora_mlp takes no magnitude)
+        if act is not None and mlp[0] is not None and mlp[1] is not None and _has_dora(mlp[0]) != _has_dora(mlp[1]):
+            act = None  # DoRA on one of gate and up only: the projections are fused one by one
         if act is not None and _replaced(parent) is None and all(eligible(m) for m in mlp):
             label = qualname or type(parent).__name__
             _swap(parent, (_mlp_forward, label, act), saved)
