@@ -215,3 +215,23 @@ def test_dora_bad_inputs_name_the_argument(device: str) -> None:
         lora_mlp(x, wide._replace(magnitude=m.new_ones(K)), wide, wide)
     with pytest.raises(ValueError, match=r"^down_parts.magnitude must have shape \(37,\)"):
         lora_mlp(x, wide, wide, wide._replace(magnitude=m))
+
+
+def test_dora_compile_fullgraph_matches_eager(device: str) -> None:
+    """DoRA's launchers (the norm's row loop included) trace without a graph break and give eager's
+    value and gradients (no dropout: compiled masks come from the compiler's random stream)."""
+    x, w, b, a, bb, m = _args(torch.float32, device, train_base=False)
+    gate, up = (_args(torch.float32, device, seed=s, train_base=False) for s in (10, 20))
+    down_a = testing.random_tensor((R, N), torch.float32, device, seed=30, scale=N**-0.5)
+    down_b = testing.random_tensor((K, R), torch.float32, device, seed=31, scale=0.5)
+
+    def loss(x: torch.Tensor, a: torch.Tensor, bb: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+        y = lora_linear(x, w, b, a, bb, SCALING, 0.0, None, m)
+        parts = [LoRAWeights(*p[1:5], SCALING, 0.0, None, p[5].detach()) for p in (gate, up)]
+        down = LoRAWeights(w.t().contiguous(), None, down_a, down_b, SCALING)
+        h = lora_mlp(x, *parts, down)
+        return y.square().sum() + h.square().sum()
+
+    # Inductor fuses the elementwise passes and sums in other orders: fp32 roundings of gradients
+    # that reach 2e3 here (the MLP's square), not exactness.
+    testing.assert_compile_matches_eager(loss, [x, a, bb, m], grad_rtol=1e-4, grad_atol=1e-3)
