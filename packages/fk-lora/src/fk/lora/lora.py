@@ -27,9 +27,9 @@ LoRA weights' own dtype (PEFT's ``_cast_input_dtype``) and its result is cast to
 for ``A``. Every matmul then runs in autocast's dtype, the output has that dtype, and ``dx`` is
 returned in ``x``'s. The fused functions themselves run with autocast disabled.
 
-DoRA (PEFT ``use_dora=True``): a projection given a magnitude vector ``m`` computes PEFT's
-``DoraLinearLayer`` output, ``m / ||W + s B A||`` (the row norm detached) scaling the base and LoRA
-products; see the DoRA launchers' equations.
+DoRA (PEFT ``use_dora=True``): a projection given a magnitude vector ``mag`` computes PEFT's
+``DoraLinearLayer`` output, ``mag / ||W + s B A||`` (the row norm detached) scaling the base and
+LoRA products; see the DoRA launchers' equations.
 
 This file holds, in order: the references, the launchers (forward and backward of a group of
 projections that share their input, and of a gated MLP, as ``torch.autograd.Function``\\ s; the
@@ -77,7 +77,7 @@ class LoRAWeights(NamedTuple):
     lora_bias: torch.Tensor | None = None
     """``[N]``: ``lora_B``'s bias (PEFT ``lora_bias=True``), scaled by ``scaling`` like ``lora_B``."""
     magnitude: torch.Tensor | None = None
-    """``[N]``: DoRA's magnitude vector ``m`` (PEFT ``use_dora=True``,
+    """``[N]``: DoRA's magnitude vector ``mag`` (PEFT ``use_dora=True``,
     ``lora_magnitude_vector[adapter].weight``); None for plain LoRA. Not with ``lora_bias``."""
 
 
@@ -103,9 +103,9 @@ def lora_linear_ref(
 
     With ``magnitude`` (DoRA, PEFT's ``DoraLinearLayer``): with ``xl`` the LoRA branch's input (``x``
     in the LoRA dtype, dropped), ``n = ||W + s B A||`` over each output row, in ``xl``'s dtype and
-    detached, and ``g = m / n``, the result is ``result + (g - 1) base + g s lora``, where ``base`` is
-    ``result - b`` without dropout and ``xl W^T`` with it (PEFT recomputes the base product on the
-    dropped input).
+    detached, and ``ms = magnitude / n``, the result is ``result + (ms - 1) base + ms lora``, where
+    ``base`` is ``result - b`` without dropout and ``xl W^T`` with it (PEFT recomputes the base
+    product on the dropped input).
     """
     result = F.linear(x, base_weight, base_bias)
     xl = x.to(lora_A.dtype)
@@ -116,14 +116,14 @@ def lora_linear_ref(
         return (result + lora).to(result.dtype)
     weight = base_weight.to(xl.dtype)
     norm = torch.linalg.norm(weight + scaling * (lora_B @ lora_A).to(xl.dtype), dim=1).detach()
-    g = magnitude / norm
+    ms = magnitude / norm
     if dropout_p > 0:  # PEFT recomputes the base product on the dropped input
         base = F.linear(xl, weight)
     elif base_bias is not None:
         base = result - base_bias
     else:
         base = result
-    return (result + (g - 1) * base + g * lora).to(result.dtype)
+    return (result + (ms - 1) * base + ms * lora).to(result.dtype)
 
 
 def lora_mlp_ref(
@@ -842,21 +842,21 @@ class _LoRAMLP(torch.autograd.Function):
 
 # --- DoRA: the launchers with a magnitude vector (PEFT ``use_dora=True``) ---------------------------
 #
-# One projection with DoRA's magnitude m [N] (notation above; f = 1 / (1 - p), mk the dropout mask,
-# xd = d(x2) = f x2 * mk the LoRA branch's input, xa = xd A^T):
-#   n  = ||W + s B A|| over each row of W       [N], fp32, then rounded to the dropout dtype (PEFT
+# One projection with DoRA's magnitude vector mag [N] (notation above: m the dropout mask, f = 1 / (1 - p),
+# d(x2) = f x2 * m the LoRA branch's input, xa = d(x2) A^T):
+#   n    = ||W + s B A|| over each row of W     [N], fp32, then rounded to the dropout dtype (PEFT
 #                                               computes it in the LoRA branch's input dtype) and
 #                                               detached (DoRA's paper, section 4.3: no gradient)
-#   g  = m / n                                  [N], fp32
-#   l  = s xa B^T                               [M, N]
+#   ms   = mag / n                              [N], fp32 (PEFT's mag_norm_scale)
+#   lr   = s xa B^T                             [M, N], the low-rank product
 # Without dropout (PEFT scales the base layer's result less its bias):
-#   u  = x2 W^T + l                             one buffer, plain LoRA's y without b
-#   y  = g * u + b                              (g scales each column)
-# With dropout (PEFT recomputes the base product on the dropped input, v = xd W^T):
-#   v  = f (x2 * mk) W^T                        the matmul's scale is f; x2 * mk exact
-#   u  = v + l
-#   y  = x2 W^T + b + (g - 1) * v + g * l       summed in fp32, rounded once
-# Kept for the backward: u, g, n, and what plain LoRA keeps (xa, mk, A and B in c).
+#   z    = x2 W^T + lr                          one buffer, plain LoRA's y without b
+#   y    = ms * z + b                           (ms scales each column)
+# With dropout (PEFT recomputes the base product on the dropped input):
+#   zd   = d(x2) W^T = f (x2 * m) W^T           the matmul's scale is f; x2 * m exact
+#   z    = zd + lr
+#   y    = x2 W^T + b + (ms - 1) * zd + ms * lr   summed in fp32, rounded once
+# Kept for the backward: z, ms, n, and what plain LoRA keeps (xa, m, A and B in c).
 #
 # The norm reads W once, in row chunks of DORA_NORM_CHUNK_ELEMENTS, forming each chunk of W + s B A
 # in fp32 (2 N K r FLOPs in all, as for B A itself; no [N, K] buffer). The cheaper-looking
@@ -864,16 +864,16 @@ class _LoRAMLP(torch.autograd.Function):
 # W A^T and cancels where s B A pulls a row of W towards zero: its relative error is
 # eps ||W||^2 / n^2 against eps for the direct sum, so the direct form is the one taken.
 #
-# Backward. n is detached, so m enters through g = m / n only; with dy [M, N]:
-#   dm   = colsum(dy * u) / n                   (both forms: dy/dg_j = sum_i dy_ij u_ij)
-#   db   = colsum(dy)                           (b is added once, unscaled)
-#   dyg  = g * dy                               the gradient reaching l
-#   dB   = s dyg^T xa ;  s G = s dyg B ;  dA = f (s G)^T (x2 * mk)
-# Without dropout x2 W^T is scaled by g as well:
-#   dW   = dyg^T x2 ;  dx = dyg W + s G A
-# With dropout x2 W^T is not, and v is scaled by (g - 1); with dyv = (g - 1) * dy:
-#   dW   = dy^T x2 + f dyv^T (x2 * mk)
-#   dx   = dy W + f (dyv W + s G A) * mk        (dyv W masked by masked_low_rank's ``masked``)
+# Backward. n is detached, so mag enters through ms = mag / n only; with dy [M, N]:
+#   dmag   = colsum(dy * z) / n                 (both forms: dy/dms_j = sum_i dy_ij z_ij)
+#   db     = colsum(dy)                         (b is added once, unscaled)
+#   dy_ms  = ms * dy                            the gradient reaching lr
+#   dB     = s dy_ms^T xa ;  s G = s dy_ms B ;  dA = f (s G)^T (x2 * m)
+# Without dropout x2 W^T is scaled by ms as well:
+#   dW     = dy_ms^T x2 ;  dx = dy_ms W + s G A
+# With dropout x2 W^T is not, and zd is scaled by (ms - 1); with dy_ms1 = (ms - 1) * dy:
+#   dW     = dy^T x2 + f dy_ms1^T (x2 * m)
+#   dx     = dy W + f (dy_ms1 W + s G A) * m    (dy_ms1 W masked by masked_low_rank's ``masked``)
 # Under autocast DoRA is not fused (fk.lora.patch leaves it to PEFT; the functions refuse it).
 
 DORA_NORM_CHUNK_ELEMENTS = 1 << 24
@@ -892,7 +892,7 @@ class _DoRAParams(NamedTuple):
     lora_B: torch.Tensor
     """``B`` ``[N, r]``."""
     magnitude: torch.Tensor
-    """``m`` ``[N]``."""
+    """``mag`` ``[N]``."""
 
 
 class _DoRANeeds(NamedTuple):
@@ -922,10 +922,10 @@ class _DoRALowRank(NamedTuple):
     mask: torch.Tensor | None
     A_c: torch.Tensor
     B_c: torch.Tensor
-    u: torch.Tensor
-    """``[M, N]`` in ``c``: what ``g`` multiplies (``dm`` is formed from it)."""
-    g: torch.Tensor
-    """``m / n`` ``[N]``, fp32."""
+    z: torch.Tensor
+    """``[M, N]`` in ``c``: what ``ms`` multiplies (``dmag`` is formed from it)."""
+    ms: torch.Tensor
+    """``mag / n`` ``[N]``, fp32."""
     norm: torch.Tensor
     """``n`` ``[N]``, fp32 (holding the dropout dtype's rounding)."""
 
@@ -959,20 +959,20 @@ def _dora_fwd(
     c = x2.dtype
     scaling, p, dropout_dtype = settings
     norm = dora_weight_norm(params.weight, params.lora_A, params.lora_B, scaling, dropout_dtype)
-    g = params.magnitude.detach().float() / norm
+    ms = params.magnitude.detach().float() / norm
     B_c = params.lora_B.to(c)
     if mask is None:
-        u = _add_lora_out(_base_out(x2, params.weight, None), xa, B_c, None, scaling)
-        y32 = u * g
+        z = _add_lora_out(_base_out(x2, params.weight, None), xa, B_c, None, scaling)
+        y32 = z * ms
     else:
         f = 1.0 / (1.0 - p)
-        v = scaled_mm(_kept_input(x2, mask, dropout_dtype, c), params.weight.t(), f, c)
-        lo = scaled_mm(xa, B_c.t(), scaling, c)
-        y32 = _base_out(x2, params.weight, None).float().addcmul_(v, g - 1).addcmul_(lo, g)
-        u = v.add_(lo)
+        zd = scaled_mm(_kept_input(x2, mask, dropout_dtype, c), params.weight.t(), f, c)
+        lr = scaled_mm(xa, B_c.t(), scaling, c)
+        y32 = _base_out(x2, params.weight, None).float().addcmul_(zd, ms - 1).addcmul_(lr, ms)
+        z = zd.add_(lr)
     if params.bias is not None:
         y32.add_(params.bias)
-    return y32.to(c), _DoRALowRank(xa, mask, A_c, B_c, u, g, norm)
+    return y32.to(c), _DoRALowRank(xa, mask, A_c, B_c, z, ms, norm)
 
 
 def _dora_bwd(
@@ -995,35 +995,35 @@ def _dora_bwd(
     f = 1.0 if low.mask is None else 1.0 / (1.0 - p)
     grads = _DoRAGrads()
     if needs.magnitude:
-        grads = grads._replace(magnitude=(column_sum(dy.float() * low.u) / low.norm).to(magnitude_dtype))
+        grads = grads._replace(magnitude=(column_sum(dy.float() * low.z) / low.norm).to(magnitude_dtype))
     if needs.bias:
         grads = grads._replace(bias=column_sum(dy).to(weight.dtype))
-    dyg = (dy * low.g).to(c)
-    gs = _scaled_lora_grad(dyg, low.B_c, scaling) if need_dx or needs.lora_A else None
-    need_kept = needs.lora_A or (needs.weight and low.mask is not None)  # x2 * mk, for dA and (dropout) dW
+    dy_ms = (dy * low.ms).to(c)
+    gs = _scaled_lora_grad(dy_ms, low.B_c, scaling) if need_dx or needs.lora_A else None
+    need_kept = needs.lora_A or (needs.weight and low.mask is not None)  # x2 * m, for dA and (dropout) dW
     kept = _kept_input(x2, low.mask, dropout_dtype, c) if need_kept else None
     if needs.lora_B:
-        grads = grads._replace(lora_B=scaled_mm(dyg.t(), low.xa, scaling, lora_dtype))
+        grads = grads._replace(lora_B=scaled_mm(dy_ms.t(), low.xa, scaling, lora_dtype))
     if needs.lora_A:
         assert gs is not None and kept is not None
         grads = grads._replace(lora_A=scaled_mm(gs.t(), kept, f, lora_dtype))
     if low.mask is None:
         if needs.weight:
-            grads = grads._replace(weight=scaled_mm(dyg.t(), x2, 1.0, weight.dtype))
+            grads = grads._replace(weight=scaled_mm(dy_ms.t(), x2, 1.0, weight.dtype))
         if need_dx:
             assert gs is not None
-            dx = torch.mm(dyg, weight) if dx is None else dx.addmm_(dyg, weight)
+            dx = torch.mm(dy_ms, weight) if dx is None else dx.addmm_(dy_ms, weight)
             dx.addmm_(gs, low.A_c)
         return grads, dx
-    dyv = (dy * (low.g - 1)).to(c)
+    dy_ms1 = (dy * (low.ms - 1)).to(c)
     if needs.weight:
         assert kept is not None
-        dW = scaled_mm(dy.t(), x2, 1.0, torch.float32).add_(scaled_mm(dyv.t(), kept, f, torch.float32))
+        dW = scaled_mm(dy.t(), x2, 1.0, torch.float32).add_(scaled_mm(dy_ms1.t(), kept, f, torch.float32))
         grads = grads._replace(weight=dW.to(weight.dtype))
     if need_dx:
         assert gs is not None and low.mask is not None
         dx = torch.mm(dy, weight) if dx is None else dx.addmm_(dy, weight)
-        dx.add_(masked(torch.mm(dyv, weight), low.mask, f))
+        dx.add_(masked(torch.mm(dy_ms1, weight), low.mask, f))
         add_masked_low_rank_(dx, gs, low.A_c, low.mask, f)
     return grads, dx
 
