@@ -963,16 +963,17 @@ def _dora_fwd(
     B_c = params.lora_B.to(c)
     if mask is None:
         z = _add_lora_out(_base_out(x2, params.weight, None), xa, B_c, None, scaling)
-        y32 = z * ms
-    else:
-        f = 1.0 / (1.0 - p)
-        zd = scaled_mm(_kept_input(x2, mask, dropout_dtype, c), params.weight.t(), f, c)
-        lr = scaled_mm(xa, B_c.t(), scaling, c)
-        y32 = _base_out(x2, params.weight, None).float().addcmul_(zd, ms - 1).addcmul_(lr, ms)
-        z = zd.add_(lr)
+        y = torch.empty_like(z)  # ms * z + b: one pass, computed in fp32 (ms's dtype), rounded once
+        if params.bias is None:
+            return torch.mul(z, ms, out=y), _DoRALowRank(xa, mask, A_c, B_c, z, ms, norm)
+        return torch.addcmul(params.bias, z, ms, out=y), _DoRALowRank(xa, mask, A_c, B_c, z, ms, norm)
+    f = 1.0 / (1.0 - p)
+    zd = scaled_mm(_kept_input(x2, mask, dropout_dtype, c), params.weight.t(), f, c)
+    lr = scaled_mm(xa, B_c.t(), scaling, c)
+    y32 = _base_out(x2, params.weight, None).float().addcmul_(zd, ms - 1).addcmul_(lr, ms)
     if params.bias is not None:
         y32.add_(params.bias)
-    return y32.to(c), _DoRALowRank(xa, mask, A_c, B_c, z, ms, norm)
+    return y32.to(c), _DoRALowRank(xa, mask, A_c, B_c, zd.add_(lr), ms, norm)
 
 
 def _dora_bwd(
@@ -998,7 +999,7 @@ def _dora_bwd(
         grads = grads._replace(magnitude=(column_sum(dy.float() * low.z) / low.norm).to(magnitude_dtype))
     if needs.bias:
         grads = grads._replace(bias=column_sum(dy).to(weight.dtype))
-    dy_ms = (dy * low.ms).to(c)
+    dy_ms = torch.mul(dy, low.ms, out=torch.empty_like(dy))  # (in fp32, rounded once to c)
     gs = _scaled_lora_grad(dy_ms, low.B_c, scaling) if need_dx or needs.lora_A else None
     need_kept = needs.lora_A or (needs.weight and low.mask is not None)  # x2 * m, for dA and (dropout) dW
     kept = _kept_input(x2, low.mask, dropout_dtype, c) if need_kept else None
@@ -1015,7 +1016,7 @@ def _dora_bwd(
             dx = torch.mm(dy_ms, weight) if dx is None else dx.addmm_(dy_ms, weight)
             dx.addmm_(gs, low.A_c)
         return grads, dx
-    dy_ms1 = (dy * (low.ms - 1)).to(c)
+    dy_ms1 = torch.mul(dy, low.ms - 1, out=torch.empty_like(dy))
     if needs.weight:
         assert kept is not None
         dW = scaled_mm(dy.t(), x2, 1.0, torch.float32).add_(scaled_mm(dy_ms1.t(), kept, f, torch.float32))
