@@ -10,6 +10,8 @@ Forward+backward time, FLOP rate against the bf16 matmul ceiling measured in the
 peak memory. FLOPs counted: the base matmuls only, forward and the input gradient
 (``4 * tokens * sum(in * out)``); the LoRA branch is under 1% of that at r=16.
 
+``--dora`` runs the same with DoRA adapters (PEFT ``use_dora=True``; record ``lora_dora.json``).
+
 Run on a GPU:  python benchmarks/bench_lora.py --out benchmarks/results/lora.json
 """
 
@@ -56,18 +58,20 @@ class _Attention(nn.Module):
         self.o_proj = nn.Linear(HEADS * HEAD_DIM, HIDDEN, bias=False)
 
 
-def _lora_model(block: str, dropout: float, rank: int, alpha: int, adapter_dtype: torch.dtype) -> nn.Module:
+def _lora_model(
+    block: str, dropout: float, rank: int, alpha: int, adapter_dtype: torch.dtype, dora: bool = False
+) -> nn.Module:
     import peft
 
     torch.manual_seed(0)
     base = _MLP() if block == "mlp" else _Attention()
     targets = ["gate_proj", "up_proj", "down_proj"] if block == "mlp" else ["q_proj", "k_proj", "v_proj", "o_proj"]
     config = peft.LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets,
-                             init_lora_weights=False)  # fmt: skip
+                             init_lora_weights=False, use_dora=dora)  # fmt: skip
     model = peft.inject_adapter_in_model(config, base)
     model = model.to(device="cuda", dtype=torch.bfloat16).train()
     for name, p in model.named_parameters():
-        p.requires_grad_("lora_" in name)
+        p.requires_grad_("lora_" in name)  # (DoRA's lora_magnitude_vector too)
         if "lora_" in name:
             p.data = p.data.to(adapter_dtype)
     return model
@@ -89,10 +93,10 @@ def _flops(block: str, tokens: int) -> float:
 
 
 def measure(record: bench.BenchRecord, matmul_tflops: float, block: str, tokens: int, dropout: float,
-            rank: int, alpha: int, rep: int, adapter: str) -> None:  # fmt: skip
+            rank: int, alpha: int, rep: int, adapter: str, dora: bool = False) -> None:  # fmt: skip
     import fk.lora
 
-    model = _lora_model(block, dropout, rank, alpha, ADAPTER_DTYPES[adapter])
+    model = _lora_model(block, dropout, rank, alpha, ADAPTER_DTYPES[adapter], dora)
     fn = _call(model, block)
     gen = torch.Generator(device="cuda").manual_seed(tokens)
     x = torch.randn(tokens, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
@@ -131,16 +135,16 @@ def measure(record: bench.BenchRecord, matmul_tflops: float, block: str, tokens:
         record.add(
             provider=provider, block=block, tokens=tokens, dropout=dropout, adapter=adapter, mode="fwd+bwd", ms=ms,
             tflops=achieved, matmul_fraction=bench.fraction(achieved, matmul_tflops), peak_mb=peak / 2**20,
-            gpu_ms=gpu_ms,
+            gpu_ms=gpu_ms, **({"dora": True} if dora else {}),
         )  # fmt: skip
     fk.lora.unpatch(model)
 
 
 def run(tokens: list[int], dropouts: list[float], adapters: list[str], out: Path, rep: int, rank: int,
-        alpha: int) -> bench.BenchRecord:  # fmt: skip
+        alpha: int, dora: bool = False) -> bench.BenchRecord:  # fmt: skip
     record = bench.BenchRecord(
         NAME,
-        notes=(f"Llama-3.1-8B layer shapes, r={rank}, alpha={alpha}, bf16 base (frozen), LoRA weights "
+        notes=(f"Llama-3.1-8B layer shapes, {'DoRA, ' if dora else ''}r={rank}, alpha={alpha}, bf16 base (frozen), LoRA weights "
                f"in {' and '.join(adapters)}; "
                "FLOPs: base matmuls of forward and input gradient"),
     )  # fmt: skip
@@ -149,7 +153,7 @@ def run(tokens: list[int], dropouts: list[float], adapters: list[str], out: Path
     print(f"ceilings: copy {ceilings.copy_tbps:.2f} TB/s, bf16 matmul {ceilings.matmul_tflops:.0f} TFLOP/s")
     cases = [(b, t, d, a) for a in adapters for b in BLOCKS for t in tokens for d in dropouts]
     for block, t, d, a in bench.progress(cases, desc=NAME):
-        measure(record, ceilings.matmul_tflops, block, t, d, rank, alpha, rep, a)
+        measure(record, ceilings.matmul_tflops, block, t, d, rank, alpha, rep, a, dora)
         torch.cuda.empty_cache()
     out.parent.mkdir(parents=True, exist_ok=True)
     record.to_json(out)
@@ -161,15 +165,15 @@ def speedups(record: bench.BenchRecord) -> list[dict[str, object]]:
     memory ratio. Records from before the adapter axis had bf16 adapters."""
     table = []
 
-    def key(r: dict[str, Any]) -> tuple[str, str, int, float]:
-        return (r.get("adapter", "bf16"), r["block"], r["tokens"], r["dropout"])
+    def key(r: dict[str, Any]) -> tuple[bool, str, str, int, float]:
+        return (r.get("dora", False), r.get("adapter", "bf16"), r["block"], r["tokens"], r["dropout"])
 
-    keys = sorted({key(r) for r in record.rows}, key=lambda k: (k[0], BLOCKS.index(k[1]), k[2], k[3]))
-    for adapter, block, tokens, dropout in keys:
-        rows = {r["provider"]: r for r in record.rows if key(r) == (adapter, block, tokens, dropout)}
+    keys = sorted({key(r) for r in record.rows}, key=lambda k: (k[0], k[1], BLOCKS.index(k[2]), k[3], k[4]))
+    for dora, adapter, block, tokens, dropout in keys:
+        rows = {r["provider"]: r for r in record.rows if key(r) == (dora, adapter, block, tokens, dropout)}
         fk, peft = rows["fk"], rows["peft"]
         table.append({
-            "adapter": adapter, "block": block, "tokens": tokens, "dropout": dropout, "fk ms": fk["ms"],
+            **({"dora": True} if dora else {}), "adapter": adapter, "block": block, "tokens": tokens, "dropout": dropout, "fk ms": fk["ms"],
             "peft ms": peft["ms"],
             "x peft": peft["ms"] / fk["ms"], "fk matmul%": 100 * fk["matmul_fraction"],
             "fk MB": fk["peak_mb"], "peft MB": peft["peak_mb"], "memory / peft": fk["peak_mb"] / peft["peak_mb"],
@@ -179,6 +183,7 @@ def speedups(record: bench.BenchRecord) -> list[dict[str, object]]:
 
 
 COLUMNS = [
+    "dora",
     "adapter",
     "block",
     "tokens",
@@ -203,8 +208,9 @@ def summary(record: bench.BenchRecord) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/lora.json"),
-                        help="the JSON record to write (a directory gets lora.json inside)")  # fmt: skip
+    parser.add_argument("--out", type=Path, default=None,
+                        help="the JSON record to write (a directory gets lora.json, or lora_dora.json, inside; "
+                             "default benchmarks/results/)")  # fmt: skip
     parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384])
     parser.add_argument("--dropout", type=float, nargs="+", default=[0.0, 0.05])
     parser.add_argument("--adapters", nargs="+", default=list(ADAPTER_DTYPES), choices=list(ADAPTER_DTYPES),
@@ -212,13 +218,16 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--alpha", type=int, default=32)
     parser.add_argument("--rep", type=int, default=20)
+    parser.add_argument("--dora", action="store_true", help="DoRA adapters (PEFT use_dora=True)")
     parser.add_argument("--summary", type=Path, help="only print the table of this JSON record")
     args = parser.parse_args()
     if args.summary:
         record = bench.BenchRecord.from_json(args.summary)
     else:
-        out = args.out / f"{NAME}.json" if args.out.is_dir() or not args.out.suffix else args.out
-        record = run(args.tokens, args.dropout, args.adapters, out, args.rep, args.rank, args.alpha)
+        out = args.out or Path("benchmarks/results")
+        if out.is_dir() or not out.suffix:
+            out = out / f"{NAME}{'_dora' if args.dora else ''}.json"
+        record = run(args.tokens, args.dropout, args.adapters, out, args.rep, args.rank, args.alpha, args.dora)
     print(f"bf16 matmul ceiling {record.ceilings['matmul_tflops']:.0f} TFLOP/s ({record.environment.get('gpu')})")
     print(summary(record))
 
