@@ -224,14 +224,53 @@ def test_dora_compile_fullgraph_matches_eager(device: str) -> None:
     gate, up = (_args(torch.float32, device, seed=s, train_base=False) for s in (10, 20))
     down_a = testing.random_tensor((R, N), torch.float32, device, seed=30, scale=N**-0.5)
     down_b = testing.random_tensor((K, R), torch.float32, device, seed=31, scale=0.5)
+    down_m = testing.random_tensor((K,), torch.float32, device, seed=32, scale=0.2).add(1.0)
 
     def loss(x: torch.Tensor, a: torch.Tensor, bb: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
         y = lora_linear(x, w, b, a, bb, SCALING, 0.0, None, m)
         parts = [LoRAWeights(*p[1:5], SCALING, 0.0, None, p[5].detach()) for p in (gate, up)]
-        down = LoRAWeights(w.t().contiguous(), None, down_a, down_b, SCALING)
+        down = LoRAWeights(w.t().contiguous(), None, down_a, down_b, SCALING, 0.0, None, down_m)
         h = lora_mlp(x, *parts, down)
         return y.square().sum() + h.square().sum()
 
     # Inductor fuses the elementwise passes and sums in other orders: fp32 roundings of gradients
     # that reach 2e3 here (the MLP's square), not exactness.
     testing.assert_compile_matches_eager(loss, [x, a, bb, m], grad_rtol=1e-4, grad_atol=1e-3)
+
+
+def test_dora_mlp_without_dropout_keeps_two_intermediate_sized_tensors(device: str) -> None:
+    """Without dropout the DoRA MLP keeps what DoRA's gate and up scale (for their magnitudes'
+    gradients), not the gate and up outputs nor act(gate) * up (recomputed in the backward)."""
+    projections = [_args(torch.float32, device, seed=s) for s in (0, 10)]
+    x = projections[0][0]
+    down_w = testing.random_tensor((K, N), torch.float32, device, seed=31, scale=N**-0.5)
+    down_a = testing.random_tensor((R, N), torch.float32, device, seed=32, requires_grad=True)
+    down_b = testing.random_tensor((K, R), torch.float32, device, seed=33, requires_grad=True)
+    down_m = testing.random_tensor((K,), torch.float32, device, seed=34).requires_grad_()
+    parts = [LoRAWeights(*p[1:5], SCALING, 0.0, None, p[5]) for p in projections]
+    out = lora_mlp(x, *parts, LoRAWeights(down_w, None, down_a, down_b, SCALING, 0.0, None, down_m))
+    inter = x.numel() // K * N
+    saved = [t for t in out.grad_fn.saved_tensors if isinstance(t, torch.Tensor)]  # type: ignore[union-attr]
+    assert sum(t.numel() == inter for t in saved) == 2
+
+
+def test_dora_mlp_with_dora_on_the_down_projection_only(device: str) -> None:
+    """DoRA on down but not on gate and up: the composed path, as PEFT's definition."""
+    gate, up = (_args(torch.float32, device, seed=s) for s in (0, 10))
+    down_w = testing.random_tensor((K, N), torch.float32, device, seed=31, scale=N**-0.5)
+    down_a = testing.random_tensor((R, N), torch.float32, device, seed=32, scale=N**-0.5, requires_grad=True)
+    down_b = testing.random_tensor((K, R), torch.float32, device, seed=33, scale=0.5, requires_grad=True)
+    down_m = testing.random_tensor((K,), torch.float32, device, seed=34, scale=0.2).add(1.0).requires_grad_()
+    flat = [gate[0], *gate[1:5], *up[1:5], down_w, down_a, down_b, down_m]
+
+    def parts(a: list[Any]) -> list[LoRAWeights]:
+        return [
+            LoRAWeights(*a[1:5], SCALING),
+            LoRAWeights(*a[5:9], SCALING),
+            LoRAWeights(a[9], None, a[10], a[11], SCALING, 0.0, None, a[12]),
+        ]
+
+    result = testing.compare_with_reference(
+        lambda *a: lora_mlp(a[0], *parts(list(a))), lambda *a: lora_mlp_ref(a[0], *parts(list(a))), flat
+    )
+    assert len(result.names) == 1 + 1 + 4 + 4 + 3

@@ -52,7 +52,14 @@ import torch.nn.functional as F
 from fk.core import validate
 from fk.core.backend import uses_kernel
 from fk.core.matmul import accumulate_mm, bf16_parts, column_sum, mm_bf16_fp32, scaled_mm
-from fk.glu import gated_act, gated_act_backward_with_value, gated_act_forward, gated_act_ref, resolve_activation
+from fk.glu import (
+    gated_act,
+    gated_act_backward,
+    gated_act_backward_with_value,
+    gated_act_forward,
+    gated_act_ref,
+    resolve_activation,
+)
 from fk.lora.masked_low_rank import add_masked_low_rank_, masked
 
 MLP_ACTIVATIONS: dict[str, str] = {"swiglu": "silu", "geglu": "gelu_tanh"}
@@ -1069,6 +1076,72 @@ class _DoRAProjections(torch.autograd.Function):
         return (dx, None, *_flat(grads))
 
 
+def _dora_output(low: _DoRALowRank, bias: torch.Tensor | None) -> torch.Tensor:
+    """A DoRA projection's output without dropout, ``ms * z + b``, recomputed from what its forward
+    kept, as :func:`_dora_fwd` computed it (the same op on the same tensors: the same values)."""
+    y = torch.empty_like(low.z)
+    return torch.mul(low.z, low.ms, out=y) if bias is None else torch.addcmul(bias, low.z, low.ms, out=y)
+
+
+class _DoRAMLP(torch.autograd.Function):
+    """``down(act(gate(x)) * up(x))`` with DoRA on all three projections; ``act`` is fk.glu's kernel.
+
+    ``settings``: the :class:`_Settings` of gate, up and down; ``flat``: their :class:`_DoRAParams`.
+    Gate and up are projections of one input (their LoRA inputs stacked without dropout, one
+    ``dx``). What is kept of ``[M, I]`` size: DoRA's ``z`` of gate and of up, and, for one with
+    dropout, its output too (which ``ms * z + b`` gives back only without dropout). The gate and up
+    outputs without dropout and ``h = act(gate) * up`` are recomputed in the backward, elementwise.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, act: str, settings: tuple[_Settings, ...], *flat: Any) -> Any:
+        params_g, params_u, params_d = _unflat(_DoRAParams, flat)
+        x2 = x.reshape(-1, x.shape[-1])
+        xas, masks, A_cs = _lora_input_products(x2, x2, [params_g.lora_A, params_u.lora_A], settings[:2])
+        gate, low_g = _dora_fwd(x2, xas[0], masks[0], A_cs[0], params_g, settings[0])
+        up, low_u = _dora_fwd(x2, xas[1], masks[1], A_cs[1], params_u, settings[1])
+        h = gated_act_forward(gate, up, act)
+        (xa_d,), (mask_d,), (A_c_d,) = _lora_input_products(h, h, [params_d.lora_A], settings[2:])
+        y, low_d = _dora_fwd(h, xa_d, mask_d, A_c_d, params_d, settings[2])
+        del h  # recomputed in the backward
+        kept_g = gate if low_g.mask is not None else None
+        kept_u = up if low_u.mask is not None else None
+        weights = (params_g.weight, params_u.weight, params_d.weight)
+        ctx.save_for_backward(x, *weights, params_g.bias, params_u.bias, kept_g, kept_u, *_flat([low_g, low_u, low_d]))
+        ctx.act, ctx.settings = act, settings
+        ctx.dtypes = [(proj.lora_A.dtype, proj.magnitude.dtype) for proj in (params_g, params_u, params_d)]
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> Any:
+        x, wg, wu, wd, bias_g, bias_u, kept_g, kept_u, *lows = ctx.saved_tensors
+        low_g, low_u, low_d = _unflat(_DoRALowRank, lows)
+        settings_g, settings_u, settings_d = ctx.settings
+        dtypes_g, dtypes_u, dtypes_d = ctx.dtypes
+        need_dx = ctx.needs_input_grad[0]
+        needs_g, needs_u, needs_d = _unflat(_DoRANeeds, ctx.needs_input_grad[3:])
+        need_gu = need_dx or any(needs_g) or any(needs_u)
+        gate = kept_g if kept_g is not None else _dora_output(low_g, bias_g)
+        up = kept_u if kept_u is not None else _dora_output(low_u, bias_u)
+        h = gated_act_forward(gate, up, ctx.act)
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        grads_d, dh = _dora_bwd(dy2, h, wd, low_d, dtypes_d, settings_d, needs_d, None, need_gu)
+        del h
+        grads_g = grads_u = _DoRAGrads()
+        dx = None
+        if dh is not None:
+            # (dg, du) over the recomputed gate and up's buffers; a saved one is not written over
+            inplace = kept_g is None and kept_u is None
+            dg, du, _ = gated_act_backward(dh, gate, up, ctx.act, inplace=inplace)
+            del dh, gate, up
+            x2 = x.reshape(-1, x.shape[-1])
+            grads_g, dx = _dora_bwd(dg, x2, wg, low_g, dtypes_g, settings_g, needs_g, None, need_dx)
+            grads_u, dx = _dora_bwd(du, x2, wu, low_u, dtypes_u, settings_u, needs_u, dx, need_dx)
+        if dx is not None:
+            dx = dx.view(x.shape)
+        return (dx, None, None, *_flat([grads_g, grads_u, grads_d]))
+
+
 # --- 3. Functional API ----------------------------------------------------------------------------
 
 
@@ -1319,10 +1392,10 @@ def module_mlp(
 ) -> torch.Tensor:
     """:func:`lora_mlp`; ``from_module`` as in :func:`module_projections`.
 
-    With DoRA (a magnitude on gate and up, or on down, or on all three) the MLP is composed of
-    the DoRA launchers (gate and up as projections of one input: one ``dx``), fk.glu's
-    :func:`fk.glu.gated_act` and the down projection: ``act(gate) * up`` is then kept for the
-    backward, not recomputed as in the plain LoRA MLP."""
+    With DoRA on all three projections, :class:`_DoRAMLP` (``act(gate) * up`` recomputed in the
+    backward). With DoRA on some only (gate and up both or neither), the MLP is composed of the
+    projections' launchers (gate and up as projections of one input: one ``dx``), fk.glu's
+    :func:`fk.glu.gated_act` and the down projection: ``act(gate) * up`` is then kept."""
     x = _check_x(x)
     act = _resolve_mlp_activation(activation)
     cast = _autocast_dtype(x)
@@ -1339,7 +1412,11 @@ def module_mlp(
     else:
         h_like = x.new_empty((1, n_inter), dtype=params_g.weight.dtype) if x.ndim else x
         settings_d, params_d, magnitude_d = _check_parts("down_parts.", h_like, down_parts, cast)
-    if any(m is not None for m in (magnitude_g, magnitude_u, magnitude_d)):  # DoRA: composed, h kept
+    magnitudes = [magnitude_g, magnitude_u, magnitude_d]
+    if all(m is not None for m in magnitudes):
+        dora = [_DoRAParams(p.weight, p.bias, p.lora_A, p.lora_B, m) for p, m in zip((params_g, params_u, params_d), magnitudes, strict=True)]  # type: ignore[arg-type]  # fmt: skip
+        return _apply(_DoRAMLP, x, act, (settings_g, settings_u, settings_d), *_flat(dora))
+    if any(m is not None for m in magnitudes):  # DoRA on some of them: composed, h kept
         gate_up = [(settings_g, params_g, magnitude_g), (settings_u, params_u, magnitude_u)]
         gate, up = _projections(x, gate_up)
         h = gated_act(gate, up, act, inplace_grad=True)
