@@ -1067,10 +1067,11 @@ class _DoRAProjections(torch.autograd.Function):
         need_dx = ctx.needs_input_grad[0]
         dx: torch.Tensor | None = None
         grads = [_DoRAGrads()] * n
-        for i, dy in enumerate(dys):
-            if dy is not None:
-                dy2 = dy.reshape(-1, dy.shape[-1])
-                grads[i], dx = _dora_bwd(dy2, x2, weights[i], lows[i], ctx.dtypes[i], ctx.settings[i], needs[i], dx, need_dx)  # fmt: skip
+        with _autocast_off(x.device.type):  # (a backward run under autocast: the operands are cast already)
+            for i, dy in enumerate(dys):
+                if dy is not None:
+                    dy2 = dy.reshape(-1, dy.shape[-1])
+                    grads[i], dx = _dora_bwd(dy2, x2, weights[i], lows[i], ctx.dtypes[i], ctx.settings[i], needs[i], dx, need_dx)  # fmt: skip
         if dx is not None:
             dx = dx.view(x.shape)
         return (dx, None, *_flat(grads))
@@ -1114,6 +1115,11 @@ class _DoRAMLP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> Any:
+        with _autocast_off(dy.device.type):
+            return _DoRAMLP._backward(ctx, dy)
+
+    @staticmethod
+    def _backward(ctx: Any, dy: torch.Tensor) -> Any:
         x, wg, wu, wd, bias_g, bias_u, kept_g, kept_u, *lows = ctx.saved_tensors
         low_g, low_u, low_d = _unflat(_DoRALowRank, lows)
         settings_g, settings_u, settings_d = ctx.settings
