@@ -27,10 +27,11 @@ each a prompt that is not scored, each sequence ending at a random length in [SE
 - ``jsd``: distillation, generalized JSD with beta 0.5, temperature 1, batchmean over scored
   tokens (TRL's GKD ``generalized_jsd_loss``), a frozen teacher head as wide as the student's.
 
-Shapes: the LM heads of Llama-3-8B (H=4096, V=128256) for every loss at 4096 and 8192 tokens, and
-of Qwen2.5-7B (H=3584, V=151936) at 8192 tokens for ``dpo``, ``grpo`` and ``jsd`` (one loss of each
-kind: the preference losses share one path in every provider); ``--all-shapes`` runs every loss at
-every shape and token count (about twice as long).
+Shapes: the LM heads of Llama-3-8B (H=4096, V=128256) for every loss, and of Qwen2.5-7B (H=3584,
+V=151936) for ``dpo``, ``grpo`` and ``jsd`` (one loss of each kind: the preference losses share one
+path in every provider; ``--every-head``: every loss on both), at 8192 tokens (``--tokens 4096
+8192``: both counts, each adding a compilation of Liger's chunk functions per loss and head, as
+its full-batch tensors change shape).
 
 Providers:
 
@@ -48,7 +49,7 @@ Providers:
   tolerance raises, except Liger's JSD (:data:`NOT_ENFORCED`), which takes the log-softmax of the
   bf16 logits in bf16 and is a few percent off: recorded only.
 - ``torch.compile``: of the eager function (``dynamic=False``), at the largest token count of
-  each loss and head only (a compilation per shape would take most of the run).
+  each loss and head only (with ``--tokens``: a compilation per shape would take most of the run).
 
 A provider that is not installed, or a peer that fails, is a row with a ``status``; one that runs
 out of memory too. The record is written after each case.
@@ -66,8 +67,8 @@ and ``kto`` (``torch.func.grad_and_value`` per chunk), 8 N H V for ``grpo`` (its
 log-prob recomputes the logits in its backward), 6 N H V + 2 N H_t V for ``jsd``; eager and
 torch.compile the one pass, with the full logits.
 
-Run on a GPU:  python benchmarks/bench_align.py --out benchmarks/results       (about 7 minutes on an H200,
-               most of it compiling: Liger's chunk functions and torch.compile's, 10 of each)
+Run on a GPU:  python benchmarks/bench_align.py --out benchmarks/results       (10 cases: about 6 minutes on an
+               H200, most of it compiling Liger's chunk functions and the eager losses, 10 of each)
 In two calls:  python benchmarks/bench_align.py --losses dpo cpo simpo orpo
                python benchmarks/bench_align.py --losses kto grpo jsd --merge   (keeps the other losses' rows)
 Redraw plots:  python benchmarks/bench_align.py --plot benchmarks/results/align.json
@@ -141,7 +142,7 @@ class Head(NamedTuple):
 LLAMA = Head("llama-3-8b", 4096, 128256)
 QWEN = Head("qwen2.5-7b", 3584, 151936)
 TINY = Head("tiny", 64, 512)
-TOKENS = (4096, 8192)
+TOKENS = (8192,)
 QWEN_LOSSES = ("dpo", "grpo", "jsd")
 
 
@@ -410,13 +411,14 @@ class Case(NamedTuple):
     seq: int
 
 
-def cases(losses: Sequence[str], all_shapes: bool, tiny: bool) -> list[Case]:
+def cases(losses: Sequence[str], tokens: Sequence[int], every_head: bool, tiny: bool) -> list[Case]:
+    """The cases of a run: every loss on the Llama head, those of ``QWEN_LOSSES`` (every one with
+    ``every_head``) on the Qwen head, at each token count; --tiny: the tiny head at 128 tokens."""
     if tiny:
         return [Case(name, TINY, 128, 32) for name in losses]
-    out = [Case(name, LLAMA, n, SEQ) for name in losses for n in TOKENS]
-    out += [Case(name, QWEN, n, SEQ) for name in losses for n in (TOKENS if all_shapes else TOKENS[-1:])
-            if all_shapes or name in QWEN_LOSSES]  # fmt: skip
-    return out
+    on_qwen = [name for name in losses if every_head or name in QWEN_LOSSES]
+    return [Case(name, head, n, SEQ) for head, names in ((LLAMA, losses), (QWEN, on_qwen)) for name in names
+            for n in sorted(tokens)]  # fmt: skip
 
 
 # --- 5. Measuring ---------------------------------------------------------------------------------
@@ -591,8 +593,8 @@ def providers(loss: str, wanted: Sequence[str], tiny: bool, compile_here: bool) 
     return found
 
 
-def run(losses: Sequence[str], wanted: Sequence[str], all_shapes: bool, tiny: bool, rep: int, out: Path,
-        previous: bench.BenchRecord | None = None) -> bench.BenchRecord:  # fmt: skip
+def run(losses: Sequence[str], wanted: Sequence[str], tokens: Sequence[int], every_head: bool, tiny: bool, rep: int,
+        out: Path, previous: bench.BenchRecord | None = None) -> bench.BenchRecord:  # fmt: skip
     """Every case of ``losses``; the record (with ``previous``'s rows of the other losses, where
     given) is written to ``out`` after each case."""
     record = bench.BenchRecord(NAME, notes=(
@@ -615,7 +617,7 @@ def run(losses: Sequence[str], wanted: Sequence[str], all_shapes: bool, tiny: bo
     if "liger" in wanted and not tiny:
         with contextlib.suppress(ImportError):  # (without Liger: its status rows say so)
             check_liger_arguments(losses, "cuda" if torch.cuda.is_available() else "cpu")
-    todo = cases(losses, all_shapes, tiny)
+    todo = cases(losses, tokens, every_head, tiny)
     largest = {(c.loss, c.head): max(d.tokens for d in todo if (d.loss, d.head) == (c.loss, c.head)) for c in todo}
     for case in bench.progress(todo, desc=NAME):
         began = time.perf_counter()
@@ -742,7 +744,9 @@ def main() -> None:
     parser.add_argument("--losses", nargs="+", choices=list(LOSSES), default=list(LOSSES))
     parser.add_argument("--providers", nargs="+", choices=PROVIDERS, default=list(PROVIDERS),
                         help="eager always runs: it is the reference")  # fmt: skip
-    parser.add_argument("--all-shapes", action="store_true", help="every loss at both heads and both token counts")
+    parser.add_argument("--tokens", nargs="+", type=int, default=list(TOKENS),
+                        help=f"token counts, multiples of 2 x {SEQ} (default: 8192)")  # fmt: skip
+    parser.add_argument("--every-head", action="store_true", help="every loss on the Qwen head too")
     parser.add_argument("--rep", type=int, help="timed calls per measurement (default 5; --tiny 2)")
     parser.add_argument("--tiny", action="store_true", help="a tiny head, fk and eager only (CPU allowed)")
     parser.add_argument("--merge", action="store_true", help="keep the rows of the other losses of the record at --out")
@@ -760,7 +764,9 @@ def main() -> None:
     wanted = list(dict.fromkeys(["eager", *args.providers]))
     path = args.out / f"{NAME}.json"
     previous = bench.BenchRecord.from_json(path) if args.merge and path.exists() else None
-    record = run(args.losses, wanted, args.all_shapes, args.tiny, rep, args.out, previous)
+    if any(n <= 0 or n % (2 * SEQ) for n in args.tokens):
+        parser.error(f"--tokens must be positive multiples of {2 * SEQ} (pairs of {SEQ}-token sequences)")
+    record = run(args.losses, wanted, args.tokens, args.every_head, args.tiny, rep, args.out, previous)
     print(f"record: {record.to_json(path)}")
     try:
         drawn = plots(record, args.out if args.tiny else args.plot_dir)
