@@ -306,19 +306,9 @@ def _case(row: dict[str, Any]) -> tuple[str, str]:
 def merge_record(
     new: bench.BenchRecord, old: bench.BenchRecord, modes: list[str], families: tuple[str, ...] = ("llama",)
 ) -> bench.BenchRecord:
-    """``new`` with the rows of ``old`` whose (family, mode) it did not run (first), and a note of
-    where those came from: for a GPU whose calls are too short to run every case in one. Each kept
-    row carries the date of the call that measured it (``measured_utc``: its own, where an earlier
-    merge set it, else ``old``'s), so that merging again keeps every row's provenance."""
-    ran = {(family, mode) for family in families for mode in modes}
-    kept = [{"measured_utc": old.environment.get("date_utc", "?"), **row} for row in old.rows if _case(row) not in ran]
-    calls: dict[str, set[str]] = {}
-    for row in kept:
-        calls.setdefault(row["measured_utc"], set()).add(" ".join(_case(row)))
-    for date, cases in sorted(calls.items()):
-        new.notes += f"; {', '.join(sorted(cases))}: from the call of {date}"
-    new.rows = kept + new.rows
-    return new
+    """``new`` with the rows of ``old`` whose (family, mode) it did not run (:func:`fk.core.bench.merge_records`)."""
+    ran = {" ".join((family, mode)) for family in families for mode in modes}
+    return bench.merge_records(new, old, lambda row: " ".join(_case(row)), ran)
 
 
 # ------------------------------------------------------------------------------------------- output

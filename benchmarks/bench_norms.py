@@ -27,6 +27,8 @@ Two more tables, as LoRA users read them (fk only, and the mixed workload with e
   A and B), forward+backward, with each provider's RMSNorm.
 
 Run on a GPU:  python benchmarks/bench_norms.py --out benchmarks/results/norms.json   [--quick]
+In parts (a whole run takes longer than a 10-minute GPU call), each op with its peers in one call:
+               python benchmarks/bench_norms.py --ops rms_norm fused_add_rms_norm --merge
 Redraw plots:  python benchmarks/bench_norms.py --plot benchmarks/results/norms.json
                (PNGs into docs/assets/benchmarks; benchmarks/report.py rebuilds docs/benchmarks.md)
 """
@@ -236,7 +238,7 @@ def measure(record: bench.BenchRecord, copy_tbps: float, op: Op, name: str, fn: 
 
 
 def run_ops(record: bench.BenchRecord, copy_tbps: float, rows: int, widths: list[int], rep: int,
-            ops: list[str], out: Path) -> None:  # fmt: skip
+            ops: list[str], save: Callable[[], None]) -> None:  # fmt: skip
     for op in OPS:
         if op.name not in ops:
             continue
@@ -251,7 +253,7 @@ def run_ops(record: bench.BenchRecord, copy_tbps: float, rows: int, widths: list
             assert not isinstance(factory, str)
             measure(record, copy_tbps, op, name, factory(), rows, width, trainable, rep)
             torch.cuda.empty_cache()
-        record.to_json(out)  # keep what is measured so far if a later op runs out of time
+        save()  # keep what is measured so far if a later op runs out of time
 
 
 def run_frozen(record: bench.BenchRecord, tokens: int, widths: list[int], rep: int) -> None:
@@ -300,26 +302,48 @@ def run_lora(record: bench.BenchRecord, tokens: int, widths: list[int], rep: int
                 continue
             step = partial(_lora_step, factory(), x, w, base, a, b, dy)
             ms = bench.time_ms(step, warmup=5, rep=rep, grad_to_none=[x, a, b])
+            gpu: dict[str, float] = {}
+            try:  # the GPU's work alone: at these sizes the wall time is mostly the host's
+                gpu = {"gpu_ms": bench.time_ms(step, warmup=0, rep=rep, grad_to_none=[x, a, b], gpu_only=True)}
+            except RuntimeError as error:
+                print(f"lora: {name} H={width}: no GPU-only time ({error})")
             for t in (x, a, b):
                 t.grad = None
             peak = bench.peak_memory_bytes(step)
             for t in (x, a, b):
                 t.grad = None
             record.add(table="lora", provider=name, H=width, rows=tokens, weight="frozen", mode="fwd+bwd", ms=ms,
-                       peak_mb=peak / 2**20)  # fmt: skip
+                       peak_mb=peak / 2**20, **gpu)  # fmt: skip
         torch.cuda.empty_cache()
 
 
-def run(rows: int, tokens: int, widths: list[int], out: Path, rep: int, ops: list[str]) -> bench.BenchRecord:
+def case(row: dict[str, Any]) -> str:
+    """What one run measures together: an op with its peers, or the frozen or lora table."""
+    return str(row.get("op")) if row.get("table") == "ops" else str(row.get("table"))
+
+
+def run(rows: int, tokens: int, widths: list[int], out: Path, rep: int, ops: list[str],
+        merge: bool = False) -> bench.BenchRecord:  # fmt: skip
+    """Measure ``ops`` (and, with RMSNorm, the frozen and lora tables, which are RMSNorm's). With
+    ``merge``, the record at ``out`` keeps its other cases' rows (:func:`case`), each with the date
+    of the call that measured it: a whole run takes longer than one GPU call may last."""
     record = bench.BenchRecord(NAME, notes=f"{rows} rows (frozen and lora tables: {tokens}), bf16, eps={EPS}")
     ceilings = bench.measure_ceilings()
     record.ceilings = ceilings.as_dict()
     print(f"ceilings: copy {ceilings.copy_tbps:.2f} TB/s, bf16 matmul {ceilings.matmul_tflops:.0f} TFLOP/s")
-    run_ops(record, ceilings.copy_tbps, rows, widths, rep, ops, out)
-    run_frozen(record, tokens, widths, rep)
-    run_lora(record, tokens, widths, rep)
-    record.to_json(out)
-    return record
+    old = bench.BenchRecord.from_json(out) if merge and out.exists() else None
+    tables = ["frozen", "lora"] if "rms_norm" in ops else []
+
+    def save() -> None:
+        merged = bench.BenchRecord(record.name, record.environment, record.ceilings, list(record.rows), record.notes)
+        (bench.merge_records(merged, old, case, [*ops, *tables]) if old else merged).to_json(out)
+
+    run_ops(record, ceilings.copy_tbps, rows, widths, rep, ops, save)
+    if tables:
+        run_frozen(record, tokens, widths, rep)
+        run_lora(record, tokens, widths, rep)
+    save()
+    return bench.BenchRecord.from_json(out)
 
 
 # --- tables and plots (pure Python: they run without a GPU) -------------------------------------------
@@ -374,9 +398,13 @@ def lora_table(record: bench.BenchRecord) -> list[dict[str, Any]]:
     out = []
     for h in sorted({r["H"] for r in rows}):
         ms = {r["provider"]: r["ms"] for r in rows if r["H"] == h}
+        gpu = {r["provider"]: r["gpu_ms"] for r in rows if r["H"] == h and "gpu_ms" in r}
         peers = [ms[p] for p in PEERS if p in ms]
+        gpu_peers = [gpu[p] for p in PEERS if p in gpu]
         out.append({"H": h, **{f"{p} ms": v for p, v in ms.items()},
-                    "speedup": min(peers) / ms["fk"] if peers and "fk" in ms else None})  # fmt: skip
+                    "speedup": min(peers) / ms["fk"] if peers and "fk" in ms else None,
+                    **({"fk GPU ms": gpu["fk"], "GPU speedup": min(gpu_peers) / gpu["fk"]}
+                       if gpu_peers and "fk" in gpu else {})})  # fmt: skip
     return out
 
 
@@ -388,7 +416,7 @@ COLUMNS = ["op", "H", "weight", "mode", "fk ms", "fk TB/s", "fk copy%", "liger m
            "speedup", "fk GPU ms", "fk GPU copy%", "GPU speedup", "fk MB", "liger MB"]  # fmt: skip
 FROZEN_COLUMNS = ["H", "bwd frozen ms", "bwd trainable ms", "bwd speedup", "fwd+bwd frozen ms",
                   "fwd+bwd trainable ms", "fwd+bwd speedup"]  # fmt: skip
-LORA_COLUMNS = ["H", "fk ms", "liger ms", "torch.compile ms", "native ms", "speedup"]
+LORA_COLUMNS = ["H", "fk ms", "liger ms", "torch.compile ms", "native ms", "speedup", "fk GPU ms", "GPU speedup"]
 
 
 def summary(record: bench.BenchRecord) -> str:
@@ -440,6 +468,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rep", type=int, default=20, help="timed repetitions per measurement")
     parser.add_argument("--ops", nargs="+", default=[op.name for op in OPS], choices=[op.name for op in OPS])
     parser.add_argument("--quick", action="store_true", help=f"H in {QUICK_WIDTHS} and 10 repetitions")
+    parser.add_argument("--merge", action="store_true",
+                        help="keep the rows of the ops (and tables) not run now from the record at --out")  # fmt: skip
     parser.add_argument("--plot", type=Path, help="only redraw the plots from this JSON record")
     parser.add_argument("--plot-dir", type=Path, default=Path("docs/assets/benchmarks"))
     args = parser.parse_args(argv)
@@ -448,7 +478,7 @@ def main(argv: list[str] | None = None) -> None:
         plots(record, args.plot_dir)
     else:
         widths, rep = (QUICK_WIDTHS, 10) if args.quick else (args.widths, args.rep)
-        record = run(args.rows, args.tokens, widths, _out_path(args.out), rep, args.ops)
+        record = run(args.rows, args.tokens, widths, _out_path(args.out), rep, args.ops, args.merge)
     print(summary(record))
 
 

@@ -143,10 +143,10 @@ def test_run_on_reference_path() -> None:
         testing.run_on_reference_path("print('not ok')")
 
 
-def test_assert_compile_matches_eager() -> None:
-    x = testing.random_tensor((4, 6), torch.float32, "cpu", seed=11, requires_grad=True)
+def test_assert_compile_matches_eager(device: str) -> None:
+    x = testing.random_tensor((4, 6), torch.float32, device, seed=11, requires_grad=True)
     testing.assert_compile_matches_eager(lambda t: (softmax_ref(t) * t).sum(), [x])
-    unused = testing.random_tensor((3,), torch.float32, "cpu", seed=12, requires_grad=True)
+    unused = testing.random_tensor((3,), torch.float32, device, seed=12, requires_grad=True)
     with pytest.raises(AssertionError, match="input 1 got no gradient"):
         testing.assert_compile_matches_eager(lambda t, u: (t * 2).sum(), [x, unused])
 

@@ -198,12 +198,12 @@ def test_fk_check_labels_raises_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None
         cross_entropy(x, target)
 
 
-def test_compiled_call_skips_the_label_check() -> None:
+def test_compiled_call_skips_the_label_check(device: str) -> None:
     """The check depends on the labels' values: torch.compile(fullgraph=True) traces past it, and the
     compiled code gives NaN for a bad label, as a GPU run does by default."""
-    x = testing.random_tensor((4, 30), torch.float32, "cpu", seed=9)
+    x = testing.random_tensor((4, 30), torch.float32, device, seed=9)
     compiled = torch.compile(lambda x, t: cross_entropy(x, t, reduction="none"), fullgraph=True)
-    loss = compiled(x, torch.tensor([1, -100, 30, 2]))
+    loss = compiled(x, torch.tensor([1, -100, 30, 2], device=device))
     assert torch.isnan(loss[2]) and torch.isfinite(loss[[0, 1, 3]]).all()
 
 

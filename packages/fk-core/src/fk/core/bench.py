@@ -516,6 +516,25 @@ class BenchRecord:
         )
 
 
+def merge_records(
+    new: BenchRecord, old: BenchRecord, case: Callable[[dict[str, Any]], str], ran: Iterable[str]
+) -> BenchRecord:
+    """``new`` with the rows of ``old`` whose ``case(row)`` is not among the cases ``new`` ``ran``
+    (those first), and a note per earlier call of which cases come from it: for a benchmark that
+    takes longer than one GPU call may last, run in parts. Each kept row carries the date of the
+    call that measured it (``measured_utc``: its own, where an earlier merge set it, else ``old``'s),
+    so that merging again keeps every row's provenance."""
+    done = set(ran)
+    kept = [{"measured_utc": old.environment.get("date_utc", "?"), **row} for row in old.rows if case(row) not in done]
+    calls: dict[str, set[str]] = {}
+    for row in kept:
+        calls.setdefault(row["measured_utc"], set()).add(case(row))
+    for date, cases in sorted(calls.items()):
+        new.notes += f"; {', '.join(sorted(cases))}: from the call of {date}"
+    new.rows = kept + new.rows
+    return new
+
+
 def _unique(values: Iterable[T]) -> list[T]:
     """Distinct values in order of first appearance."""
     seen: list[T] = []
