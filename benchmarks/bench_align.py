@@ -629,15 +629,8 @@ def run(losses: Sequence[str], wanted: Sequence[str], tokens: Sequence[int], eve
 
 
 def merge_record(new: bench.BenchRecord, old: bench.BenchRecord, losses: Sequence[str]) -> bench.BenchRecord:
-    """``new`` with ``old``'s rows of the losses it did not run (first), each with the date of the
-    call that measured it (``measured_utc``, its own where an earlier merge set it)."""
-    kept = [{"measured_utc": old.environment.get("date_utc", "?"), **row} for row in old.rows
-            if row.get("loss") not in losses]  # fmt: skip
-    dates = sorted({row["measured_utc"] for row in kept})
-    if dates:
-        new.notes += f"; {', '.join(sorted({row['loss'] for row in kept}))}: from the calls of {', '.join(dates)}"
-    new.rows = kept + new.rows
-    return new
+    """``new`` with ``old``'s rows of the losses it did not run (:func:`fk.core.bench.merge_records`)."""
+    return bench.merge_records(new, old, lambda row: str(row.get("loss")), losses)
 
 
 # --- 6. Tables and plots (pure Python: they run without a GPU) ------------------------------------

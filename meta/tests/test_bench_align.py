@@ -88,4 +88,4 @@ def test_merge_keeps_the_other_losses_rows() -> None:
     merged = module.merge_record(new, old, ["jsd"])
     assert [(r["loss"], r["ms"], r.get("measured_utc")) for r in merged.rows] == [("dpo", 1.0, "then"),
                                                                                  ("jsd", 3.0, None)]  # fmt: skip
-    assert merged.notes == "new; dpo: from the calls of then"
+    assert merged.notes == "new; dpo: from the call of then"
