@@ -224,6 +224,14 @@ def test_reference_path_without_the_interpreter_gives_the_reference() -> None:
     )
 
 
+def test_compiles_without_graph_breaks(device: str) -> None:
+    # Under torch.compile the reference's torch ops run (traced); the values are the same.
+    q = quantize_ref(_weight((17, 100), device, seed=9), "nf4", 64, nested=True)
+    x = _weight((3, 100), device, seed=10)
+    compiled = torch.compile(lambda x: x @ dequantize_rows(q, 2, 9, dtype=torch.float32).T, fullgraph=True)
+    assert torch.equal(compiled(x), x @ dequantize(q, dtype=torch.float32)[2:9].T)
+
+
 # --- against bitsandbytes (skipped where it is not installed) ---------------------------------
 
 needs_bnb = pytest.mark.skipif(not HAS_BNB, reason="bitsandbytes is not installed (extra fk-lora[qlora])")

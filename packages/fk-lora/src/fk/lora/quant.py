@@ -246,7 +246,11 @@ def dequantize_ref(
     i = torch.arange(start * k, stop * k, device=q.device)
     byte = q.data.reshape(-1)[i // 2]
     index = torch.where(i % 2 == 0, byte >> 4, byte & 0xF).long()
-    values = code_table(q.quant_type, q.device)[index] * scales[i // q.blocksize]
+    # (torch.compile traces the table's construction: it warns about a cached function.)
+    code = (
+        _code_table(q.quant_type).to(q.device) if torch.compiler.is_compiling() else code_table(q.quant_type, q.device)
+    )
+    values = code[index] * scales[i // q.blocksize]
     return values.reshape(stop - start, k).to(dtype)
 
 
