@@ -50,8 +50,20 @@ MEASURED = {"ms", "gpu_ms", "tbps", "tflops", "copy_fraction", "gpu_copy_fractio
             "rep", "provider", "status"}  # fmt: skip
 """The fields of a row that are measurements; the others name the case."""
 
-FLOOR_FIELDS = ("gpu_copy_fraction", "copy_fraction", "matmul_fraction")
-"""Where a row gives its share of the floor, in order of preference (the GPU-only time's first)."""
+FLOOR_FIELDS = ("copy_fraction", "matmul_fraction")
+"""Where a row gives its share of the floor from its wall time ``ms``."""
+
+
+def floor_share(row: dict[str, Any]) -> float | None:
+    """The row's share of its floor from its GPU-only time where it has one (``gpu_copy_fraction``,
+    or the wall-time share scaled by ``ms / gpu_ms``: at small sizes the wall time is the host's),
+    else from its wall time; None where the row gives none."""
+    if "gpu_copy_fraction" in row:
+        return float(row["gpu_copy_fraction"])
+    field = next((f for f in FLOOR_FIELDS if f in row), None)
+    if field is None:
+        return None
+    return float(row[field]) * (float(row["ms"]) / float(row["gpu_ms"]) if "gpu_ms" in row else 1.0)
 
 
 def _time(row: dict[str, Any], gpu: bool) -> float:
@@ -81,9 +93,9 @@ def shortfalls(record: bench.BenchRecord) -> list[str]:
             ratio = _time(peers[best], gpu) / _time(fk, gpu)
             if ratio < 0.9995:  # (below 1.000x as printed)
                 lines.append(f"{name}: {ratio:.3f}x {best} ({'GPU' if gpu else 'wall'} time)")
-        share = next((fk[f] for f in FLOOR_FIELDS if f in fk), None)
+        share = floor_share(fk)
         if share is not None and share < FLOOR_SHARE:
-            lines.append(f"{name}: {100 * share:.0f}% of the floor")
+            lines.append(f"{name}: {100 * share:.1f}% of the floor")
     return lines
 
 

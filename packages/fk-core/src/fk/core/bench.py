@@ -89,7 +89,7 @@ L2_FLUSH_BYTES: int = 256 * 2**20
 PEER_PACKAGES: tuple[str, ...] = ("liger-kernel", "cut-cross-entropy", "transformers", "peft")
 """Distributions of the peers compared against; their versions go into :func:`environment`."""
 
-FK_PACKAGES: tuple[str, ...] = ("fk-core", "fk-norms", "fk-rope", "fk-glu", "fk-flce", "fk-lora", "fk-hf")
+FK_PACKAGES: tuple[str, ...] = ("fk-core", "fk-norms", "fk-rope", "fk-glu", "fk-flce", "fk-lora", "fk-align", "fk-hf")
 """The fk distributions whose installed versions go into :func:`environment`."""
 
 _flush_buffers: dict[int, torch.Tensor] = {}

@@ -8,6 +8,9 @@
 - :func:`lora_mlp`: gate/up/down LoRA projections around fk.glu's SwiGLU/GeGLU kernel, the
   activation recomputed in the backward instead of saved.
 - :func:`patch` / :func:`unpatch`: swap the forward of a PEFT model's LoRA modules (needs ``peft``).
+- :func:`dequantize` / :func:`dequantize_rows`: QLoRA base weights (bitsandbytes NF4, FP4, int8,
+  read by :func:`from_bnb` into a :class:`QuantizedWeight`) in the compute dtype, a tile of rows at a
+  time (the fused path over them comes next).
 """
 
 from fk.lora.lora import (
@@ -23,6 +26,17 @@ from fk.lora.lora import (
 )
 from fk.lora.patching import PatchReport, is_patched, patch, unpatch
 
+# Quantized (QLoRA) base weights.
+from fk.lora.quant import (
+    NestedAbsmax,
+    QuantizedWeight,
+    dequantize,
+    dequantize_ref,
+    dequantize_rows,
+    from_bnb,
+    quantize_ref,
+)
+
 __all__ = [
     "MLP_ACTIVATIONS",
     "LoRAWeights",
@@ -37,4 +51,14 @@ __all__ = [
     "lora_qkv",
     "patch",
     "unpatch",
+]
+
+__all__ += [  # quantized (QLoRA) base weights
+    "NestedAbsmax",
+    "QuantizedWeight",
+    "dequantize",
+    "dequantize_ref",
+    "dequantize_rows",
+    "from_bnb",
+    "quantize_ref",
 ]
