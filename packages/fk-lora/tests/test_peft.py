@@ -312,6 +312,26 @@ def test_dora_model_is_patched_as_lora_is(device: str) -> None:
         fk.lora.unpatch(model)
 
 
+def test_dora_model_with_gradient_checkpointing_matches_peft(device: str) -> None:
+    """A two-layer DoRA model with dropout under gradient checkpointing (the recomputed forward
+    draws the same masks): loss and every trainable gradient, the magnitudes' included, as PEFT's."""
+    model = _model(device, dropout=0.1, layers=2, dora=True)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(0)).to(device)
+    want_loss, want_grads = _loss(model, ids, seed=3)
+    report = fk.lora.patch(model)
+    try:
+        assert len(report.mlp) == len(report.qkv) == 2 and not report.skipped
+        got_loss, got_grads = _loss(model, ids, seed=3)
+        assert not [n for n, m in model.named_modules() if m.__dict__.get("_fk_lora_logged")], "PEFT's forward ran"
+    finally:
+        fk.lora.unpatch(model)
+    assert sum("lora_magnitude_vector" in n for n, p in model.named_parameters() if p.requires_grad) == 2 * 7
+    torch.testing.assert_close(got_loss, want_loss, rtol=1e-5, atol=1e-6)
+    for g, w in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+
+
 def test_dora_on_gate_but_not_up_fuses_the_projections_one_by_one(device: str) -> None:
     model = _model(device, dora=True)
     mlp = _layer(model).mlp
