@@ -135,8 +135,8 @@ def test_environment_keys() -> None:
     env = bench.environment()
     assert {"gpu", "gpu_count", "torch", "triton", "python", "peers", "fk", "date_utc"} <= set(env)
     assert env["torch"] == torch.__version__
-    assert set(env["peers"]) == {"liger-kernel", "cut-cross-entropy", "transformers", "peft"}
-    assert set(env["fk"]) == {"fk-core", "fk-norms", "fk-rope", "fk-glu", "fk-flce", "fk-lora", "fk-hf"}
+    assert set(env["peers"]) == {"liger-kernel", "cut-cross-entropy", "transformers", "peft", "trl", "bitsandbytes"}
+    assert set(env["fk"]) == {"fk-core", "fk-norms", "fk-rope", "fk-glu", "fk-flce", "fk-lora", "fk-align", "fk-hf"}
     assert all(v is None or isinstance(v, str) for v in [*env["peers"].values(), *env["fk"].values()])
     assert env["date_utc"].endswith("+00:00")
     here = Path(bench.__file__).resolve().parents

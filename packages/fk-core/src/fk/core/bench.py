@@ -86,7 +86,7 @@ T = TypeVar("T")
 L2_FLUSH_BYTES: int = 256 * 2**20
 """Size of the scratch buffer overwritten before each timed call; several times any GPU's L2."""
 
-PEER_PACKAGES: tuple[str, ...] = ("liger-kernel", "cut-cross-entropy", "transformers", "peft")
+PEER_PACKAGES: tuple[str, ...] = ("liger-kernel", "cut-cross-entropy", "transformers", "peft", "trl", "bitsandbytes")
 """Distributions of the peers compared against; their versions go into :func:`environment`."""
 
 FK_PACKAGES: tuple[str, ...] = ("fk-core", "fk-norms", "fk-rope", "fk-glu", "fk-flce", "fk-lora", "fk-align", "fk-hf")
