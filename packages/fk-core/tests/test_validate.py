@@ -109,3 +109,13 @@ def test_check_labels_is_skipped_while_compiling() -> None:
 
     compiled = torch.compile(loss, fullgraph=True, backend="eager")
     assert compiled(torch.tensor([1, 7])).item() == 8  # traced whole, and the compiled code does not check
+
+
+def test_check_int_names_the_argument() -> None:
+    assert validate.check_int("n", 3, 1) == 3
+    with pytest.raises(TypeError, match="n must be an int, got bool"):
+        validate.check_int("n", True)
+    with pytest.raises(TypeError, match="n must be an int, got float"):
+        validate.check_int("n", 3.0)
+    with pytest.raises(ValueError, match="n must be >= 1, got 0"):
+        validate.check_int("n", 0, 1)

@@ -775,8 +775,7 @@ def check_options(
     as the kernel takes them."""
     validate.check_choice("loss", loss, LOSSES)
     validate.check_choice("reduction", reduction, REDUCTIONS)
-    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
-        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+    validate.check_int("ignore_index", ignore_index)
     for name, value in (("beta", beta), ("weight_soft_loss", weight_soft_loss),
                         ("weight_hard_loss", weight_hard_loss)):  # fmt: skip
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):

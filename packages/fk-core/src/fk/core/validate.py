@@ -71,6 +71,15 @@ def check_shape(name: str, tensor: torch.Tensor, shape: Sequence[int]) -> None:
         raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(tensor.shape)}")
 
 
+def check_int(name: str, value: object, minimum: int | None = None) -> int:
+    """``value`` must be an int (not a bool), at least ``minimum`` when given; returns it."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
 def check_positive_float(name: str, value: object) -> float:
     """``value`` must be a real number greater than zero; returns it as a float."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):

@@ -540,8 +540,7 @@ def check_loss_options(
     softcap: float | None,
 ) -> LossOptions:
     """Validate the options shared by :func:`cross_entropy` and ``linear_cross_entropy``."""
-    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
-        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+    validate.check_int("ignore_index", ignore_index)
     validate.check_choice("reduction", reduction, REDUCTIONS)
     for name, value in (("label_smoothing", label_smoothing), ("lse_square_scale", lse_square_scale)):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):

@@ -162,14 +162,6 @@ class QuantizedWeight:
         return n if self.quant_type == "int8" else cdiv(n * k, self.blocksize)
 
 
-def _check_int(name: str, value: object, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
-
-
 def _check_numel(name: str, tensor: torch.Tensor, numel: int, why: str) -> None:
     if tensor.numel() != numel:
         raise ValueError(f"{name} must have {numel} elements ({why}), got shape {tuple(tensor.shape)}")
@@ -179,7 +171,7 @@ def _check_weight(q: QuantizedWeight) -> None:
     validate.check_choice("quant_type", q.quant_type, QUANT_TYPES)
     if not isinstance(q.shape, tuple) or len(q.shape) != 2:
         raise ValueError(f"shape must be a tuple (out_features, in_features), got {q.shape!r}")
-    n, k = (_check_int(f"shape[{i}]", s, 1) for i, s in enumerate(q.shape))
+    n, k = (validate.check_int(f"shape[{i}]", s, 1) for i, s in enumerate(q.shape))
     validate.check_tensor("data", q.data)
     validate.check_tensor("absmax", q.absmax)
     validate.check_same_device("absmax", q.absmax, "data", q.data)
@@ -193,7 +185,7 @@ def _check_weight(q: QuantizedWeight) -> None:
         if q.nested is not None:
             raise ValueError("nested must be None for int8 weights (their absmax is not quantized)")
         return
-    _check_int("blocksize", q.blocksize, 1)
+    validate.check_int("blocksize", q.blocksize, 1)
     validate.check_dtype("data", q.data, (torch.uint8,))
     _check_numel("data", q.data, cdiv(n * k, 2), "two 4-bit codes a byte")
     n_blocks = cdiv(n * k, q.blocksize)
@@ -206,7 +198,7 @@ def _check_weight(q: QuantizedWeight) -> None:
         raise TypeError(f"nested must be a NestedAbsmax or None, got {type(nested).__name__}")
     validate.check_dtype("absmax", q.absmax, (torch.uint8,))
     _check_numel("absmax", q.absmax, n_blocks, f"one code index per block of {q.blocksize}")
-    _check_int("nested.blocksize", nested.blocksize, 1)
+    validate.check_int("nested.blocksize", nested.blocksize, 1)
     for name in ("absmax", "code", "offset"):
         value = validate.check_tensor(f"nested.{name}", getattr(nested, name))
         validate.check_dtype(f"nested.{name}", value, (torch.float32,))
@@ -273,7 +265,7 @@ def quantize_ref(
         scb = w.abs().amax(dim=1)
         cb = torch.round(w * (127.0 / scb[:, None])).to(torch.int8)
         return QuantizedWeight("int8", cb, (n, k), scb, dtype=weight.dtype)
-    _check_int("blocksize", blocksize, 1)
+    validate.check_int("blocksize", blocksize, 1)
     flat = w.reshape(-1)
     absmax = _blockwise_absmax(flat, blocksize)
     scaled = flat / absmax.clamp(min=1e-38).repeat_interleave(blocksize)[: flat.numel()]
@@ -386,8 +378,8 @@ LAUNCH = {
 
 def _check_rows(q: QuantizedWeight, start: object, stop: object) -> tuple[int, int]:
     n = q.shape[0]
-    start = _check_int("start", start, 0)
-    stop = _check_int("stop", stop, start)
+    start = validate.check_int("start", start, 0)
+    stop = validate.check_int("stop", stop, start)
     if stop > n:
         raise ValueError(f"stop must be <= out_features ({n}), got {stop}")
     return start, stop

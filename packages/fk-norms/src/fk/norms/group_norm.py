@@ -601,8 +601,7 @@ def group_norm(
     validate.check_dtype("x", x)
     validate.check_min_ndim("x", x, 2)
     eps = validate.check_positive_float("eps", eps)
-    if isinstance(num_groups, bool) or not isinstance(num_groups, int):
-        raise TypeError(f"num_groups must be an int, got {type(num_groups).__name__}")
+    validate.check_int("num_groups", num_groups)
     channels = x.shape[1]
     if num_groups < 1 or channels % num_groups != 0:
         raise ValueError(f"num_groups must be >= 1 and divide the {channels} channels of x, got {num_groups}")
