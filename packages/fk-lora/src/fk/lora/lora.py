@@ -61,6 +61,7 @@ from fk.glu import (
     resolve_activation,
 )
 from fk.lora.masked_low_rank import add_masked_low_rank_, masked
+from fk.lora.quant import QuantizedWeight, dequantize
 
 MLP_ACTIVATIONS: dict[str, str] = {"swiglu": "silu", "geglu": "gelu_tanh"}
 """Short names accepted by :func:`lora_mlp` (Hugging Face ``hidden_act`` names are accepted too)."""
@@ -69,8 +70,11 @@ MLP_ACTIVATIONS: dict[str, str] = {"swiglu": "silu", "geglu": "gelu_tanh"}
 class LoRAWeights(NamedTuple):
     """The parameters of one LoRA projection (a PEFT ``lora.Linear`` with one active adapter)."""
 
-    weight: torch.Tensor
-    """Base weight ``[N, K]`` (``base_layer.weight``), frozen or trainable."""
+    weight: torch.Tensor | QuantizedWeight
+    """Base weight ``[N, K]`` (``base_layer.weight``), frozen or trainable; or a frozen 4-bit
+    (NF4/FP4) :class:`fk.lora.quant.QuantizedWeight` (QLoRA; :func:`lora_linear`,
+    :func:`lora_projections`, :func:`lora_qkv`), dequantized to the compute dtype (autocast's,
+    else ``x``'s) in the forward and again in the backward, never kept."""
     bias: torch.Tensor | None
     """Base bias ``[N]`` or None."""
     lora_A: torch.Tensor
@@ -93,7 +97,7 @@ class LoRAWeights(NamedTuple):
 
 def lora_linear_ref(
     x: torch.Tensor,
-    base_weight: torch.Tensor,
+    base_weight: torch.Tensor | QuantizedWeight,
     base_bias: torch.Tensor | None,
     lora_A: torch.Tensor,
     lora_B: torch.Tensor,
@@ -114,6 +118,8 @@ def lora_linear_ref(
     ``base`` is ``result - b`` without dropout and ``xl W^T`` with it (PEFT recomputes the base
     product on the dropped input).
     """
+    if isinstance(base_weight, QuantizedWeight):  # (QLoRA: bitsandbytes' dequantize, then matmul in x's dtype)
+        base_weight = dequantize(base_weight).to(x.dtype)
     result = F.linear(x, base_weight, base_bias)
     xl = x.to(lora_A.dtype)
     if dropout_p > 0:
@@ -205,8 +211,9 @@ class _Params(NamedTuple):
     """One projection's tensors, as the autograd functions take them: cast to autocast's dtype
     under autocast; flat, five a projection, at the functions' boundary (:func:`_flat`)."""
 
-    weight: torch.Tensor
-    """``W`` ``[N, K]``, in the compute dtype ``c``."""
+    weight: Any
+    """``W`` ``[N, K]``, in the compute dtype ``c``: a tensor, or a :class:`_QuantizedBase`
+    (4-bit QLoRA base, :class:`_LoRAProjections` only)."""
     bias: torch.Tensor | None
     """``b`` ``[N]``."""
     lora_A: torch.Tensor
@@ -215,6 +222,40 @@ class _Params(NamedTuple):
     """``B`` ``[N, r]``."""
     lora_bias: torch.Tensor | None
     """``b_B`` ``[N]``."""
+
+
+class _QuantizedBase:
+    """A 4-bit base weight (:class:`fk.lora.quant.QuantizedWeight`) in the weight slot of
+    :class:`_Params`, with the compute dtype ``c`` it is dequantized to.
+
+    It is not a tensor, so autograd passes it through ``apply`` untouched (no gradient: the base
+    is frozen) and :meth:`_LoRAProjections.forward` keeps it on ``ctx`` rather than saving a
+    tensor: only the packed data stays alive between forward and backward. The forward
+    dequantizes ``W`` for the base matmul into a temporary it drops; the backward dequantizes it
+    again for ``dx = dy W``. (Dequantizing in the wrapper, before ``apply``, would have autograd
+    save the full-precision ``W``: what QLoRA exists to avoid.) ``shape`` and ``dtype`` stand in
+    for the tensor's where the launchers read them.
+
+    The whole ``[N, K]`` matrix is dequantized at once, as bitsandbytes' ``Linear4bit`` does in
+    training (dequantize, then matmul: the base output matches PEFT + bitsandbytes); bounding that
+    temporary by dequantizing tiles of rows (:func:`fk.lora.quant.dequantize_rows`) is for later.
+    """
+
+    __slots__ = ("dtype", "q", "shape")
+
+    def __init__(self, q: QuantizedWeight, dtype: torch.dtype) -> None:
+        self.q, self.dtype, self.shape = q, dtype, torch.Size(q.shape)
+
+    def dense(self) -> torch.Tensor:
+        """``W`` in ``c``: dequantized to bitsandbytes' own dtype (``QuantState.dtype``), then
+        cast, as ``bitsandbytes.matmul_4bit`` does (``dequantize_4bit(...).to(A.dtype)``)."""
+        w = dequantize(self.q)
+        return w if w.dtype == self.dtype else w.to(self.dtype)
+
+
+def _dense(weight: Any) -> torch.Tensor:
+    """The base weight as a tensor in ``c`` (a :class:`_QuantizedBase` dequantized)."""
+    return weight.dense() if isinstance(weight, _QuantizedBase) else weight
 
 
 class _Needs(NamedTuple):
@@ -607,13 +648,19 @@ class _LoRAProjections(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1])
         c = params[0].weight.dtype
         xc = x2 if x2.dtype == c else x2.to(c)
-        ys, xas, masks, A_cs = _base_outs_and_lora_inputs(x2, xc, params, settings)
+        # A quantized base weight: dequantized here for the base matmuls, dropped after (see _QuantizedBase)
+        quantized = [proj.weight if isinstance(proj.weight, _QuantizedBase) else None for proj in params]
+        dense = [proj._replace(weight=_dense(proj.weight)) for proj in params] if any(quantized) else params
+        ys, xas, masks, A_cs = _base_outs_and_lora_inputs(x2, xc, dense, settings)
+        del dense
         outs, lows = [], []
         for y, xa, mask, A_c, proj, setting in zip(ys, xas, masks, A_cs, params, settings, strict=True):
             lows.append(_LowRank(xa, mask, A_c, proj.lora_B.to(c)))
             y = _add_lora_out(y, xa, lows[-1].B_c, proj.lora_bias, setting.scaling)
             outs.append(y.view(*x.shape[:-1], y.shape[-1]))
-        ctx.save_for_backward(x, *(proj.weight for proj in params), *_flat(lows))
+        saved_weights = (None if q is not None else proj.weight for q, proj in zip(quantized, params, strict=True))
+        ctx.save_for_backward(x, *saved_weights, *_flat(lows))
+        ctx.quantized = quantized
         ctx.settings = settings
         ctx.lora_dtypes = [proj.lora_A.dtype for proj in params]
         ctx.set_materialize_grads(False)
@@ -623,16 +670,18 @@ class _LoRAProjections(torch.autograd.Function):
     def backward(ctx: Any, *dys: Any) -> Any:
         n = len(ctx.settings)
         x, *saved = ctx.saved_tensors
-        weights, lows = saved[:n], _unflat(_LowRank, saved[n:])
+        weights, lows = list(saved[:n]), _unflat(_LowRank, saved[n:])
+        need_dx = ctx.needs_input_grad[0]
+        for i, q in enumerate(ctx.quantized):  # dequantized again, for dx = dy W only (the base is frozen)
+            if q is not None:
+                weights[i] = q.dense() if need_dx and dys[i] is not None else q
         x2 = x.reshape(-1, x.shape[-1])
-        c = weights[0].dtype
+        c = lows[0].xa.dtype
         needs = _unflat(_Needs, ctx.needs_input_grad[2:])
         xc = _cast_if_needed(x2, c, any(need.weight for need in needs))
         dys2 = [None if dy is None else dy.reshape(-1, dy.shape[-1]) for dy in dys]
         with _autocast_off(x.device.type):
-            dx, grads = _shared_input_bwd(
-                dys2, x2, xc, list(weights), lows, ctx.lora_dtypes, ctx.settings, needs, ctx.needs_input_grad[0]
-            )
+            dx, grads = _shared_input_bwd(dys2, x2, xc, weights, lows, ctx.lora_dtypes, ctx.settings, needs, need_dx)
         if dx is not None:
             dx = dx.view(x.shape).to(x.dtype)
         return (dx, None, *_flat(grads))
@@ -1194,20 +1243,24 @@ def _check_parts(
     lora_bias = rest[1] if len(rest) > 1 else None
     magnitude = rest[2] if len(rest) > 2 else None
     names = [f"{prefix}{n}" for n in ("weight", "bias", "lora_A", "lora_B", "scaling", "dropout_p", "lora_bias", "magnitude")]  # fmt: skip
-    for name, t in ((names[0], weight), (names[2], lora_A), (names[3], lora_B)):
+    if isinstance(weight, QuantizedWeight):
+        weight = _quantized_base(names[0], x, weight, cast, magnitude is not None)
+    tensors = ((names[2], lora_A), (names[3], lora_B))
+    for name, t in tensors if isinstance(weight, _QuantizedBase) else ((names[0], weight), *tensors):
         validate.check_tensor(name, t)
         validate.check_dtype(name, t)
         validate.check_same_device(name, t, "x", x)
         validate.check_ndim(name, t, 2)
-    if cast is None:
+    if cast is None and isinstance(weight, torch.Tensor):
         validate.check_same_dtype(names[0], weight, "x", x)
     validate.check_same_dtype(names[3], lora_B, names[2], lora_A)
     n_out, k = weight.shape
     r = lora_A.shape[0]
-    validate.check_shape(names[0], weight, (n_out, x.shape[-1]))
+    if isinstance(weight, torch.Tensor):
+        validate.check_shape(names[0], weight, (n_out, x.shape[-1]))
     validate.check_shape(names[2], lora_A, (r, k))
     validate.check_shape(names[3], lora_B, (n_out, r))
-    _check_optional_vector(names[1], bias, n_out, names[0], weight)
+    _check_optional_vector(names[1], bias, n_out, names[0], weight if isinstance(weight, torch.Tensor) else x)
     _check_optional_vector(names[6], lora_bias, n_out, names[3], lora_B)
     scaling = _check_scalar(names[4], scaling)
     dropout_p = _check_scalar(names[5], dropout_p, low=0.0, high=1.0)
@@ -1220,6 +1273,20 @@ def _check_parts(
         _check_dora_combination(prefix, lora_bias is not None, cast)
     params = _Params(weight, bias, lora_A, lora_B, lora_bias)
     return _Settings(scaling, dropout_p, lora_A.dtype), _cast_params(params, cast), magnitude
+
+
+def _quantized_base(
+    name: str, x: torch.Tensor, q: QuantizedWeight, cast: torch.dtype | None, dora: bool
+) -> _QuantizedBase:
+    """A 4-bit base weight checked against ``x``, for the compute dtype ``c``: autocast's, else ``x``'s."""
+    if q.quant_type not in ("nf4", "fp4"):
+        raise ValueError(f"{name} is a {q.quant_type} QuantizedWeight; fk.lora fuses 4-bit (nf4, fp4) bases only")
+    if dora:
+        raise ValueError(f"{name} is a QuantizedWeight: DoRA on a quantized base is not fused")
+    validate.check_same_device(f"{name}.data", q.data, "x", x)
+    if q.shape[1] != x.shape[-1]:
+        raise ValueError(f"{name} takes {q.shape[1]} input features, got x of shape {tuple(x.shape)}")
+    return _QuantizedBase(q, cast if cast is not None else x.dtype)
 
 
 def _check_dora_combination(prefix: str, has_lora_bias: bool, cast: torch.dtype | None) -> None:
@@ -1236,7 +1303,8 @@ def _cast_params(params: _Params, cast: torch.dtype | None) -> _Params:
     ``F.linear``'s operands (autograd sees the casts)."""
     if cast is None:
         return params
-    return _Params._make(t if t is None or t.dtype == cast else t.to(cast) for t in params)
+    quantized = isinstance(params.weight, (_QuantizedBase, QuantizedWeight))  # (dequantized to autocast's dtype)
+    return _Params._make(t if t is None or t.dtype == cast or (quantized and i == 0) else t.to(cast) for i, t in enumerate(params))  # fmt: skip
 
 
 def _module_parts(
@@ -1250,7 +1318,10 @@ def _module_parts(
     ``benchmarks/experiments/INDEX.md#lora_checks_probe``.)"""
     if x.shape[-1] != parts[0].shape[1]:
         raise ValueError(f"{prefix}weight takes {parts[0].shape[1]} input features, got x of shape {tuple(x.shape)}")
-    return _module_params(parts, cast)
+    settings, params, magnitude = _module_params(parts, cast)
+    if isinstance(parts[0], QuantizedWeight):  # (a 4-bit Linear4bit base, read by the patcher)
+        params = params._replace(weight=_QuantizedBase(parts[0], cast if cast is not None else x.dtype))
+    return settings, params, magnitude
 
 
 def _module_params(parts: LoRAWeights, cast: torch.dtype | None) -> tuple[_Settings, _Params, torch.Tensor | None]:
@@ -1276,7 +1347,7 @@ def _check_x(x: object) -> torch.Tensor:
 
 def lora_linear(
     x: torch.Tensor,
-    base_weight: torch.Tensor,
+    base_weight: torch.Tensor | QuantizedWeight,
     base_bias: torch.Tensor | None,
     lora_A: torch.Tensor,
     lora_B: torch.Tensor,
@@ -1292,6 +1363,7 @@ def lora_linear(
         x: ``(..., K)``, fp32/fp16/bf16.
         base_weight: ``[N, K]``, dtype of ``x`` (any float dtype under autocast); no gradient,
             buffer or FLOP is spent on it when it does not require grad (the usual frozen base).
+            Or a 4-bit (NF4/FP4) :class:`fk.lora.quant.QuantizedWeight` (QLoRA; see :class:`LoRAWeights`).
         base_bias: ``[N]`` or None, dtype of ``base_weight``; frozen or trainable.
         lora_A: ``[r, K]``; ``lora_B``: ``[N, r]``, both of one float dtype (may differ from ``x``'s).
         scaling: ``alpha / r`` (``alpha / sqrt(r)`` for rsLoRA).
@@ -1408,6 +1480,8 @@ def module_mlp(
     check = _module_parts if from_module else _check_parts
     settings_g, params_g, magnitude_g = check("gate_parts.", x, gate_parts, cast)
     settings_u, params_u, magnitude_u = check("up_parts.", x, up_parts, cast)
+    if isinstance(down_parts[0], QuantizedWeight) or any(isinstance(p.weight, _QuantizedBase) for p in (params_g, params_u)):  # fmt: skip
+        raise ValueError("lora_mlp does not take a QuantizedWeight base yet (lora_linear and lora_projections do)")
     n_inter = params_g.weight.shape[0]
     if params_u.weight.shape[0] != n_inter:
         raise ValueError(f"up_parts.weight must have {n_inter} rows (gate_parts.weight's), got shape {tuple(params_u.weight.shape)}")  # fmt: skip
