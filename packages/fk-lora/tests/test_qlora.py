@@ -4,6 +4,7 @@ the fused path keeps for the backward (never the dequantized weight). Skipped wi
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import pytest
@@ -149,3 +150,116 @@ def test_quantized_base_is_refused_where_not_fused() -> None:
         fk.lora.lora_linear(x, *parts._replace(magnitude=torch.ones(OUT)))
     with pytest.raises(ValueError, match="lora_mlp does not take a QuantizedWeight"):
         fk.lora.lora_mlp(x, parts, parts, parts)
+
+
+# --- fk.lora.patch on a PEFT model whose linears are bitsandbytes Linear4bit -----------------------
+
+
+class _Attention(torch.nn.Module):
+    def __init__(self, compute: torch.dtype) -> None:
+        super().__init__()
+        for name in ("q_proj", "k_proj", "v_proj"):
+            setattr(self, name, bnb.nn.Linear4bit(IN, OUT, bias=name != "k_proj", compute_dtype=compute))
+        self.o_proj = bnb.nn.Linear4bit(OUT, IN, bias=False, compute_dtype=compute, quant_type="fp4")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        return self.o_proj(torch.tanh(q * k) + v)
+
+
+class _MLP(torch.nn.Module):  # LlamaMLP's forward
+    def __init__(self, compute: torch.dtype) -> None:
+        super().__init__()
+        self.gate_proj = bnb.nn.Linear4bit(IN, 64, bias=False, compute_dtype=compute)
+        self.up_proj = bnb.nn.Linear4bit(IN, 64, bias=False, compute_dtype=compute)
+        self.down_proj = bnb.nn.Linear4bit(64, IN, bias=False, compute_dtype=compute)
+        self.act_fn = torch.nn.SiLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        down_proj = self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+        return down_proj
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, compute: torch.dtype) -> None:
+        super().__init__()
+        self.self_attn, self.mlp = _Attention(compute), _MLP(compute)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.self_attn(x))
+
+
+def _qlora_model(compute: torch.dtype, dropout: float) -> Any:
+    from peft import get_peft_model
+
+    torch.manual_seed(3)
+    block = _Block(compute).to("cpu")  # (quantizes the weights)
+    config = LoraConfig(r=RANK, lora_alpha=8, lora_dropout=dropout, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])  # fmt: skip
+    model = get_peft_model(block, config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn_like(param) * 0.1)
+    return model.train()
+
+
+def _model_loss(model: Any, x: torch.Tensor, seed: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    torch.manual_seed(seed)
+    loss = model(x).float().square().mean()
+    params = [p for p in model.parameters() if p.requires_grad]
+    return loss.detach(), list(torch.autograd.grad(loss, params))
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.25], ids=["no_dropout", "dropout"])
+@pytest.mark.parametrize("compute", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_patch_fuses_4bit_projections_and_matches_peft(
+    compute: torch.dtype, dropout: float, caplog: pytest.LogCaptureFixture
+) -> None:
+    """q/k/v as one group, o and the MLP's projections alone (lora_mlp takes no 4-bit base yet):
+    the loss and every LoRA gradient as PEFT + bitsandbytes give them."""
+    model = _qlora_model(compute, dropout)
+    x = testing.random_tensor((2, 3, IN), compute, "cpu", seed=5)
+    want = _model_loss(model, x, seed=1)
+    with caplog.at_level(logging.INFO, logger="fk.lora"):
+        report = fk.lora.patch(model)
+        try:
+            got = _model_loss(model, x, seed=1)
+        finally:
+            fk.lora.unpatch(model)
+    assert not report.skipped and not report.mlp
+    assert [[n.rsplit(".", 1)[-1] for n in group] for group in report.qkv] == [["q_proj", "k_proj", "v_proj"]]
+    assert sorted(n.rsplit(".", 1)[-1] for n in report.linear) == ["down_proj", "gate_proj", "o_proj", "up_proj"]
+    assert "runs PEFT's forward" not in caplog.text  # every call took the fused path
+    tol = _tol(compute)
+    torch.testing.assert_close(got[0], want[0], rtol=tol["rtol"], atol=tol["atol"] * float(want[0]))
+    for g, w in zip(got[1], want[1], strict=True):
+        torch.testing.assert_close(g, w, rtol=tol["rtol"], atol=tol["atol"] * float(w.abs().max()))
+
+
+def test_patch_leaves_int8_and_mismatched_inputs_to_peft(caplog: pytest.LogCaptureFixture) -> None:
+    """Linear8bitLt (int8: bitsandbytes quantizes the activations too) is left to PEFT at patch time;
+    a 4-bit layer called on an input unlike its compute_dtype runs PEFT's forward, with a log line."""
+    from peft import get_peft_model
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.o_proj = bnb.nn.Linear4bit(IN, OUT, bias=False, compute_dtype=torch.bfloat16)
+            self.fc = bnb.nn.Linear8bitLt(IN, OUT, bias=False, has_fp16_weights=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.o_proj(x)
+
+    model = get_peft_model(Net().to("cpu"), LoraConfig(r=RANK, target_modules=["o_proj", "fc"])).train()
+    x = testing.random_tensor((3, IN), torch.float32, "cpu", seed=5)
+    want = model(x)
+    with caplog.at_level(logging.INFO, logger="fk.lora"):
+        report = fk.lora.patch(model)
+        try:
+            got = model(x)
+        finally:
+            fk.lora.unpatch(model)
+    (reason,) = report.skipped.values()
+    assert "Linear8bitLt quantizes the activations" in reason
+    assert "differs from the 4-bit base's compute_dtype" in caplog.text
+    torch.testing.assert_close(got, want, rtol=0.0, atol=0.0)

@@ -236,9 +236,10 @@ class _QuantizedBase:
     save the full-precision ``W``: what QLoRA exists to avoid.) ``shape`` and ``dtype`` stand in
     for the tensor's where the launchers read them.
 
-    The whole ``[N, K]`` matrix is dequantized at once, as bitsandbytes' ``Linear4bit`` does in
-    training (dequantize, then matmul: the base output matches PEFT + bitsandbytes); bounding that
-    temporary by dequantizing tiles of rows (:func:`fk.lora.quant.dequantize_rows`) is for later.
+    The whole ``[N, K]`` matrix is dequantized at once into a temporary (bitsandbytes 0.50's
+    ``MatMul4Bit`` does the same in its backward, ``dequantize_4bit(...).to(dtype)`` then a matmul;
+    its forward calls its ``gemm_4bit`` op); bounding that temporary by dequantizing tiles of rows
+    into a reused buffer (:func:`fk.lora.quant.dequantize_rows`) is for later.
     """
 
     __slots__ = ("dtype", "q", "shape")
@@ -248,7 +249,7 @@ class _QuantizedBase:
 
     def dense(self) -> torch.Tensor:
         """``W`` in ``c``: dequantized to bitsandbytes' own dtype (``QuantState.dtype``), then
-        cast, as ``bitsandbytes.matmul_4bit`` does (``dequantize_4bit(...).to(A.dtype)``)."""
+        cast, as bitsandbytes' 4-bit matmul does (``dequantize_4bit(...).to(A.dtype)``)."""
         w = dequantize(self.q)
         return w if w.dtype == self.dtype else w.to(self.dtype)
 

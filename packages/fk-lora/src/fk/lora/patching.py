@@ -33,7 +33,8 @@ fused MLP, that no hooks are registered on its projections, which the fused call
 mixed-batch ``adapter_names`` arrive through such hooks): one active adapter,
 not merged, adapters enabled, no LoRA variant but DoRA, DoRA outside autocast (with its dropout
 module in its layer's training mode), a ``torch.nn.Linear`` base layer
-(not a bitsandbytes quantized one), base and LoRA weights in fp32, fp16 or bf16, the base weight
+or a bitsandbytes 4-bit ``Linear4bit`` one (plain LoRA, outside autocast, the input in its
+``compute_dtype``; not int8), base and LoRA weights in fp32, fp16 or bf16, the base weight
 in the input's dtype (any of those under autocast, which casts every operand, as fk.lora's
 functions then do), and PEFT's input dtype
 casting enabled where the LoRA weights' dtype is not the input's. Otherwise
@@ -56,6 +57,7 @@ from torch import nn
 
 from fk.core.forward import SharedInputGroup, has_hooks, restore_class, stock_forward, swap_forward, swapped
 from fk.lora.lora import LoRAWeights, module_mlp, module_projections
+from fk.lora.quant import QuantizedWeight, from_bnb
 
 log = logging.getLogger("fk.lora")
 
@@ -113,6 +115,33 @@ def _dora_variant_class() -> type:
     return DoraLinearVariant
 
 
+def _peft_4bit_class() -> type | None:
+    """PEFT's LoRA layer for a bitsandbytes ``Linear4bit`` base (None where PEFT defines none:
+    bitsandbytes is not installed)."""
+    import peft.tuners.lora.bnb as peft_bnb
+
+    cls: type | None = getattr(peft_bnb, "Linear4bit", None)
+    return cls
+
+
+def _is_4bit(module: Any) -> bool:
+    """Whether ``module`` is PEFT's ``lora.bnb.Linear4bit`` (or a plain ``lora.Linear``, which PEFT
+    builds around a bitsandbytes base where it finds no 4-bit backend, as on CPU) on a quantized
+    4-bit bitsandbytes base (duck-typed: its base weight carries a ``quant_state``). fk.lora fuses
+    those on their own and in q/k/v groups; a gated MLP with one is fused projection by projection."""
+    if type(module) is not _lora_linear_class() and type(module) is not _peft_4bit_class():
+        return False
+    return _has_4bit_weight(_base_layer(module))
+
+
+def _has_4bit_weight(base: nn.Module) -> bool:
+    """Whether ``base``'s weight is a quantized bitsandbytes 4-bit one (it carries a ``quant_state``).
+    (At call time, :func:`_call_parts` asks this only: the class was checked at patch time, and a
+    patched module's class is :func:`fk.core.forward.swap_forward`'s.)"""
+    weight = base._parameters.get("weight")
+    return weight is not None and getattr(weight, "quant_state", None) is not None
+
+
 def _other_variants(module: Any) -> list[str]:
     """The names of the LoRA variants of ``module``'s adapters other than DoRA (which fk.lora fuses)."""
     dora = _dora_variant_class()
@@ -129,16 +158,21 @@ def _has_dora(module: Any) -> bool:
 
 def _static_reason(module: Any, lora_linear_cls: type) -> str | None:
     """Why ``module`` can never take the fused path (None: it can)."""
-    if type(module) is not lora_linear_cls:
+    quantized = _is_4bit(module)
+    if type(module).__name__ == "Linear8bitLt" or type(_base_layer(module)).__name__ == "Linear8bitLt":
+        return "bitsandbytes 8-bit base (Linear8bitLt quantizes the activations too): left to PEFT"
+    if type(module) is not lora_linear_cls and not quantized:
         return f"{type(module).__module__}.{type(module).__name__} is not PEFT's plain lora.Linear (quantized or custom layer)"  # fmt: skip
     base = getattr(module, "get_base_layer")()  # noqa: B009 (mypy narrows module to object above)
-    if type(base) is not nn.Linear:
+    if type(base) is not nn.Linear and not quantized:
         return f"base layer {type(base).__name__} is not torch.nn.Linear"
     if getattr(module, "fan_in_fan_out", False):
         return "fan_in_fan_out=True"
     others = _other_variants(module)
     if others:
         return f"LoRA variant {', '.join(others)} (fk.lora fuses plain LoRA and DoRA)"
+    if quantized and _has_dora(module):
+        return "DoRA on a 4-bit base (fk.lora fuses plain LoRA on 4-bit bases)"
     return None
 
 
@@ -176,7 +210,8 @@ def _call_parts(module: Any, x: Any) -> LoRAWeights | str:
     if not dora and module.use_dora.get(name, False):
         return "use_dora is set without PEFT's DoRA variant"
     base = _base_layer(module)
-    if type(base) is not nn.Linear:
+    quantized = type(base) is not nn.Linear and _has_4bit_weight(base)
+    if type(base) is not nn.Linear and not quantized:
         return f"base layer {type(base).__name__} is not torch.nn.Linear"
     dropout = children["lora_dropout"]._modules[name]
     if isinstance(dropout, nn.Identity):
@@ -189,6 +224,8 @@ def _call_parts(module: Any, x: Any) -> LoRAWeights | str:
         return f"dropout module {type(dropout).__name__}"
     if not isinstance(x, torch.Tensor) or x.dtype not in _FLOATS:
         return "input is not a float tensor"
+    if quantized:
+        return _4bit_parts(module, name, base, x, p)
     magnitude = None
     if dora:
         if torch.is_autocast_enabled(x.device.type):
@@ -213,6 +250,42 @@ def _call_parts(module: Any, x: Any) -> LoRAWeights | str:
         weight, base._parameters.get("bias"), lora_a_w, lora_b_w, float(module.scaling[name]), p, lora_b.get("bias"),
         magnitude,
     )  # fmt: skip
+
+
+def _4bit_parts(module: Any, name: str, base: Any, x: torch.Tensor, p: float) -> LoRAWeights | str:
+    """:func:`_call_parts` for a ``lora.bnb.Linear4bit`` (plain LoRA, checked up to the dropout):
+    the base weight as a :class:`fk.lora.quant.QuantizedWeight` (read at every call: it shares the
+    layer's tensors, no copy), dequantized by the fused call to bitsandbytes' ``compute_dtype``
+    (the input's where bitsandbytes has none yet, as its forward sets it) and the bias cast to it, as
+    bitsandbytes' ``Linear4bit.forward`` casts both. The input must already have that dtype, outside
+    autocast (bitsandbytes would cast it for the base matmul only: PEFT's LoRA branch then sees the
+    uncast input)."""
+    if torch.is_autocast_enabled(x.device.type):
+        return "4-bit base under autocast (fk.lora fuses 4-bit bases outside autocast)"
+    if module.use_dora.get(name, False):
+        return "DoRA on a 4-bit base (fk.lora fuses plain LoRA on 4-bit bases)"
+    compute = getattr(base, "compute_dtype", None) or x.dtype
+    if compute != x.dtype:
+        return f"input dtype {x.dtype} differs from the 4-bit base's compute_dtype {compute}"
+    try:
+        weight: QuantizedWeight = from_bnb(base)
+    except (TypeError, ValueError) as e:
+        return f"4-bit base not readable: {e}"
+    if weight.quant_type not in ("nf4", "fp4"):
+        return f"base quant_type {weight.quant_type} (fk.lora fuses nf4 and fp4)"
+    children = module._modules
+    lora_a = children["lora_A"]._modules[name]._parameters
+    lora_b = children["lora_B"]._modules[name]._parameters
+    lora_a_w, lora_b_w = lora_a["weight"], lora_b["weight"]
+    assert lora_a_w is not None and lora_b_w is not None
+    if lora_a_w.dtype not in _FLOATS or lora_b_w.dtype not in _FLOATS:
+        return f"lora_A dtype {lora_a_w.dtype} (fk.lora takes fp32, fp16 and bf16)"
+    if lora_a_w.dtype != x.dtype and not getattr(module, "cast_input_dtype_enabled", True):
+        return "input dtype casting is disabled"
+    bias = base._parameters.get("bias")
+    if bias is not None and bias.dtype != compute:
+        bias = bias.to(compute)  # (autograd carries a trainable bias's gradient back through the cast)
+    return LoRAWeights(weight, bias, lora_a_w, lora_b_w, float(module.scaling[name]), p, lora_b.get("bias"))
 
 
 def _fallback(module: nn.Module, label: str, reason: str) -> None:
@@ -387,6 +460,8 @@ def patch(peft_model: nn.Module) -> PatchReport:
             act = None
         if act is not None and mlp[0] is not None and mlp[1] is not None and _has_dora(mlp[0]) != _has_dora(mlp[1]):
             act = None  # DoRA on one of gate and up only: the projections are fused one by one
+        if act is not None and any(m is not None and _is_4bit(m) for m in mlp):
+            act = None  # a 4-bit base in the MLP: its projections are fused one by one (lora_mlp takes none yet)
         if act is not None and _replaced(parent) is None and all(eligible(m) for m in mlp):
             label = qualname or type(parent).__name__
             _swap(parent, (_mlp_forward, label, act), saved)
