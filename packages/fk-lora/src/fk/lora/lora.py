@@ -548,7 +548,7 @@ def _shared_input_bwd(
     dys: list[torch.Tensor | None],
     x2: torch.Tensor,
     xc: torch.Tensor | None,
-    weights: list[torch.Tensor],
+    weights: list[Any],
     lows: list[_LowRank],
     lora_dtypes: list[torch.dtype],
     settings: Sequence[_Settings],
@@ -558,7 +558,8 @@ def _shared_input_bwd(
     """Backward of the projections of one input ``x2`` (q, k, v; gate, up; or one alone): returns
     (dx, the parameter gradients of each projection).
 
-    ``dys[i]`` ``[M, N_i]`` (None: projection i got no gradient), ``weights[i]`` its base weight,
+    ``dys[i]`` ``[M, N_i]`` (None: projection i got no gradient), ``weights[i]`` its base weight
+    (or a :class:`_QuantizedBase`, dequantized for its ``dy W`` term only, then dropped),
     ``lows[i]`` what its forward kept, ``lora_dtypes[i]`` its LoRA weights' dtype; ``xc`` is ``x2``
     in the gradients' dtype (needed for dW only).
     dx is one buffer: the ``dy W`` terms first, then the rank-sized ``s G A`` terms. For the
@@ -599,8 +600,10 @@ def _shared_input_bwd(
     if not need_dx:
         return None, grads
     dx: torch.Tensor | None = None
-    for i in live:  # the base terms first (the order of _add_lora_out)
-        dx = torch.mm(dys[i], weights[i]) if dx is None else dx.addmm_(dys[i], weights[i])  # type: ignore[arg-type]
+    for i in live:  # the base terms first (the order of _add_lora_out); a 4-bit W dequantized for its term only
+        weight = _dense(weights[i])
+        dx = torch.mm(dys[i], weight) if dx is None else dx.addmm_(dys[i], weight)  # type: ignore[arg-type]
+        del weight
     assert dx is not None
     plain = [i for i in live if lows[i].mask is None]
     if plain:  # s G A of the projections without dropout: one pass over dx
@@ -671,11 +674,10 @@ class _LoRAProjections(torch.autograd.Function):
     def backward(ctx: Any, *dys: Any) -> Any:
         n = len(ctx.settings)
         x, *saved = ctx.saved_tensors
-        weights, lows = list(saved[:n]), _unflat(_LowRank, saved[n:])
+        # (a 4-bit base is dequantized again by _shared_input_bwd, one at a time, for its dx = dy W term)
+        weights = [w if q is None else q for w, q in zip(saved[:n], ctx.quantized, strict=True)]
+        lows = _unflat(_LowRank, saved[n:])
         need_dx = ctx.needs_input_grad[0]
-        for i, q in enumerate(ctx.quantized):  # dequantized again, for dx = dy W only (the base is frozen)
-            if q is not None:
-                weights[i] = q.dense() if need_dx and dys[i] is not None else q
         x2 = x.reshape(-1, x.shape[-1])
         c = lows[0].xa.dtype
         needs = _unflat(_Needs, ctx.needs_input_grad[2:])
