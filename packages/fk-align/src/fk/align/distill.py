@@ -72,6 +72,7 @@ from fk.flce.chunks import (
     chunk_tokens_for,
     head_grad_fakes,
     head_grads,
+    input_grads,
     row_scale,
     scale_grads,
 )
@@ -728,10 +729,9 @@ def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor
 
 
 def _backward(run_backward: Any, ctx: Any, grad_loss: torch.Tensor | None, *_rest: Any) -> tuple[Any, ...]:
-    need_dh, need_dw, need_db = ctx.needs_input_grad[:3]
-    none = (None,) * (_N_INPUTS - 3)
+    needs = need_dh, need_dw, need_db = ctx.needs_input_grad[:3]
     if grad_loss is None or not (need_dh or need_dw or need_db):
-        return (None, None, None, *none)
+        return input_grads(None, needs, _N_INPUTS)
     if ctx.precomputed:
         student_hidden, student_weight, student_bias, dh, dw, db, logits_grad = ctx.saved_tensors
         teacher: tuple[Any, ...] = (None, None, None, None, None)
@@ -742,7 +742,7 @@ def _backward(run_backward: Any, ctx: Any, grad_loss: torch.Tensor | None, *_res
     inplace = run_backward is _distill_bwd
     grads = run_backward(grad_loss, student_hidden, student_weight, student_bias, *teacher, dh, dw, db, logits_grad,
                          *ctx.options, need_dh, need_dw, need_db, ctx.precomputed, inplace)  # fmt: skip
-    return (grads[0] if need_dh else None, grads[1] if need_dw else None, grads[2] if need_db else None, *none)
+    return input_grads(grads, needs, _N_INPUTS)
 
 
 _fused_linear_distill = define_autograd_op(

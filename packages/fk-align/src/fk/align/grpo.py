@@ -53,6 +53,7 @@ from fk.flce.chunks import (
     empty_output,
     head_grad_fakes,
     head_grads,
+    input_grads,
     scale_grads,
 )
 from fk.flce.cross_entropy import check_num_items, row_values
@@ -416,15 +417,14 @@ def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor
 
 
 def _backward(run_backward: Any, ctx: Any, grad_loss: torch.Tensor | None, *_rest: Any) -> tuple[Any, ...]:
-    need_dh, need_dw, need_db = ctx.needs_input_grad[:3]
-    none = (None,) * (_N_INPUTS - 3)
+    needs = need_dh, need_dw, need_db = ctx.needs_input_grad[:3]
     if grad_loss is None or not (need_dh or need_dw or need_db):
-        return (None, None, None, *none)
+        return input_grads(None, needs, _N_INPUTS)
     hidden, weight, bias, dh, dw, db, logits_grad = ctx.saved_tensors
     # In place only in eager mode: a custom op (the torch.compile path) may not return its input.
     inplace = run_backward is _grpo_bwd
     grads = run_backward(grad_loss, hidden, weight, bias, dh, dw, db, logits_grad, need_dh, need_dw, need_db, inplace)
-    return (grads[0] if need_dh else None, grads[1] if need_dw else None, grads[2] if need_db else None, *none)
+    return input_grads(grads, needs, _N_INPUTS)
 
 
 _grpo_token_loss = define_autograd_op(

@@ -46,6 +46,7 @@ from fk.flce.chunks import (
     chunk_tokens_for,
     empty_output,
     head_grads,
+    input_grads,
     run_chunks,
     scale_grads,
 )
@@ -322,12 +323,11 @@ def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor
 def _backward(
     run_backward: Any, ctx: Any, grad_logp: torch.Tensor | None, grad_entropy: torch.Tensor | None, *_rest: Any
 ) -> tuple[Any, ...]:
-    need_dh, need_dw, need_db = ctx.needs_input_grad[:3]
-    none = (None,) * (_N_INPUTS - 3)
+    needs = need_dh, need_dw, need_db = ctx.needs_input_grad[:3]
     if not ctx.want_entropy:
         grad_entropy = None
     if (grad_logp is None and grad_entropy is None) or not (need_dh or need_dw or need_db):
-        return (None, None, None, *none)
+        return input_grads(None, needs, _N_INPUTS)
     hidden, weight, bias, target, lse, entropy = ctx.saved_tensors
     if grad_logp is None:
         grad_logp = torch.zeros_like(lse)
@@ -335,7 +335,7 @@ def _backward(
     inplace = run_backward is _logprobs_bwd
     grads = run_backward(grad_logp, grad_entropy, hidden, weight, bias, target, lse, entropy, *ctx.options,
                          need_dh, need_dw, need_db, inplace)  # fmt: skip
-    return (grads[0] if need_dh else None, grads[1] if need_dw else None, grads[2] if need_db else None, *none)
+    return input_grads(grads, needs, _N_INPUTS)
 
 
 _fused_linear_logprobs = define_autograd_op(

@@ -329,6 +329,19 @@ def head_grad_fakes(
     )  # fmt: skip
 
 
+def input_grads(
+    grads: tuple[torch.Tensor, ...] | None, needs: tuple[bool, ...], n_inputs: int
+) -> tuple[torch.Tensor | None, ...]:
+    """What a head op's autograd backward returns for its ``n_inputs`` inputs: (dh, dw, db) from
+    ``grads`` where ``needs`` (the op's ``needs_input_grad`` for hidden, weight, bias) asks for
+    them, else None (all None when ``grads`` is None: no upstream gradient), and None for the
+    op's other inputs (targets, options), which take no gradient."""
+    if grads is None:
+        return (None,) * n_inputs
+    head = tuple(g if need else None for g, need in zip(grads[:3], needs, strict=True))
+    return (*head, *(None,) * (n_inputs - 3))
+
+
 def backward_fakes(
     hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, need_dh: bool, need_dw: bool, need_db: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -52,6 +52,7 @@ from fk.flce.chunks import (
     empty_output,
     head_grad_fakes,
     head_grads,
+    input_grads,
     row_scale,
     scale_grads,
 )
@@ -346,10 +347,9 @@ def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor
 
 
 def _backward(run_backward: Any, ctx: Any, grad_loss: torch.Tensor | None, *_rest: Any) -> tuple[Any, ...]:
-    need_dh, need_dw, need_db = ctx.needs_input_grad[:3]
-    none = (None,) * (_N_INPUTS - 3)
+    needs = need_dh, need_dw, need_db = ctx.needs_input_grad[:3]
     if grad_loss is None or not (need_dh or need_dw or need_db):
-        return (None, None, None, *none)
+        return input_grads(None, needs, _N_INPUTS)
     if ctx.precomputed:
         hidden, weight, bias, dh, dw, db, logits_grad = ctx.saved_tensors
         target, lse = hidden.new_empty(0, dtype=torch.long), empty_output(hidden, torch.float32)
@@ -359,7 +359,7 @@ def _backward(run_backward: Any, ctx: Any, grad_loss: torch.Tensor | None, *_res
     inplace = run_backward is _vp_bwd  # eager mode only: a custom op may not return its input
     grads = run_backward(grad_loss, hidden, weight, bias, target, lse, dh, dw, db, logits_grad, *ctx.options,
                          need_dh, need_dw, need_db, ctx.precomputed, inplace)  # fmt: skip
-    return (grads[0] if need_dh else None, grads[1] if need_dw else None, grads[2] if need_db else None, *none)
+    return input_grads(grads, needs, _N_INPUTS)
 
 
 _vocab_parallel_linear_cross_entropy = define_autograd_op(
