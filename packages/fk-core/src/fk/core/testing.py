@@ -368,6 +368,32 @@ def run_on_reference_path(code: str) -> None:
         raise AssertionError(f"reference-path run failed:\nstdout:\n{out.stdout}\nstderr:\n{out.stderr}")
 
 
+# --- peers ------------------------------------------------------------------------------------
+
+
+@functools.cache
+def _bitsandbytes_quantizes_4bit_on(device: str) -> bool:
+    import bitsandbytes.functional as bnb_f
+
+    try:
+        bnb_f.quantize_4bit(torch.ones(64, device=device), blocksize=64, quant_type="nf4")
+    except (RuntimeError, NotImplementedError, ValueError):
+        return False
+    return True
+
+
+def require_bitsandbytes_4bit(device: str) -> Any:
+    """The ``bitsandbytes`` module where it is installed and has a 4-bit backend for ``device`` (its
+    CPU one, or its CUDA library on a GPU); otherwise the calling test is skipped, naming what is
+    missing. (QLoRA tests compare fk.lora with bitsandbytes' own layers on the test device.)"""
+    import pytest
+
+    bnb = pytest.importorskip("bitsandbytes", reason="bitsandbytes is not installed (extra fk-lora[qlora])")
+    if not _bitsandbytes_quantizes_4bit_on(device):
+        pytest.skip(f"bitsandbytes {bnb.__version__} has no 4-bit backend for {device}")
+    return bnb
+
+
 # --- several processes ------------------------------------------------------------------------
 
 

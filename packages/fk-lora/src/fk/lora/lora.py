@@ -85,9 +85,9 @@ class LoRAWeights(NamedTuple):
 
     weight: torch.Tensor | QuantizedWeight
     """Base weight ``[N, K]`` (``base_layer.weight``), frozen or trainable; or a frozen 4-bit
-    (NF4/FP4) :class:`fk.lora.quant.QuantizedWeight` (QLoRA; :func:`lora_linear`,
-    :func:`lora_projections`, :func:`lora_qkv`), dequantized to the compute dtype (autocast's,
-    else ``x``'s) in the forward and again in the backward, never kept."""
+    (NF4/FP4) :class:`fk.lora.quant.QuantizedWeight` (QLoRA, plain LoRA only: every function
+    takes one), dequantized to the compute dtype (autocast's, else ``x``'s) in the forward and again
+    in the backward for ``dx``, never kept."""
     bias: torch.Tensor | None
     """Base bias ``[N]`` or None."""
     lora_A: torch.Tensor
@@ -197,6 +197,12 @@ def lora_mlp_ref(
 # Without dropout on the down projection, h and dh are formed MLP_CHUNK_BYTES of rows at a time
 # (forward and eager backward), so g and u are the only [M, I] buffers: the down projection's
 # parameter gradients are then sums over the chunks, in fp32.
+#
+# 4-bit (QLoRA) bases, in the projections and the MLP alike: W is dequantized to c where a matmul
+# needs it and dropped once that matmul (for the MLP's row chunks: all of them) has run, so at most
+# one projection's W exists at a time. Forward: for its base matmul. Backward: for dx = dy W (and
+# the MLP's dh = dy Wd), never for a parameter gradient (the base is frozen). Only the packed data
+# is kept between forward and backward.
 
 
 class _Params(NamedTuple):
@@ -205,7 +211,7 @@ class _Params(NamedTuple):
 
     weight: Any
     """``W`` ``[N, K]``, in the compute dtype ``c``: a tensor, or a :class:`_QuantizedBase`
-    (4-bit QLoRA base, :class:`_LoRAProjections` only)."""
+    (4-bit QLoRA base)."""
     bias: torch.Tensor | None
     """``b`` ``[N]``."""
     lora_A: torch.Tensor
@@ -221,10 +227,12 @@ class _QuantizedBase:
     :class:`_Params`, with the compute dtype ``c`` it is dequantized to.
 
     It is not a tensor, so autograd passes it through ``apply`` untouched (no gradient: the base
-    is frozen) and :meth:`_LoRAProjections.forward` keeps it on ``ctx`` rather than saving a
-    tensor: only the packed data stays alive between forward and backward. The forward
-    dequantizes ``W`` for the base matmul into a temporary it drops; the backward dequantizes it
-    again for ``dx = dy W``. (Dequantizing in the wrapper, before ``apply``, would have autograd
+    is frozen) and :class:`_LoRAProjections` and :class:`_LoRAMLP` keep it on ``ctx`` rather than
+    saving a tensor: only the packed data stays alive between forward and backward. The forward
+    dequantizes ``W`` for the base matmul into a temporary it drops before the next projection's;
+    the backward dequantizes it again for ``dx = dy W`` (the MLP's down projection: ``dh = dy Wd``),
+    and drops it before the next projection's. So at most one projection's ``W`` is dequantized at
+    a time. (Dequantizing in the wrapper, before ``apply``, would have autograd
     save the full-precision ``W``: what QLoRA exists to avoid.) ``shape`` and ``dtype`` stand in
     for the tensor's where the launchers read them.
 
@@ -247,8 +255,22 @@ class _QuantizedBase:
 
 
 def _dense(weight: Any) -> torch.Tensor:
-    """The base weight as a tensor in ``c`` (a :class:`_QuantizedBase` dequantized)."""
+    """The base weight as a tensor in ``c`` (a :class:`_QuantizedBase` dequantized). Callers pass the
+    result straight on to the one matmul that needs it, so a dequantized weight lives no longer than
+    that matmul (and one projection's at a time)."""
     return weight.dense() if isinstance(weight, _QuantizedBase) else weight
+
+
+def _weights_to_save(params: Sequence[_Params]) -> tuple[list[torch.Tensor | None], list[_QuantizedBase | None]]:
+    """(the base weights an autograd function saves, None for a 4-bit one; the 4-bit ones, which it
+    keeps on ``ctx`` instead: their packed data only, never a dequantized ``W``)."""
+    quantized = [proj.weight if isinstance(proj.weight, _QuantizedBase) else None for proj in params]
+    return [None if q is not None else proj.weight for q, proj in zip(quantized, params, strict=True)], quantized
+
+
+def _saved_weights(saved: Sequence[torch.Tensor | None], quantized: Sequence[_QuantizedBase | None]) -> list[Any]:
+    """:func:`_weights_to_save` undone in the backward: each base weight, or its :class:`_QuantizedBase`."""
+    return [w if q is None else q for w, q in zip(saved, quantized, strict=True)]
 
 
 class _Needs(NamedTuple):
@@ -300,10 +322,11 @@ def _base_outs_and_lora_inputs(
     """(base outputs ``xc W^T + b``, then :func:`lora_input_products`' xa's, masks and A's in
     ``c``) of projections that share ``x2``, launched in the order :func:`_base_first` gives."""
     first = _base_first(settings)
-    ys = [base_out(xc, proj.weight, proj.bias) for proj in params] if first else []
+    # (a 4-bit W is dequantized for its own matmul, and dropped before the next one's)
+    ys = [base_out(xc, _dense(proj.weight), proj.bias) for proj in params] if first else []
     xas, masks, A_cs = lora_input_products(x2, xc, [proj.lora_A for proj in params], settings)
     if not first:
-        ys = [base_out(xc, proj.weight, proj.bias) for proj in params]
+        ys = [base_out(xc, _dense(proj.weight), proj.bias) for proj in params]
     return ys, xas, masks, A_cs
 
 
@@ -352,10 +375,11 @@ def _proj_bwd_params(
 
 
 def _proj_bwd_input(
-    dy: torch.Tensor, weight: torch.Tensor, A_c: torch.Tensor, gs: torch.Tensor, mask: torch.Tensor | None, p: float
+    dy: torch.Tensor, weight: Any, A_c: torch.Tensor, gs: torch.Tensor, mask: torch.Tensor | None, p: float
 ) -> torch.Tensor:
-    """``dx = dy W + (s G A) * m / (1 - p)``, a new buffer (the order of :func:`add_lora_out`)."""
-    dx = torch.mm(dy, weight)
+    """``dx = dy W + (s G A) * m / (1 - p)``, a new buffer (the order of :func:`add_lora_out`); a
+    :class:`_QuantizedBase` ``W`` is dequantized for the ``dy W`` matmul only."""
+    dx = torch.mm(dy, _dense(weight))
     if mask is None:
         return dx.addmm_(gs, A_c)
     return add_masked_low_rank_(dx, gs, A_c, mask, 1.0 / (1.0 - p))
@@ -462,17 +486,14 @@ class _LoRAProjections(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1])
         c = params[0].weight.dtype
         xc = x2 if x2.dtype == c else x2.to(c)
-        # A quantized base weight: dequantized here for the base matmuls, dropped after (see _QuantizedBase)
-        quantized = [proj.weight if isinstance(proj.weight, _QuantizedBase) else None for proj in params]
-        dense = [proj._replace(weight=_dense(proj.weight)) for proj in params] if any(quantized) else params
-        ys, xas, masks, A_cs = _base_outs_and_lora_inputs(x2, xc, dense, settings)
-        del dense
+        # (a 4-bit base is dequantized for its base matmul only, one at a time: see _QuantizedBase)
+        ys, xas, masks, A_cs = _base_outs_and_lora_inputs(x2, xc, params, settings)
         outs, lows = [], []
         for y, xa, mask, A_c, proj, setting in zip(ys, xas, masks, A_cs, params, settings, strict=True):
             lows.append(_LowRank(xa, mask, A_c, proj.lora_B.to(c)))
             y = add_lora_out(y, xa, lows[-1].B_c, proj.lora_bias, setting.scaling)
             outs.append(y.view(*x.shape[:-1], y.shape[-1]))
-        saved_weights = (None if q is not None else proj.weight for q, proj in zip(quantized, params, strict=True))
+        saved_weights, quantized = _weights_to_save(params)
         ctx.save_for_backward(x, *saved_weights, *to_flat(lows))
         ctx.quantized = quantized
         ctx.settings = settings
@@ -485,7 +506,7 @@ class _LoRAProjections(torch.autograd.Function):
         n = len(ctx.settings)
         x, *saved = ctx.saved_tensors
         # (a 4-bit base is dequantized again by _shared_input_bwd, one at a time, for its dx = dy W term)
-        weights = [w if q is None else q for w, q in zip(saved[:n], ctx.quantized, strict=True)]
+        weights = _saved_weights(saved[:n], ctx.quantized)
         lows = from_flat(_LowRank, saved[n:])
         need_dx = ctx.needs_input_grad[0]
         x2 = x.reshape(-1, x.shape[-1])
@@ -535,12 +556,14 @@ def _down_forward_in_chunks(
     y = torch.empty((gate.shape[0], down.weight.shape[0]), dtype=c, device=gate.device)
     xa = torch.empty((gate.shape[0], down.lora_A.shape[0]), dtype=c, device=gate.device)
     A_parts, A_c = lora_a_operands(c, down.lora_A, 0.0, settings.dropout_dtype, c)  # (split once for all chunks)
+    weight = _dense(down.weight)  # (a 4-bit W dequantized once for all chunks, dropped after them)
     for start in range(0, gate.shape[0], rows):
         part = slice(start, start + rows)
         h = gated_act_forward(gate[part], up[part], act)
-        base_out(h, down.weight, down.bias, out=y[part])
+        base_out(h, weight, down.bias, out=y[part])
         lora_input_product(h, h, down.lora_A, 0.0, settings.dropout_dtype, A_parts, out=xa[part])
         del h
+    del weight
     B_c = down.lora_B.to(c)
     return add_lora_out(y, xa, B_c, down.lora_bias, settings.scaling), _LowRank(xa, None, A_c, B_c)
 
@@ -550,7 +573,7 @@ def _down_backward(
     gate: torch.Tensor,
     up: torch.Tensor,
     act: str,
-    wd: torch.Tensor,
+    wd: Any,
     low: _LowRank,
     lora_dtype: torch.dtype,
     settings: Settings,
@@ -586,7 +609,7 @@ def _down_backward_in_chunks(
     up: torch.Tensor,
     act: str,
     rows: int,
-    wd: torch.Tensor,
+    wd: Any,
     low: _LowRank,
     lora_dtype: torch.dtype,
     settings: Settings,
@@ -600,9 +623,11 @@ def _down_backward_in_chunks(
     What needs no ``h`` is formed for all rows at once: ``s G`` (:func:`scaled_lora_grad`), and
     db, dB and db_B. Per chunk: ``dh`` (a matmul and an ``addmm_``), fk.glu's gradient pass
     (which leaves ``h`` in ``dh``'s buffer), and one matmul each for dA and dW, accumulated over
-    the chunks in fp32 (``fk.core.matmul.accumulate_mm``).
+    the chunks in fp32 (``fk.core.matmul.accumulate_mm``). A :class:`_QuantizedBase` ``Wd`` is
+    dequantized once for all chunks (where ``dh`` is needed) and dropped on return.
     """
     gs = scaled_lora_grad(dy2, low.B_c, settings.scaling) if need_gu or needs.lora_A else None
+    wd_dense = _dense(wd) if need_gu else wd
     grads = _proj_bwd_params(
         dy2, None, None, wd, low, lora_dtype, settings, needs._replace(weight=False, lora_A=False), gs
     )
@@ -613,7 +638,7 @@ def _down_backward_in_chunks(
         part = slice(start, start + rows)
         if need_gu:
             assert gs is not None
-            dh = _proj_bwd_input(dy2[part], wd, low.A_c, gs[part], None, 0.0)  # dy Wd + s G Ad
+            dh = _proj_bwd_input(dy2[part], wd_dense, low.A_c, gs[part], None, 0.0)  # dy Wd + s G Ad
             dg, du, h, written = gated_act_backward_with_value(dh, gate[part], up[part], act, inplace=True)
             del dh  # (its buffer holds h now)
             if not written:
@@ -664,7 +689,7 @@ class _LoRAMLP(torch.autograd.Function):
             del h  # recomputed in the backward
         else:  # h a chunk of rows at a time: never [M, I] at once
             y, low_d = _down_forward_in_chunks(gate, up, act, rows, params_d, settings_d)
-        weights = (params_g.weight, params_u.weight, params_d.weight)
+        weights, ctx.quantized = _weights_to_save([params_g, params_u, params_d])
         ctx.save_for_backward(x, gate, up, *weights, *to_flat([low_g, low_u, low_d]))
         ctx.act, ctx.settings = act, settings
         ctx.lora_dtypes = (params_g.lora_A.dtype, params_u.lora_A.dtype, params_d.lora_A.dtype)
@@ -678,8 +703,10 @@ class _LoRAMLP(torch.autograd.Function):
     @staticmethod
     def _backward(ctx: Any, dy: torch.Tensor) -> Any:
         act, settings_d = ctx.act, ctx.settings[2]
-        x, gate, up, wg, wu, wd, *lows = ctx.saved_tensors
-        low_g, low_u, low_d = from_flat(_LowRank, lows)
+        x, gate, up, *saved = ctx.saved_tensors
+        # (4-bit bases: dequantized again where dx = dy W needs them, one at a time, and dropped)
+        wg, wu, wd = _saved_weights(saved[:3], ctx.quantized)
+        low_g, low_u, low_d = from_flat(_LowRank, saved[3:])
         ld_g, ld_u, ld_d = ctx.lora_dtypes
         need_dx = ctx.needs_input_grad[0]
         needs_g, needs_u, needs_d = from_flat(_Needs, ctx.needs_input_grad[3:])
@@ -830,16 +857,17 @@ def _module_parts(
     ``benchmarks/experiments/INDEX.md#lora_checks_probe``.)"""
     if x.shape[-1] != parts[0].shape[1]:
         raise ValueError(f"{prefix}weight takes {parts[0].shape[1]} input features, got x of shape {tuple(x.shape)}")
-    settings, params, magnitude = _module_params(parts, cast)
-    if isinstance(parts[0], QuantizedWeight):  # (a 4-bit Linear4bit base, read by the patcher)
-        params = params._replace(weight=_QuantizedBase(parts[0], cast if cast is not None else x.dtype))
-    return settings, params, magnitude
+    return _module_params(parts, cast, cast if cast is not None else x.dtype)
 
 
-def _module_params(parts: LoRAWeights, cast: torch.dtype | None) -> tuple[Settings, _Params, torch.Tensor | None]:
-    """The settings, tensors and DoRA magnitude of :func:`_module_parts`, without the width check."""
+def _module_params(
+    parts: LoRAWeights, cast: torch.dtype | None, compute: torch.dtype
+) -> tuple[Settings, _Params, torch.Tensor | None]:
+    """The settings, tensors and DoRA magnitude of :func:`_module_parts`, without the width check;
+    a 4-bit base (a ``Linear4bit``'s, read by the patcher) is dequantized to ``compute``."""
     weight, bias, lora_A, lora_B, scaling, dropout_p, lora_bias, magnitude = parts
-    params = _Params(weight, bias, lora_A, lora_B, lora_bias)
+    base = _QuantizedBase(weight, compute) if isinstance(weight, QuantizedWeight) else weight
+    params = _Params(base, bias, lora_A, lora_B, lora_bias)
     return Settings(scaling, dropout_p, lora_A.dtype), _cast_params(params, cast), magnitude
 
 
@@ -967,6 +995,9 @@ def lora_mlp(
 
     DoRA: a ``magnitude`` on gate and up (both or neither), and/or on down; the MLP is then
     composed of DoRA's launchers and :func:`fk.glu.gated_act` (see :func:`module_mlp`).
+
+    QLoRA: any of the three base weights may be a 4-bit :class:`fk.lora.quant.QuantizedWeight`
+    (plain LoRA), dequantized where a matmul needs it, one projection's at a time, never saved.
     """
     return module_mlp(x, gate_parts, up_parts, down_parts, activation, from_module=False)
 
@@ -992,15 +1023,13 @@ def module_mlp(
     check = _module_parts if from_module else _check_parts
     settings_g, params_g, magnitude_g = check("gate_parts.", x, gate_parts, cast)
     settings_u, params_u, magnitude_u = check("up_parts.", x, up_parts, cast)
-    if isinstance(down_parts[0], QuantizedWeight) or any(isinstance(p.weight, _QuantizedBase) for p in (params_g, params_u)):  # fmt: skip
-        raise ValueError("lora_mlp does not take a QuantizedWeight base yet (lora_linear and lora_projections do)")
     n_inter = params_g.weight.shape[0]
     if params_u.weight.shape[0] != n_inter:
         raise ValueError(f"up_parts.weight must have {n_inter} rows (gate_parts.weight's), got shape {tuple(params_u.weight.shape)}")  # fmt: skip
     if from_module:  # the intermediate's width is all there is to check: no tensor stands in for it
         if down_parts[0].shape[1] != n_inter:
             raise ValueError(f"down_parts.weight takes {down_parts[0].shape[1]} input features, gate_parts.weight gives {n_inter}")  # fmt: skip
-        settings_d, params_d, magnitude_d = _module_params(down_parts, cast)
+        settings_d, params_d, magnitude_d = _module_params(down_parts, cast, params_g.weight.dtype)
     else:
         h_like = x.new_empty((1, n_inter), dtype=params_g.weight.dtype) if x.ndim else x
         settings_d, params_d, magnitude_d = _check_parts("down_parts.", h_like, down_parts, cast)
