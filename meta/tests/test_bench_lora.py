@@ -4,7 +4,6 @@ block with both providers; its table, its floor's bytes, and report.py reading a
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -25,10 +24,7 @@ rows of a case by all the others)."""
 
 
 def _load(path: Path) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module: ModuleType = testing.load_script(path)
     return module
 
 

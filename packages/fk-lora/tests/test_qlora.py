@@ -1,8 +1,8 @@
 """QLoRA: fk.lora's fused projections and MLP on 4-bit (NF4, FP4; nested absmax or not) bitsandbytes
 base weights, against PEFT's own bitsandbytes LoRA layer (``peft.tuners.lora.bnb.Linear4bit``) on the
 test device (bitsandbytes' CPU backend, or its CUDA one on a GPU), and what the fused path keeps (never
-a dequantized weight for the backward; one dequantized weight at a time). Skipped without
-bitsandbytes, or without its 4-bit backend for the device."""
+a dequantized weight for the backward; one dequantized weight at a time). The comparisons with
+bitsandbytes are skipped without it, or without its 4-bit backend for the device."""
 
 from __future__ import annotations
 
@@ -20,9 +20,14 @@ import fk.lora
 from fk.core import testing
 from fk.lora.quant import QuantizedWeight, from_bnb
 
-bnb = pytest.importorskip("bitsandbytes", reason="bitsandbytes is not installed (extra fk-lora[qlora])")
-peft_bnb = pytest.importorskip("peft.tuners.lora.bnb")
-from peft import LoraConfig  # noqa: E402
+peft = pytest.importorskip("peft")
+LoraConfig = peft.LoraConfig
+
+try:  # (the tests against bitsandbytes take the bnb_device fixture: skipped without it)
+    import bitsandbytes as bnb
+    import peft.tuners.lora.bnb as peft_bnb
+except ImportError:
+    bnb = peft_bnb = None
 
 # Blocksize 64 with 100 input features: blocks span rows. (Not 96: bitsandbytes 0.50.2's native CPU
 # dequantize_4bit is wrong for K = 96, blocksize 64 -- its own round trip is off by ~1.5 while
@@ -335,12 +340,11 @@ class _Block(torch.nn.Module):
 
 
 def _qlora_model(compute: torch.dtype, dropout: float, device: str, dora: bool = False) -> Any:
-    from peft import get_peft_model
 
     torch.manual_seed(3)
     block = _Block(compute).to(device)  # (quantizes the weights)
     config = LoraConfig(r=RANK, lora_alpha=8, lora_dropout=dropout, use_dora=dora, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])  # fmt: skip
-    model = get_peft_model(block, config)
+    model = peft.get_peft_model(block, config)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "lora_B" in name:
@@ -401,7 +405,6 @@ def test_patch_leaves_dora_on_4bit_bases_to_peft(bnb_device: str) -> None:
 def test_patch_leaves_int8_and_mismatched_inputs_to_peft(bnb_device: str, caplog: pytest.LogCaptureFixture) -> None:
     """Linear8bitLt (int8: bitsandbytes quantizes the activations too) is left to PEFT at patch time;
     a 4-bit layer called on an input unlike its compute_dtype runs PEFT's forward, with a log line."""
-    from peft import get_peft_model
 
     class Net(torch.nn.Module):
         def __init__(self) -> None:
@@ -412,7 +415,7 @@ def test_patch_leaves_int8_and_mismatched_inputs_to_peft(bnb_device: str, caplog
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return self.o_proj(x)
 
-    model = get_peft_model(Net().to(bnb_device), LoraConfig(r=RANK, target_modules=["o_proj", "fc"])).train()
+    model = peft.get_peft_model(Net().to(bnb_device), LoraConfig(r=RANK, target_modules=["o_proj", "fc"])).train()
     x = testing.random_tensor((3, IN), torch.float32, bnb_device, seed=5)
     want = model(x)
     with caplog.at_level(logging.INFO, logger="fk.lora"):

@@ -368,6 +368,24 @@ def run_on_reference_path(code: str) -> None:
         raise AssertionError(f"reference-path run failed:\nstdout:\n{out.stdout}\nstderr:\n{out.stderr}")
 
 
+# --- scripts -----------------------------------------------------------------------------------
+
+
+def load_script(path: Any) -> Any:
+    """The module of the Python file at ``path`` (a benchmark script, which is not a package), run
+    under the file's stem as its name; for tests of ``benchmarks/*.py``."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(path)
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {path} as a module")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 # --- peers ------------------------------------------------------------------------------------
 
 

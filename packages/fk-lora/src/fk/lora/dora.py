@@ -25,7 +25,7 @@ from fk.lora.masked_low_rank import add_masked_low_rank_, masked
 from fk.lora.projection import (
     Settings,
     add_lora_out,
-    autocast_off,
+    backward_without_autocast,
     base_out,
     from_flat,
     kept_input,
@@ -277,6 +277,7 @@ class DoRAProjections(torch.autograd.Function):
         return tuple(outs)
 
     @staticmethod
+    @backward_without_autocast
     def backward(ctx: Any, *dys: Any) -> Any:
         n = len(ctx.settings)
         x, *saved = ctx.saved_tensors
@@ -286,11 +287,10 @@ class DoRAProjections(torch.autograd.Function):
         need_dx = ctx.needs_input_grad[0]
         dx: torch.Tensor | None = None
         grads = [_DoRAGrads()] * n
-        with autocast_off(x.device.type):  # (a backward run under autocast: the operands are cast already)
-            for i, dy in enumerate(dys):
-                if dy is not None:
-                    dy2 = dy.reshape(-1, dy.shape[-1])
-                    grads[i], dx = _dora_bwd(dy2, x2, weights[i], lows[i], ctx.dtypes[i], ctx.settings[i], needs[i], dx, need_dx)  # fmt: skip
+        for i, dy in enumerate(dys):
+            if dy is not None:
+                dy2 = dy.reshape(-1, dy.shape[-1])
+                grads[i], dx = _dora_bwd(dy2, x2, weights[i], lows[i], ctx.dtypes[i], ctx.settings[i], needs[i], dx, need_dx)  # fmt: skip
         if dx is not None:
             dx = dx.view(x.shape)
         return (dx, None, *to_flat(grads))
@@ -335,12 +335,8 @@ class DoRAMLP(torch.autograd.Function):
         return y.view(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
+    @backward_without_autocast
     def backward(ctx: Any, dy: torch.Tensor) -> Any:
-        with autocast_off(dy.device.type):
-            return DoRAMLP._backward(ctx, dy)
-
-    @staticmethod
-    def _backward(ctx: Any, dy: torch.Tensor) -> Any:
         x, wg, wu, wd, bias_g, bias_u, kept_g, kept_u, *lows = ctx.saved_tensors
         low_g, low_u, low_d = from_flat(_DoRALowRank, lows)
         settings_g, settings_u, settings_d = ctx.settings

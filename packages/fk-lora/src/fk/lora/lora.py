@@ -63,6 +63,7 @@ from fk.lora.projection import (
     Settings,
     add_lora_out,
     autocast_off,
+    backward_without_autocast,
     base_out,
     cut_blocks,
     from_flat,
@@ -502,6 +503,7 @@ class _LoRAProjections(torch.autograd.Function):
         return tuple(outs)
 
     @staticmethod
+    @backward_without_autocast
     def backward(ctx: Any, *dys: Any) -> Any:
         n = len(ctx.settings)
         x, *saved = ctx.saved_tensors
@@ -514,8 +516,7 @@ class _LoRAProjections(torch.autograd.Function):
         needs = from_flat(_Needs, ctx.needs_input_grad[2:])
         xc = _cast_if_needed(x2, c, any(need.weight for need in needs))
         dys2 = [None if dy is None else dy.reshape(-1, dy.shape[-1]) for dy in dys]
-        with autocast_off(x.device.type):
-            dx, grads = _shared_input_bwd(dys2, x2, xc, weights, lows, ctx.lora_dtypes, ctx.settings, needs, need_dx)
+        dx, grads = _shared_input_bwd(dys2, x2, xc, weights, lows, ctx.lora_dtypes, ctx.settings, needs, need_dx)
         if dx is not None:
             dx = dx.view(x.shape).to(x.dtype)
         return (dx, None, *to_flat(grads))
@@ -696,12 +697,8 @@ class _LoRAMLP(torch.autograd.Function):
         return y.view(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
+    @backward_without_autocast
     def backward(ctx: Any, dy: torch.Tensor) -> Any:
-        with autocast_off(dy.device.type):
-            return _LoRAMLP._backward(ctx, dy)
-
-    @staticmethod
-    def _backward(ctx: Any, dy: torch.Tensor) -> Any:
         act, settings_d = ctx.act, ctx.settings[2]
         x, gate, up, *saved = ctx.saved_tensors
         # (4-bit bases: dequantized again where dx = dy W needs them, one at a time, and dropped)

@@ -11,13 +11,15 @@ Notation (:mod:`fk.lora.lora`'s): ``x2`` the input ``[M, K]``, ``c`` the compute
   where they can be: one read of ``x2``), :func:`base_out` (``x2 W^T + b``), :func:`add_lora_out`
   (``y += s xa B^T + s b_B``).
 - The backward's parts: :func:`scaled_lora_grad` (``s G``), :func:`kept_input` (``x2 * m``, for ``dA``).
-- :func:`autocast_off`: the launchers run with autocast disabled (their operands are cast already).
+- :func:`autocast_off`, :func:`backward_without_autocast`: the launchers run with autocast disabled
+  (their operands are cast already), forward and backward.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Sequence
+import functools
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple, TypeVar
 
 import torch
@@ -215,3 +217,16 @@ def autocast_off(device_type: str) -> Any:
     if torch.is_autocast_enabled(device_type):
         return torch.autocast(device_type, enabled=False)
     return contextlib.nullcontext()
+
+
+def backward_without_autocast(backward: Callable[..., Any]) -> Callable[..., Any]:
+    """An autograd function's ``backward`` run with autocast disabled for its gradients' device (a
+    backward called under autocast would otherwise recast the operands the forward cast already)."""
+
+    @functools.wraps(backward)
+    def run(ctx: Any, *grads: Any) -> Any:
+        device = next((g.device.type for g in grads if g is not None), None)
+        with autocast_off(device) if device is not None else contextlib.nullcontext():
+            return backward(ctx, *grads)
+
+    return run
