@@ -81,7 +81,6 @@ import argparse
 import contextlib
 import math
 import os
-import statistics
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -428,19 +427,6 @@ class Disagreement(AssertionError):
     """A provider's loss or gradients are not the reference's: the run stops."""
 
 
-def _cpu_time_ms(call: Callable[[], object], grads: Sequence[torch.Tensor], warmup: int, rep: int) -> float:
-    """Median wall milliseconds on the CPU (--tiny: no CUDA events)."""
-    samples = []
-    for i in range(warmup + rep):
-        for t in grads:
-            t.grad = None
-        began = time.perf_counter()
-        call()
-        if i >= warmup:
-            samples.append(1e3 * (time.perf_counter() - began))
-    return statistics.median(samples)
-
-
 def _grads_after(fn: Fn, inputs: Inputs) -> tuple[float, list[torch.Tensor]]:
     """(loss, gradients of the first two inputs) of one forward+backward."""
     for t in inputs[:2]:
@@ -499,7 +485,7 @@ def _time_one(call: Callable[[], None], grads: list[torch.Tensor], rep: int, lab
     """``ms`` (wall), ``gpu_ms`` (the GPU's work alone, where the call does not synchronize) and
     ``peak_mb`` of ``call`` on a GPU; ``ms`` alone on the CPU."""
     if not torch.cuda.is_available():
-        return {"ms": _cpu_time_ms(call, grads, warmup=0, rep=rep)}
+        return {"ms": bench.cpu_time_ms(call, warmup=0, rep=rep, grad_to_none=grads)}
     out = {"ms": bench.time_ms(call, warmup=2, rep=rep, grad_to_none=grads)}
     try:
         out["gpu_ms"] = bench.time_ms(call, warmup=0, rep=rep, grad_to_none=grads, gpu_only=True,

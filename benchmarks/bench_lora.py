@@ -12,35 +12,73 @@ peak memory. FLOPs counted: the base matmuls only, forward and the input gradien
 
 ``--dora`` runs the same with DoRA adapters (PEFT ``use_dora=True``; record ``lora_dora.json``).
 
+``--qlora`` runs the same on 4-bit base weights (QLoRA; record ``lora_qlora.json``): each base linear
+a bitsandbytes ``Linear4bit`` (NF4, nested absmax, blocksize 64, bf16 compute) under PEFT's LoRA
+layer for it, against fk. The floor of a case ("fk floor%": the floor's time over fk's) is its base
+matmuls' FLOPs at the bf16 matmul ceiling plus the dequantization of each of its 4-bit weights
+twice (the forward's base matmul, and the backward's input gradient: QLoRA keeps no dequantized
+weight), each reading the packed codes and the scales and writing the bf16 weight, at the copy
+bandwidth; both ceilings are measured in the same run (``fk.core.bench.floor_ms``).
+
 Run on a GPU:  python benchmarks/bench_lora.py --out benchmarks/results/lora.json
+               python benchmarks/bench_lora.py --qlora          (benchmarks/results/lora_qlora.json)
+Try on a CPU:  python benchmarks/bench_lora.py --qlora --tiny --out /tmp/lora   (tiny shapes; fk in
+               Triton's interpreter, PEFT on bitsandbytes' CPU backend: checks every code path)
 """
 
 from __future__ import annotations
 
 import argparse
+import math
+import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
+if not torch.cuda.is_available():  # the --tiny CPU run: fk's kernels in Triton's interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from fk.core import bench
 
 NAME = "lora"
-HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM = 4096, 14336, 32, 8, 128
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BLOCKS = ("mlp", "qkv", "o")
 ADAPTER_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+class Shape(NamedTuple):
+    """The sizes of a decoder layer's projections."""
+
+    hidden: int
+    inter: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+
+LLAMA = Shape(hidden=4096, inter=14336, heads=32, kv_heads=8, head_dim=128)
+"""Llama-3.1-8B's."""
+TINY = Shape(hidden=64, inter=128, heads=4, kv_heads=2, head_dim=16)
+"""--tiny's: every input width a multiple of the 4-bit blocksize (bitsandbytes 0.50's CPU dequantization
+is wrong for some others: fk-lora's tests/test_qlora.py)."""
+HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM = LLAMA
+
+QUANT_TYPE, QUANT_BLOCKSIZE, NESTED_BLOCKSIZE = "nf4", 64, 256
+"""--qlora's base weights: NF4 in blocks of 64, the absmax quantized again in blocks of 256
+(bitsandbytes' ``compress_statistics=True``), as QLoRA's paper and Hugging Face's usual config."""
 
 
 class _MLP(nn.Module):
     """Hugging Face's LlamaMLP."""
 
-    def __init__(self) -> None:
+    def __init__(self, shape: Shape = LLAMA) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(HIDDEN, INTER, bias=False)
-        self.up_proj = nn.Linear(HIDDEN, INTER, bias=False)
-        self.down_proj = nn.Linear(INTER, HIDDEN, bias=False)
+        self.gate_proj = nn.Linear(shape.hidden, shape.inter, bias=False)
+        self.up_proj = nn.Linear(shape.hidden, shape.inter, bias=False)
+        self.down_proj = nn.Linear(shape.inter, shape.hidden, bias=False)
         self.act_fn = nn.SiLU()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -50,26 +88,47 @@ class _MLP(nn.Module):
 class _Attention(nn.Module):
     """The four projections of Hugging Face's LlamaAttention (the attention itself is not timed)."""
 
-    def __init__(self) -> None:
+    def __init__(self, shape: Shape = LLAMA) -> None:
         super().__init__()
-        self.q_proj = nn.Linear(HIDDEN, HEADS * HEAD_DIM, bias=False)
-        self.k_proj = nn.Linear(HIDDEN, KV_HEADS * HEAD_DIM, bias=False)
-        self.v_proj = nn.Linear(HIDDEN, KV_HEADS * HEAD_DIM, bias=False)
-        self.o_proj = nn.Linear(HEADS * HEAD_DIM, HIDDEN, bias=False)
+        self.q_proj = nn.Linear(shape.hidden, shape.heads * shape.head_dim, bias=False)
+        self.k_proj = nn.Linear(shape.hidden, shape.kv_heads * shape.head_dim, bias=False)
+        self.v_proj = nn.Linear(shape.hidden, shape.kv_heads * shape.head_dim, bias=False)
+        self.o_proj = nn.Linear(shape.heads * shape.head_dim, shape.hidden, bias=False)
+
+
+def _quantized(base: nn.Module) -> nn.Module:
+    """``base`` with each ``nn.Linear`` child replaced by a bitsandbytes ``Linear4bit`` of its weight
+    in bf16 (bf16 compute), quantized on :data:`DEVICE`; flagged as transformers flags a model loaded
+    in 4 bits, so that PEFT gives it its bitsandbytes LoRA layers."""
+    import bitsandbytes as bnb
+
+    for name, linear in list(base.named_children()):
+        if isinstance(linear, nn.Linear):
+            layer = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=False,
+                                      compute_dtype=torch.bfloat16, quant_type=QUANT_TYPE)  # fmt: skip
+            layer.weight = bnb.nn.Params4bit(linear.weight.data.to(torch.bfloat16), requires_grad=False,
+                                             quant_type=QUANT_TYPE, blocksize=QUANT_BLOCKSIZE,
+                                             compress_statistics=True)  # fmt: skip
+            setattr(base, name, layer)
+    base.is_loaded_in_4bit = True  # (PEFT reads it to pick lora.bnb.Linear4bit)
+    return base.to(DEVICE)
 
 
 def _lora_model(
-    block: str, dropout: float, rank: int, alpha: int, adapter_dtype: torch.dtype, dora: bool = False
-) -> nn.Module:
+    block: str, dropout: float, rank: int, alpha: int, adapter_dtype: torch.dtype, dora: bool = False,
+    *, shape: Shape = LLAMA, qlora: bool = False,
+) -> nn.Module:  # fmt: skip
     import peft
 
     torch.manual_seed(0)
-    base = _MLP() if block == "mlp" else _Attention()
+    base = _MLP(shape) if block == "mlp" else _Attention(shape)
     targets = ["gate_proj", "up_proj", "down_proj"] if block == "mlp" else ["q_proj", "k_proj", "v_proj", "o_proj"]
     config = peft.LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets,
                              init_lora_weights=False, use_dora=dora)  # fmt: skip
+    if qlora:
+        base = _quantized(base)
     model = peft.inject_adapter_in_model(config, base)
-    model = model.to(device="cuda", dtype=torch.bfloat16).train()
+    model = model.to(device=DEVICE, dtype=torch.bfloat16).train()  # (4-bit weights are uint8: not cast)
     for name, p in model.named_parameters():
         p.requires_grad_("lora_" in name)  # (DoRA's lora_magnitude_vector too)
         if "lora_" in name:
@@ -86,20 +145,71 @@ def _call(model: nn.Module, block: str) -> Callable[[torch.Tensor], list[torch.T
     return lambda x: [attn.o_proj(x)]
 
 
-def _flops(block: str, tokens: int) -> float:
-    shapes = {"mlp": [(HIDDEN, INTER)] * 3, "qkv": [(HIDDEN, HEADS * HEAD_DIM)] + [(HIDDEN, KV_HEADS * HEAD_DIM)] * 2,
-              "o": [(HEADS * HEAD_DIM, HIDDEN)]}[block]  # fmt: skip
-    return 4.0 * tokens * sum(k * n for k, n in shapes)
+def _projections(block: str, shape: Shape) -> list[tuple[int, int]]:
+    """(in, out) features of each base linear of ``block``."""
+    q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    return {"mlp": [(shape.hidden, shape.inter)] * 2 + [(shape.inter, shape.hidden)],
+            "qkv": [(shape.hidden, q), (shape.hidden, kv), (shape.hidden, kv)],
+            "o": [(q, shape.hidden)]}[block]  # fmt: skip
 
 
-def measure(record: bench.BenchRecord, matmul_tflops: float, block: str, tokens: int, dropout: float,
-            rank: int, alpha: int, rep: int, adapter: str, dora: bool = False) -> None:  # fmt: skip
+def _flops(block: str, tokens: int, shape: Shape = LLAMA) -> float:
+    """The base matmuls' FLOPs of a forward and its input gradient: ``4 * tokens * sum(in * out)``."""
+    return 4.0 * tokens * sum(k * n for k, n in _projections(block, shape))
+
+
+def dequantization_bytes(block: str, shape: Shape = LLAMA) -> int:
+    """Bytes one dequantization of each of ``block``'s 4-bit weights moves at least: the packed codes
+    (half a byte an element), the uint8 absmax of each block and the fp32 scale of each nested block
+    read, the bf16 weight written."""
+    total = 0
+    for k, n in _projections(block, shape):
+        blocks = math.ceil(n * k / QUANT_BLOCKSIZE)
+        total += math.ceil(n * k / 2) + blocks + 4 * math.ceil(blocks / NESTED_BLOCKSIZE) + 2 * n * k
+    return total
+
+
+def _timing(forward_backward: Callable[[], None], leaves: list[torch.Tensor], rep: int) -> dict[str, float]:
+    """``ms`` (wall), ``gpu_ms`` (the GPU's work alone) and ``peak_mb`` on a GPU; ``ms`` alone on the CPU."""
+    if DEVICE == "cpu":
+        return {"ms": bench.cpu_time_ms(forward_backward, warmup=1, rep=rep, grad_to_none=leaves)}
+    ms = bench.time_ms(forward_backward, warmup=5, rep=rep, grad_to_none=leaves)
+    gpu_ms = bench.time_ms(
+        forward_backward, warmup=5, rep=rep, grad_to_none=leaves, gpu_only=True, head_start_ms=25.0
+    )  # a LoRA block's host path takes milliseconds
+    for t in leaves:
+        t.grad = None
+    peak = bench.peak_memory_bytes(forward_backward)
+    for t in leaves:
+        t.grad = None
+    return {"ms": ms, "gpu_ms": gpu_ms, "peak_mb": peak / 2**20}
+
+
+def _against_ceilings(ceilings: bench.Ceilings | None, block: str, tokens: int, shape: Shape, qlora: bool,
+                      ms: float) -> dict[str, float]:  # fmt: skip
+    """A row's share of what the ceilings allow: 4-bit bases, ``floor_ms`` (the FLOPs at the matmul
+    ceiling and the dequantizations at the copy bandwidth) and ``floor_fraction``; dense bases,
+    ``tflops`` and ``matmul_fraction``. Nothing without ceilings (the CPU)."""
+    if ceilings is None:
+        return {}
+    if qlora:
+        floor = bench.floor_ms(
+            ceilings, nbytes=2 * dequantization_bytes(block, shape), flops=_flops(block, tokens, shape)
+        )
+        return {"floor_ms": floor, "floor_fraction": floor / ms}
+    achieved = bench.tflops(_flops(block, tokens, shape), ms)
+    return {"tflops": achieved, "matmul_fraction": bench.fraction(achieved, ceilings.matmul_tflops)}
+
+
+def measure(record: bench.BenchRecord, ceilings: bench.Ceilings | None, block: str, tokens: int, dropout: float,
+            rank: int, alpha: int, rep: int, adapter: str, dora: bool = False, *, shape: Shape = LLAMA,
+            qlora: bool = False) -> None:  # fmt: skip
     import fk.lora
 
-    model = _lora_model(block, dropout, rank, alpha, ADAPTER_DTYPES[adapter], dora)
+    model = _lora_model(block, dropout, rank, alpha, ADAPTER_DTYPES[adapter], dora, shape=shape, qlora=qlora)
     fn = _call(model, block)
-    gen = torch.Generator(device="cuda").manual_seed(tokens)
-    x = torch.randn(tokens, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
+    gen = torch.Generator(device=DEVICE).manual_seed(tokens)
+    x = torch.randn(tokens, shape.hidden, device=DEVICE, dtype=torch.bfloat16, generator=gen).requires_grad_()
     with torch.no_grad():
         dys = [torch.randn_like(o) for o in fn(x)]
     leaves = [x, *(p for p in model.parameters() if p.requires_grad)]
@@ -121,62 +231,77 @@ def measure(record: bench.BenchRecord, matmul_tflops: float, block: str, tokens:
 
     for provider in ("peft", "fk"):
         if provider == "fk":
-            fk.lora.patch(model)
-        ms = bench.time_ms(forward_backward, warmup=5, rep=rep, grad_to_none=leaves)
-        gpu_ms = bench.time_ms(
-            forward_backward, warmup=5, rep=rep, grad_to_none=leaves, gpu_only=True, head_start_ms=25.0
-        )  # a LoRA block's host path takes milliseconds
-        for t in leaves:
-            t.grad = None
-        peak = bench.peak_memory_bytes(forward_backward)
-        for t in leaves:
-            t.grad = None
-        achieved = bench.tflops(_flops(block, tokens), ms)
+            report = fk.lora.patch(model)
+            if report.skipped:
+                raise AssertionError(f"fk.lora left {block}'s layers to PEFT: {report.skipped}")
+        timing = _timing(forward_backward, leaves, rep)
         record.add(
-            provider=provider, block=block, tokens=tokens, dropout=dropout, adapter=adapter, mode="fwd+bwd", ms=ms,
-            tflops=achieved, matmul_fraction=bench.fraction(achieved, matmul_tflops), peak_mb=peak / 2**20,
-            gpu_ms=gpu_ms, **({"dora": True} if dora else {}),
+            provider=provider, block=block, tokens=tokens, dropout=dropout, adapter=adapter, mode="fwd+bwd",
+            **timing, **_against_ceilings(ceilings, block, tokens, shape, qlora, timing["ms"]),
+            **({"dora": True} if dora else {}), **({"qlora": QUANT_TYPE} if qlora else {}),
         )  # fmt: skip
     fk.lora.unpatch(model)
 
 
+def record_path(out: Path, dora: bool = False, qlora: bool = False) -> Path:
+    """The JSON record ``out`` names: ``out`` itself, or inside a directory ``lora.json`` (with DoRA
+    adapters ``lora_dora.json``, on 4-bit bases ``lora_qlora.json``)."""
+    if out.is_dir() or not out.suffix:
+        return out / f"{NAME}{'_dora' if dora else ''}{'_qlora' if qlora else ''}.json"
+    return out
+
+
 def run(tokens: list[int], dropouts: list[float], adapters: list[str], out: Path, rep: int, rank: int,
-        alpha: int, dora: bool = False) -> bench.BenchRecord:  # fmt: skip
+        alpha: int, dora: bool = False, *, qlora: bool = False, tiny: bool = False) -> bench.BenchRecord:  # fmt: skip
+    shape = TINY if tiny else LLAMA
+    layer = (f"tiny layer shapes {tuple(shape)} (TINY CHECK, not a measurement)" if tiny
+             else "Llama-3.1-8B layer shapes")  # fmt: skip
+    base = (f"4-bit base (bitsandbytes Linear4bit: {QUANT_TYPE}, nested absmax, blocksize {QUANT_BLOCKSIZE}, bf16 "
+            "compute; PEFT's lora.bnb.Linear4bit)" if qlora else "bf16 base (frozen)")  # fmt: skip
+    accounting = ("floor: base matmul FLOPs of forward and input gradient at the matmul ceiling + two "
+                  "dequantizations of each weight at the copy bandwidth" if qlora
+                  else "FLOPs: base matmuls of forward and input gradient")  # fmt: skip
     record = bench.BenchRecord(
         NAME,
-        notes=(f"Llama-3.1-8B layer shapes, {'DoRA, ' if dora else ''}r={rank}, alpha={alpha}, bf16 base (frozen), LoRA weights "
-               f"in {' and '.join(adapters)}; "
-               "FLOPs: base matmuls of forward and input gradient"),
+        notes=(f"{layer}, {'DoRA, ' if dora else ''}r={rank}, alpha={alpha}, {base}, LoRA weights "
+               f"in {' and '.join(adapters)}; {accounting}"),
     )  # fmt: skip
-    ceilings = bench.measure_ceilings()
-    record.ceilings = ceilings.as_dict()
-    print(f"ceilings: copy {ceilings.copy_tbps:.2f} TB/s, bf16 matmul {ceilings.matmul_tflops:.0f} TFLOP/s")
+    ceilings = None
+    if DEVICE == "cuda":
+        ceilings = bench.measure_ceilings()
+        record.ceilings = ceilings.as_dict()
+        print(f"ceilings: copy {ceilings.copy_tbps:.2f} TB/s, bf16 matmul {ceilings.matmul_tflops:.0f} TFLOP/s")
     cases = [(b, t, d, a) for a in adapters for b in BLOCKS for t in tokens for d in dropouts]
     for block, t, d, a in bench.progress(cases, desc=NAME):
-        measure(record, ceilings.matmul_tflops, block, t, d, rank, alpha, rep, a, dora)
-        torch.cuda.empty_cache()
+        measure(record, ceilings, block, t, d, rank, alpha, rep, a, dora, shape=shape, qlora=qlora)
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
     out.parent.mkdir(parents=True, exist_ok=True)
     record.to_json(out)
     return record
 
 
 def speedups(record: bench.BenchRecord) -> list[dict[str, object]]:
-    """fk against PEFT eager per (adapter dtype, block, tokens, dropout): speed (PEFT ms / fk ms) and
-    memory ratio. Records from before the adapter axis had bf16 adapters."""
+    """fk against PEFT eager per (DoRA, 4-bit base, adapter dtype, block, tokens, dropout): speed
+    (PEFT ms / fk ms), fk's share of the matmul ceiling or of the floor, and the memory ratio.
+    Records from before the adapter axis had bf16 adapters."""
     table = []
 
-    def key(r: dict[str, Any]) -> tuple[bool, str, str, int, float]:
-        return (r.get("dora", False), r.get("adapter", "bf16"), r["block"], r["tokens"], r["dropout"])
+    def key(r: dict[str, Any]) -> tuple[bool, str, str, str, int, float]:
+        return (r.get("dora", False), r.get("qlora", ""), r.get("adapter", "bf16"), r["block"], r["tokens"], r["dropout"])  # fmt: skip
 
-    keys = sorted({key(r) for r in record.rows}, key=lambda k: (k[0], k[1], BLOCKS.index(k[2]), k[3], k[4]))
-    for dora, adapter, block, tokens, dropout in keys:
-        rows = {r["provider"]: r for r in record.rows if key(r) == (dora, adapter, block, tokens, dropout)}
+    keys = sorted({key(r) for r in record.rows}, key=lambda k: (k[0], k[1], k[2], BLOCKS.index(k[3]), k[4], k[5]))
+    for dora, qlora, adapter, block, tokens, dropout in keys:
+        rows = {r["provider"]: r for r in record.rows if key(r) == (dora, qlora, adapter, block, tokens, dropout)}
         fk, peft = rows["fk"], rows["peft"]
         table.append({
-            **({"dora": True} if dora else {}), "adapter": adapter, "block": block, "tokens": tokens, "dropout": dropout, "fk ms": fk["ms"],
-            "peft ms": peft["ms"],
-            "x peft": peft["ms"] / fk["ms"], "fk matmul%": 100 * fk["matmul_fraction"],
-            "fk MB": fk["peak_mb"], "peft MB": peft["peak_mb"], "memory / peft": fk["peak_mb"] / peft["peak_mb"],
+            **({"dora": True} if dora else {}), **({"qlora": qlora} if qlora else {}), "adapter": adapter,
+            "block": block, "tokens": tokens, "dropout": dropout, "fk ms": fk["ms"], "peft ms": peft["ms"],
+            "x peft": peft["ms"] / fk["ms"],
+            **({"fk matmul%": 100 * fk["matmul_fraction"]} if "matmul_fraction" in fk else {}),
+            **({"fk floor%": 100 * fk["floor_fraction"]} if "floor_fraction" in fk else {}),
+            **({"fk MB": fk["peak_mb"], "peft MB": peft["peak_mb"], "memory / peft": fk["peak_mb"] / peft["peak_mb"]}
+               if "peak_mb" in fk else {}),
             **({"fk GPU ms": fk["gpu_ms"], "GPU x peft": peft["gpu_ms"] / fk["gpu_ms"]} if "gpu_ms" in fk else {}),
         })  # fmt: skip
     return table
@@ -184,6 +309,7 @@ def speedups(record: bench.BenchRecord) -> list[dict[str, object]]:
 
 COLUMNS = [
     "dora",
+    "qlora",
     "adapter",
     "block",
     "tokens",
@@ -192,6 +318,7 @@ COLUMNS = [
     "peft ms",
     "x peft",
     "fk matmul%",
+    "fk floor%",
     "fk GPU ms",
     "GPU x peft",
     "fk MB",
@@ -209,26 +336,36 @@ def summary(record: bench.BenchRecord) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=None,
-                        help="the JSON record to write (a directory gets lora.json, or lora_dora.json, inside; "
-                             "default benchmarks/results/)")  # fmt: skip
-    parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384])
+                        help="the JSON record to write (a directory gets lora.json, lora_dora.json or "
+                             "lora_qlora.json inside; default benchmarks/results/)")  # fmt: skip
+    parser.add_argument("--tokens", type=int, nargs="+", help="token counts (default 4096 16384; --tiny 64)")
     parser.add_argument("--dropout", type=float, nargs="+", default=[0.0, 0.05])
     parser.add_argument("--adapters", nargs="+", default=list(ADAPTER_DTYPES), choices=list(ADAPTER_DTYPES),
                         help="dtypes of the LoRA weights")  # fmt: skip
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--alpha", type=int, default=32)
-    parser.add_argument("--rep", type=int, default=20)
+    parser.add_argument("--rep", type=int, help="timed calls per measurement (default 20; --tiny 2)")
     parser.add_argument("--dora", action="store_true", help="DoRA adapters (PEFT use_dora=True)")
+    parser.add_argument("--qlora", action="store_true",
+                        help=f"4-bit base weights (bitsandbytes {QUANT_TYPE}, nested, blocksize {QUANT_BLOCKSIZE})")  # fmt: skip
+    parser.add_argument("--tiny", action="store_true", help="tiny layer shapes (runs on a CPU: checks the code paths)")
     parser.add_argument("--summary", type=Path, help="only print the table of this JSON record")
     args = parser.parse_args()
     if args.summary:
         record = bench.BenchRecord.from_json(args.summary)
     else:
-        out = args.out or Path("benchmarks/results")
-        if out.is_dir() or not out.suffix:
-            out = out / f"{NAME}{'_dora' if args.dora else ''}.json"
-        record = run(args.tokens, args.dropout, args.adapters, out, args.rep, args.rank, args.alpha, args.dora)
-    print(f"bf16 matmul ceiling {record.ceilings['matmul_tflops']:.0f} TFLOP/s ({record.environment.get('gpu')})")
+        if DEVICE == "cpu" and not args.tiny:
+            parser.error("the benchmark needs a CUDA GPU; on a CPU run it with --tiny")
+        if args.dora and args.qlora:
+            parser.error("--qlora times plain LoRA adapters (fk.lora leaves DoRA on 4-bit bases to PEFT)")
+        tokens = args.tokens or ([64] if args.tiny else [4096, 16384])
+        rep = args.rep or (2 if args.tiny else 20)
+        out = record_path(args.out or Path("benchmarks/results"), args.dora, args.qlora)
+        record = run(tokens, args.dropout, args.adapters, out, rep, args.rank, args.alpha, args.dora,
+                     qlora=args.qlora, tiny=args.tiny)  # fmt: skip
+        print(f"record: {out}")
+    if "matmul_tflops" in record.ceilings:
+        print(f"bf16 matmul ceiling {record.ceilings['matmul_tflops']:.0f} TFLOP/s ({record.environment.get('gpu')})")
     print(summary(record))
 
 

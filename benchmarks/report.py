@@ -2,8 +2,9 @@
 
     python benchmarks/report.py
 
-For each ``benchmarks/results/<name>.json`` it imports ``benchmarks/bench_<name>.py`` and calls its
-``summary(record)``; the tables land between the ``<!-- results:<name> -->`` and
+For each ``benchmarks/results/<name>.json`` it imports ``benchmarks/bench_<name>.py`` (or, for a
+record a script writes beside its main one, such as ``lora_qlora.json``, the script of the longest
+``_``-separated prefix of the name that has one: ``bench_lora.py``) and calls its ``summary(record)``; the tables land between the ``<!-- results:<name> -->`` and
 ``<!-- /results:<name> -->`` markers of docs/benchmarks.md, with the GPU, versions and date of the
 run, so the page never quotes a number that is not in a committed record.
 
@@ -26,8 +27,20 @@ ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "benchmarks.md"
 
 
+def bench_script(name: str) -> Path:
+    """The script that wrote record ``name``: ``bench_<name>.py``, else that of the longest prefix of
+    ``name`` cut at a ``_`` (``lora_qlora``: ``bench_lora.py``, run with ``--qlora``)."""
+    parts = name.split("_")
+    for end in range(len(parts), 0, -1):
+        path = ROOT / "benchmarks" / f"bench_{'_'.join(parts[:end])}.py"
+        if path.exists():
+            return path
+    raise FileNotFoundError(f"no benchmarks/bench_*.py script for the record {name}.json")
+
+
 def _section(name: str, record: bench.BenchRecord) -> str:
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "benchmarks" / f"bench_{name}.py")
+    script = bench_script(name)
+    spec = importlib.util.spec_from_file_location(script.stem, script)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -46,12 +59,13 @@ FLOOR_SHARE = 0.85
 """A case under this share of its floor (bytes at the copy bandwidth, or FLOPs at the matmul ceiling,
 measured in the same run) is listed (issue #34's target)."""
 
-MEASURED = {"ms", "gpu_ms", "tbps", "tflops", "copy_fraction", "gpu_copy_fraction", "matmul_fraction", "peak_mb",
-            "rep", "provider", "status"}  # fmt: skip
+MEASURED = {"ms", "gpu_ms", "tbps", "tflops", "copy_fraction", "gpu_copy_fraction", "matmul_fraction", "floor_ms",
+            "floor_fraction", "peak_mb", "rep", "provider", "status"}  # fmt: skip
 """The fields of a row that are measurements; the others name the case."""
 
-FLOOR_FIELDS = ("copy_fraction", "matmul_fraction")
-"""Where a row gives its share of the floor from its wall time ``ms``."""
+FLOOR_FIELDS = ("floor_fraction", "copy_fraction", "matmul_fraction")
+"""Where a row gives its share of the floor from its wall time ``ms`` (``floor_fraction``: a floor of
+bytes and FLOPs together, ``fk.core.bench.floor_ms``)."""
 
 
 def floor_share(row: dict[str, Any]) -> float | None:

@@ -373,3 +373,26 @@ def test_merge_records_keeps_the_cases_not_run_with_their_dates() -> None:
     assert merged.rows == [{"op": "b", "provider": "fk", "ms": 2.0, "measured_utc": "earlier"},
                            {"op": "a", "provider": "fk", "ms": 3.0}]  # fmt: skip
     assert merged.notes == "now; b: from the call of earlier"
+
+
+def test_floor_ms_adds_the_bytes_at_copy_bandwidth_and_the_flops_at_the_matmul_ceiling() -> None:
+    ceilings = bench.Ceilings(copy_tbps=2.0, matmul_tflops=500.0)
+    assert bench.floor_ms(ceilings, nbytes=2e9) == pytest.approx(1.0)  # 2 GB at 2 TB/s
+    assert bench.floor_ms(ceilings, flops=5e11) == pytest.approx(1.0)  # 0.5 PFLOP at 500 TFLOP/s
+    assert bench.floor_ms(ceilings, nbytes=2e9, flops=5e11) == pytest.approx(2.0)
+    with pytest.raises(ValueError, match="positive ceilings"):
+        bench.floor_ms(bench.Ceilings(copy_tbps=0.0, matmul_tflops=1.0), nbytes=1.0)
+
+
+def test_cpu_time_ms_is_the_median_of_the_timed_calls_and_clears_gradients() -> None:
+    leaf = torch.ones(2, requires_grad=True)
+    calls: list[bool] = []
+
+    def step() -> None:
+        calls.append(leaf.grad is None)
+        (leaf * 2).sum().backward()
+
+    ms = bench.cpu_time_ms(step, warmup=1, rep=3, grad_to_none=[leaf])
+    assert ms >= 0 and calls == [True] * 4
+    with pytest.raises(ValueError, match="rep >= 1"):
+        bench.cpu_time_ms(step, rep=0)

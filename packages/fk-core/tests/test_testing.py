@@ -168,3 +168,14 @@ def test_count_buffers_models_the_cuda_caching_allocator() -> None:
     large = [3 * mib, 3 * mib + mib // 2, 4 * mib + 512]
     assert testing.count_buffers(large, 3 * mib, "cuda") == 2  # exact, or handed over whole
     assert testing.count_buffers(large, 4 * mib + 512, "cuda") == 1
+
+
+def test_require_bitsandbytes_4bit_gives_the_module_or_skips() -> None:
+    import importlib.util
+
+    try:
+        bnb = testing.require_bitsandbytes_4bit("cpu")
+    except pytest.skip.Exception as skipped:
+        assert "bitsandbytes" in str(skipped)
+        return
+    assert importlib.util.find_spec("bitsandbytes") is not None and bnb.__name__ == "bitsandbytes"

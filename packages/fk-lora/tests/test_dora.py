@@ -13,11 +13,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import fk.lora.lora
+import fk.lora.dora
 from fk.core import testing
 from fk.core.testing import dtype_name
 from fk.lora import LoRAWeights, lora_linear, lora_linear_ref, lora_mlp, lora_mlp_ref, lora_qkv
-from fk.lora.lora import dora_weight_norm
+from fk.lora.dora import dora_weight_norm
 
 K, N, R = 37, 29, 3  # awkward widths: hidden, projection width, rank
 SCALING = 1.5
@@ -169,7 +169,7 @@ def test_dora_weight_norm_in_row_chunks_is_the_direct_norm(
     """``||W + s B A||`` per row, formed five rows at a time, is the float64 norm rounded to the
     dtype PEFT computes it in (at most one rounding apart)."""
     _, w, _, a, bb, _ = _args(dtype, device)
-    monkeypatch.setattr(fk.lora.lora, "DORA_NORM_CHUNK_ELEMENTS", 5 * K)
+    monkeypatch.setattr(fk.lora.dora, "DORA_NORM_CHUNK_ELEMENTS", 5 * K)
     got = dora_weight_norm(w, a, bb, SCALING, dtype)
     want = torch.linalg.norm(w.detach().double() + SCALING * bb.detach().double() @ a.detach().double(), dim=1)
     assert got.dtype == torch.float32 and got.shape == (N,)

@@ -1,10 +1,16 @@
-"""QLoRA: fk.lora's fused projections on a 4-bit (NF4, FP4; nested absmax or not) bitsandbytes base
-weight, against PEFT's own bitsandbytes LoRA layer (``peft.tuners.lora.bnb.Linear4bit``), and what
-the fused path keeps for the backward (never the dequantized weight). Skipped without bitsandbytes."""
+"""QLoRA: fk.lora's fused projections and MLP on 4-bit (NF4, FP4; nested absmax or not) bitsandbytes
+base weights, against PEFT's own bitsandbytes LoRA layer (``peft.tuners.lora.bnb.Linear4bit``) on the
+test device (bitsandbytes' CPU backend, or its CUDA one on a GPU), and what the fused path keeps (never
+a dequantized weight for the backward; one dequantized weight at a time). The comparisons with
+bitsandbytes are skipped without it, or without its 4-bit backend for the device."""
 
 from __future__ import annotations
 
+import gc
+import importlib
 import logging
+import weakref
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -14,36 +20,54 @@ import fk.lora
 from fk.core import testing
 from fk.lora.quant import QuantizedWeight, from_bnb
 
-bnb = pytest.importorskip("bitsandbytes")
-peft_bnb = pytest.importorskip("peft.tuners.lora.bnb")
-from peft import LoraConfig  # noqa: E402
+peft = pytest.importorskip("peft")
+LoraConfig = peft.LoraConfig
+
+try:  # (the tests against bitsandbytes take the bnb_device fixture: skipped without it)
+    import bitsandbytes as bnb
+    import peft.tuners.lora.bnb as peft_bnb
+except ImportError:
+    bnb = peft_bnb = None
 
 # Blocksize 64 with 100 input features: blocks span rows. (Not 96: bitsandbytes 0.50.2's native CPU
 # dequantize_4bit is wrong for K = 96, blocksize 64 -- its own round trip is off by ~1.5 while
 # fk.lora.quant's dequantization of the same bytes is within half a code step -- so PEFT's CPU
 # output would be the wrong reference there.)
 IN, OUT, RANK = 100, 40, 4
+INTER = 40
+"""The MLP's intermediate size: the down projection's input features (blocks of 64 span its rows)."""
 BLOCKSIZE = 64
 QUANT = [("nf4", False), ("nf4", True), ("fp4", False), ("fp4", True)]
 QUANT_IDS = ["nf4", "nf4_nested", "fp4", "fp4_nested"]
 
 
-def _peft_layer(quant_type: str, nested: bool, compute: torch.dtype, dropout: float, seed: int, out: int = OUT) -> Any:
-    """PEFT's LoRA layer for a bitsandbytes ``Linear4bit`` base ``[out, IN]`` with a bias, in training
-    mode, with a random (non-zero) ``lora_B``; LoRA weights in fp32 (PEFT's default)."""
-    base = bnb.nn.Linear4bit(IN, out, bias=True, compute_dtype=compute, quant_type=quant_type)
-    w = testing.random_tensor((out, IN), torch.float32, "cpu", seed=seed)
+@pytest.fixture
+def bnb_device(device: str) -> str:
+    """The test device, where bitsandbytes has a 4-bit backend for it (else the test is skipped)."""
+    testing.require_bitsandbytes_4bit(device)
+    return device
+
+
+def _peft_layer(
+    quant_type: str, nested: bool, compute: torch.dtype, dropout: float, seed: int, device: str,
+    out: int = OUT, inp: int = IN,
+) -> Any:  # fmt: skip
+    """PEFT's LoRA layer for a bitsandbytes ``Linear4bit`` base ``[out, inp]`` with a bias, on
+    ``device`` (where bitsandbytes quantizes it), in training mode, with a random (non-zero)
+    ``lora_B``; LoRA weights in fp32 (PEFT's default)."""
+    base = bnb.nn.Linear4bit(inp, out, bias=True, compute_dtype=compute, quant_type=quant_type)
+    w = testing.random_tensor((out, inp), torch.float32, "cpu", seed=seed)
     base.weight = bnb.nn.Params4bit(
         w, requires_grad=False, quant_type=quant_type, blocksize=BLOCKSIZE, compress_statistics=nested
     )
-    base = base.to("cpu")
+    base = base.to(device)
     with torch.no_grad():
-        base.bias.copy_(testing.random_tensor((out,), torch.float32, "cpu", seed=seed + 1))
+        base.bias.copy_(testing.random_tensor((out,), torch.float32, device, seed=seed + 1))
     config = LoraConfig(r=RANK, lora_alpha=8, lora_dropout=dropout)
     layer = peft_bnb.Linear4bit(base, "default", config, r=RANK, lora_alpha=8, lora_dropout=dropout)
     with torch.no_grad():
-        layer.lora_B["default"].weight.copy_(testing.random_tensor((out, RANK), torch.float32, "cpu", seed=seed + 2))
-    return layer.train()
+        layer.lora_B["default"].weight.copy_(testing.random_tensor((out, RANK), torch.float32, device, seed=seed + 2))
+    return layer.to(device).train()
 
 
 def _parts(layer: Any, compute: torch.dtype, dropout: float) -> fk.lora.LoRAWeights:
@@ -71,10 +95,10 @@ def _tol(compute: torch.dtype) -> dict[str, float]:
 @pytest.mark.parametrize("dropout", [0.0, 0.25], ids=["no_dropout", "dropout"])
 @pytest.mark.parametrize("compute", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize(("quant_type", "nested"), QUANT, ids=QUANT_IDS)
-def test_lora_linear_on_4bit_base_matches_peft_bnb(quant_type: str, nested: bool, compute: torch.dtype, dropout: float) -> None:  # fmt: skip
-    layer = _peft_layer(quant_type, nested, compute, dropout, seed=1)
-    x = testing.random_tensor((2, 5, IN), compute, "cpu", seed=9).requires_grad_(True)
-    dy = testing.random_tensor((2, 5, OUT), compute, "cpu", seed=10)
+def test_lora_linear_on_4bit_base_matches_peft_bnb(bnb_device: str, quant_type: str, nested: bool, compute: torch.dtype, dropout: float) -> None:  # fmt: skip
+    layer = _peft_layer(quant_type, nested, compute, dropout, seed=1, device=bnb_device)
+    x = testing.random_tensor((2, 5, IN), compute, bnb_device, seed=9).requires_grad_(True)
+    dy = testing.random_tensor((2, 5, OUT), compute, bnb_device, seed=10)
     torch.manual_seed(0)
     want = layer(x)
     want.backward(dy)
@@ -94,15 +118,15 @@ def test_lora_linear_on_4bit_base_matches_peft_bnb(quant_type: str, nested: bool
 
 @pytest.mark.parametrize("dropout", [0.0, 0.25], ids=["no_dropout", "dropout"])
 @pytest.mark.parametrize("compute", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_qkv_on_4bit_bases_matches_peft_bnb(compute: torch.dtype, dropout: float) -> None:
+def test_qkv_on_4bit_bases_matches_peft_bnb(bnb_device: str, compute: torch.dtype, dropout: float) -> None:
     """q, k, v (NF4 nested, FP4, NF4; k narrower) in one fused call: outputs and the one dx."""
     layers = [
-        _peft_layer("nf4", True, compute, dropout, seed=1),
-        _peft_layer("fp4", False, compute, dropout, seed=4, out=24),
-        _peft_layer("nf4", False, compute, dropout, seed=7),
+        _peft_layer("nf4", True, compute, dropout, seed=1, device=bnb_device),
+        _peft_layer("fp4", False, compute, dropout, seed=4, device=bnb_device, out=24),
+        _peft_layer("nf4", False, compute, dropout, seed=7, device=bnb_device),
     ]
-    x = testing.random_tensor((3, IN), compute, "cpu", seed=11).requires_grad_(True)
-    dys = [testing.random_tensor((3, layer.base_layer.out_features), compute, "cpu", seed=12 + i) for i, layer in enumerate(layers)]  # fmt: skip
+    x = testing.random_tensor((3, IN), compute, bnb_device, seed=11).requires_grad_(True)
+    dys = [testing.random_tensor((3, layer.base_layer.out_features), compute, bnb_device, seed=12 + i) for i, layer in enumerate(layers)]  # fmt: skip
     torch.manual_seed(0)
     want = [layer(x) for layer in layers]  # masks drawn q, k, v
     torch.autograd.backward(want, dys)
@@ -119,37 +143,163 @@ def test_qkv_on_4bit_bases_matches_peft_bnb(compute: torch.dtype, dropout: float
         torch.testing.assert_close(g, w, rtol=_tol(compute)["rtol"], atol=_tol(compute)["atol"] * scale)
 
 
+def _mlp_layers(quant_type: str, nested: bool, compute: torch.dtype, dropout: float, device: str) -> list[Any]:
+    """PEFT's LoRA layers of a LlamaMLP on 4-bit bases: gate and up ``[INTER, IN]``, down ``[IN, INTER]``."""
+    return [
+        _peft_layer(quant_type, nested, compute, dropout, seed=1, device=device, out=INTER),
+        _peft_layer(quant_type, nested, compute, dropout, seed=4, device=device, out=INTER),
+        _peft_layer(quant_type, nested, compute, dropout, seed=7, device=device, out=IN, inp=INTER),
+    ]
+
+
+def _compare_mlp_with_peft(layers: list[Any], compute: torch.dtype, dropout: float, device: str) -> None:
+    """``lora_mlp`` on the layers' 4-bit bases against PEFT's forward (LlamaMLP's: masks drawn gate,
+    up, down) and backward: the output, dx and every LoRA and bias gradient."""
+    gate, up, down = layers
+    x = testing.random_tensor((2, 5, IN), compute, device, seed=9).requires_grad_(True)
+    dy = testing.random_tensor((2, 5, IN), compute, device, seed=10)
+    torch.manual_seed(0)
+    want = down(torch.nn.functional.silu(gate(x)) * up(x))
+    want.backward(dy)
+    want_grads = [x.grad.clone(), *(g for layer in layers for g in _grads(layer))]
+    x.grad = None
+    torch.manual_seed(0)
+    got = fk.lora.lora_mlp(x, *(_parts(layer, compute, dropout) for layer in layers))
+    got.backward(dy)
+    got_grads = [x.grad, *(g for layer in layers for g in _grads(layer))]
+    assert got.dtype == want.dtype == compute
+    # Three projections deep, relative to the largest value: fp32 sums in another order (fk adds the
+    # LoRA branch into the base output; fk.glu's activation), bf16 rounds h and the outputs as PEFT does
+    # but not at the same points.
+    tol = 1e-4 if compute == torch.float32 else _tol(compute)["rtol"]
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol * float(want.detach().abs().max()))
+    for g, w in zip(got_grads, want_grads, strict=True):
+        assert g.dtype == w.dtype
+        torch.testing.assert_close(g, w, rtol=tol, atol=tol * float(w.abs().max()))
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.25], ids=["no_dropout", "dropout"])
 @pytest.mark.parametrize("compute", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_backward_does_not_keep_the_dequantized_weight(compute: torch.dtype) -> None:
-    """No tensor of the weight's shape in the compute dtype is saved for the backward (with a dense
-    base weight, that tensor is saved: the hook sees it)."""
-    layer = _peft_layer("nf4", True, compute, 0.25, seed=1)
-    parts = _parts(layer, compute, 0.25)
-    x = testing.random_tensor((2, 5, IN), compute, "cpu", seed=9).requires_grad_(True)
-
-    def saved(weight: torch.Tensor | QuantizedWeight) -> list[tuple[tuple[int, ...], torch.dtype]]:
-        seen: list[tuple[tuple[int, ...], torch.dtype]] = []
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            seen.append((tuple(t.shape), t.dtype))
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            fk.lora.lora_linear(x, *parts._replace(weight=weight)).sum().backward()
-        return seen
-
-    assert ((OUT, IN), compute) not in saved(parts.weight)
-    assert ((OUT, IN), compute) in saved(fk.lora.quant.dequantize(parts.weight, dtype=compute))
+@pytest.mark.parametrize(("quant_type", "nested"), QUANT, ids=QUANT_IDS)
+def test_lora_mlp_on_4bit_bases_matches_peft_bnb(bnb_device: str, quant_type: str, nested: bool, compute: torch.dtype, dropout: float) -> None:  # fmt: skip
+    _compare_mlp_with_peft(_mlp_layers(quant_type, nested, compute, dropout, bnb_device), compute, dropout, bnb_device)
 
 
-def test_quantized_base_is_refused_where_not_fused() -> None:
-    layer = _peft_layer("nf4", False, torch.float32, 0.0, seed=1)
-    parts = _parts(layer, torch.float32, 0.0)
-    x = testing.random_tensor((3, IN), torch.float32, "cpu", seed=2)
+@pytest.mark.parametrize("compute", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_lora_mlp_on_4bit_bases_in_row_chunks_matches_peft_bnb(
+    bnb_device: str, compute: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The MLP forming ``act(gate) * up`` four rows at a time (a down base dequantized once for all chunks)."""
+    monkeypatch.setattr(importlib.import_module("fk.lora.lora"), "MLP_CHUNK_BYTES", 4 * INTER * compute.itemsize)
+    _compare_mlp_with_peft(_mlp_layers("nf4", True, compute, 0.0, bnb_device), compute, 0.0, bnb_device)
+
+
+def _random_4bit_parts(out: int, inp: int, device: str, seed: int, dropout: float) -> fk.lora.LoRAWeights:
+    """A LoRA projection on a random NF4 (nested) base ``[out, inp]`` (fk.lora.quant's own
+    quantizer), without bias, LoRA weights in fp32 that require grad."""
+    w = testing.random_tensor((out, inp), torch.float32, device, seed=seed)
+    a = testing.random_tensor((RANK, inp), torch.float32, device, seed=seed + 1, requires_grad=True)
+    b = testing.random_tensor((out, RANK), torch.float32, device, seed=seed + 2, requires_grad=True)
+    q = fk.lora.quantize_ref(w, "nf4", BLOCKSIZE, nested=True)
+    return fk.lora.LoRAWeights(q, None, a, b, 2.0, dropout)
+
+
+def _mlp_parts(device: str, dropout: float) -> list[fk.lora.LoRAWeights]:
+    return [_random_4bit_parts(*shape, device, seed, dropout) for shape, seed in (((INTER, IN), 1), ((INTER, IN), 4), ((IN, INTER), 7))]  # fmt: skip
+
+
+def _saved_shapes(call: Callable[[], torch.Tensor]) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """The shape and dtype of every tensor autograd saves for the backward of ``call()``'s output."""
+    seen: list[tuple[tuple[int, ...], torch.dtype]] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        seen.append((tuple(t.shape), t.dtype))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        call().sum().backward()
+    return seen
+
+
+def _densified(parts: fk.lora.LoRAWeights, compute: torch.dtype) -> fk.lora.LoRAWeights:
+    assert isinstance(parts.weight, QuantizedWeight)
+    return parts._replace(weight=fk.lora.dequantize(parts.weight, dtype=compute))
+
+
+@pytest.mark.parametrize("compute", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("block", ["linear", "mlp"])
+def test_backward_does_not_keep_the_dequantized_weight(bnb_device: str, block: str, compute: torch.dtype) -> None:
+    """No tensor of a base weight's shape in the compute dtype is saved for the backward (with dense
+    base weights, those tensors are saved: the hook sees them)."""
+    x = testing.random_tensor((2, 5, IN), compute, bnb_device, seed=9).requires_grad_(True)
+    if block == "linear":
+        layer = _peft_layer("nf4", True, compute, 0.25, seed=1, device=bnb_device)
+        parts = [_parts(layer, compute, 0.25)]
+        call = lambda ps: fk.lora.lora_linear(x, *ps[0])  # noqa: E731
+        weights = [(OUT, IN)]
+    else:
+        parts = _mlp_parts(bnb_device, 0.25)
+        call = lambda ps: fk.lora.lora_mlp(x, *ps)  # noqa: E731
+        weights = [(INTER, IN), (IN, INTER)]
+    quantized = _saved_shapes(lambda: call(parts))
+    dense = _saved_shapes(lambda: call([_densified(p, compute) for p in parts]))
+    for shape in weights:
+        assert (shape, compute) not in quantized
+        assert (shape, compute) in dense
+
+
+@pytest.fixture
+def dequantized(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
+    """Each time fk.lora dequantizes a 4-bit base, how many weights it dequantized before are still
+    alive (a weak reference to each); after the test, none may be."""
+    base = importlib.import_module("fk.lora.lora")._QuantizedBase
+    original = base.dense
+    made: list[weakref.ref[torch.Tensor]] = []
+    alive: list[int] = []
+
+    def dense(self: Any) -> torch.Tensor:  # (no gc.collect(): a weight freed only by the collector counts as alive)
+        alive.append(sum(ref() is not None for ref in made))
+        w = original(self)
+        made.append(weakref.ref(w))
+        return w
+
+    monkeypatch.setattr(base, "dense", dense)
+    yield alive
+    gc.collect()
+    assert all(ref() is None for ref in made), "a dequantized weight outlived the call"
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.25], ids=["no_dropout", "dropout"])
+@pytest.mark.parametrize("block", ["qkv", "mlp", "mlp_row_chunks"])
+def test_one_dequantized_weight_at_a_time_once_per_pass(
+    device: str, block: str, dropout: float, dequantized: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Forward and backward dequantize each 4-bit base once (the forward for its base matmul, the
+    backward for its dx term; the MLP's down projection once for all its row chunks), and never
+    while another dequantized weight is alive."""
+    x = testing.random_tensor((2, 5, IN), torch.float32, device, seed=9).requires_grad_(True)
+    if block == "qkv":
+        parts = [_random_4bit_parts(n, IN, device, seed, dropout) for n, seed in ((OUT, 1), (24, 4), (24, 7))]
+        outs = fk.lora.lora_qkv(x, *parts)
+    else:
+        if block == "mlp_row_chunks":
+            monkeypatch.setattr(importlib.import_module("fk.lora.lora"), "MLP_CHUNK_BYTES", 4 * INTER * 4)
+        outs = (fk.lora.lora_mlp(x, *_mlp_parts(device, dropout)),)
+    assert dequantized == [0, 0, 0]
+    torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+    assert dequantized == [0] * 6
+    assert x.grad is not None
+
+
+def test_quantized_base_is_refused_where_not_fused(device: str) -> None:
+    gate, up, down = _mlp_parts(device, 0.0)
+    x = testing.random_tensor((3, IN), torch.float32, device, seed=2)
     with pytest.raises(ValueError, match="DoRA on a quantized base"):
-        fk.lora.lora_linear(x, *parts._replace(magnitude=torch.ones(OUT)))
-    with pytest.raises(ValueError, match="lora_mlp does not take a QuantizedWeight"):
-        fk.lora.lora_mlp(x, parts, parts, parts)
+        fk.lora.lora_linear(x, *gate._replace(magnitude=torch.ones(INTER, device=device)))
+    with pytest.raises(ValueError, match=r"down_parts\.weight is a QuantizedWeight: DoRA on a quantized base"):
+        fk.lora.lora_mlp(x, gate, up, down._replace(magnitude=torch.ones(IN, device=device)))
+    with pytest.raises(ValueError, match=r"down_parts\.weight takes 100 input features"):
+        fk.lora.lora_mlp(x, gate, up, gate)
 
 
 # --- fk.lora.patch on a PEFT model whose linears are bitsandbytes Linear4bit -----------------------
@@ -171,7 +321,7 @@ class _MLP(torch.nn.Module):  # LlamaMLP's forward
     def __init__(self, compute: torch.dtype) -> None:
         super().__init__()
         self.gate_proj = bnb.nn.Linear4bit(IN, 64, bias=False, compute_dtype=compute)
-        self.up_proj = bnb.nn.Linear4bit(IN, 64, bias=False, compute_dtype=compute)
+        self.up_proj = bnb.nn.Linear4bit(IN, 64, bias=False, compute_dtype=compute, quant_type="fp4")
         self.down_proj = bnb.nn.Linear4bit(64, IN, bias=False, compute_dtype=compute)
         self.act_fn = torch.nn.SiLU()
 
@@ -189,13 +339,12 @@ class _Block(torch.nn.Module):
         return self.mlp(self.self_attn(x))
 
 
-def _qlora_model(compute: torch.dtype, dropout: float) -> Any:
-    from peft import get_peft_model
+def _qlora_model(compute: torch.dtype, dropout: float, device: str, dora: bool = False) -> Any:
 
     torch.manual_seed(3)
-    block = _Block(compute).to("cpu")  # (quantizes the weights)
-    config = LoraConfig(r=RANK, lora_alpha=8, lora_dropout=dropout, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])  # fmt: skip
-    model = get_peft_model(block, config)
+    block = _Block(compute).to(device)  # (quantizes the weights)
+    config = LoraConfig(r=RANK, lora_alpha=8, lora_dropout=dropout, use_dora=dora, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])  # fmt: skip
+    model = peft.get_peft_model(block, config)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "lora_B" in name:
@@ -213,12 +362,12 @@ def _model_loss(model: Any, x: torch.Tensor, seed: int) -> tuple[torch.Tensor, l
 @pytest.mark.parametrize("dropout", [0.0, 0.25], ids=["no_dropout", "dropout"])
 @pytest.mark.parametrize("compute", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_patch_fuses_4bit_projections_and_matches_peft(
-    compute: torch.dtype, dropout: float, caplog: pytest.LogCaptureFixture
+    bnb_device: str, compute: torch.dtype, dropout: float, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """q/k/v as one group, o and the MLP's projections alone (lora_mlp takes no 4-bit base yet):
-    the loss and every LoRA gradient as PEFT + bitsandbytes give them."""
-    model = _qlora_model(compute, dropout)
-    x = testing.random_tensor((2, 3, IN), compute, "cpu", seed=5)
+    """q/k/v as one group, the MLP whole (lora_mlp on its 4-bit bases), o alone: the loss and every
+    LoRA gradient as PEFT + bitsandbytes give them."""
+    model = _qlora_model(compute, dropout, bnb_device)
+    x = testing.random_tensor((2, 3, IN), compute, bnb_device, seed=5)
     want = _model_loss(model, x, seed=1)
     with caplog.at_level(logging.INFO, logger="fk.lora"):
         report = fk.lora.patch(model)
@@ -226,9 +375,10 @@ def test_patch_fuses_4bit_projections_and_matches_peft(
             got = _model_loss(model, x, seed=1)
         finally:
             fk.lora.unpatch(model)
-    assert not report.skipped and not report.mlp
+    assert not report.skipped
+    assert [n.rsplit(".", 1)[-1] for n in report.mlp] == ["mlp"]
     assert [[n.rsplit(".", 1)[-1] for n in group] for group in report.qkv] == [["q_proj", "k_proj", "v_proj"]]
-    assert sorted(n.rsplit(".", 1)[-1] for n in report.linear) == ["down_proj", "gate_proj", "o_proj", "up_proj"]
+    assert [n.rsplit(".", 1)[-1] for n in report.linear] == ["o_proj"]
     assert "runs PEFT's forward" not in caplog.text  # every call took the fused path
     tol = _tol(compute)
     torch.testing.assert_close(got[0], want[0], rtol=tol["rtol"], atol=tol["atol"] * float(want[0]))
@@ -236,10 +386,25 @@ def test_patch_fuses_4bit_projections_and_matches_peft(
         torch.testing.assert_close(g, w, rtol=tol["rtol"], atol=tol["atol"] * float(w.abs().max()))
 
 
-def test_patch_leaves_int8_and_mismatched_inputs_to_peft(caplog: pytest.LogCaptureFixture) -> None:
+def test_patch_leaves_dora_on_4bit_bases_to_peft(bnb_device: str) -> None:
+    """DoRA on a 4-bit base is not fused: every such layer is reported as left to PEFT, and the
+    patched model computes what PEFT's does."""
+    model = _qlora_model(torch.float32, 0.0, bnb_device, dora=True)
+    x = testing.random_tensor((2, 3, IN), torch.float32, bnb_device, seed=5)
+    want = _model_loss(model, x, seed=1)
+    report = fk.lora.patch(model)
+    try:
+        got = _model_loss(model, x, seed=1)
+    finally:
+        fk.lora.unpatch(model)
+    assert report.n_patched == 0 and len(report.skipped) == 7
+    assert all("DoRA on a 4-bit base" in reason for reason in report.skipped.values())
+    torch.testing.assert_close(got[0], want[0], rtol=0.0, atol=0.0)
+
+
+def test_patch_leaves_int8_and_mismatched_inputs_to_peft(bnb_device: str, caplog: pytest.LogCaptureFixture) -> None:
     """Linear8bitLt (int8: bitsandbytes quantizes the activations too) is left to PEFT at patch time;
     a 4-bit layer called on an input unlike its compute_dtype runs PEFT's forward, with a log line."""
-    from peft import get_peft_model
 
     class Net(torch.nn.Module):
         def __init__(self) -> None:
@@ -250,8 +415,8 @@ def test_patch_leaves_int8_and_mismatched_inputs_to_peft(caplog: pytest.LogCaptu
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return self.o_proj(x)
 
-    model = get_peft_model(Net().to("cpu"), LoraConfig(r=RANK, target_modules=["o_proj", "fc"])).train()
-    x = testing.random_tensor((3, IN), torch.float32, "cpu", seed=5)
+    model = peft.get_peft_model(Net().to(bnb_device), LoraConfig(r=RANK, target_modules=["o_proj", "fc"])).train()
+    x = testing.random_tensor((3, IN), torch.float32, bnb_device, seed=5)
     want = model(x)
     with caplog.at_level(logging.INFO, logger="fk.lora"):
         report = fk.lora.patch(model)

@@ -4,7 +4,6 @@ definitions and, where bitsandbytes is installed, against bitsandbytes' own dequ
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 
 import pytest
@@ -237,22 +236,6 @@ def test_compiles_without_graph_breaks(device: str) -> None:
 needs_bnb = pytest.mark.skipif(not HAS_BNB, reason="bitsandbytes is not installed (extra fk-lora[qlora])")
 
 
-@functools.cache
-def _bnb_quantizes_on(device: str) -> bool:
-    import bitsandbytes.functional as bnb_f
-
-    try:
-        bnb_f.quantize_4bit(torch.ones(64, device=device), blocksize=64, quant_type="nf4")
-    except (RuntimeError, NotImplementedError, ValueError):
-        return False
-    return True
-
-
-def _skip_without_bnb_backend(device: str) -> None:
-    if not _bnb_quantizes_on(device):
-        pytest.skip(f"this bitsandbytes has no 4-bit backend for {device}")
-
-
 @needs_bnb
 @pytest.mark.parametrize("shape", [(17, 100), (5, 33)], ids=str)
 @pytest.mark.parametrize("blocksize", [64, 256])
@@ -264,7 +247,7 @@ def test_4bit_equals_bitsandbytes_dequantize_4bit(
     import bitsandbytes as bnb
     import bitsandbytes.functional as bnb_f
 
-    _skip_without_bnb_backend(device)
+    testing.require_bitsandbytes_4bit(device)
     w = _weight(shape, "cpu", seed=6).to(torch.bfloat16)
     param = bnb.nn.Params4bit(
         w, requires_grad=False, quant_type=quant_type, blocksize=blocksize, compress_statistics=nested
@@ -286,7 +269,7 @@ def test_linear4bit_layer_reads_as_bitsandbytes_dequantizes_it(device: str, stor
     import bitsandbytes as bnb
     import bitsandbytes.functional as bnb_f
 
-    _skip_without_bnb_backend(device)
+    testing.require_bitsandbytes_4bit(device)
     layer = bnb.nn.Linear4bit(64, 12, bias=False, quant_type="nf4", quant_storage=storage)
     layer.weight = bnb.nn.Params4bit(
         _weight((12, 64), "cpu", seed=7), requires_grad=False, quant_type="nf4", quant_storage=storage

@@ -52,6 +52,7 @@ import json
 import math
 import os
 import platform
+import statistics
 import sys
 import time
 from collections.abc import Callable, Generator, Iterable, Mapping, Sequence, Sized
@@ -66,7 +67,9 @@ __all__ = [
     "Ceilings",
     "TimeStats",
     "copy_bandwidth_tbps",
+    "cpu_time_ms",
     "environment",
+    "floor_ms",
     "fraction",
     "graph_time_us",
     "markdown_table",
@@ -242,6 +245,24 @@ def time_ms(
     return stats.median
 
 
+def cpu_time_ms(
+    fn: Callable[[], object], *, warmup: int = 0, rep: int = 2, grad_to_none: Sequence[torch.Tensor] | None = None
+) -> float:
+    """Median wall milliseconds of ``fn()`` on the CPU, ``warmup`` untimed calls first (a benchmark's
+    ``--tiny`` run, which checks its code paths in Triton's interpreter: no CUDA events, no L2
+    flush). Tensors in ``grad_to_none`` get ``.grad = None`` before every call, as in :func:`time_ms`."""
+    if warmup < 0 or rep < 1:
+        raise ValueError(f"need warmup >= 0 and rep >= 1, got warmup={warmup}, rep={rep}")
+    samples = []
+    for i in range(warmup + rep):
+        _clear_grads(grad_to_none)
+        began = time.perf_counter()
+        fn()
+        if i >= warmup:
+            samples.append(1e3 * (time.perf_counter() - began))
+    return statistics.median(samples)
+
+
 def graph_time_us(fn: Callable[[], object], *, calls: int = 20, replays: int = 5) -> float:
     """GPU microseconds per call of ``fn()``, captured ``calls`` times in one CUDA graph and replayed.
 
@@ -401,6 +422,16 @@ def tflops(flops: float, ms: float) -> float:
     """TFLOP/s (10**12 FLOPs per second) for ``flops`` done in ``ms`` milliseconds."""
     _check_ms(ms)
     return flops / (ms * 1e-3) / 1e12
+
+
+def floor_ms(ceilings: Ceilings, *, nbytes: float = 0.0, flops: float = 0.0) -> float:
+    """The least time, in ms, of a call that must move ``nbytes`` (read plus written) and do
+    ``flops``, one after the other: the bytes at the copy bandwidth and the FLOPs at the matmul
+    ceiling, both measured in the same run (a QLoRA matmul: its weight's dequantization, then the
+    matmul)."""
+    if nbytes < 0 or flops < 0 or not (ceilings.copy_tbps > 0 and ceilings.matmul_tflops > 0):
+        raise ValueError(f"need nbytes, flops >= 0 and positive ceilings, got {nbytes}, {flops}, {ceilings}")
+    return nbytes / (ceilings.copy_tbps * 1e9) + flops / (ceilings.matmul_tflops * 1e9)
 
 
 def fraction(achieved: float, ceiling: float) -> float:

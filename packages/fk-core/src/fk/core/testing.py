@@ -368,6 +368,50 @@ def run_on_reference_path(code: str) -> None:
         raise AssertionError(f"reference-path run failed:\nstdout:\n{out.stdout}\nstderr:\n{out.stderr}")
 
 
+# --- scripts -----------------------------------------------------------------------------------
+
+
+def load_script(path: Any) -> Any:
+    """The module of the Python file at ``path`` (a benchmark script, which is not a package), run
+    under the file's stem as its name; for tests of ``benchmarks/*.py``."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(path)
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {path} as a module")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# --- peers ------------------------------------------------------------------------------------
+
+
+@functools.cache
+def _bitsandbytes_quantizes_4bit_on(device: str) -> bool:
+    import bitsandbytes.functional as bnb_f
+
+    try:
+        bnb_f.quantize_4bit(torch.ones(64, device=device), blocksize=64, quant_type="nf4")
+    except (RuntimeError, NotImplementedError, ValueError):
+        return False
+    return True
+
+
+def require_bitsandbytes_4bit(device: str) -> Any:
+    """The ``bitsandbytes`` module where it is installed and has a 4-bit backend for ``device`` (its
+    CPU one, or its CUDA library on a GPU); otherwise the calling test is skipped, naming what is
+    missing. (QLoRA tests compare fk.lora with bitsandbytes' own layers on the test device.)"""
+    import pytest
+
+    bnb = pytest.importorskip("bitsandbytes", reason="bitsandbytes is not installed (extra fk-lora[qlora])")
+    if not _bitsandbytes_quantizes_4bit_on(device):
+        pytest.skip(f"bitsandbytes {bnb.__version__} has no 4-bit backend for {device}")
+    return bnb
+
+
 # --- several processes ------------------------------------------------------------------------
 
 

@@ -10,7 +10,7 @@
 - :func:`patch` / :func:`unpatch`: swap the forward of a PEFT model's LoRA modules (needs ``peft``).
 - :func:`dequantize` / :func:`dequantize_rows`: QLoRA base weights (bitsandbytes NF4, FP4, int8,
   read by :func:`from_bnb` into a :class:`QuantizedWeight`) in the compute dtype, a tile of rows at a
-  time (the fused path over them comes next).
+  time. Every function above takes a 4-bit :class:`QuantizedWeight` as a base weight (plain LoRA).
 """
 
 from fk.lora.lora import (

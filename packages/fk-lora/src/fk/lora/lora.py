@@ -29,38 +29,52 @@ returned in ``x``'s. The fused functions themselves run with autocast disabled.
 
 DoRA (PEFT ``use_dora=True``): a projection given a magnitude vector ``mag`` computes PEFT's
 ``DoraLinearLayer`` output, ``mag / ||W + s B A||`` (the row norm detached) scaling the base and
-LoRA products; see the DoRA launchers' equations.
+LoRA products; its launchers are :mod:`fk.lora.dora`'s, which the functional API here calls.
 
 This file holds, in order: the references, the launchers (forward and backward of a group of
-projections that share their input, and of a gated MLP, as ``torch.autograd.Function``\\ s; the
-matmuls are PyTorch's, the MLP's activation is fk.glu's Triton kernel, the dropout's masked input
-gradient the kernel of :mod:`fk.lora.masked_low_rank`), DoRA's launchers for projections of one
-input, and the functional API (:func:`lora_linear`, :func:`lora_o`, :func:`lora_qkv`,
-:func:`lora_mlp`).
+projections that share their input, and of a gated MLP, as ``torch.autograd.Function``\\ s, built
+from :mod:`fk.lora.projection`'s parts; the matmuls are PyTorch's, the MLP's activation is fk.glu's
+Triton kernel, the dropout's masked input gradient the kernel of :mod:`fk.lora.masked_low_rank`),
+and the functional API (:func:`lora_linear`, :func:`lora_o`, :func:`lora_qkv`, :func:`lora_mlp`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Iterable, Sequence
-from typing import Any, NamedTuple, TypeVar
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from fk.core import validate
 from fk.core.backend import uses_kernel
-from fk.core.matmul import accumulate_mm, bf16_parts, column_sum, mm_bf16_fp32, scaled_mm
+from fk.core.matmul import accumulate_mm, column_sum, scaled_mm
 from fk.glu import (
     gated_act,
-    gated_act_backward,
     gated_act_backward_with_value,
     gated_act_forward,
     gated_act_ref,
     resolve_activation,
 )
-from fk.lora.masked_low_rank import add_masked_low_rank_, masked
+from fk.lora.dora import DoRAMLP, DoRAParams, DoRAProjections, dora_ref
+from fk.lora.masked_low_rank import add_masked_low_rank_
+from fk.lora.projection import (
+    Settings,
+    add_lora_out,
+    autocast_off,
+    backward_without_autocast,
+    base_out,
+    cut_blocks,
+    from_flat,
+    kept_input,
+    lora_a_operands,
+    lora_input_product,
+    lora_input_products,
+    scaled_lora_grad,
+    stackable,
+    to_flat,
+)
 from fk.lora.quant import QuantizedWeight, dequantize
 
 MLP_ACTIVATIONS: dict[str, str] = {"swiglu": "silu", "geglu": "gelu_tanh"}
@@ -72,9 +86,9 @@ class LoRAWeights(NamedTuple):
 
     weight: torch.Tensor | QuantizedWeight
     """Base weight ``[N, K]`` (``base_layer.weight``), frozen or trainable; or a frozen 4-bit
-    (NF4/FP4) :class:`fk.lora.quant.QuantizedWeight` (QLoRA; :func:`lora_linear`,
-    :func:`lora_projections`, :func:`lora_qkv`), dequantized to the compute dtype (autocast's,
-    else ``x``'s) in the forward and again in the backward, never kept."""
+    (NF4/FP4) :class:`fk.lora.quant.QuantizedWeight` (QLoRA, plain LoRA only: every function
+    takes one), dequantized to the compute dtype (autocast's, else ``x``'s) in the forward and again
+    in the backward for ``dx``, never kept."""
     bias: torch.Tensor | None
     """Base bias ``[N]`` or None."""
     lora_A: torch.Tensor
@@ -127,16 +141,7 @@ def lora_linear_ref(
     lora = F.linear(F.linear(xl, lora_A), lora_B, lora_bias) * scaling
     if magnitude is None:
         return (result + lora).to(result.dtype)
-    weight = base_weight.to(xl.dtype)
-    norm = torch.linalg.norm(weight + scaling * (lora_B @ lora_A).to(xl.dtype), dim=1).detach()
-    ms = magnitude / norm
-    if dropout_p > 0:  # PEFT recomputes the base product on the dropped input
-        base = F.linear(xl, weight)
-    elif base_bias is not None:
-        base = result - base_bias
-    else:
-        base = result
-    return (result + (ms - 1) * base + ms * lora).to(result.dtype)
+    return dora_ref(result, xl, lora, base_weight, base_bias, lora_A, lora_B, scaling, dropout_p, magnitude)
 
 
 def lora_mlp_ref(
@@ -193,27 +198,21 @@ def lora_mlp_ref(
 # Without dropout on the down projection, h and dh are formed MLP_CHUNK_BYTES of rows at a time
 # (forward and eager backward), so g and u are the only [M, I] buffers: the down projection's
 # parameter gradients are then sums over the chunks, in fp32.
-
-
-class _Settings(NamedTuple):
-    """One projection's settings, as the autograd functions take them (beside its tensors)."""
-
-    scaling: float
-    """``s``."""
-    dropout_p: float
-    """``p``, 0 without dropout."""
-    dropout_dtype: torch.dtype
-    """The dtype ``d`` is drawn in: ``lora_A``'s own, before any autocast cast (PEFT casts ``x`` to
-    it, ``_cast_input_dtype``)."""
+#
+# 4-bit (QLoRA) bases, in the projections and the MLP alike: W is dequantized to c where a matmul
+# needs it and dropped once that matmul (for the MLP's row chunks: all of them) has run, so at most
+# one projection's W exists at a time. Forward: for its base matmul. Backward: for dx = dy W (and
+# the MLP's dh = dy Wd), never for a parameter gradient (the base is frozen). Only the packed data
+# is kept between forward and backward.
 
 
 class _Params(NamedTuple):
     """One projection's tensors, as the autograd functions take them: cast to autocast's dtype
-    under autocast; flat, five a projection, at the functions' boundary (:func:`_flat`)."""
+    under autocast; flat, five a projection, at the functions' boundary (:func:`to_flat`)."""
 
     weight: Any
     """``W`` ``[N, K]``, in the compute dtype ``c``: a tensor, or a :class:`_QuantizedBase`
-    (4-bit QLoRA base, :class:`_LoRAProjections` only)."""
+    (4-bit QLoRA base)."""
     bias: torch.Tensor | None
     """``b`` ``[N]``."""
     lora_A: torch.Tensor
@@ -229,10 +228,12 @@ class _QuantizedBase:
     :class:`_Params`, with the compute dtype ``c`` it is dequantized to.
 
     It is not a tensor, so autograd passes it through ``apply`` untouched (no gradient: the base
-    is frozen) and :meth:`_LoRAProjections.forward` keeps it on ``ctx`` rather than saving a
-    tensor: only the packed data stays alive between forward and backward. The forward
-    dequantizes ``W`` for the base matmul into a temporary it drops; the backward dequantizes it
-    again for ``dx = dy W``. (Dequantizing in the wrapper, before ``apply``, would have autograd
+    is frozen) and :class:`_LoRAProjections` and :class:`_LoRAMLP` keep it on ``ctx`` rather than
+    saving a tensor: only the packed data stays alive between forward and backward. The forward
+    dequantizes ``W`` for the base matmul into a temporary it drops before the next projection's;
+    the backward dequantizes it again for ``dx = dy W`` (the MLP's down projection: ``dh = dy Wd``),
+    and drops it before the next projection's. So at most one projection's ``W`` is dequantized at
+    a time. (Dequantizing in the wrapper, before ``apply``, would have autograd
     save the full-precision ``W``: what QLoRA exists to avoid.) ``shape`` and ``dtype`` stand in
     for the tensor's where the launchers read them.
 
@@ -255,8 +256,22 @@ class _QuantizedBase:
 
 
 def _dense(weight: Any) -> torch.Tensor:
-    """The base weight as a tensor in ``c`` (a :class:`_QuantizedBase` dequantized)."""
+    """The base weight as a tensor in ``c`` (a :class:`_QuantizedBase` dequantized). Callers pass the
+    result straight on to the one matmul that needs it, so a dequantized weight lives no longer than
+    that matmul (and one projection's at a time)."""
     return weight.dense() if isinstance(weight, _QuantizedBase) else weight
+
+
+def _weights_to_save(params: Sequence[_Params]) -> tuple[list[torch.Tensor | None], list[_QuantizedBase | None]]:
+    """(the base weights an autograd function saves, None for a 4-bit one; the 4-bit ones, which it
+    keeps on ``ctx`` instead: their packed data only, never a dequantized ``W``)."""
+    quantized = [proj.weight if isinstance(proj.weight, _QuantizedBase) else None for proj in params]
+    return [None if q is not None else proj.weight for q, proj in zip(quantized, params, strict=True)], quantized
+
+
+def _saved_weights(saved: Sequence[torch.Tensor | None], quantized: Sequence[_QuantizedBase | None]) -> list[Any]:
+    """:func:`_weights_to_save` undone in the backward: each base weight, or its :class:`_QuantizedBase`."""
+    return [w if q is None else q for w, q in zip(saved, quantized, strict=True)]
 
 
 class _Needs(NamedTuple):
@@ -280,63 +295,6 @@ class _Grads(NamedTuple):
     lora_bias: torch.Tensor | None = None
 
 
-def _bf16_split_applies(x_dtype: torch.dtype, lora_A: torch.Tensor, p: float, dropout_dtype: torch.dtype) -> bool:
-    """Whether :func:`_lora_input_product` takes ``mm_bf16_fp32`` (bf16 input, fp32 ``A``, no dropout)."""
-    return p == 0 and x_dtype == torch.bfloat16 and lora_A.dtype == dropout_dtype == torch.float32
-
-
-def _lora_a_operands(
-    x_dtype: torch.dtype, lora_A: torch.Tensor, p: float, dropout_dtype: torch.dtype, c: torch.dtype
-) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """(the two-part bf16 split of ``A`` where :func:`_lora_input_product` uses it, else None; ``A``
-    in the compute dtype ``c``, kept for the backward). The split's first part is ``A`` in bf16, so
-    with bf16 activations ``A`` in ``c`` costs nothing more."""
-    split = _bf16_split_applies(x_dtype, lora_A, p, dropout_dtype)
-    A_parts = bf16_parts(lora_A, n_parts=2) if split else None
-    if A_parts is not None and c == torch.bfloat16:
-        return A_parts, A_parts[: lora_A.shape[0]]
-    return A_parts, lora_A.to(c)
-
-
-def _lora_input_product(
-    x2: torch.Tensor,
-    xc: torch.Tensor,
-    lora_A: torch.Tensor,
-    p: float,
-    dropout_dtype: torch.dtype,
-    A_parts: torch.Tensor | None = None,
-    out: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``xa = d(x2 in dropout_dtype) A^T`` ``[M, r]``, computed in ``A``'s dtype and rounded to
-    ``xc``'s (the compute dtype ``c``, in which every later use of ``xa`` runs), and the dropout mask
-    (None without dropout). ``A`` may be several projections' ``A``\\ s stacked (no dropout): ``x2``
-    is read once.
-
-    ``xc`` is ``x2`` in the weight's dtype (``x2`` itself outside autocast); ``dropout_dtype`` the
-    dtype the dropout is drawn in (``lora_A``'s own, before any autocast cast); ``A_parts`` the
-    two-part bf16 split of ``A`` (:func:`_lora_a_operands`); ``out`` an ``[M, r]`` buffer in ``c``
-    for ``xa``.
-    """
-    c = xc.dtype
-    if _bf16_split_applies(x2.dtype, lora_A, p, dropout_dtype):
-        if out is None:
-            out = torch.empty((x2.shape[0], lora_A.shape[0]), dtype=c, device=x2.device)
-        # x2.float() @ A^T rounded to c; on a GPU one bf16 matmul and no fp32 copy of x2.
-        return mm_bf16_fp32(x2, lora_A, A_parts, out=out), None
-    mask = None
-    xl = x2 if x2.dtype == dropout_dtype else x2.to(dropout_dtype)
-    if p == 0 and xl is x2 and lora_A.dtype == c:
-        xl = xc  # (autocast, no dropout: the base matmul's cast of x serves the LoRA branch too)
-    if p > 0:
-        xl, mask = torch.native_dropout(xl, p, True)
-    if xl.dtype != lora_A.dtype:
-        xl = xl.to(lora_A.dtype)
-    xa = torch.mm(xl, lora_A.t())
-    if out is not None:
-        return out.copy_(xa), mask
-    return (xa if xa.dtype == c else xa.to(c)), mask
-
-
 class _LowRank(NamedTuple):
     """What one projection's forward keeps of its LoRA branch for the backward, all but the mask in
     the compute dtype ``c`` (cast once in the forward, so the backward casts nothing)."""
@@ -351,90 +309,7 @@ class _LowRank(NamedTuple):
     """``B`` ``[N, r]``."""
 
 
-_PerProjection = TypeVar("_PerProjection", _Params, _Needs, _LowRank, "_DoRAParams", "_DoRANeeds", "_DoRALowRank")
-
-
-def _flat(per_projection: Iterable[tuple[Any, ...]]) -> list[Any]:
-    """The fields of each projection's :class:`_Params` (or :class:`_Grads`, or :class:`_LowRank`)
-    one after the other: the flat list an autograd function takes, returns or saves."""
-    return [field for fields in per_projection for field in fields]
-
-
-def _unflat(kind: type[_PerProjection], flat: Sequence[Any]) -> list[_PerProjection]:
-    """:func:`_flat` undone: ``flat`` cut into one ``kind`` per projection (``kind`` :class:`_Needs`
-    cuts the projections' part of ``ctx.needs_input_grad``)."""
-    size = len(kind._fields)
-    return [kind(*flat[start : start + size]) for start in range(0, len(flat), size)]
-
-
-def _lora_input_products(
-    x2: torch.Tensor, xc: torch.Tensor, lora_As: list[torch.Tensor], settings: Sequence[_Settings]
-) -> tuple[list[torch.Tensor], list[torch.Tensor | None], list[torch.Tensor]]:
-    """(xa's, masks, A's in ``c``) of projections that share ``x2`` (with ``settings`` each). Those
-    without dropout whose ``A``\\ s share a dtype take one matmul against their stacked ``A``\\ s,
-    so ``x2`` is read once for all of them; each ``xa`` is then a column block of its result (and
-    each ``A`` in ``c`` a row block of the stack's). Dropout masks are drawn projection by
-    projection, in order, as PEFT draws them."""
-    n = len(settings)
-    xas: list[Any] = [None] * n
-    masks: list[torch.Tensor | None] = [None] * n
-    A_cs: list[Any] = [None] * n
-    for group in _stackable(settings, [a.dtype for a in lora_As]):
-        stacked = torch.cat([lora_As[i] for i in group]) if len(group) > 1 else lora_As[group[0]]
-        dropout_dtype = settings[group[0]].dropout_dtype
-        A_parts, A_c = _lora_a_operands(x2.dtype, stacked, 0.0, dropout_dtype, xc.dtype)
-        xa, _ = _lora_input_product(x2, xc, stacked, 0.0, dropout_dtype, A_parts)
-        ranks = [lora_As[i].shape[0] for i in group]
-        for i, xa_i, A_c_i in zip(group, _blocks(xa, ranks, 1), _blocks(A_c, ranks, 0), strict=True):
-            xas[i], A_cs[i] = xa_i, A_c_i
-    x2_in: dict[torch.dtype, torch.Tensor] = {}  # x2 in each dropout dtype, cast once for all projections
-    for i, (_, p, dropout_dtype) in enumerate(settings):
-        if p > 0:
-            if dropout_dtype not in x2_in:
-                x2_in[dropout_dtype] = x2 if x2.dtype == dropout_dtype else x2.to(dropout_dtype)
-            xas[i], masks[i] = _lora_input_product(x2_in[dropout_dtype], xc, lora_As[i], p, dropout_dtype)
-            A_cs[i] = lora_As[i].to(xc.dtype)
-    return xas, masks, A_cs
-
-
-def _blocks(t: torch.Tensor, sizes: list[int], dim: int) -> list[torch.Tensor]:
-    """``t`` cut along ``dim`` into consecutive blocks of ``sizes`` (views; ``t`` itself when one
-    block covers it): the projections' shares of a result computed for their stacked weights."""
-    if len(sizes) == 1 and sizes[0] == t.shape[dim]:
-        return [t]
-    blocks, start = [], 0
-    for size in sizes:
-        blocks.append(t.narrow(dim, start, size))
-        start += size
-    return blocks
-
-
-def _stackable(settings: Sequence[_Settings], lora_dtypes: list[torch.dtype | None]) -> list[list[int]]:
-    """Indices of the projections without dropout, grouped by (LoRA weights' dtype, dropout dtype):
-    the ones whose rank-sized terms can be stacked (a None in ``lora_dtypes`` leaves one out)."""
-    groups: dict[tuple[torch.dtype, torch.dtype], list[int]] = {}
-    for i, (_, p, dropout_dtype) in enumerate(settings):
-        ld = lora_dtypes[i]
-        if ld is not None and p == 0:
-            groups.setdefault((ld, dropout_dtype), []).append(i)
-    return list(groups.values())
-
-
-def _base_out(
-    xc: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None = None
-) -> torch.Tensor:
-    """``xc W^T + b`` in ``xc``'s dtype (into ``out`` when given).
-
-    The forwards launch these base matmuls before any of the LoRA branch's small kernels (without
-    dropout, :func:`_base_first`): the GPU then starts on the long matmuls while the host queues the
-    rest, instead of waiting for the host through a string of short kernels at the start of a call.
-    """
-    if bias is None:
-        return torch.mm(xc, weight.t(), out=out)
-    return torch.addmm(bias, xc, weight.t(), out=out)
-
-
-def _base_first(settings: Sequence[_Settings]) -> bool:
+def _base_first(settings: Sequence[Settings]) -> bool:
     """Whether the forward launches the base matmuls of projections of one input (with ``settings``
     each) before their LoRA inputs: without dropout, where those take rank-sized buffers only. With
     dropout, the LoRA input's [M, K] buffers (``x`` cast, dropped) are formed and freed first, so
@@ -443,58 +318,24 @@ def _base_first(settings: Sequence[_Settings]) -> bool:
 
 
 def _base_outs_and_lora_inputs(
-    x2: torch.Tensor, xc: torch.Tensor, params: Sequence[_Params], settings: Sequence[_Settings]
+    x2: torch.Tensor, xc: torch.Tensor, params: Sequence[_Params], settings: Sequence[Settings]
 ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor | None], list[torch.Tensor]]:
-    """(base outputs ``xc W^T + b``, then :func:`_lora_input_products`' xa's, masks and A's in
+    """(base outputs ``xc W^T + b``, then :func:`lora_input_products`' xa's, masks and A's in
     ``c``) of projections that share ``x2``, launched in the order :func:`_base_first` gives."""
     first = _base_first(settings)
-    ys = [_base_out(xc, proj.weight, proj.bias) for proj in params] if first else []
-    xas, masks, A_cs = _lora_input_products(x2, xc, [proj.lora_A for proj in params], settings)
+    # (a 4-bit W is dequantized for its own matmul, and dropped before the next one's)
+    ys = [base_out(xc, _dense(proj.weight), proj.bias) for proj in params] if first else []
+    xas, masks, A_cs = lora_input_products(x2, xc, [proj.lora_A for proj in params], settings)
     if not first:
-        ys = [_base_out(xc, proj.weight, proj.bias) for proj in params]
+        ys = [base_out(xc, _dense(proj.weight), proj.bias) for proj in params]
     return ys, xas, masks, A_cs
 
 
-def _add_lora_out(
-    y: torch.Tensor, xa: torch.Tensor, B_c: torch.Tensor, lora_bias: torch.Tensor | None, scaling: float
-) -> torch.Tensor:
-    """``y += s xa B^T + s b_B`` in ``y``'s dtype (``xa`` and ``B`` in it already), in place; returns ``y``.
-
-    (The base matmul writes ``y`` first and the rank-``r`` product is added into it. In the other
-    order, with the base GEMM reading ``y`` in its epilogue, ``torch.compile``'s bf16 outputs
-    under autocast came out a bf16 rounding away from eager's on CPU, which
-    ``test_compile_fullgraph_matches_eager`` does not allow.)
-    """
-    y.addmm_(xa, B_c.t(), alpha=scaling)
-    if lora_bias is not None:
-        y.add_(lora_bias.to(y.dtype), alpha=scaling)
-    return y
-
-
-def _proj_fwd(
-    x2: torch.Tensor, xc: torch.Tensor, params: _Params, settings: _Settings
-) -> tuple[torch.Tensor, _LowRank]:
+def _proj_fwd(x2: torch.Tensor, xc: torch.Tensor, params: _Params, settings: Settings) -> tuple[torch.Tensor, _LowRank]:
     """One projection of ``x2`` ``[M, K]``: (y ``[M, N]``, what its backward keeps)."""
     (y,), (xa,), (mask,), (A_c,) = _base_outs_and_lora_inputs(x2, xc, [params], [settings])
     B_c = params.lora_B.to(xc.dtype)
-    return _add_lora_out(y, xa, B_c, params.lora_bias, settings.scaling), _LowRank(xa, mask, A_c, B_c)
-
-
-def _scaled_lora_grad(dy: torch.Tensor, B_c: torch.Tensor, scaling: float) -> torch.Tensor:
-    """``s G = s dy B`` ``[M, r]``: the rank-sized term both ``dA`` and ``dx`` are formed from."""
-    return scaled_mm(dy, B_c, scaling, dy.dtype)
-
-
-def _kept_input(
-    x2: torch.Tensor, mask: torch.Tensor | None, dropout_dtype: torch.dtype, c: torch.dtype
-) -> torch.Tensor:
-    """``x2 * m`` in ``c``: the LoRA input as the forward dropped it, without dropout's ``1 / (1 - p)``
-    (``dA = (s G)^T d(x2)`` takes that factor as the matmul's scale instead). Under autocast the
-    forward's LoRA input was ``x2`` cast to ``dropout_dtype``; here it goes on to ``c``. The mask's
-    zeros and ones change no value, so ``x2 * m`` is exact and one pass over ``x2``, in ``c`` (not in
-    ``dropout_dtype``, which may be fp32 next to bf16 activations)."""
-    xc = x2 if x2.dtype == c else (x2 if x2.dtype == dropout_dtype else x2.to(dropout_dtype)).to(c)
-    return xc if mask is None else masked(xc, mask, 1.0)
+    return add_lora_out(y, xa, B_c, params.lora_bias, settings.scaling), _LowRank(xa, mask, A_c, B_c)
 
 
 def _proj_bwd_params(
@@ -504,13 +345,13 @@ def _proj_bwd_params(
     weight: torch.Tensor,
     low: _LowRank,
     lora_dtype: torch.dtype,
-    settings: _Settings,
+    settings: Settings,
     needs: _Needs,
     gs: torch.Tensor | None,
 ) -> _Grads:
     """The parameter gradients of :func:`_proj_fwd`, None where not in ``needs``; the LoRA ones in
     ``lora_dtype``. ``x2`` is needed only for dA, ``xc`` (``x2`` in ``dy``'s dtype) only for dW,
-    ``gs`` (:func:`_scaled_lora_grad`) only for dA."""
+    ``gs`` (:func:`scaled_lora_grad`) only for dA."""
     dW: torch.Tensor | None = None
     db: torch.Tensor | None = None
     dA: torch.Tensor | None = None
@@ -530,15 +371,16 @@ def _proj_bwd_params(
     if needs.lora_A:
         assert gs is not None and x2 is not None
         kept = 1.0 if low.mask is None else 1.0 / (1.0 - settings.dropout_p)
-        dA = scaled_mm(gs.t(), _kept_input(x2, low.mask, settings.dropout_dtype, dy.dtype), kept, lora_dtype)
+        dA = scaled_mm(gs.t(), kept_input(x2, low.mask, settings.dropout_dtype, dy.dtype), kept, lora_dtype)
     return _Grads(dW, db, dA, dB, db_B)
 
 
 def _proj_bwd_input(
-    dy: torch.Tensor, weight: torch.Tensor, A_c: torch.Tensor, gs: torch.Tensor, mask: torch.Tensor | None, p: float
+    dy: torch.Tensor, weight: Any, A_c: torch.Tensor, gs: torch.Tensor, mask: torch.Tensor | None, p: float
 ) -> torch.Tensor:
-    """``dx = dy W + (s G A) * m / (1 - p)``, a new buffer (the order of :func:`_add_lora_out`)."""
-    dx = torch.mm(dy, weight)
+    """``dx = dy W + (s G A) * m / (1 - p)``, a new buffer (the order of :func:`add_lora_out`); a
+    :class:`_QuantizedBase` ``W`` is dequantized for the ``dy W`` matmul only."""
+    dx = torch.mm(dy, _dense(weight))
     if mask is None:
         return dx.addmm_(gs, A_c)
     return add_masked_low_rank_(dx, gs, A_c, mask, 1.0 / (1.0 - p))
@@ -551,7 +393,7 @@ def _shared_input_bwd(
     weights: list[Any],
     lows: list[_LowRank],
     lora_dtypes: list[torch.dtype],
-    settings: Sequence[_Settings],
+    settings: Sequence[Settings],
     needs: Sequence[_Needs],
     need_dx: bool,
 ) -> tuple[torch.Tensor | None, list[_Grads]]:
@@ -573,13 +415,13 @@ def _shared_input_bwd(
     c = dys[live[0]].dtype  # type: ignore[union-attr]
     gss: list[Any] = [None] * n
     grads = [_Grads()] * n
-    groups = _stackable(settings, [lora_dtypes[i] if i in live else None for i in range(n)])
+    groups = stackable(settings, [lora_dtypes[i] if i in live else None for i in range(n)])
     stacked_dA = {i for group in groups for i in group}
     for i in live:
         dy = dys[i]
         assert dy is not None
         if need_dx or needs[i].lora_A:
-            gss[i] = _scaled_lora_grad(dy, lows[i].B_c, settings[i].scaling)
+            gss[i] = scaled_lora_grad(dy, lows[i].B_c, settings[i].scaling)
         own_needs = needs[i]._replace(lora_A=needs[i].lora_A and i not in stacked_dA)
         grads[i] = _proj_bwd_params(dy, x2, xc, weights[i], lows[i], lora_dtypes[i], settings[i], own_needs, gss[i])
     stacked_gs: dict[tuple[int, ...], torch.Tensor] = {}  # [s G_i | s G_j | ...], concatenated once
@@ -593,14 +435,14 @@ def _shared_input_bwd(
     for group in groups:
         group = [i for i in group if needs[i].lora_A]
         if group:  # dA of projections without dropout: one read of d(x2) = x2, for all of them
-            kept_input = _kept_input(x2, None, settings[group[0]].dropout_dtype, c)
-            dA = scaled_mm(gs_of(group).t(), kept_input, 1.0, lora_dtypes[group[0]])
-            for i, dA_i in zip(group, _blocks(dA, [lows[i].A_c.shape[0] for i in group], 0), strict=True):
+            kept = kept_input(x2, None, settings[group[0]].dropout_dtype, c)
+            dA = scaled_mm(gs_of(group).t(), kept, 1.0, lora_dtypes[group[0]])
+            for i, dA_i in zip(group, cut_blocks(dA, [lows[i].A_c.shape[0] for i in group], 0), strict=True):
                 grads[i] = grads[i]._replace(lora_A=dA_i)
     if not need_dx:
         return None, grads
     dx: torch.Tensor | None = None
-    for i in live:  # the base terms first (the order of _add_lora_out); a 4-bit W dequantized for its term only
+    for i in live:  # the base terms first (the order of add_lora_out); a 4-bit W dequantized for its term only
         weight = _dense(weights[i])
         dx = torch.mm(dys[i], weight) if dx is None else dx.addmm_(dys[i], weight)  # type: ignore[arg-type]
         del weight
@@ -631,39 +473,29 @@ def _autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
     return None
 
 
-def _autocast_off(device_type: str) -> Any:
-    """A context that disables autocast for ``device_type`` where it is enabled (else a no-op)."""
-    if torch.is_autocast_enabled(device_type):
-        return torch.autocast(device_type, enabled=False)
-    return contextlib.nullcontext()
-
-
 class _LoRAProjections(torch.autograd.Function):
     """``len(settings)`` LoRA projections of one input ``x``: returns one output per projection.
 
-    ``settings`` holds one :class:`_Settings` per projection, ``flat`` their :class:`_Params`
-    (:func:`_flat`). The weights share one dtype, the compute dtype; ``x`` may have another
+    ``settings`` holds one :class:`Settings` per projection, ``flat`` their :class:`_Params`
+    (:func:`to_flat`). The weights share one dtype, the compute dtype; ``x`` may have another
     (autocast): it is cast.
     """
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, settings: tuple[_Settings, ...], *flat: Any) -> Any:
-        params = _unflat(_Params, flat)
+    def forward(ctx: Any, x: torch.Tensor, settings: tuple[Settings, ...], *flat: Any) -> Any:
+        params = from_flat(_Params, flat)
         x2 = x.reshape(-1, x.shape[-1])
         c = params[0].weight.dtype
         xc = x2 if x2.dtype == c else x2.to(c)
-        # A quantized base weight: dequantized here for the base matmuls, dropped after (see _QuantizedBase)
-        quantized = [proj.weight if isinstance(proj.weight, _QuantizedBase) else None for proj in params]
-        dense = [proj._replace(weight=_dense(proj.weight)) for proj in params] if any(quantized) else params
-        ys, xas, masks, A_cs = _base_outs_and_lora_inputs(x2, xc, dense, settings)
-        del dense
+        # (a 4-bit base is dequantized for its base matmul only, one at a time: see _QuantizedBase)
+        ys, xas, masks, A_cs = _base_outs_and_lora_inputs(x2, xc, params, settings)
         outs, lows = [], []
         for y, xa, mask, A_c, proj, setting in zip(ys, xas, masks, A_cs, params, settings, strict=True):
             lows.append(_LowRank(xa, mask, A_c, proj.lora_B.to(c)))
-            y = _add_lora_out(y, xa, lows[-1].B_c, proj.lora_bias, setting.scaling)
+            y = add_lora_out(y, xa, lows[-1].B_c, proj.lora_bias, setting.scaling)
             outs.append(y.view(*x.shape[:-1], y.shape[-1]))
-        saved_weights = (None if q is not None else proj.weight for q, proj in zip(quantized, params, strict=True))
-        ctx.save_for_backward(x, *saved_weights, *_flat(lows))
+        saved_weights, quantized = _weights_to_save(params)
+        ctx.save_for_backward(x, *saved_weights, *to_flat(lows))
         ctx.quantized = quantized
         ctx.settings = settings
         ctx.lora_dtypes = [proj.lora_A.dtype for proj in params]
@@ -671,23 +503,23 @@ class _LoRAProjections(torch.autograd.Function):
         return tuple(outs)
 
     @staticmethod
+    @backward_without_autocast
     def backward(ctx: Any, *dys: Any) -> Any:
         n = len(ctx.settings)
         x, *saved = ctx.saved_tensors
         # (a 4-bit base is dequantized again by _shared_input_bwd, one at a time, for its dx = dy W term)
-        weights = [w if q is None else q for w, q in zip(saved[:n], ctx.quantized, strict=True)]
-        lows = _unflat(_LowRank, saved[n:])
+        weights = _saved_weights(saved[:n], ctx.quantized)
+        lows = from_flat(_LowRank, saved[n:])
         need_dx = ctx.needs_input_grad[0]
         x2 = x.reshape(-1, x.shape[-1])
         c = lows[0].xa.dtype
-        needs = _unflat(_Needs, ctx.needs_input_grad[2:])
+        needs = from_flat(_Needs, ctx.needs_input_grad[2:])
         xc = _cast_if_needed(x2, c, any(need.weight for need in needs))
         dys2 = [None if dy is None else dy.reshape(-1, dy.shape[-1]) for dy in dys]
-        with _autocast_off(x.device.type):
-            dx, grads = _shared_input_bwd(dys2, x2, xc, weights, lows, ctx.lora_dtypes, ctx.settings, needs, need_dx)
+        dx, grads = _shared_input_bwd(dys2, x2, xc, weights, lows, ctx.lora_dtypes, ctx.settings, needs, need_dx)
         if dx is not None:
             dx = dx.view(x.shape).to(x.dtype)
-        return (dx, None, *_flat(grads))
+        return (dx, None, *to_flat(grads))
 
 
 MLP_CHUNK_BYTES = 128 << 20
@@ -712,7 +544,7 @@ def _mlp_chunk_rows(gate: torch.Tensor, p_down: float) -> int:
 
 
 def _down_forward_in_chunks(
-    gate: torch.Tensor, up: torch.Tensor, act: str, rows: int, down: _Params, settings: _Settings
+    gate: torch.Tensor, up: torch.Tensor, act: str, rows: int, down: _Params, settings: Settings
 ) -> tuple[torch.Tensor, _LowRank]:
     """The down projection of ``h = act(gate) * up`` (no dropout), ``rows`` rows at a time:
     returns (y, what the backward keeps) as :func:`_proj_fwd` would for the whole ``h``.
@@ -724,15 +556,17 @@ def _down_forward_in_chunks(
     c = gate.dtype
     y = torch.empty((gate.shape[0], down.weight.shape[0]), dtype=c, device=gate.device)
     xa = torch.empty((gate.shape[0], down.lora_A.shape[0]), dtype=c, device=gate.device)
-    A_parts, A_c = _lora_a_operands(c, down.lora_A, 0.0, settings.dropout_dtype, c)  # (split once for all chunks)
+    A_parts, A_c = lora_a_operands(c, down.lora_A, 0.0, settings.dropout_dtype, c)  # (split once for all chunks)
+    weight = _dense(down.weight)  # (a 4-bit W dequantized once for all chunks, dropped after them)
     for start in range(0, gate.shape[0], rows):
         part = slice(start, start + rows)
         h = gated_act_forward(gate[part], up[part], act)
-        _base_out(h, down.weight, down.bias, out=y[part])
-        _lora_input_product(h, h, down.lora_A, 0.0, settings.dropout_dtype, A_parts, out=xa[part])
+        base_out(h, weight, down.bias, out=y[part])
+        lora_input_product(h, h, down.lora_A, 0.0, settings.dropout_dtype, A_parts, out=xa[part])
         del h
+    del weight
     B_c = down.lora_B.to(c)
-    return _add_lora_out(y, xa, B_c, down.lora_bias, settings.scaling), _LowRank(xa, None, A_c, B_c)
+    return add_lora_out(y, xa, B_c, down.lora_bias, settings.scaling), _LowRank(xa, None, A_c, B_c)
 
 
 def _down_backward(
@@ -740,10 +574,10 @@ def _down_backward(
     gate: torch.Tensor,
     up: torch.Tensor,
     act: str,
-    wd: torch.Tensor,
+    wd: Any,
     low: _LowRank,
     lora_dtype: torch.dtype,
-    settings: _Settings,
+    settings: Settings,
     need_gu: bool,
     needs: _Needs,
 ) -> tuple[_Grads, torch.Tensor | None, torch.Tensor | None, bool]:
@@ -756,7 +590,7 @@ def _down_backward(
     the gradients over ``gate``'s and ``up``'s (``written``), and the parameter gradients read that
     ``h``. Without dg and du, ``h`` is recomputed alone.
     """
-    gs = _scaled_lora_grad(dy2, low.B_c, settings.scaling) if need_gu or needs.lora_A else None
+    gs = scaled_lora_grad(dy2, low.B_c, settings.scaling) if need_gu or needs.lora_A else None
     dg = du = None
     written = False
     if need_gu:
@@ -776,10 +610,10 @@ def _down_backward_in_chunks(
     up: torch.Tensor,
     act: str,
     rows: int,
-    wd: torch.Tensor,
+    wd: Any,
     low: _LowRank,
     lora_dtype: torch.dtype,
-    settings: _Settings,
+    settings: Settings,
     need_gu: bool,
     needs: _Needs,
 ) -> _Grads:
@@ -787,12 +621,14 @@ def _down_backward_in_chunks(
     (dg, du) of each chunk written over its gate and up rows. Returns the down projection's
     parameter gradients.
 
-    What needs no ``h`` is formed for all rows at once: ``s G`` (:func:`_scaled_lora_grad`), and
+    What needs no ``h`` is formed for all rows at once: ``s G`` (:func:`scaled_lora_grad`), and
     db, dB and db_B. Per chunk: ``dh`` (a matmul and an ``addmm_``), fk.glu's gradient pass
     (which leaves ``h`` in ``dh``'s buffer), and one matmul each for dA and dW, accumulated over
-    the chunks in fp32 (``fk.core.matmul.accumulate_mm``).
+    the chunks in fp32 (``fk.core.matmul.accumulate_mm``). A :class:`_QuantizedBase` ``Wd`` is
+    dequantized once for all chunks (where ``dh`` is needed) and dropped on return.
     """
-    gs = _scaled_lora_grad(dy2, low.B_c, settings.scaling) if need_gu or needs.lora_A else None
+    gs = scaled_lora_grad(dy2, low.B_c, settings.scaling) if need_gu or needs.lora_A else None
+    wd_dense = _dense(wd) if need_gu else wd
     grads = _proj_bwd_params(
         dy2, None, None, wd, low, lora_dtype, settings, needs._replace(weight=False, lora_A=False), gs
     )
@@ -803,7 +639,7 @@ def _down_backward_in_chunks(
         part = slice(start, start + rows)
         if need_gu:
             assert gs is not None
-            dh = _proj_bwd_input(dy2[part], wd, low.A_c, gs[part], None, 0.0)  # dy Wd + s G Ad
+            dh = _proj_bwd_input(dy2[part], wd_dense, low.A_c, gs[part], None, 0.0)  # dy Wd + s G Ad
             dg, du, h, written = gated_act_backward_with_value(dh, gate[part], up[part], act, inplace=True)
             del dh  # (its buffer holds h now)
             if not written:
@@ -828,13 +664,13 @@ def _down_backward_in_chunks(
 class _LoRAMLP(torch.autograd.Function):
     """``down(act(gate(x)) * up(x))`` with three LoRA projections; ``act`` is fk.glu's kernel.
 
-    ``act`` is the fk.glu activation; ``settings`` the :class:`_Settings` of gate, up and down;
-    ``flat`` their :class:`_Params` (:func:`_flat`).
+    ``act`` is the fk.glu activation; ``settings`` the :class:`Settings` of gate, up and down;
+    ``flat`` their :class:`_Params` (:func:`to_flat`).
     """
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, act: str, settings: tuple[_Settings, ...], *flat: Any) -> Any:
-        params_g, params_u, params_d = _unflat(_Params, flat)
+    def forward(ctx: Any, x: torch.Tensor, act: str, settings: tuple[Settings, ...], *flat: Any) -> Any:
+        params_g, params_u, params_d = from_flat(_Params, flat)
         settings_g, settings_u, settings_d = settings
         x2 = x.reshape(-1, x.shape[-1])
         c = params_g.weight.dtype
@@ -844,8 +680,8 @@ class _LoRAMLP(torch.autograd.Function):
         )
         low_g = _LowRank(xa_g, m_g, A_c_g, params_g.lora_B.to(c))
         low_u = _LowRank(xa_u, m_u, A_c_u, params_u.lora_B.to(c))
-        _add_lora_out(gate, xa_g, low_g.B_c, params_g.lora_bias, settings_g.scaling)
-        _add_lora_out(up, xa_u, low_u.B_c, params_u.lora_bias, settings_u.scaling)
+        add_lora_out(gate, xa_g, low_g.B_c, params_g.lora_bias, settings_g.scaling)
+        add_lora_out(up, xa_u, low_u.B_c, params_u.lora_bias, settings_u.scaling)
         del xc
         rows = _mlp_chunk_rows(gate, settings_d.dropout_p)
         if rows >= gate.shape[0]:
@@ -854,25 +690,23 @@ class _LoRAMLP(torch.autograd.Function):
             del h  # recomputed in the backward
         else:  # h a chunk of rows at a time: never [M, I] at once
             y, low_d = _down_forward_in_chunks(gate, up, act, rows, params_d, settings_d)
-        weights = (params_g.weight, params_u.weight, params_d.weight)
-        ctx.save_for_backward(x, gate, up, *weights, *_flat([low_g, low_u, low_d]))
+        weights, ctx.quantized = _weights_to_save([params_g, params_u, params_d])
+        ctx.save_for_backward(x, gate, up, *weights, *to_flat([low_g, low_u, low_d]))
         ctx.act, ctx.settings = act, settings
         ctx.lora_dtypes = (params_g.lora_A.dtype, params_u.lora_A.dtype, params_d.lora_A.dtype)
         return y.view(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
+    @backward_without_autocast
     def backward(ctx: Any, dy: torch.Tensor) -> Any:
-        with _autocast_off(dy.device.type):
-            return _LoRAMLP._backward(ctx, dy)
-
-    @staticmethod
-    def _backward(ctx: Any, dy: torch.Tensor) -> Any:
         act, settings_d = ctx.act, ctx.settings[2]
-        x, gate, up, wg, wu, wd, *lows = ctx.saved_tensors
-        low_g, low_u, low_d = _unflat(_LowRank, lows)
+        x, gate, up, *saved = ctx.saved_tensors
+        # (4-bit bases: dequantized again where dx = dy W needs them, one at a time, and dropped)
+        wg, wu, wd = _saved_weights(saved[:3], ctx.quantized)
+        low_g, low_u, low_d = from_flat(_LowRank, saved[3:])
         ld_g, ld_u, ld_d = ctx.lora_dtypes
         need_dx = ctx.needs_input_grad[0]
-        needs_g, needs_u, needs_d = _unflat(_Needs, ctx.needs_input_grad[3:])
+        needs_g, needs_u, needs_d = from_flat(_Needs, ctx.needs_input_grad[3:])
         need_gu = need_dx or any(needs_g) or any(needs_u)
         dy2 = dy.reshape(-1, dy.shape[-1])
         rows = _mlp_chunk_rows(gate, settings_d.dropout_p)
@@ -896,308 +730,7 @@ class _LoRAMLP(torch.autograd.Function):
             )  # fmt: skip
         if dx is not None:
             dx = dx.view(x.shape).to(x.dtype)
-        return (dx, None, None, *_flat([grads_g, grads_u, grads_d]))
-
-
-# --- DoRA: the launchers with a magnitude vector (PEFT ``use_dora=True``) ---------------------------
-#
-# One projection with DoRA's magnitude vector mag [N] (notation above: m the dropout mask, f = 1 / (1 - p),
-# d(x2) = f x2 * m the LoRA branch's input, xa = d(x2) A^T):
-#   n    = ||W + s B A|| over each row of W     [N], fp32, then rounded to the dropout dtype (PEFT
-#                                               computes it in the LoRA branch's input dtype) and
-#                                               detached (DoRA's paper, section 4.3: no gradient)
-#   ms   = mag / n                              [N], fp32 (PEFT's mag_norm_scale)
-#   lr   = s xa B^T                             [M, N], the low-rank product
-# Without dropout (PEFT scales the base layer's result less its bias):
-#   z    = x2 W^T + lr                          one buffer, plain LoRA's y without b
-#   y    = ms * z + b                           (ms scales each column)
-# With dropout (PEFT recomputes the base product on the dropped input):
-#   zd   = d(x2) W^T = f (x2 * m) W^T           the matmul's scale is f; x2 * m exact
-#   z    = zd + lr
-#   y    = x2 W^T + b + (ms - 1) * zd + ms * lr   summed in fp32, rounded once
-# Kept for the backward: z, ms, n, and what plain LoRA keeps (xa, m, A and B in c).
-#
-# The norm reads W once, in row chunks of DORA_NORM_CHUNK_ELEMENTS, forming each chunk of W + s B A
-# in fp32 (2 N K r FLOPs in all, as for B A itself; no [N, K] buffer). The cheaper-looking
-# expansion n^2 = ||W||^2 + 2 s <W A^T, B>_row + s^2 <B (A A^T), B>_row costs the same 2 N K r for
-# W A^T and cancels where s B A pulls a row of W towards zero: its relative error is
-# eps ||W||^2 / n^2 against eps for the direct sum, so the direct form is the one taken.
-#
-# Backward. n is detached, so mag enters through ms = mag / n only; with dy [M, N]:
-#   dmag   = colsum(dy * z) / n                 (both forms: dy/dms_j = sum_i dy_ij z_ij)
-#   db     = colsum(dy)                         (b is added once, unscaled)
-#   dy_ms  = ms * dy                            the gradient reaching lr
-#   dB     = s dy_ms^T xa ;  s G = s dy_ms B ;  dA = f (s G)^T (x2 * m)
-# Without dropout x2 W^T is scaled by ms as well:
-#   dW     = dy_ms^T x2 ;  dx = dy_ms W + s G A
-# With dropout x2 W^T is not, and zd is scaled by (ms - 1); with dy_ms1 = (ms - 1) * dy:
-#   dW     = dy^T x2 + f dy_ms1^T (x2 * m)
-#   dx     = dy W + f (dy_ms1 W + s G A) * m    (dy_ms1 W masked by masked_low_rank's ``masked``)
-# Under autocast DoRA is not fused (fk.lora.patch leaves it to PEFT; the functions refuse it).
-
-DORA_NORM_CHUNK_ELEMENTS = 1 << 24
-"""Elements of ``W + s B A`` the DoRA norm forms at a time, in fp32 (64 MiB): never ``[N, K]`` whole."""
-
-
-class _DoRAParams(NamedTuple):
-    """One DoRA projection's tensors, as :class:`_DoRAProjections` takes them (flat, five a projection)."""
-
-    weight: torch.Tensor
-    """``W`` ``[N, K]``."""
-    bias: torch.Tensor | None
-    """``b`` ``[N]``."""
-    lora_A: torch.Tensor
-    """``A`` ``[r, K]``."""
-    lora_B: torch.Tensor
-    """``B`` ``[N, r]``."""
-    magnitude: torch.Tensor
-    """``mag`` ``[N]``."""
-
-
-class _DoRANeeds(NamedTuple):
-    """Which of one projection's :class:`_DoRAParams` need a gradient."""
-
-    weight: bool
-    bias: bool
-    lora_A: bool
-    lora_B: bool
-    magnitude: bool
-
-
-class _DoRAGrads(NamedTuple):
-    """The gradients of one projection's :class:`_DoRAParams`, None where not needed."""
-
-    weight: torch.Tensor | None = None
-    bias: torch.Tensor | None = None
-    lora_A: torch.Tensor | None = None
-    lora_B: torch.Tensor | None = None
-    magnitude: torch.Tensor | None = None
-
-
-class _DoRALowRank(NamedTuple):
-    """What one DoRA projection's forward keeps: plain LoRA's :class:`_LowRank` and DoRA's terms."""
-
-    xa: torch.Tensor
-    mask: torch.Tensor | None
-    A_c: torch.Tensor
-    B_c: torch.Tensor
-    z: torch.Tensor
-    """``[M, N]`` in ``c``: what ``ms`` multiplies (``dmag`` is formed from it)."""
-    ms: torch.Tensor
-    """``mag / n`` ``[N]``, fp32."""
-    norm: torch.Tensor
-    """``n`` ``[N]``, fp32 (holding the dropout dtype's rounding)."""
-
-
-def dora_weight_norm(
-    weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor, scaling: float, dtype: torch.dtype
-) -> torch.Tensor:
-    """DoRA's ``n = ||W + s B A||`` over each row of ``W`` ``[N, K]``, detached: formed in fp32 a
-    chunk of rows at a time (:data:`DORA_NORM_CHUNK_ELEMENTS`), rounded to ``dtype`` (PEFT's: the
-    LoRA branch's input dtype) and returned in fp32 ``[N]``."""
-    W, A32, B32 = weight.detach(), lora_A.detach().float(), lora_B.detach().float()
-    norm = torch.empty(W.shape[0], dtype=torch.float32, device=W.device)
-    n_rows = max(1, DORA_NORM_CHUNK_ELEMENTS // max(1, W.shape[1]))
-    for start in range(0, W.shape[0], n_rows):
-        rows = slice(start, start + n_rows)
-        merged = torch.addmm(W[rows].float(), B32[rows], A32, alpha=scaling)  # W + s B A, these rows
-        norm[rows] = torch.linalg.vector_norm(merged, dim=1)
-    return norm.to(dtype).float()
-
-
-def _dora_fwd(
-    x2: torch.Tensor,
-    xa: torch.Tensor,
-    mask: torch.Tensor | None,
-    A_c: torch.Tensor,
-    params: _DoRAParams,
-    settings: _Settings,
-) -> tuple[torch.Tensor, _DoRALowRank]:
-    """One DoRA projection of ``x2`` ``[M, K]`` (in ``c``) given its LoRA input product ``xa`` and
-    mask: (y ``[M, N]`` in ``c``, what its backward keeps)."""
-    c = x2.dtype
-    scaling, p, dropout_dtype = settings
-    norm = dora_weight_norm(params.weight, params.lora_A, params.lora_B, scaling, dropout_dtype)
-    ms = params.magnitude.detach().float() / norm
-    B_c = params.lora_B.to(c)
-    if mask is None:
-        z = _add_lora_out(_base_out(x2, params.weight, None), xa, B_c, None, scaling)
-        y = torch.empty_like(z)  # ms * z + b: one pass, computed in fp32 (ms's dtype), rounded once
-        if params.bias is None:
-            return torch.mul(z, ms, out=y), _DoRALowRank(xa, mask, A_c, B_c, z, ms, norm)
-        return torch.addcmul(params.bias, z, ms, out=y), _DoRALowRank(xa, mask, A_c, B_c, z, ms, norm)
-    f = 1.0 / (1.0 - p)
-    zd = scaled_mm(_kept_input(x2, mask, dropout_dtype, c), params.weight.t(), f, c)
-    lr = scaled_mm(xa, B_c.t(), scaling, c)
-    y32 = _base_out(x2, params.weight, None).float().addcmul_(zd, ms - 1).addcmul_(lr, ms)
-    if params.bias is not None:
-        y32.add_(params.bias)
-    return y32.to(c), _DoRALowRank(xa, mask, A_c, B_c, zd.add_(lr), ms, norm)
-
-
-def _dora_bwd(
-    dy: torch.Tensor,
-    x2: torch.Tensor,
-    weight: torch.Tensor,
-    low: _DoRALowRank,
-    dtypes: tuple[torch.dtype, torch.dtype],
-    settings: _Settings,
-    needs: _DoRANeeds,
-    dx: torch.Tensor | None,
-    need_dx: bool,
-) -> tuple[_DoRAGrads, torch.Tensor | None]:
-    """The backward of :func:`_dora_fwd` (see the equations above): (the parameter gradients, dx
-    with this projection's terms added, a new buffer when ``dx`` is None). ``dtypes``: the LoRA
-    weights' and the magnitude's."""
-    lora_dtype, magnitude_dtype = dtypes
-    scaling, p, dropout_dtype = settings
-    c = dy.dtype
-    f = 1.0 if low.mask is None else 1.0 / (1.0 - p)
-    grads = _DoRAGrads()
-    if needs.magnitude:
-        grads = grads._replace(magnitude=(column_sum(dy.float() * low.z) / low.norm).to(magnitude_dtype))
-    if needs.bias:
-        grads = grads._replace(bias=column_sum(dy).to(weight.dtype))
-    dy_ms = torch.mul(dy, low.ms, out=torch.empty_like(dy))  # (in fp32, rounded once to c)
-    gs = _scaled_lora_grad(dy_ms, low.B_c, scaling) if need_dx or needs.lora_A else None
-    need_kept = needs.lora_A or (needs.weight and low.mask is not None)  # x2 * m, for dA and (dropout) dW
-    kept = _kept_input(x2, low.mask, dropout_dtype, c) if need_kept else None
-    if needs.lora_B:
-        grads = grads._replace(lora_B=scaled_mm(dy_ms.t(), low.xa, scaling, lora_dtype))
-    if needs.lora_A:
-        assert gs is not None and kept is not None
-        grads = grads._replace(lora_A=scaled_mm(gs.t(), kept, f, lora_dtype))
-    if low.mask is None:
-        if needs.weight:
-            grads = grads._replace(weight=scaled_mm(dy_ms.t(), x2, 1.0, weight.dtype))
-        if need_dx:
-            assert gs is not None
-            dx = torch.mm(dy_ms, weight) if dx is None else dx.addmm_(dy_ms, weight)
-            dx.addmm_(gs, low.A_c)
-        return grads, dx
-    dy_ms1 = torch.mul(dy, low.ms - 1, out=torch.empty_like(dy))
-    if needs.weight:
-        assert kept is not None
-        dW = scaled_mm(dy.t(), x2, 1.0, torch.float32).add_(scaled_mm(dy_ms1.t(), kept, f, torch.float32))
-        grads = grads._replace(weight=dW.to(weight.dtype))
-    if need_dx:
-        assert gs is not None and low.mask is not None
-        dx = torch.mm(dy, weight) if dx is None else dx.addmm_(dy, weight)
-        dx.add_(masked(torch.mm(dy_ms1, weight), low.mask, f))
-        add_masked_low_rank_(dx, gs, low.A_c, low.mask, f)
-    return grads, dx
-
-
-class _DoRAProjections(torch.autograd.Function):
-    """``len(settings)`` DoRA projections of one input ``x`` (one output each): ``settings`` one
-    :class:`_Settings` per projection, ``flat`` their :class:`_DoRAParams` (:func:`_flat`). ``x``
-    and the base weights share one dtype, ``c``."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, settings: tuple[_Settings, ...], *flat: Any) -> Any:
-        params = _unflat(_DoRAParams, flat)
-        x2 = x.reshape(-1, x.shape[-1])
-        xas, masks, A_cs = _lora_input_products(x2, x2, [proj.lora_A for proj in params], settings)
-        outs, lows = [], []
-        for xa, mask, A_c, proj, setting in zip(xas, masks, A_cs, params, settings, strict=True):
-            y, low = _dora_fwd(x2, xa, mask, A_c, proj, setting)
-            lows.append(low)
-            outs.append(y.view(*x.shape[:-1], y.shape[-1]))
-        ctx.save_for_backward(x, *(proj.weight for proj in params), *_flat(lows))
-        ctx.settings = settings
-        ctx.dtypes = [(proj.lora_A.dtype, proj.magnitude.dtype) for proj in params]
-        ctx.set_materialize_grads(False)
-        return tuple(outs)
-
-    @staticmethod
-    def backward(ctx: Any, *dys: Any) -> Any:
-        n = len(ctx.settings)
-        x, *saved = ctx.saved_tensors
-        weights, lows = saved[:n], _unflat(_DoRALowRank, saved[n:])
-        x2 = x.reshape(-1, x.shape[-1])
-        needs = _unflat(_DoRANeeds, ctx.needs_input_grad[2:])
-        need_dx = ctx.needs_input_grad[0]
-        dx: torch.Tensor | None = None
-        grads = [_DoRAGrads()] * n
-        with _autocast_off(x.device.type):  # (a backward run under autocast: the operands are cast already)
-            for i, dy in enumerate(dys):
-                if dy is not None:
-                    dy2 = dy.reshape(-1, dy.shape[-1])
-                    grads[i], dx = _dora_bwd(dy2, x2, weights[i], lows[i], ctx.dtypes[i], ctx.settings[i], needs[i], dx, need_dx)  # fmt: skip
-        if dx is not None:
-            dx = dx.view(x.shape)
-        return (dx, None, *_flat(grads))
-
-
-def _dora_output(low: _DoRALowRank, bias: torch.Tensor | None) -> torch.Tensor:
-    """A DoRA projection's output without dropout, ``ms * z + b``, recomputed from what its forward
-    kept, as :func:`_dora_fwd` computed it (the same op on the same tensors: the same values)."""
-    y = torch.empty_like(low.z)
-    return torch.mul(low.z, low.ms, out=y) if bias is None else torch.addcmul(bias, low.z, low.ms, out=y)
-
-
-class _DoRAMLP(torch.autograd.Function):
-    """``down(act(gate(x)) * up(x))`` with DoRA on all three projections; ``act`` is fk.glu's kernel.
-
-    ``settings``: the :class:`_Settings` of gate, up and down; ``flat``: their :class:`_DoRAParams`.
-    Gate and up are projections of one input (their LoRA inputs stacked without dropout, one
-    ``dx``). What is kept of ``[M, I]`` size: DoRA's ``z`` of gate and of up, and, for one with
-    dropout, its output too (which ``ms * z + b`` gives back only without dropout). The gate and up
-    outputs without dropout and ``h = act(gate) * up`` are recomputed in the backward, elementwise.
-    """
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, act: str, settings: tuple[_Settings, ...], *flat: Any) -> Any:
-        params_g, params_u, params_d = _unflat(_DoRAParams, flat)
-        x2 = x.reshape(-1, x.shape[-1])
-        xas, masks, A_cs = _lora_input_products(x2, x2, [params_g.lora_A, params_u.lora_A], settings[:2])
-        gate, low_g = _dora_fwd(x2, xas[0], masks[0], A_cs[0], params_g, settings[0])
-        up, low_u = _dora_fwd(x2, xas[1], masks[1], A_cs[1], params_u, settings[1])
-        h = gated_act_forward(gate, up, act)
-        (xa_d,), (mask_d,), (A_c_d,) = _lora_input_products(h, h, [params_d.lora_A], settings[2:])
-        y, low_d = _dora_fwd(h, xa_d, mask_d, A_c_d, params_d, settings[2])
-        del h  # recomputed in the backward
-        kept_g = gate if low_g.mask is not None else None
-        kept_u = up if low_u.mask is not None else None
-        weights = (params_g.weight, params_u.weight, params_d.weight)
-        ctx.save_for_backward(x, *weights, params_g.bias, params_u.bias, kept_g, kept_u, *_flat([low_g, low_u, low_d]))
-        ctx.act, ctx.settings = act, settings
-        ctx.dtypes = [(proj.lora_A.dtype, proj.magnitude.dtype) for proj in (params_g, params_u, params_d)]
-        return y.view(*x.shape[:-1], y.shape[-1])
-
-    @staticmethod
-    def backward(ctx: Any, dy: torch.Tensor) -> Any:
-        with _autocast_off(dy.device.type):
-            return _DoRAMLP._backward(ctx, dy)
-
-    @staticmethod
-    def _backward(ctx: Any, dy: torch.Tensor) -> Any:
-        x, wg, wu, wd, bias_g, bias_u, kept_g, kept_u, *lows = ctx.saved_tensors
-        low_g, low_u, low_d = _unflat(_DoRALowRank, lows)
-        settings_g, settings_u, settings_d = ctx.settings
-        dtypes_g, dtypes_u, dtypes_d = ctx.dtypes
-        need_dx = ctx.needs_input_grad[0]
-        needs_g, needs_u, needs_d = _unflat(_DoRANeeds, ctx.needs_input_grad[3:])
-        need_gu = need_dx or any(needs_g) or any(needs_u)
-        gate = kept_g if kept_g is not None else _dora_output(low_g, bias_g)
-        up = kept_u if kept_u is not None else _dora_output(low_u, bias_u)
-        h = gated_act_forward(gate, up, ctx.act)
-        dy2 = dy.reshape(-1, dy.shape[-1])
-        grads_d, dh = _dora_bwd(dy2, h, wd, low_d, dtypes_d, settings_d, needs_d, None, need_gu)
-        del h
-        grads_g = grads_u = _DoRAGrads()
-        dx = None
-        if dh is not None:
-            # (dg, du) over the recomputed gate and up's buffers; a saved one is not written over
-            inplace = kept_g is None and kept_u is None
-            dg, du, _ = gated_act_backward(dh, gate, up, ctx.act, inplace=inplace)
-            del dh, gate, up
-            x2 = x.reshape(-1, x.shape[-1])
-            grads_g, dx = _dora_bwd(dg, x2, wg, low_g, dtypes_g, settings_g, needs_g, None, need_dx)
-            grads_u, dx = _dora_bwd(du, x2, wu, low_u, dtypes_u, settings_u, needs_u, dx, need_dx)
-        if dx is not None:
-            dx = dx.view(x.shape)
-        return (dx, None, None, *_flat([grads_g, grads_u, grads_d]))
+        return (dx, None, None, *to_flat([grads_g, grads_u, grads_d]))
 
 
 # --- 3. Functional API ----------------------------------------------------------------------------
@@ -1234,7 +767,7 @@ def _check_optional_vector(name: str, t: object, n: int, like_name: str, like: t
 
 def _check_parts(
     prefix: str, x: torch.Tensor, parts: object, cast: torch.dtype | None = None
-) -> tuple[_Settings, _Params, torch.Tensor | None]:
+) -> tuple[Settings, _Params, torch.Tensor | None]:
     """Validate one projection's parameters against ``x``; returns (its settings, its tensors, its
     DoRA magnitude or None). ``cast``: autocast's dtype, which the base weight need not have; the
     tensors are returned cast to it (None: outside autocast, the base weight must have ``x``'s
@@ -1275,7 +808,7 @@ def _check_parts(
         validate.check_shape(names[7], magnitude, (n_out,))
         _check_dora_combination(prefix, lora_bias is not None, cast)
     params = _Params(weight, bias, lora_A, lora_B, lora_bias)
-    return _Settings(scaling, dropout_p, lora_A.dtype), _cast_params(params, cast), magnitude
+    return Settings(scaling, dropout_p, lora_A.dtype), _cast_params(params, cast), magnitude
 
 
 def _quantized_base(
@@ -1312,7 +845,7 @@ def _cast_params(params: _Params, cast: torch.dtype | None) -> _Params:
 
 def _module_parts(
     prefix: str, x: torch.Tensor, parts: LoRAWeights, cast: torch.dtype | None = None
-) -> tuple[_Settings, _Params, torch.Tensor | None]:
+) -> tuple[Settings, _Params, torch.Tensor | None]:
     """:func:`_check_parts` for parameters that ``fk.lora.patch``'s forwards read from a PEFT
     ``lora.Linear`` (``fk.lora.patching._call_parts``, which checked their kinds and float dtypes
     and PEFT's scaling and dropout): only the input's width against the weight is checked here,
@@ -1321,22 +854,23 @@ def _module_parts(
     ``benchmarks/experiments/INDEX.md#lora_checks_probe``.)"""
     if x.shape[-1] != parts[0].shape[1]:
         raise ValueError(f"{prefix}weight takes {parts[0].shape[1]} input features, got x of shape {tuple(x.shape)}")
-    settings, params, magnitude = _module_params(parts, cast)
-    if isinstance(parts[0], QuantizedWeight):  # (a 4-bit Linear4bit base, read by the patcher)
-        params = params._replace(weight=_QuantizedBase(parts[0], cast if cast is not None else x.dtype))
-    return settings, params, magnitude
+    return _module_params(parts, cast, cast if cast is not None else x.dtype)
 
 
-def _module_params(parts: LoRAWeights, cast: torch.dtype | None) -> tuple[_Settings, _Params, torch.Tensor | None]:
-    """The settings, tensors and DoRA magnitude of :func:`_module_parts`, without the width check."""
+def _module_params(
+    parts: LoRAWeights, cast: torch.dtype | None, compute: torch.dtype
+) -> tuple[Settings, _Params, torch.Tensor | None]:
+    """The settings, tensors and DoRA magnitude of :func:`_module_parts`, without the width check;
+    a 4-bit base (a ``Linear4bit``'s, read by the patcher) is dequantized to ``compute``."""
     weight, bias, lora_A, lora_B, scaling, dropout_p, lora_bias, magnitude = parts
-    params = _Params(weight, bias, lora_A, lora_B, lora_bias)
-    return _Settings(scaling, dropout_p, lora_A.dtype), _cast_params(params, cast), magnitude
+    base = _QuantizedBase(weight, compute) if isinstance(weight, QuantizedWeight) else weight
+    params = _Params(base, bias, lora_A, lora_B, lora_bias)
+    return Settings(scaling, dropout_p, lora_A.dtype), _cast_params(params, cast), magnitude
 
 
 def _apply(fn: Any, x: torch.Tensor, *args: Any) -> Any:
     """``fn.apply(x, *args)`` with autocast disabled (the operands are already cast)."""
-    with _autocast_off(x.device.type):
+    with autocast_off(x.device.type):
         return fn.apply(x, *args)
 
 
@@ -1387,21 +921,21 @@ def lora_linear(
     return y
 
 
-def _projections(x: torch.Tensor, checked: Sequence[tuple[_Settings, _Params, torch.Tensor | None]]) -> Any:
+def _projections(x: torch.Tensor, checked: Sequence[tuple[Settings, _Params, torch.Tensor | None]]) -> Any:
     """The outputs of the projections of ``x`` that :func:`_check_parts` (or :func:`_module_parts`)
     returned: plain LoRA's function, or DoRA's where every projection has a magnitude."""
     settings = tuple(part[0] for part in checked)
     magnitudes = [part[2] for part in checked]
     if all(m is None for m in magnitudes):
-        return _apply(_LoRAProjections, x, settings, *_flat([part[1] for part in checked]))
+        return _apply(_LoRAProjections, x, settings, *to_flat([part[1] for part in checked]))
     present = [m for m in magnitudes if m is not None]
     if len(present) < len(magnitudes):
         raise ValueError("either every projection of one input has a magnitude (DoRA) or none has")
     params = [
-        _DoRAParams(part[1].weight, part[1].bias, part[1].lora_A, part[1].lora_B, magnitude)
+        DoRAParams(part[1].weight, part[1].bias, part[1].lora_A, part[1].lora_B, magnitude)
         for part, magnitude in zip(checked, present, strict=True)
     ]
-    return _apply(_DoRAProjections, x, settings, *_flat(params))
+    return _apply(DoRAProjections, x, settings, *to_flat(params))
 
 
 lora_o = lora_linear
@@ -1458,6 +992,9 @@ def lora_mlp(
 
     DoRA: a ``magnitude`` on gate and up (both or neither), and/or on down; the MLP is then
     composed of DoRA's launchers and :func:`fk.glu.gated_act` (see :func:`module_mlp`).
+
+    QLoRA: any of the three base weights may be a 4-bit :class:`fk.lora.quant.QuantizedWeight`
+    (plain LoRA), dequantized where a matmul needs it, one projection's at a time, never saved.
     """
     return module_mlp(x, gate_parts, up_parts, down_parts, activation, from_module=False)
 
@@ -1473,7 +1010,7 @@ def module_mlp(
 ) -> torch.Tensor:
     """:func:`lora_mlp`; ``from_module`` as in :func:`module_projections`.
 
-    With DoRA on all three projections, :class:`_DoRAMLP` (``act(gate) * up`` recomputed in the
+    With DoRA on all three projections, :class:`DoRAMLP` (``act(gate) * up`` recomputed in the
     backward). With DoRA on some only (gate and up both or neither), the MLP is composed of the
     projections' launchers (gate and up as projections of one input: one ``dx``), fk.glu's
     :func:`fk.glu.gated_act` and the down projection: ``act(gate) * up`` is then kept."""
@@ -1483,27 +1020,25 @@ def module_mlp(
     check = _module_parts if from_module else _check_parts
     settings_g, params_g, magnitude_g = check("gate_parts.", x, gate_parts, cast)
     settings_u, params_u, magnitude_u = check("up_parts.", x, up_parts, cast)
-    if isinstance(down_parts[0], QuantizedWeight) or any(isinstance(p.weight, _QuantizedBase) for p in (params_g, params_u)):  # fmt: skip
-        raise ValueError("lora_mlp does not take a QuantizedWeight base yet (lora_linear and lora_projections do)")
     n_inter = params_g.weight.shape[0]
     if params_u.weight.shape[0] != n_inter:
         raise ValueError(f"up_parts.weight must have {n_inter} rows (gate_parts.weight's), got shape {tuple(params_u.weight.shape)}")  # fmt: skip
     if from_module:  # the intermediate's width is all there is to check: no tensor stands in for it
         if down_parts[0].shape[1] != n_inter:
             raise ValueError(f"down_parts.weight takes {down_parts[0].shape[1]} input features, gate_parts.weight gives {n_inter}")  # fmt: skip
-        settings_d, params_d, magnitude_d = _module_params(down_parts, cast)
+        settings_d, params_d, magnitude_d = _module_params(down_parts, cast, params_g.weight.dtype)
     else:
         h_like = x.new_empty((1, n_inter), dtype=params_g.weight.dtype) if x.ndim else x
         settings_d, params_d, magnitude_d = _check_parts("down_parts.", h_like, down_parts, cast)
     magnitudes = [magnitude_g, magnitude_u, magnitude_d]
     if all(m is not None for m in magnitudes):
-        dora = [_DoRAParams(p.weight, p.bias, p.lora_A, p.lora_B, m) for p, m in zip((params_g, params_u, params_d), magnitudes, strict=True)]  # type: ignore[arg-type]  # fmt: skip
-        return _apply(_DoRAMLP, x, act, (settings_g, settings_u, settings_d), *_flat(dora))
+        dora = [DoRAParams(p.weight, p.bias, p.lora_A, p.lora_B, m) for p, m in zip((params_g, params_u, params_d), magnitudes, strict=True)]  # type: ignore[arg-type]  # fmt: skip
+        return _apply(DoRAMLP, x, act, (settings_g, settings_u, settings_d), *to_flat(dora))
     if any(m is not None for m in magnitudes):  # DoRA on some of them: composed, h kept
         gate_up = [(settings_g, params_g, magnitude_g), (settings_u, params_u, magnitude_u)]
         gate, up = _projections(x, gate_up)
         h = gated_act(gate, up, act, inplace_grad=True)
         (y,) = _projections(h, [(settings_d, params_d, magnitude_d)])
         return y
-    params = _flat([params_g, params_u, params_d])
+    params = to_flat([params_g, params_u, params_d])
     return _apply(_LoRAMLP, x, act, (settings_g, settings_u, settings_d), *params)

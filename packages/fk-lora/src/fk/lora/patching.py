@@ -28,6 +28,10 @@ DoRA (``use_dora=True``) is fused too: a DoRA ``lora.Linear`` passes its magnitu
 members are DoRA or none is), and a DoRA MLP goes to :func:`fk.lora.lora_mlp` (with DoRA on gate
 and up, or on neither; otherwise its projections are fused one by one).
 
+QLoRA: a ``lora.Linear`` (PEFT's ``lora.bnb.Linear4bit``) on a bitsandbytes 4-bit base is fused
+alone, in a q/k/v group, and in a gated MLP (any of gate, up and down 4-bit), plain LoRA only:
+DoRA on a 4-bit base is left to PEFT.
+
 At every call the patched forward checks that the module is still plain LoRA or DoRA (and, for a
 fused MLP, that no hooks are registered on its projections, which the fused call would skip: PEFT's
 mixed-batch ``adapter_names`` arrive through such hooks): one active adapter,
@@ -128,7 +132,7 @@ def _is_4bit(module: Any) -> bool:
     """Whether ``module`` is PEFT's ``lora.bnb.Linear4bit`` (or a plain ``lora.Linear``, which PEFT
     builds around a bitsandbytes base where it finds no 4-bit backend, as on CPU) on a quantized
     4-bit bitsandbytes base (duck-typed: its base weight carries a ``quant_state``). fk.lora fuses
-    those on their own and in q/k/v groups; a gated MLP with one is fused projection by projection."""
+    those on their own, in q/k/v groups and in gated MLPs (plain LoRA)."""
     if type(module) is not _lora_linear_class() and type(module) is not _peft_4bit_class():
         return False
     return _has_4bit_weight(_base_layer(module))
@@ -460,8 +464,6 @@ def patch(peft_model: nn.Module) -> PatchReport:
             act = None
         if act is not None and mlp[0] is not None and mlp[1] is not None and _has_dora(mlp[0]) != _has_dora(mlp[1]):
             act = None  # DoRA on one of gate and up only: the projections are fused one by one
-        if act is not None and any(m is not None and _is_4bit(m) for m in mlp):
-            act = None  # a 4-bit base in the MLP: its projections are fused one by one (lora_mlp takes none yet)
         if act is not None and _replaced(parent) is None and all(eligible(m) for m in mlp):
             label = qualname or type(parent).__name__
             _swap(parent, (_mlp_forward, label, act), saved)

@@ -1,0 +1,84 @@
+"""benchmarks/bench_lora.py: a --qlora --tiny run end to end (fk against PEFT + bitsandbytes, on the
+CPU in Triton's interpreter and bitsandbytes' CPU backend, or on the GPU), whose record holds every
+block with both providers; its table, its floor's bytes, and report.py reading a QLoRA record."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+
+from fk.core import bench, testing
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+SCRIPT = BENCHMARKS / "bench_lora.py"
+pytestmark = pytest.mark.skipif(not SCRIPT.exists(), reason="needs a checkout with benchmarks/")
+MEASURED = {"ms", "gpu_ms", "floor_ms", "floor_fraction", "peak_mb", "provider"}
+"""The fields of a timed row that differ between the providers of one case (report.py groups the
+rows of a case by all the others)."""
+
+
+def _load(path: Path) -> ModuleType:
+    module: ModuleType = testing.load_script(path)
+    return module
+
+
+@pytest.mark.serial
+def test_tiny_qlora_run_times_fk_and_peft_for_every_block(tmp_path: Path) -> None:
+    testing.require_bitsandbytes_4bit("cuda" if torch.cuda.is_available() else "cpu")
+    interpret = "0" if torch.cuda.is_available() else "1"
+    env = {**os.environ, "TRITON_INTERPRET": interpret, "PYTHONPATH": os.pathsep.join(sys.path)}
+    command = [sys.executable, str(SCRIPT), "--qlora", "--tiny", "--adapters", "fp32", "--dropout", "0", "0.05",
+               "--out", str(tmp_path)]  # fmt: skip
+    out = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert out.returncode == 0, f"stdout:\n{out.stdout}\nstderr:\n{out.stderr[-5000:]}"
+    record = bench.BenchRecord.from_json(tmp_path / "lora_qlora.json")
+    blocks = _load(SCRIPT).BLOCKS
+    cases = {(r["block"], r["dropout"], r["provider"]) for r in record.rows}
+    assert cases == {(b, d, p) for b in blocks for d in (0.0, 0.05) for p in ("peft", "fk")}
+    assert all(r["qlora"] == "nf4" and r["ms"] > 0 and r["tokens"] == 64 for r in record.rows)
+    if torch.cuda.is_available():  # the floor needs the ceilings, measured on a GPU only
+        assert all(r["floor_fraction"] > 0 for r in record.rows)
+    keys = {tuple(sorted((k, str(v)) for k, v in r.items() if k not in MEASURED)) for r in record.rows}
+    assert len(keys) == len(blocks) * 2, "the providers' rows of a case must differ only in their measurements"
+    assert "| nf4" in out.stdout and "TINY CHECK" in record.notes
+
+
+def test_dequantization_bytes_count_codes_scales_and_the_bf16_weight() -> None:
+    module = _load(SCRIPT)
+    # o at the tiny shape: one [64, 64] weight, 4096 codes in 64 blocks of 64, one nested block
+    assert module.dequantization_bytes("o", module.TINY) == 4096 // 2 + 64 + 4 * 1 + 2 * 4096
+    n, k = module.LLAMA.inter, module.LLAMA.hidden
+    blocks = n * k // 64
+    per_weight = n * k // 2 + blocks + 4 * (blocks // 256) + 2 * n * k
+    assert module.dequantization_bytes("mlp") == 3 * per_weight
+
+
+def _row(provider: str, ms: float, **extra: object) -> dict[str, object]:
+    return {"provider": provider, "block": "mlp", "tokens": 4096, "dropout": 0.0, "adapter": "fp32",
+            "mode": "fwd+bwd", "ms": ms, **extra}  # fmt: skip
+
+
+def test_tables_and_report_read_a_qlora_record() -> None:
+    record = bench.BenchRecord("lora", environment={"gpu": "test"}, rows=[
+        _row("peft", 12.0, qlora="nf4", gpu_ms=10.0, peak_mb=300.0, floor_ms=4.0, floor_fraction=4.0 / 12.0),
+        _row("fk", 8.0, qlora="nf4", gpu_ms=5.0, peak_mb=100.0, floor_ms=4.0, floor_fraction=0.5),
+        _row("peft", 6.0, gpu_ms=6.0, peak_mb=90.0, tflops=1.0, matmul_fraction=0.5),
+        _row("fk", 4.0, gpu_ms=4.0, peak_mb=45.0, tflops=1.5, matmul_fraction=0.9),
+    ])  # fmt: skip
+    dense, qlora = _load(SCRIPT).speedups(record)
+    assert "qlora" not in dense and dense["fk matmul%"] == pytest.approx(90.0) and "fk floor%" not in dense
+    assert qlora["qlora"] == "nf4" and qlora["x peft"] == pytest.approx(1.5)
+    assert qlora["fk floor%"] == pytest.approx(50.0) and qlora["memory / peft"] == pytest.approx(1 / 3)
+    report = _load(BENCHMARKS / "report.py")
+    assert report.bench_script("lora_qlora").name == "bench_lora.py"
+    assert report.bench_script("rms_norm").name == "bench_rms_norm.py"
+    fk_qlora = record.rows[1]
+    assert report.floor_share(fk_qlora) == pytest.approx(0.5 * 8.0 / 5.0)  # from the GPU-only time
+    lines = report.shortfalls(record)
+    assert len(lines) == 1 and "qlora=nf4" in lines[0] and "% of the floor" in lines[0]

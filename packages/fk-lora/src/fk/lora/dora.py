@@ -1,0 +1,365 @@
+"""DoRA (PEFT ``use_dora=True``): LoRA projections with a magnitude vector, ``mag / ||W + s B A||``
+(the row norm detached) scaling the base and LoRA products, as PEFT's ``DoraLinearLayer`` computes.
+
+:func:`fk.lora.lora_linear`, :func:`fk.lora.lora_qkv`, :func:`fk.lora.lora_projections` and
+:func:`fk.lora.lora_mlp` take DoRA's magnitude (``LoRAWeights.magnitude``) and call the launchers
+here: :class:`DoRAProjections` (projections of one input, one ``dx``) and :class:`DoRAMLP` (a gated
+MLP with DoRA on all three projections). They are built from the parts plain LoRA's launchers are
+built from (:mod:`fk.lora.projection`).
+
+This file holds, in order: the reference (:func:`dora_ref`, the DoRA half of
+:func:`fk.lora.lora_linear_ref`), then the launchers, their equations first (the row norm
+:func:`dora_weight_norm` among them).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from fk.core.matmul import column_sum, scaled_mm
+from fk.glu import gated_act_backward, gated_act_forward
+from fk.lora.masked_low_rank import add_masked_low_rank_, masked
+from fk.lora.projection import (
+    Settings,
+    add_lora_out,
+    backward_without_autocast,
+    base_out,
+    from_flat,
+    kept_input,
+    lora_input_products,
+    scaled_lora_grad,
+    to_flat,
+)
+
+# --- 1. Reference ---------------------------------------------------------------------------------
+
+
+def dora_ref(
+    result: torch.Tensor,
+    xl: torch.Tensor,
+    lora: torch.Tensor,
+    base_weight: torch.Tensor,
+    base_bias: torch.Tensor | None,
+    lora_A: torch.Tensor,
+    lora_B: torch.Tensor,
+    scaling: float,
+    dropout_p: float,
+    magnitude: torch.Tensor,
+) -> torch.Tensor:
+    """PEFT's DoRA output from the pieces of a plain LoRA forward: ``result`` the base layer's output,
+    ``xl`` the LoRA branch's (dropped) input, ``lora`` its output ``s B A xl``. With
+    ``n = ||W + s B A||`` over each output row (in ``xl``'s dtype, detached) and ``ms = mag / n``:
+    ``result + (ms - 1) base + ms lora``, where ``base`` is ``result - b`` without dropout and
+    ``xl W^T`` with it (PEFT recomputes the base product on the dropped input)."""
+    weight = base_weight.to(xl.dtype)
+    norm = torch.linalg.norm(weight + scaling * (lora_B @ lora_A).to(xl.dtype), dim=1).detach()
+    ms = magnitude / norm
+    if dropout_p > 0:  # PEFT recomputes the base product on the dropped input
+        base = F.linear(xl, weight)
+    elif base_bias is not None:
+        base = result - base_bias
+    else:
+        base = result
+    return (result + (ms - 1) * base + ms * lora).to(result.dtype)
+
+
+# --- 2. Launchers ---------------------------------------------------------------------------------
+#
+# One projection with DoRA's magnitude vector mag [N] (fk.lora.lora's notation: m the dropout mask, f = 1 / (1 - p),
+# d(x2) = f x2 * m the LoRA branch's input, xa = d(x2) A^T):
+#   n    = ||W + s B A|| over each row of W     [N], fp32, then rounded to the dropout dtype (PEFT
+#                                               computes it in the LoRA branch's input dtype) and
+#                                               detached (DoRA's paper, section 4.3: no gradient)
+#   ms   = mag / n                              [N], fp32 (PEFT's mag_norm_scale)
+#   lr   = s xa B^T                             [M, N], the low-rank product
+# Without dropout (PEFT scales the base layer's result less its bias):
+#   z    = x2 W^T + lr                          one buffer, plain LoRA's y without b
+#   y    = ms * z + b                           (ms scales each column)
+# With dropout (PEFT recomputes the base product on the dropped input):
+#   zd   = d(x2) W^T = f (x2 * m) W^T           the matmul's scale is f; x2 * m exact
+#   z    = zd + lr
+#   y    = x2 W^T + b + (ms - 1) * zd + ms * lr   summed in fp32, rounded once
+# Kept for the backward: z, ms, n, and what plain LoRA keeps (xa, m, A and B in c).
+#
+# The norm reads W once, in row chunks of DORA_NORM_CHUNK_ELEMENTS, forming each chunk of W + s B A
+# in fp32 (2 N K r FLOPs in all, as for B A itself; no [N, K] buffer). The cheaper-looking
+# expansion n^2 = ||W||^2 + 2 s <W A^T, B>_row + s^2 <B (A A^T), B>_row costs the same 2 N K r for
+# W A^T and cancels where s B A pulls a row of W towards zero: its relative error is
+# eps ||W||^2 / n^2 against eps for the direct sum, so the direct form is the one taken.
+#
+# Backward. n is detached, so mag enters through ms = mag / n only; with dy [M, N]:
+#   dmag   = colsum(dy * z) / n                 (both forms: dy/dms_j = sum_i dy_ij z_ij)
+#   db     = colsum(dy)                         (b is added once, unscaled)
+#   dy_ms  = ms * dy                            the gradient reaching lr
+#   dB     = s dy_ms^T xa ;  s G = s dy_ms B ;  dA = f (s G)^T (x2 * m)
+# Without dropout x2 W^T is scaled by ms as well:
+#   dW     = dy_ms^T x2 ;  dx = dy_ms W + s G A
+# With dropout x2 W^T is not, and zd is scaled by (ms - 1); with dy_ms1 = (ms - 1) * dy:
+#   dW     = dy^T x2 + f dy_ms1^T (x2 * m)
+#   dx     = dy W + f (dy_ms1 W + s G A) * m    (dy_ms1 W masked by masked_low_rank's ``masked``)
+# Under autocast DoRA is not fused (fk.lora.patch leaves it to PEFT; the functions refuse it).
+
+DORA_NORM_CHUNK_ELEMENTS = 1 << 24
+"""Elements of ``W + s B A`` the DoRA norm forms at a time, in fp32 (64 MiB): never ``[N, K]`` whole."""
+
+
+class DoRAParams(NamedTuple):
+    """One DoRA projection's tensors, as :class:`DoRAProjections` takes them (flat, five a projection)."""
+
+    weight: torch.Tensor
+    """``W`` ``[N, K]``."""
+    bias: torch.Tensor | None
+    """``b`` ``[N]``."""
+    lora_A: torch.Tensor
+    """``A`` ``[r, K]``."""
+    lora_B: torch.Tensor
+    """``B`` ``[N, r]``."""
+    magnitude: torch.Tensor
+    """``mag`` ``[N]``."""
+
+
+class _DoRANeeds(NamedTuple):
+    """Which of one projection's :class:`DoRAParams` need a gradient."""
+
+    weight: bool
+    bias: bool
+    lora_A: bool
+    lora_B: bool
+    magnitude: bool
+
+
+class _DoRAGrads(NamedTuple):
+    """The gradients of one projection's :class:`DoRAParams`, None where not needed."""
+
+    weight: torch.Tensor | None = None
+    bias: torch.Tensor | None = None
+    lora_A: torch.Tensor | None = None
+    lora_B: torch.Tensor | None = None
+    magnitude: torch.Tensor | None = None
+
+
+class _DoRALowRank(NamedTuple):
+    """What one DoRA projection's forward keeps: plain LoRA's :class:`_LowRank` and DoRA's terms."""
+
+    xa: torch.Tensor
+    mask: torch.Tensor | None
+    A_c: torch.Tensor
+    B_c: torch.Tensor
+    z: torch.Tensor
+    """``[M, N]`` in ``c``: what ``ms`` multiplies (``dmag`` is formed from it)."""
+    ms: torch.Tensor
+    """``mag / n`` ``[N]``, fp32."""
+    norm: torch.Tensor
+    """``n`` ``[N]``, fp32 (holding the dropout dtype's rounding)."""
+
+
+def dora_weight_norm(
+    weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor, scaling: float, dtype: torch.dtype
+) -> torch.Tensor:
+    """DoRA's ``n = ||W + s B A||`` over each row of ``W`` ``[N, K]``, detached: formed in fp32 a
+    chunk of rows at a time (:data:`DORA_NORM_CHUNK_ELEMENTS`), rounded to ``dtype`` (PEFT's: the
+    LoRA branch's input dtype) and returned in fp32 ``[N]``."""
+    W, A32, B32 = weight.detach(), lora_A.detach().float(), lora_B.detach().float()
+    norm = torch.empty(W.shape[0], dtype=torch.float32, device=W.device)
+    n_rows = max(1, DORA_NORM_CHUNK_ELEMENTS // max(1, W.shape[1]))
+    for start in range(0, W.shape[0], n_rows):
+        rows = slice(start, start + n_rows)
+        merged = torch.addmm(W[rows].float(), B32[rows], A32, alpha=scaling)  # W + s B A, these rows
+        norm[rows] = torch.linalg.vector_norm(merged, dim=1)
+    return norm.to(dtype).float()
+
+
+def _dora_fwd(
+    x2: torch.Tensor,
+    xa: torch.Tensor,
+    mask: torch.Tensor | None,
+    A_c: torch.Tensor,
+    params: DoRAParams,
+    settings: Settings,
+) -> tuple[torch.Tensor, _DoRALowRank]:
+    """One DoRA projection of ``x2`` ``[M, K]`` (in ``c``) given its LoRA input product ``xa`` and
+    mask: (y ``[M, N]`` in ``c``, what its backward keeps)."""
+    c = x2.dtype
+    scaling, p, dropout_dtype = settings
+    norm = dora_weight_norm(params.weight, params.lora_A, params.lora_B, scaling, dropout_dtype)
+    ms = params.magnitude.detach().float() / norm
+    B_c = params.lora_B.to(c)
+    if mask is None:
+        z = add_lora_out(base_out(x2, params.weight, None), xa, B_c, None, scaling)
+        y = torch.empty_like(z)  # ms * z + b: one pass, computed in fp32 (ms's dtype), rounded once
+        if params.bias is None:
+            return torch.mul(z, ms, out=y), _DoRALowRank(xa, mask, A_c, B_c, z, ms, norm)
+        return torch.addcmul(params.bias, z, ms, out=y), _DoRALowRank(xa, mask, A_c, B_c, z, ms, norm)
+    f = 1.0 / (1.0 - p)
+    zd = scaled_mm(kept_input(x2, mask, dropout_dtype, c), params.weight.t(), f, c)
+    lr = scaled_mm(xa, B_c.t(), scaling, c)
+    y32 = base_out(x2, params.weight, None).float().addcmul_(zd, ms - 1).addcmul_(lr, ms)
+    if params.bias is not None:
+        y32.add_(params.bias)
+    return y32.to(c), _DoRALowRank(xa, mask, A_c, B_c, zd.add_(lr), ms, norm)
+
+
+def _dora_bwd(
+    dy: torch.Tensor,
+    x2: torch.Tensor,
+    weight: torch.Tensor,
+    low: _DoRALowRank,
+    dtypes: tuple[torch.dtype, torch.dtype],
+    settings: Settings,
+    needs: _DoRANeeds,
+    dx: torch.Tensor | None,
+    need_dx: bool,
+) -> tuple[_DoRAGrads, torch.Tensor | None]:
+    """The backward of :func:`_dora_fwd` (see the equations above): (the parameter gradients, dx
+    with this projection's terms added, a new buffer when ``dx`` is None). ``dtypes``: the LoRA
+    weights' and the magnitude's."""
+    lora_dtype, magnitude_dtype = dtypes
+    scaling, p, dropout_dtype = settings
+    c = dy.dtype
+    f = 1.0 if low.mask is None else 1.0 / (1.0 - p)
+    grads = _DoRAGrads()
+    if needs.magnitude:
+        grads = grads._replace(magnitude=(column_sum(dy.float() * low.z) / low.norm).to(magnitude_dtype))
+    if needs.bias:
+        grads = grads._replace(bias=column_sum(dy).to(weight.dtype))
+    dy_ms = torch.mul(dy, low.ms, out=torch.empty_like(dy))  # (in fp32, rounded once to c)
+    gs = scaled_lora_grad(dy_ms, low.B_c, scaling) if need_dx or needs.lora_A else None
+    need_kept = needs.lora_A or (needs.weight and low.mask is not None)  # x2 * m, for dA and (dropout) dW
+    kept = kept_input(x2, low.mask, dropout_dtype, c) if need_kept else None
+    if needs.lora_B:
+        grads = grads._replace(lora_B=scaled_mm(dy_ms.t(), low.xa, scaling, lora_dtype))
+    if needs.lora_A:
+        assert gs is not None and kept is not None
+        grads = grads._replace(lora_A=scaled_mm(gs.t(), kept, f, lora_dtype))
+    if low.mask is None:
+        if needs.weight:
+            grads = grads._replace(weight=scaled_mm(dy_ms.t(), x2, 1.0, weight.dtype))
+        if need_dx:
+            assert gs is not None
+            dx = torch.mm(dy_ms, weight) if dx is None else dx.addmm_(dy_ms, weight)
+            dx.addmm_(gs, low.A_c)
+        return grads, dx
+    dy_ms1 = torch.mul(dy, low.ms - 1, out=torch.empty_like(dy))
+    if needs.weight:
+        assert kept is not None
+        dW = scaled_mm(dy.t(), x2, 1.0, torch.float32).add_(scaled_mm(dy_ms1.t(), kept, f, torch.float32))
+        grads = grads._replace(weight=dW.to(weight.dtype))
+    if need_dx:
+        assert gs is not None and low.mask is not None
+        dx = torch.mm(dy, weight) if dx is None else dx.addmm_(dy, weight)
+        dx.add_(masked(torch.mm(dy_ms1, weight), low.mask, f))
+        add_masked_low_rank_(dx, gs, low.A_c, low.mask, f)
+    return grads, dx
+
+
+class DoRAProjections(torch.autograd.Function):
+    """``len(settings)`` DoRA projections of one input ``x`` (one output each): ``settings`` one
+    :class:`Settings` per projection, ``flat`` their :class:`DoRAParams` (:func:`to_flat`). ``x``
+    and the base weights share one dtype, ``c``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, settings: tuple[Settings, ...], *flat: Any) -> Any:
+        params = from_flat(DoRAParams, flat)
+        x2 = x.reshape(-1, x.shape[-1])
+        xas, masks, A_cs = lora_input_products(x2, x2, [proj.lora_A for proj in params], settings)
+        outs, lows = [], []
+        for xa, mask, A_c, proj, setting in zip(xas, masks, A_cs, params, settings, strict=True):
+            y, low = _dora_fwd(x2, xa, mask, A_c, proj, setting)
+            lows.append(low)
+            outs.append(y.view(*x.shape[:-1], y.shape[-1]))
+        ctx.save_for_backward(x, *(proj.weight for proj in params), *to_flat(lows))
+        ctx.settings = settings
+        ctx.dtypes = [(proj.lora_A.dtype, proj.magnitude.dtype) for proj in params]
+        ctx.set_materialize_grads(False)
+        return tuple(outs)
+
+    @staticmethod
+    @backward_without_autocast
+    def backward(ctx: Any, *dys: Any) -> Any:
+        n = len(ctx.settings)
+        x, *saved = ctx.saved_tensors
+        weights, lows = saved[:n], from_flat(_DoRALowRank, saved[n:])
+        x2 = x.reshape(-1, x.shape[-1])
+        needs = from_flat(_DoRANeeds, ctx.needs_input_grad[2:])
+        need_dx = ctx.needs_input_grad[0]
+        dx: torch.Tensor | None = None
+        grads = [_DoRAGrads()] * n
+        for i, dy in enumerate(dys):
+            if dy is not None:
+                dy2 = dy.reshape(-1, dy.shape[-1])
+                grads[i], dx = _dora_bwd(dy2, x2, weights[i], lows[i], ctx.dtypes[i], ctx.settings[i], needs[i], dx, need_dx)  # fmt: skip
+        if dx is not None:
+            dx = dx.view(x.shape)
+        return (dx, None, *to_flat(grads))
+
+
+def _dora_output(low: _DoRALowRank, bias: torch.Tensor | None) -> torch.Tensor:
+    """A DoRA projection's output without dropout, ``ms * z + b``, recomputed from what its forward
+    kept, as :func:`_dora_fwd` computed it (the same op on the same tensors: the same values)."""
+    y = torch.empty_like(low.z)
+    return torch.mul(low.z, low.ms, out=y) if bias is None else torch.addcmul(bias, low.z, low.ms, out=y)
+
+
+class DoRAMLP(torch.autograd.Function):
+    """``down(act(gate(x)) * up(x))`` with DoRA on all three projections; ``act`` is fk.glu's kernel.
+
+    ``settings``: the :class:`Settings` of gate, up and down; ``flat``: their :class:`DoRAParams`.
+    Gate and up are projections of one input (their LoRA inputs stacked without dropout, one
+    ``dx``). What is kept of ``[M, I]`` size: DoRA's ``z`` of gate and of up, and, for one with
+    dropout, its output too (which ``ms * z + b`` gives back only without dropout). The gate and up
+    outputs without dropout and ``h = act(gate) * up`` are recomputed in the backward, elementwise.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, act: str, settings: tuple[Settings, ...], *flat: Any) -> Any:
+        params_g, params_u, params_d = from_flat(DoRAParams, flat)
+        x2 = x.reshape(-1, x.shape[-1])
+        xas, masks, A_cs = lora_input_products(x2, x2, [params_g.lora_A, params_u.lora_A], settings[:2])
+        gate, low_g = _dora_fwd(x2, xas[0], masks[0], A_cs[0], params_g, settings[0])
+        up, low_u = _dora_fwd(x2, xas[1], masks[1], A_cs[1], params_u, settings[1])
+        h = gated_act_forward(gate, up, act)
+        (xa_d,), (mask_d,), (A_c_d,) = lora_input_products(h, h, [params_d.lora_A], settings[2:])
+        y, low_d = _dora_fwd(h, xa_d, mask_d, A_c_d, params_d, settings[2])
+        del h  # recomputed in the backward
+        kept_g = gate if low_g.mask is not None else None
+        kept_u = up if low_u.mask is not None else None
+        weights = (params_g.weight, params_u.weight, params_d.weight)
+        ctx.save_for_backward(
+            x, *weights, params_g.bias, params_u.bias, kept_g, kept_u, *to_flat([low_g, low_u, low_d])
+        )
+        ctx.act, ctx.settings = act, settings
+        ctx.dtypes = [(proj.lora_A.dtype, proj.magnitude.dtype) for proj in (params_g, params_u, params_d)]
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    @backward_without_autocast
+    def backward(ctx: Any, dy: torch.Tensor) -> Any:
+        x, wg, wu, wd, bias_g, bias_u, kept_g, kept_u, *lows = ctx.saved_tensors
+        low_g, low_u, low_d = from_flat(_DoRALowRank, lows)
+        settings_g, settings_u, settings_d = ctx.settings
+        dtypes_g, dtypes_u, dtypes_d = ctx.dtypes
+        need_dx = ctx.needs_input_grad[0]
+        needs_g, needs_u, needs_d = from_flat(_DoRANeeds, ctx.needs_input_grad[3:])
+        need_gu = need_dx or any(needs_g) or any(needs_u)
+        gate = kept_g if kept_g is not None else _dora_output(low_g, bias_g)
+        up = kept_u if kept_u is not None else _dora_output(low_u, bias_u)
+        h = gated_act_forward(gate, up, ctx.act)
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        grads_d, dh = _dora_bwd(dy2, h, wd, low_d, dtypes_d, settings_d, needs_d, None, need_gu)
+        del h
+        grads_g = grads_u = _DoRAGrads()
+        dx = None
+        if dh is not None:
+            # (dg, du) over the recomputed gate and up's buffers; a saved one is not written over
+            inplace = kept_g is None and kept_u is None
+            dg, du, _ = gated_act_backward(dh, gate, up, ctx.act, inplace=inplace)
+            del dh, gate, up
+            x2 = x.reshape(-1, x.shape[-1])
+            grads_g, dx = _dora_bwd(dg, x2, wg, low_g, dtypes_g, settings_g, needs_g, None, need_dx)
+            grads_u, dx = _dora_bwd(du, x2, wu, low_u, dtypes_u, settings_u, needs_u, dx, need_dx)
+        if dx is not None:
+            dx = dx.view(x.shape)
+        return (dx, None, None, *to_flat([grads_g, grads_u, grads_d]))

@@ -1,0 +1,232 @@
+"""The parts of one LoRA projection's forward and backward that plain LoRA's launchers
+(:mod:`fk.lora.lora`) and DoRA's (:mod:`fk.lora.dora`) are both built from.
+
+Notation (:mod:`fk.lora.lora`'s): ``x2`` the input ``[M, K]``, ``c`` the compute dtype, ``W`` ``[N, K]``,
+``b``, ``A`` ``[r, K]``, ``B`` ``[N, r]``, ``b_B``, ``s`` the scaling, ``d`` the LoRA dropout (mask
+``m``, probability ``p``), ``xa = d(x2) A^T`` the rank-sized LoRA input product, ``G = dy B``.
+
+- :class:`Settings`: one projection's scalars; :func:`to_flat` / :func:`from_flat`: a list of
+  per-projection ``NamedTuple``\\ s as the flat argument list an autograd function takes.
+- The forward's parts: :func:`lora_input_products` (``xa`` of projections that share ``x2``, stacked
+  where they can be: one read of ``x2``), :func:`base_out` (``x2 W^T + b``), :func:`add_lora_out`
+  (``y += s xa B^T + s b_B``).
+- The backward's parts: :func:`scaled_lora_grad` (``s G``), :func:`kept_input` (``x2 * m``, for ``dA``).
+- :func:`autocast_off`, :func:`backward_without_autocast`: the launchers run with autocast disabled
+  (their operands are cast already), forward and backward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, NamedTuple, TypeVar
+
+import torch
+
+from fk.core.matmul import bf16_parts, mm_bf16_fp32, scaled_mm
+from fk.lora.masked_low_rank import masked
+
+
+class Settings(NamedTuple):
+    """One projection's settings, as the autograd functions take them (beside its tensors)."""
+
+    scaling: float
+    """``s``."""
+    dropout_p: float
+    """``p``, 0 without dropout."""
+    dropout_dtype: torch.dtype
+    """The dtype ``d`` is drawn in: ``lora_A``'s own, before any autocast cast (PEFT casts ``x`` to
+    it, ``_cast_input_dtype``)."""
+
+
+def _bf16_split_applies(x_dtype: torch.dtype, lora_A: torch.Tensor, p: float, dropout_dtype: torch.dtype) -> bool:
+    """Whether :func:`lora_input_product` takes ``mm_bf16_fp32`` (bf16 input, fp32 ``A``, no dropout)."""
+    return p == 0 and x_dtype == torch.bfloat16 and lora_A.dtype == dropout_dtype == torch.float32
+
+
+def lora_a_operands(
+    x_dtype: torch.dtype, lora_A: torch.Tensor, p: float, dropout_dtype: torch.dtype, c: torch.dtype
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """(the two-part bf16 split of ``A`` where :func:`lora_input_product` uses it, else None; ``A``
+    in the compute dtype ``c``, kept for the backward). The split's first part is ``A`` in bf16, so
+    with bf16 activations ``A`` in ``c`` costs nothing more."""
+    split = _bf16_split_applies(x_dtype, lora_A, p, dropout_dtype)
+    A_parts = bf16_parts(lora_A, n_parts=2) if split else None
+    if A_parts is not None and c == torch.bfloat16:
+        return A_parts, A_parts[: lora_A.shape[0]]
+    return A_parts, lora_A.to(c)
+
+
+def lora_input_product(
+    x2: torch.Tensor,
+    xc: torch.Tensor,
+    lora_A: torch.Tensor,
+    p: float,
+    dropout_dtype: torch.dtype,
+    A_parts: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``xa = d(x2 in dropout_dtype) A^T`` ``[M, r]``, computed in ``A``'s dtype and rounded to
+    ``xc``'s (the compute dtype ``c``, in which every later use of ``xa`` runs), and the dropout mask
+    (None without dropout). ``A`` may be several projections' ``A``\\ s stacked (no dropout): ``x2``
+    is read once.
+
+    ``xc`` is ``x2`` in the weight's dtype (``x2`` itself outside autocast); ``dropout_dtype`` the
+    dtype the dropout is drawn in (``lora_A``'s own, before any autocast cast); ``A_parts`` the
+    two-part bf16 split of ``A`` (:func:`lora_a_operands`); ``out`` an ``[M, r]`` buffer in ``c``
+    for ``xa``.
+    """
+    c = xc.dtype
+    if _bf16_split_applies(x2.dtype, lora_A, p, dropout_dtype):
+        if out is None:
+            out = torch.empty((x2.shape[0], lora_A.shape[0]), dtype=c, device=x2.device)
+        # x2.float() @ A^T rounded to c; on a GPU one bf16 matmul and no fp32 copy of x2.
+        return mm_bf16_fp32(x2, lora_A, A_parts, out=out), None
+    mask = None
+    xl = x2 if x2.dtype == dropout_dtype else x2.to(dropout_dtype)
+    if p == 0 and xl is x2 and lora_A.dtype == c:
+        xl = xc  # (autocast, no dropout: the base matmul's cast of x serves the LoRA branch too)
+    if p > 0:
+        xl, mask = torch.native_dropout(xl, p, True)
+    if xl.dtype != lora_A.dtype:
+        xl = xl.to(lora_A.dtype)
+    xa = torch.mm(xl, lora_A.t())
+    if out is not None:
+        return out.copy_(xa), mask
+    return (xa if xa.dtype == c else xa.to(c)), mask
+
+
+_PerProjection = TypeVar("_PerProjection", bound=tuple[Any, ...])
+"""A per-projection ``NamedTuple`` (plain LoRA's or DoRA's tensors, flags or kept terms)."""
+
+
+def to_flat(per_projection: Iterable[tuple[Any, ...]]) -> list[Any]:
+    """The fields of each projection's ``NamedTuple`` (its tensors, gradients, or what its forward
+    keeps) one after the other: the flat list an autograd function takes, returns or saves."""
+    return [field for fields in per_projection for field in fields]
+
+
+def from_flat(kind: type[_PerProjection], flat: Sequence[Any]) -> list[_PerProjection]:
+    """:func:`to_flat` undone: ``flat`` cut into one ``kind`` (a ``NamedTuple``) per projection (a
+    ``kind`` of flags cuts the projections' part of ``ctx.needs_input_grad``)."""
+    size = len(kind._fields)  # type: ignore[attr-defined]
+    return [kind(*flat[start : start + size]) for start in range(0, len(flat), size)]
+
+
+def lora_input_products(
+    x2: torch.Tensor, xc: torch.Tensor, lora_As: list[torch.Tensor], settings: Sequence[Settings]
+) -> tuple[list[torch.Tensor], list[torch.Tensor | None], list[torch.Tensor]]:
+    """(xa's, masks, A's in ``c``) of projections that share ``x2`` (with ``settings`` each). Those
+    without dropout whose ``A``\\ s share a dtype take one matmul against their stacked ``A``\\ s,
+    so ``x2`` is read once for all of them; each ``xa`` is then a column block of its result (and
+    each ``A`` in ``c`` a row block of the stack's). Dropout masks are drawn projection by
+    projection, in order, as PEFT draws them."""
+    n = len(settings)
+    xas: list[Any] = [None] * n
+    masks: list[torch.Tensor | None] = [None] * n
+    A_cs: list[Any] = [None] * n
+    for group in stackable(settings, [a.dtype for a in lora_As]):
+        stacked = torch.cat([lora_As[i] for i in group]) if len(group) > 1 else lora_As[group[0]]
+        dropout_dtype = settings[group[0]].dropout_dtype
+        A_parts, A_c = lora_a_operands(x2.dtype, stacked, 0.0, dropout_dtype, xc.dtype)
+        xa, _ = lora_input_product(x2, xc, stacked, 0.0, dropout_dtype, A_parts)
+        ranks = [lora_As[i].shape[0] for i in group]
+        for i, xa_i, A_c_i in zip(group, cut_blocks(xa, ranks, 1), cut_blocks(A_c, ranks, 0), strict=True):
+            xas[i], A_cs[i] = xa_i, A_c_i
+    x2_in: dict[torch.dtype, torch.Tensor] = {}  # x2 in each dropout dtype, cast once for all projections
+    for i, (_, p, dropout_dtype) in enumerate(settings):
+        if p > 0:
+            if dropout_dtype not in x2_in:
+                x2_in[dropout_dtype] = x2 if x2.dtype == dropout_dtype else x2.to(dropout_dtype)
+            xas[i], masks[i] = lora_input_product(x2_in[dropout_dtype], xc, lora_As[i], p, dropout_dtype)
+            A_cs[i] = lora_As[i].to(xc.dtype)
+    return xas, masks, A_cs
+
+
+def cut_blocks(t: torch.Tensor, sizes: list[int], dim: int) -> list[torch.Tensor]:
+    """``t`` cut along ``dim`` into consecutive blocks of ``sizes`` (views; ``t`` itself when one
+    block covers it): the projections' shares of a result computed for their stacked weights."""
+    if len(sizes) == 1 and sizes[0] == t.shape[dim]:
+        return [t]
+    blocks, start = [], 0
+    for size in sizes:
+        blocks.append(t.narrow(dim, start, size))
+        start += size
+    return blocks
+
+
+def stackable(settings: Sequence[Settings], lora_dtypes: list[torch.dtype | None]) -> list[list[int]]:
+    """Indices of the projections without dropout, grouped by (LoRA weights' dtype, dropout dtype):
+    the ones whose rank-sized terms can be stacked (a None in ``lora_dtypes`` leaves one out)."""
+    groups: dict[tuple[torch.dtype, torch.dtype], list[int]] = {}
+    for i, (_, p, dropout_dtype) in enumerate(settings):
+        ld = lora_dtypes[i]
+        if ld is not None and p == 0:
+            groups.setdefault((ld, dropout_dtype), []).append(i)
+    return list(groups.values())
+
+
+def base_out(
+    xc: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``xc W^T + b`` in ``xc``'s dtype (into ``out`` when given).
+
+    The forwards launch these base matmuls before any of the LoRA branch's small kernels (without
+    dropout, :func:`_base_first`): the GPU then starts on the long matmuls while the host queues the
+    rest, instead of waiting for the host through a string of short kernels at the start of a call.
+    """
+    if bias is None:
+        return torch.mm(xc, weight.t(), out=out)
+    return torch.addmm(bias, xc, weight.t(), out=out)
+
+
+def add_lora_out(
+    y: torch.Tensor, xa: torch.Tensor, B_c: torch.Tensor, lora_bias: torch.Tensor | None, scaling: float
+) -> torch.Tensor:
+    """``y += s xa B^T + s b_B`` in ``y``'s dtype (``xa`` and ``B`` in it already), in place; returns ``y``.
+
+    (The base matmul writes ``y`` first and the rank-``r`` product is added into it. In the other
+    order, with the base GEMM reading ``y`` in its epilogue, ``torch.compile``'s bf16 outputs
+    under autocast came out a bf16 rounding away from eager's on CPU, which
+    ``test_compile_fullgraph_matches_eager`` does not allow.)
+    """
+    y.addmm_(xa, B_c.t(), alpha=scaling)
+    if lora_bias is not None:
+        y.add_(lora_bias.to(y.dtype), alpha=scaling)
+    return y
+
+
+def scaled_lora_grad(dy: torch.Tensor, B_c: torch.Tensor, scaling: float) -> torch.Tensor:
+    """``s G = s dy B`` ``[M, r]``: the rank-sized term both ``dA`` and ``dx`` are formed from."""
+    return scaled_mm(dy, B_c, scaling, dy.dtype)
+
+
+def kept_input(x2: torch.Tensor, mask: torch.Tensor | None, dropout_dtype: torch.dtype, c: torch.dtype) -> torch.Tensor:
+    """``x2 * m`` in ``c``: the LoRA input as the forward dropped it, without dropout's ``1 / (1 - p)``
+    (``dA = (s G)^T d(x2)`` takes that factor as the matmul's scale instead). Under autocast the
+    forward's LoRA input was ``x2`` cast to ``dropout_dtype``; here it goes on to ``c``. The mask's
+    zeros and ones change no value, so ``x2 * m`` is exact and one pass over ``x2``, in ``c`` (not in
+    ``dropout_dtype``, which may be fp32 next to bf16 activations)."""
+    xc = x2 if x2.dtype == c else (x2 if x2.dtype == dropout_dtype else x2.to(dropout_dtype)).to(c)
+    return xc if mask is None else masked(xc, mask, 1.0)
+
+
+def autocast_off(device_type: str) -> Any:
+    """A context that disables autocast for ``device_type`` where it is enabled (else a no-op)."""
+    if torch.is_autocast_enabled(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
+
+
+def backward_without_autocast(backward: Callable[..., Any]) -> Callable[..., Any]:
+    """An autograd function's ``backward`` run with autocast disabled for its gradients' device (a
+    backward called under autocast would otherwise recast the operands the forward cast already)."""
+
+    @functools.wraps(backward)
+    def run(ctx: Any, *grads: Any) -> Any:
+        device = next((g.device.type for g in grads if g is not None), None)
+        with autocast_off(device) if device is not None else contextlib.nullcontext():
+            return backward(ctx, *grads)
+
+    return run
