@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -375,6 +376,28 @@ def test_quantized_layers_are_left_to_peft(device: str, caplog: pytest.LogCaptur
     assert "Linear4bit is not PEFT's plain lora.Linear" in skipped["down_proj"]
     assert not report.mlp  # the MLP is not fused without its down projection
     assert "left to PEFT's forward" in caplog.text
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+
+
+def test_patch_works_without_bitsandbytes(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """bitsandbytes is optional: without it (PEFT's ``lora.bnb`` module then fails to import),
+    fk.lora still patches, and leaves a LoRA layer of a class it does not know to PEFT (the case
+    that asks whether a layer is PEFT's 4-bit one)."""
+    model = _model(device)
+    mlp = _layer(model).mlp
+    mlp.up_proj.__class__ = type("OtherLoraLinear", (type(mlp.up_proj),), {})
+    x = testing.random_tensor((2, 3, HIDDEN), torch.float32, device, seed=6)
+    want = [_o(model, x)[0], _mlp(model, x)[0]]
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # `import bitsandbytes` raises ImportError
+    monkeypatch.delitem(sys.modules, "peft.tuners.lora.bnb", raising=False)
+    report = fk.lora.patch(model)
+    try:
+        got = [_o(model, x)[0], _mlp(model, x)[0]]
+    finally:
+        fk.lora.unpatch(model)
+    assert report.qkv and not report.mlp
+    assert any(name.endswith("up_proj") for name in report.skipped)
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
 

@@ -121,9 +121,11 @@ def _dora_variant_class() -> type:
 
 def _peft_4bit_class() -> type | None:
     """PEFT's LoRA layer for a bitsandbytes ``Linear4bit`` base (None where PEFT defines none:
-    bitsandbytes is not installed)."""
-    import peft.tuners.lora.bnb as peft_bnb
-
+    bitsandbytes is not installed: PEFT's module imports it unconditionally)."""
+    try:
+        import peft.tuners.lora.bnb as peft_bnb
+    except ImportError:
+        return None
     cls: type | None = getattr(peft_bnb, "Linear4bit", None)
     return cls
 
