@@ -219,7 +219,7 @@ def measure(record: bench.BenchRecord, copy_tbps: float, op: Op, name: str, fn: 
     for mode, call, nbytes in (("fwd", forward, op.fwd_bytes * n), ("fwd+bwd", forward_backward, op.fwd_bwd_bytes * n)):
         ms = bench.time_ms(call, warmup=warmup, rep=reps, grad_to_none=grads)
         gpu: dict[str, float] = {}
-        try:  # the GPU's work alone, as in bench_rms_norm.py
+        try:  # the GPU's work alone
             gpu_ms = bench.time_ms(call, warmup=0, rep=reps, grad_to_none=grads, gpu_only=True)
             gpu = {"gpu_ms": gpu_ms, "gpu_copy_fraction": bench.fraction(bench.tbps(nbytes, gpu_ms), copy_tbps)}
         except RuntimeError as error:  # a host path too long to hide behind the head start

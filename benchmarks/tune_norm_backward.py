@@ -2,7 +2,7 @@
 without host cost (a development tool; its results picked the BACKWARD and BACKWARD_FROZEN tables of
 fk.norms.rms_norm, layer_norm and poly_norm, whose fields ``TABLE.field`` it sets).
 
-bench_rms_norm.py and bench_norms.py time forward+backward calls, which at narrow rows measure the
+bench_norms.py times forward+backward calls, which at narrow rows measure the
 host (Python, the autograd engine, Triton's launch path) more than the kernel. Here 20 calls of
 the backward launcher (kernel plus the partial-sum reductions) are captured in a CUDA graph and
 replayed, so only GPU time counts. Three modes: ``trainable`` (weight gradient), ``frozen`` (none)

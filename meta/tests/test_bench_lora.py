@@ -77,7 +77,8 @@ def test_tables_and_report_read_a_qlora_record() -> None:
     assert qlora["fk floor%"] == pytest.approx(50.0) and qlora["memory / peft"] == pytest.approx(1 / 3)
     report = _load(BENCHMARKS / "report.py")
     assert report.bench_script("lora_qlora").name == "bench_lora.py"
-    assert report.bench_script("rms_norm").name == "bench_rms_norm.py"
+    assert report.bench_script("lora_dora").name == "bench_lora.py"
+    assert report.bench_script("norms").name == "bench_norms.py"
     fk_qlora = record.rows[1]
     assert report.floor_share(fk_qlora) == pytest.approx(0.5 * 8.0 / 5.0)  # from the GPU-only time
     lines = report.shortfalls(record)
