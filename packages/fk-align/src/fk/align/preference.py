@@ -515,7 +515,8 @@ def fused_linear_kto_loss(
             ``apo_zero_unpaired`` never computes it).
         beta, loss_type, desirable_weight, undesirable_weight: TRL's ``KTOConfig`` fields.
 
-    The loss is the mean over the ``B`` sequences of :func:`kto_sequence_losses` (8 N H V FLOPs).
+    The loss is the mean over the ``B`` sequences of :func:`kto_sequence_losses`, in one pass
+    (6 N H V FLOPs) over chunks of whole sequences (see the module docstring).
     """
     beta = _check_beta(beta)
     validate.check_choice("loss_type", loss_type, KTO_LOSS_TYPES)
