@@ -22,7 +22,7 @@ from fk.align import (
     fused_linear_logprobs_ref,
     fused_linear_orpo_loss,
 )
-from fk.align.preference import SINGLE_PASS_DPO_TYPES
+from fk.align.preference import SINGLE_PASS_DPO_TYPES, LossSpec, sequence_grads, sequence_loss
 from fk.core import testing
 from fk.core.testing import DTYPES, dtype_name
 from fk.flce import chunks
@@ -192,6 +192,44 @@ def test_single_pass_several_pairs_per_chunk_equals_two_passes(device: str, dtyp
         _compare(fused_linear_orpo_loss, batch, budget=budget, beta=0.2)
     desirable = torch.tensor([True, False, True, True, False, True])
     _compare(_kto_on(desirable), batch, budget=32 * V * itemsize, **_KTO_KW)
+
+
+def _specs() -> list[Any]:
+    specs = [
+        LossSpec("dpo", (t,), (1.0,), 0.3, 0.1 if t in ("exo_pair", "robust") else 0.0)
+        for t in sorted(SINGLE_PASS_DPO_TYPES)
+    ]
+    specs.append(LossSpec("dpo", ("sigmoid", "sft", "discopop"), (1.0, 0.5, 2.0), 0.3, discopop_tau=0.2))
+    specs += [
+        LossSpec("cpo", (t,), (1.0,), 0.3, 0.1 if t == "sigmoid" else 0.0, cpo_alpha=0.0 if t == "simpo" else 1.0)
+        for t in CPO_LOSS_TYPES
+    ]
+    specs += [LossSpec("cpo", ("simpo",), (1.0,), 2.0, alpha=0.1), LossSpec("orpo", ("orpo",), (1.0,), 0.2)]
+    specs += [LossSpec("kto", (t,), (1.0,), 0.2, desirable_weight=1.3, undesirable_weight=0.7) for t in KTO_LOSS_TYPES]
+    return [pytest.param(spec, id=f"{spec.family}-{'+'.join(spec.types)}{'-alpha' if spec.alpha else ''}")
+            for spec in specs]  # fmt: skip
+
+
+@pytest.mark.parametrize("spec", _specs())
+def test_sequence_grads_equal_autograd_of_the_formula(spec: LossSpec) -> None:
+    """The written-out gradient of each loss w.r.t. the sequence sums (what the one pass writes
+    into each token's upstream gradient) against autograd of the loss' formula, in fp64, over 64
+    pairs whose margins range from saturated to zero, taken in two halves as two chunks would."""
+    g = torch.Generator().manual_seed(40)
+    n_seqs = 128
+    counts = torch.randint(1, 40, (n_seqs,), generator=g).double()
+    sums = (-counts * torch.rand(n_seqs, generator=g, dtype=torch.float64) * 3).requires_grad_()
+    ref = -counts * torch.rand(n_seqs, generator=g, dtype=torch.float64) * 3
+    desirable = torch.rand(n_seqs, generator=g) > 0.4
+    kl = torch.tensor(0.7, dtype=torch.float64)
+    want = torch.autograd.grad(sequence_loss(spec, sums, counts, ref, desirable, kl), sums)[0]
+    values = sums.detach()
+    chosen_total = counts[: n_seqs // 2].sum() if spec.paired else counts.sum()
+    halves = [torch.arange(0, 32), torch.arange(32, 64)]
+    for half in halves:  # the chunk's sequences: chosen then rejected of the same pairs
+        rows = torch.cat([half, half + 64])  # (KTO: any sequences)
+        got = sequence_grads(spec, values[rows], counts[rows], ref[rows], desirable[rows], kl, n_seqs, chosen_total)
+        torch.testing.assert_close(got, want[rows], rtol=1e-9, atol=1e-12)
 
 
 def _count_head_matmuls(monkeypatch: pytest.MonkeyPatch, phase: list[str]) -> list[str]:
