@@ -23,6 +23,11 @@ computes ``dW = dz^T @ (g h)`` once, in the weight's dtype. A loss whose upstrea
 per token (reduction "none") computes no gradient in its forward; its backward recomputes each
 chunk's logits (:func:`head_grads` with ``recompute``, 8 N H V FLOPs in all).
 
+A chunk may also be several token ranges taken together (:func:`run_gathered_chunks`,
+:func:`gathered_head_grads`): fk-align's preference losses put a pair's chosen and rejected
+sequences, ``P`` sequences apart, into one chunk, so that each pair's loss and gradient are
+known inside it (one pass).
+
 The launchers of such a loss are registered as custom ops by :func:`fk.core.ops.define_autograd_op`:
 :func:`head_grad_fakes` and :func:`backward_fakes` are the fakes of what this engine returns, and
 :func:`empty_output` stands for an output that is not computed.
