@@ -22,21 +22,24 @@ from fk.align import (
     fused_linear_logprobs_ref,
     fused_linear_orpo_loss,
 )
+from fk.align.preference import SINGLE_PASS_DPO_TYPES, LossSpec, sequence_grads, sequence_loss
 from fk.core import testing
 from fk.core.testing import DTYPES, dtype_name
+from fk.flce import chunks
 
 P, T, H, V = 2, 7, 16, 1003  # 2 pairs of 7 tokens: 28 tokens, an odd count per sequence
-SMALL_CHUNKS = 8 * V * 4  # several chunks
+SMALL_CHUNKS = 8 * V * 4  # several chunks of 8 fp32 tokens: no pair (14 tokens) fits, two passes
+ONE_PAIR = 16 * V * 4  # 16 fp32 tokens: one pair (or two KTO sequences) per chunk, one pass
 
 
-def _batch(device: str, dtype: torch.dtype, seed: int, *, bias: bool = False) -> list[Any]:
+def _batch(device: str, dtype: torch.dtype, seed: int, *, bias: bool = False, pairs: int = P) -> list[Any]:
     """(hidden, weight, bias, labels): unshifted labels as TRL builds them, the prompt (the first
     2 tokens, 3 for the rejected sequences) and one padded tail ignored."""
-    h = testing.random_tensor((2 * P, T, H), dtype, device, seed=seed, requires_grad=True)
+    h = testing.random_tensor((2 * pairs, T, H), dtype, device, seed=seed, requires_grad=True)
     w = testing.random_tensor((V, H), dtype, device, seed=seed + 1, scale=H**-0.5 * 2, requires_grad=True)
     b = testing.random_tensor((V,), dtype, device, seed=seed + 2, requires_grad=True) if bias else None
     g = torch.Generator().manual_seed(seed + 3)
-    labels = torch.randint(0, V, (2 * P, T), generator=g)
+    labels = torch.randint(0, V, (2 * pairs, T), generator=g)
     labels[:, :2] = -100
     labels[1::2, 2] = -100
     labels[0, -1] = -100
@@ -48,11 +51,11 @@ def _refs(device: str, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return (-30 + 3 * torch.randn(P, generator=g)).to(device), (-32 + 3 * torch.randn(P, generator=g)).to(device)
 
 
-def _compare(loss_fn: Any, args: list[Any], **kw: Any) -> None:
+def _compare(loss_fn: Any, args: list[Any], budget: int = SMALL_CHUNKS, **kw: Any) -> None:
     h, w, b, labels = args
 
     def fk(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> Any:
-        return loss_fn(h, w, labels.to(h.device), bias=b, shift=True, memory_budget=SMALL_CHUNKS, **_moved(kw, h))
+        return loss_fn(h, w, labels.to(h.device), bias=b, shift=True, memory_budget=budget, **_moved(kw, h))
 
     def ref(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> Any:
         return loss_fn(h, w, labels.to(h.device), bias=b, shift=True, reference=True, **_moved(kw, h))
@@ -95,16 +98,17 @@ def test_orpo_and_alphapo_match_full_logits(device: str, dtype: torch.dtype) -> 
     _compare(fused_linear_cpo_loss, _batch(device, dtype, seed=6), loss_type="simpo", cpo_alpha=0.0, alpha=0.1)
 
 
-def test_dpo_with_a_sequence_without_scored_tokens(device: str) -> None:
+@pytest.mark.parametrize("budget", [SMALL_CHUNKS, ONE_PAIR], ids=["two_passes", "one_pass"])
+def test_dpo_with_a_sequence_without_scored_tokens(device: str, budget: int) -> None:
     """An all-ignored rejected sequence: log-probability 0 and no gradient from its tokens."""
     batch = _batch(device, torch.float32, seed=22, bias=True)
     batch[3] = batch[3].clone()
     batch[3][-1, :] = -100
     ref_chosen, ref_rejected = _refs(device, seed=23)
     for loss_type in ("sigmoid", "ipo"):
-        _compare(fused_linear_dpo_loss, batch, ref_chosen_logps=ref_chosen, ref_rejected_logps=ref_rejected,
+        _compare(fused_linear_dpo_loss, batch, budget, ref_chosen_logps=ref_chosen, ref_rejected_logps=ref_rejected,
                  loss_type=loss_type)  # fmt: skip
-    out = fused_linear_dpo_loss(batch[0], batch[1], batch[3], shift=True, memory_budget=SMALL_CHUNKS)
+    out = fused_linear_dpo_loss(batch[0], batch[1], batch[3], shift=True, memory_budget=budget)
     assert float(out.rejected_logps[-1]) == 0.0
     out.loss.backward()
     assert bool((batch[0].grad[-1] == 0).all())
@@ -130,6 +134,134 @@ def test_kto_matches_full_logits(device: str, loss_type: str, dtype: torch.dtype
 
     _compare(kto, _batch(device, dtype, seed=18, bias=True), loss_type=loss_type, beta=0.2, desirable_weight=1.3,
              undesirable_weight=0.7, **extras)  # fmt: skip
+
+
+# --- One pass: chunks of whole pairs --------------------------------------------------------------
+
+
+def _kto_on(desirable: torch.Tensor) -> Any:
+    def kto(h: torch.Tensor, w: torch.Tensor, target: torch.Tensor, **kw: Any) -> Any:
+        out = fused_linear_kto_loss(h, w, target, desirable.to(h.device), **kw)
+        return (out.loss, out.logps, out.rewards, *out.metrics.values())
+
+    return kto
+
+
+_KTO_KW = {"beta": 0.2, "desirable_weight": 1.3, "undesirable_weight": 0.7}
+SINGLE_PASS_CASES = [
+    *(pytest.param(fused_linear_dpo_loss, {"loss_type": t, "label_smoothing": 0.1 if t in ("exo_pair", "robust") else 0.0,
+                                           "refs": t != "hinge"}, id=f"dpo-{t}")
+      for t in sorted(SINGLE_PASS_DPO_TYPES)),
+    *(pytest.param(fused_linear_cpo_loss, {"loss_type": t, "cpo_alpha": 0.0 if t == "simpo" else 1.0,
+                                           "label_smoothing": 0.1 if t == "sigmoid" else 0.0}, id=f"cpo-{t}")
+      for t in CPO_LOSS_TYPES),
+    pytest.param(fused_linear_cpo_loss, {"loss_type": "simpo", "cpo_alpha": 0.0, "alpha": 0.1}, id="alphapo"),
+    pytest.param(fused_linear_orpo_loss, {"beta": 0.2}, id="orpo"),
+    *(pytest.param("kto", {"loss_type": t, **_KTO_KW}, id=f"kto-{t}") for t in KTO_LOSS_TYPES),
+]  # fmt: skip
+
+
+def _case(loss_fn: Any, kw: dict[str, Any], device: str) -> tuple[Any, dict[str, Any]]:
+    """The loss function and its arguments of a :data:`SINGLE_PASS_CASES` entry."""
+    kw = dict(kw)
+    if loss_fn == "kto":
+        extras = _kto_extras(device, seed=31)
+        return _kto_on(extras.pop("desirable")), {**kw, **extras}
+    if kw.pop("refs", False):
+        kw["ref_chosen_logps"], kw["ref_rejected_logps"] = _refs(device, seed=32)
+    return loss_fn, kw
+
+
+@pytest.mark.parametrize(("loss_fn", "kw"), SINGLE_PASS_CASES)
+def test_single_pass_matches_full_logits(device: str, loss_fn: Any, kw: dict[str, Any]) -> None:
+    """Every loss type with a pair's gradient of its own, one pair (two KTO sequences) per chunk:
+    loss, metrics and the gradients of hidden, weight and bias equal the fp64 full-logit ones."""
+    fn, kw = _case(loss_fn, kw, device)
+    _compare(fn, _batch(device, torch.float32, seed=30, bias=True), budget=ONE_PAIR, **kw)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
+def test_single_pass_several_pairs_per_chunk_equals_two_passes(device: str, dtype: torch.dtype) -> None:
+    """Three pairs in chunks of two (the last chunk holds one), and all in one chunk (its logits'
+    gradient kept for the backward): against the reference, and equal to the two passes to the
+    dtype's rounding of the head's matmuls."""
+    batch = _batch(device, dtype, seed=33, bias=True, pairs=3)
+    itemsize = batch[0].element_size()
+    for budget in (32 * V * itemsize, 1 << 30):
+        _compare(fused_linear_dpo_loss, batch, budget=budget, loss_type=["sigmoid", "sft"], loss_weights=[1.0, 0.5])
+        _compare(fused_linear_orpo_loss, batch, budget=budget, beta=0.2)
+    desirable = torch.tensor([True, False, True, True, False, True])
+    _compare(_kto_on(desirable), batch, budget=32 * V * itemsize, **_KTO_KW)
+
+
+def _specs() -> list[Any]:
+    specs = [
+        LossSpec("dpo", (t,), (1.0,), 0.3, 0.1 if t in ("exo_pair", "robust") else 0.0)
+        for t in sorted(SINGLE_PASS_DPO_TYPES)
+    ]
+    specs.append(LossSpec("dpo", ("sigmoid", "sft", "discopop"), (1.0, 0.5, 2.0), 0.3, discopop_tau=0.2))
+    specs += [
+        LossSpec("cpo", (t,), (1.0,), 0.3, 0.1 if t == "sigmoid" else 0.0, cpo_alpha=0.0 if t == "simpo" else 1.0)
+        for t in CPO_LOSS_TYPES
+    ]
+    specs += [LossSpec("cpo", ("simpo",), (1.0,), 2.0, alpha=0.1), LossSpec("orpo", ("orpo",), (1.0,), 0.2)]
+    specs += [LossSpec("kto", (t,), (1.0,), 0.2, desirable_weight=1.3, undesirable_weight=0.7) for t in KTO_LOSS_TYPES]
+    return [pytest.param(spec, id=f"{spec.family}-{'+'.join(spec.types)}{'-alpha' if spec.alpha else ''}")
+            for spec in specs]  # fmt: skip
+
+
+@pytest.mark.parametrize("spec", _specs())
+def test_sequence_grads_equal_autograd_of_the_formula(spec: LossSpec) -> None:
+    """The written-out gradient of each loss w.r.t. the sequence sums (what the one pass writes
+    into each token's upstream gradient) against autograd of the loss' formula, in fp64, over 64
+    pairs whose margins range from saturated to zero, taken in two halves as two chunks would."""
+    g = torch.Generator().manual_seed(40)
+    n_seqs = 128
+    counts = torch.randint(1, 40, (n_seqs,), generator=g).double()
+    sums = (-counts * torch.rand(n_seqs, generator=g, dtype=torch.float64) * 3).requires_grad_()
+    ref = -counts * torch.rand(n_seqs, generator=g, dtype=torch.float64) * 3
+    desirable = torch.rand(n_seqs, generator=g) > 0.4
+    kl = torch.tensor(0.7, dtype=torch.float64)
+    want = torch.autograd.grad(sequence_loss(spec, sums, counts, ref, desirable, kl), sums)[0]
+    values = sums.detach()
+    chosen_total = counts[: n_seqs // 2].sum() if spec.paired else counts.sum()
+    halves = [torch.arange(0, 32), torch.arange(32, 64)]
+    for half in halves:  # the chunk's sequences: chosen then rejected of the same pairs
+        rows = torch.cat([half, half + 64])  # (KTO: any sequences)
+        got = sequence_grads(spec, values[rows], counts[rows], ref[rows], desirable[rows], kl, n_seqs, chosen_total)
+        torch.testing.assert_close(got, want[rows], rtol=1e-9, atol=1e-12)
+
+
+def _count_head_matmuls(monkeypatch: pytest.MonkeyPatch, phase: list[str]) -> list[str]:
+    """A log of the chunk engine's logits matmuls, each tagged with ``phase[0]`` when it ran."""
+    calls: list[str] = []
+    original = chunks.chunk_logits
+
+    def counted(*args: Any, **kwargs: Any) -> torch.Tensor:
+        calls.append(phase[0])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(chunks, "chunk_logits", counted)
+    return calls
+
+
+@pytest.mark.parametrize(("loss_type", "budget", "forward", "backward"), [
+    ("sigmoid", ONE_PAIR, 2, 0),  # one pass: a chunk per pair, no logits in the backward
+    ("sigmoid", 1 << 30, 1, 0),  # one pass, one chunk
+    ("sigmoid", SMALL_CHUNKS, 4, 4),  # no pair fits: two passes over 8-token chunks
+    ("aot", ONE_PAIR, 2, 2),  # sorts across the batch: two passes (16-token chunks)
+])  # fmt: skip
+def test_single_pass_is_taken_where_each_pair_has_its_own_gradient(
+    device: str, monkeypatch: pytest.MonkeyPatch, loss_type: str, budget: int, forward: int, backward: int
+) -> None:
+    phase = ["forward"]
+    calls = _count_head_matmuls(monkeypatch, phase)
+    h, w, b, labels = _batch(device, torch.float32, seed=34, bias=True)
+    out = fused_linear_dpo_loss(h, w, labels, bias=b, shift=True, loss_type=loss_type, label_smoothing=0.1,
+                                memory_budget=budget)  # fmt: skip
+    phase[0] = "backward"
+    out.loss.backward()
+    assert (calls.count("forward"), calls.count("backward")) == (forward, backward)
 
 
 # --- The formulas against TRL's code --------------------------------------------------------------
@@ -274,10 +406,11 @@ def test_bad_input_raises_naming_the_argument(kw: dict[str, Any], message: str) 
         fused_linear_dpo_loss(h, w, labels, **kw)
 
 
-def test_frozen_head_gets_no_gradient(device: str) -> None:
+@pytest.mark.parametrize("budget", [SMALL_CHUNKS, ONE_PAIR], ids=["two_passes", "one_pass"])
+def test_frozen_head_gets_no_gradient(device: str, budget: int) -> None:
     h, w, _, labels = _batch(device, torch.float32, seed=12)
     w.requires_grad_(False)
-    out = fused_linear_dpo_loss(h, w, labels, shift=True, memory_budget=SMALL_CHUNKS)
+    out = fused_linear_dpo_loss(h, w, labels, shift=True, memory_budget=budget)
     want = fused_linear_dpo_loss(h, w, labels, shift=True, reference=True)
     torch.testing.assert_close(torch.autograd.grad(out.loss, h)[0], torch.autograd.grad(want.loss, h)[0],
                                rtol=1e-4, atol=1e-6)  # fmt: skip
@@ -285,13 +418,14 @@ def test_frozen_head_gets_no_gradient(device: str) -> None:
     assert w.grad is None
 
 
-def test_compile_matches_eager(device: str) -> None:
+@pytest.mark.parametrize("budget", [SMALL_CHUNKS, ONE_PAIR], ids=["two_passes", "one_pass"])
+def test_compile_matches_eager(device: str, budget: int) -> None:
     h, w, b, labels = _batch(device, torch.float32, seed=13, bias=True)
     ref_chosen, ref_rejected = _refs(device, seed=14)
 
     def loss(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return fused_linear_dpo_loss(h, w, labels, bias=b, shift=True, ref_chosen_logps=ref_chosen,
-                                     ref_rejected_logps=ref_rejected, memory_budget=SMALL_CHUNKS).loss  # fmt: skip
+                                     ref_rejected_logps=ref_rejected, memory_budget=budget).loss  # fmt: skip
 
     testing.assert_compile_matches_eager(loss, [h, w, b])
 

@@ -6,12 +6,28 @@ labels ``(B, T)`` with ``ignore_index`` where a token is not scored (the prompt,
 sequence's log-probability is the sum of its scored tokens' log-probabilities (their mean where
 the loss asks for it, as TRL's ``average_log_prob``).
 
-How it runs, and what it costs: :func:`fk.align.fused_linear_logprobs` gives every token's
-log-probability without the logits (2 N H V FLOPs for the ``N = B T`` tokens); the sums per
-sequence and the loss are plain PyTorch on ``(B,)`` values; the backward recomputes each chunk's
-logits with each token's upstream gradient, the loss' gradient of its sequence (6 N H V FLOPs).
-8 N H V FLOPs in all (6 N H V with a frozen head). A single pass (6 N H V) would need every
-pair's two sequences in one chunk; this keeps the chunking free of the batch layout.
+How it runs, and what it costs. One pass (:func:`loss_on_head`, 6 N H V FLOPs for the ``N = B T``
+tokens, 4 N H V with a frozen head), as :func:`fk.flce.linear_cross_entropy` and GRPO: the chunks
+of fk-flce's engine hold whole pairs (pair ``p`` is sequences ``p`` and ``p + P``, gathered into
+one chunk; KTO's hold whole sequences), as many as ``memory_budget``'s logits hold. Per chunk: its
+logits, its tokens' log-probabilities (pass 1 of :mod:`fk.align.logprobs`' kernel), their sums per
+sequence, the loss' gradient w.r.t. those sums (:func:`sequence_grads`: the formula's derivative,
+written out, already divided by the batch's normalisation: the number of pairs, the chosen tokens
+of the NLL), ``dz`` over the logits (pass 2), then ``dh`` and the chunk's ``dW`` share at once.
+The loss itself is the formula on the sums when the loop ends, and the backward only scales the
+stored gradients by the upstream one. This holds where each pair's gradient depends on that pair
+alone (and on counts known from the labels): every loss here but DPO's ``"aot"`` and
+``"aot_unpaired"``, which sort the margins across the batch (:data:`SINGLE_PASS_DPO_TYPES`); KTO's
+batch-level KL estimate is a detached constant given up front. Those two types, a pair whose logits
+do not fit the budget (long sequences), the reference and CPU tensors without Triton run in two
+passes: :func:`fk.align.fused_linear_logprobs` (2 N H V), autograd on the sums, and a backward that
+recomputes each chunk's logits (6 N H V): 8 N H V FLOPs.
+
+Memory (the forward's, which is the peak; ``dh`` and the returned gradients come on top): with one
+chunk (every pair fits the budget), that chunk's logits' gradient (``N V`` in the head's dtype) is
+kept and ``dW`` made from it in the backward; with several, the chunk's logits (``n_c V``) and the
+fp32 ``dW`` accumulator (``V H * 4`` bytes; ``accum_dtype`` = the head's dtype makes it ``V H * 2``
+and the gradient itself) as in fk-flce.
 
 Each loss has a ``*_pair_losses`` function on sequence log-probabilities (the formula, one value
 per pair, usable with log-probabilities from anywhere) and a ``fused_linear_*_loss`` that runs
@@ -31,15 +47,27 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-from fk.align.logprobs import fused_linear_logprobs, fused_linear_logprobs_ref
+from fk.align.logprobs import fused_linear_logprobs, fused_linear_logprobs_ref, launch_token_logprobs
 from fk.core import validate
-from fk.flce.chunks import DEFAULT_MEMORY_BUDGET
-from fk.flce.linear_cross_entropy import shift_labels
+from fk.core.backend import uses_kernel
+from fk.core.launch import cdiv
+from fk.core.ops import define_autograd_op, fake_from
+from fk.flce.chunks import (
+    DEFAULT_MEMORY_BUDGET,
+    backward_fakes,
+    chunk_tokens_for,
+    gathered_head_grads,
+    head_grad_fakes,
+    input_grads,
+    scale_grads,
+)
+from fk.flce.cross_entropy import row_values
+from fk.flce.linear_cross_entropy import check_inputs, shift_labels
 
 DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot",
                   "aot_unpaired", "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm")  # fmt: skip
@@ -264,25 +292,22 @@ def fused_linear_dpo_loss(
     label_smoothing = _check_label_smoothing(label_smoothing, 0.5 if "robust" in types else 1.0)
     if "exo_pair" in types and label_smoothing == 0:
         raise ValueError("label_smoothing must be > 0 for loss_type 'exo_pair' (it takes log(label_smoothing))")
-    seq = sequence_logps(hidden, weight, target, bias=bias, ignore_index=ignore_index, shift=shift,
-                         reference=reference, accum_dtype=accum_dtype, memory_budget=memory_budget)  # fmt: skip
-    chosen, rejected = _pairs(seq.sums, "hidden")
-    chosen_counts, rejected_counts = _pairs(seq.counts, "hidden")
-    n_pairs = chosen.shape[0]
+    validate.check_tensor("hidden", hidden)
+    n_pairs = hidden.shape[0] // 2
     if (ref_chosen_logps is None) != (ref_rejected_logps is None):
         raise ValueError("ref_chosen_logps and ref_rejected_logps must both be given, or both None (reference-free)")
     _check_ref("ref_chosen_logps", ref_chosen_logps, n_pairs, hidden.device)
     _check_ref("ref_rejected_logps", ref_rejected_logps, n_pairs, hidden.device)
-    zero = torch.zeros_like(chosen)
-    ref_chosen = zero if ref_chosen_logps is None else ref_chosen_logps.to(chosen.dtype)
-    ref_rejected = zero if ref_rejected_logps is None else ref_rejected_logps.to(chosen.dtype)
-    loss = chosen.new_zeros(())
-    for t, w in zip(types, weights, strict=True):
-        pair_losses = dpo_pair_losses(chosen, rejected, ref_chosen, ref_rejected, beta=beta, loss_type=t,
-                                      label_smoothing=label_smoothing, chosen_counts=chosen_counts,
-                                      rejected_counts=rejected_counts, discopop_tau=discopop_tau)  # fmt: skip
-        loss = loss + pair_losses.mean() * w
-    return _metrics(loss, chosen, rejected, beta * (chosen - ref_chosen), beta * (rejected - ref_rejected))
+    ref = None
+    if ref_chosen_logps is not None and ref_rejected_logps is not None:
+        compute = torch.promote_types(hidden.dtype, torch.float32)
+        ref = torch.cat([ref_chosen_logps, ref_rejected_logps]).to(compute)
+    spec = LossSpec("dpo", tuple(types), tuple(weights), beta, label_smoothing, discopop_tau)
+    out = loss_on_head(spec, hidden, weight, target, bias, ref, None, None, ignore_index, shift, reference, accum_dtype,
+                       memory_budget)  # fmt: skip
+    chosen, rejected = _pairs(out.sums, "hidden")
+    ref_chosen, ref_rejected = _pairs(torch.zeros_like(out.sums) if ref is None else ref.to(out.sums.dtype), "ref")
+    return _metrics(out.loss, chosen, rejected, beta * (chosen - ref_chosen), beta * (rejected - ref_rejected))
 
 
 # --- 3. CPO and SimPO -----------------------------------------------------------------------------
@@ -319,10 +344,10 @@ def cpo_pair_losses(
     return losses, beta * chosen_r.detach(), beta * rejected_r.detach()
 
 
-def _chosen_nll(seq: SequenceLogps) -> torch.Tensor:
+def _chosen_nll(sums: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """The chosen sequences' cross entropy, averaged over their scored tokens (0 with none)."""
-    chosen_sums, _ = _pairs(seq.sums, "hidden")
-    chosen_counts, _ = _pairs(seq.counts, "hidden")
+    chosen_sums, _ = _pairs(sums, "hidden")
+    chosen_counts, _ = _pairs(counts, "hidden")
     return -chosen_sums.sum() / chosen_counts.sum().clamp(min=1)
 
 
@@ -352,15 +377,17 @@ def fused_linear_cpo_loss(
     beta = _check_beta(beta)
     validate.check_choice("loss_type", loss_type, CPO_LOSS_TYPES)
     label_smoothing = _check_label_smoothing(label_smoothing)
-    seq = sequence_logps(hidden, weight, target, bias=bias, ignore_index=ignore_index, shift=shift,
-                         reference=reference, accum_dtype=accum_dtype, memory_budget=memory_budget)  # fmt: skip
-    chosen, rejected = _pairs(seq.means() if loss_type in ("ipo", "simpo") else seq.sums, "hidden")
-    losses, chosen_rewards, rejected_rewards = cpo_pair_losses(chosen, rejected, beta=beta, loss_type=loss_type,
-                                                               label_smoothing=label_smoothing,
-                                                               simpo_gamma=simpo_gamma, alpha=alpha)  # fmt: skip
-    nll = _chosen_nll(seq) if cpo_alpha != 0 else chosen.new_zeros(())
-    loss = losses.mean() + cpo_alpha * nll
-    return _metrics(loss, chosen, rejected, chosen_rewards, rejected_rewards, nll_loss=nll.detach())
+    spec = LossSpec("cpo", (loss_type,), (1.0,), beta, label_smoothing, simpo_gamma=simpo_gamma, cpo_alpha=cpo_alpha,
+                    alpha=alpha)  # fmt: skip
+    out = loss_on_head(spec, hidden, weight, target, bias, None, None, None, ignore_index, shift, reference,
+                       accum_dtype, memory_budget)  # fmt: skip
+    sums, counts = out.sums.detach(), out.counts
+    chosen, rejected = _pairs(sums / counts.clamp(min=1) if spec.uses_means else sums, "hidden")
+    _, chosen_rewards, rejected_rewards = cpo_pair_losses(chosen, rejected, beta=beta, loss_type=loss_type,
+                                                          label_smoothing=label_smoothing, simpo_gamma=simpo_gamma,
+                                                          alpha=alpha)  # fmt: skip
+    nll = _chosen_nll(sums, counts) if cpo_alpha != 0 else chosen.new_zeros(())
+    return _metrics(out.loss, chosen, rejected, chosen_rewards, rejected_rewards, nll_loss=nll)
 
 
 # --- 4. ORPO --------------------------------------------------------------------------------------
@@ -397,13 +424,14 @@ def fused_linear_orpo_loss(
     sequences' mean cross entropy per scored token; rewards ``beta * logps``. Arguments as in
     :func:`fused_linear_dpo_loss`."""
     beta = _check_beta(beta)
-    seq = sequence_logps(hidden, weight, target, bias=bias, ignore_index=ignore_index, shift=shift,
-                         reference=reference, accum_dtype=accum_dtype, memory_budget=memory_budget)  # fmt: skip
-    chosen, rejected = _pairs(seq.means(), "hidden")
+    spec = LossSpec("orpo", ("orpo",), (1.0,), beta)
+    out = loss_on_head(spec, hidden, weight, target, bias, None, None, None, ignore_index, shift, reference,
+                       accum_dtype, memory_budget)  # fmt: skip
+    sums, counts = out.sums.detach(), out.counts
+    chosen, rejected = _pairs(sums / counts.clamp(min=1), "hidden")
     ratio, log_odds = orpo_pair_losses(chosen, rejected)
-    nll = _chosen_nll(seq)
-    loss = nll - beta * ratio.mean()
-    return _metrics(loss, chosen, rejected, beta * chosen, beta * rejected, nll_loss=nll.detach(),
+    nll = _chosen_nll(sums, counts)
+    return _metrics(out.loss, chosen, rejected, beta * chosen, beta * rejected, nll_loss=nll,
                     log_odds_ratio=ratio.mean().detach(),
                     log_odds_chosen=log_odds.mean().detach())  # fmt: skip
 
@@ -487,7 +515,8 @@ def fused_linear_kto_loss(
             ``apo_zero_unpaired`` never computes it).
         beta, loss_type, desirable_weight, undesirable_weight: TRL's ``KTOConfig`` fields.
 
-    The loss is the mean over the ``B`` sequences of :func:`kto_sequence_losses` (8 N H V FLOPs).
+    The loss is the mean over the ``B`` sequences of :func:`kto_sequence_losses`, in one pass
+    (6 N H V FLOPs) over chunks of whole sequences (see the module docstring).
     """
     beta = _check_beta(beta)
     validate.check_choice("loss_type", loss_type, KTO_LOSS_TYPES)
@@ -499,21 +528,26 @@ def fused_linear_kto_loss(
     for name, value in (("desirable_weight", desirable_weight), ("undesirable_weight", undesirable_weight)):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
             raise ValueError(f"{name} must be a number >= 0, got {value!r}")
-    seq = sequence_logps(hidden, weight, target, bias=bias, ignore_index=ignore_index, shift=shift,
-                         reference=reference, accum_dtype=accum_dtype, memory_budget=memory_budget)  # fmt: skip
-    logps = seq.sums
-    _check_ref("ref_logps", ref_logps, logps.shape[0], hidden.device)
-    ref = torch.zeros_like(logps) if ref_logps is None else ref_logps.to(logps.dtype)
+    compute = torch.promote_types(hidden.dtype, torch.float32)
+    _check_ref("ref_logps", ref_logps, hidden.shape[0], hidden.device)
+    ref = (
+        torch.zeros(hidden.shape[0], dtype=compute, device=hidden.device)
+        if ref_logps is None
+        else ref_logps.to(compute)
+    )
     if kl_logps is not None and ref_kl_logps is not None:
         validate.check_tensor("kl_logps", kl_logps)
         _check_ref("ref_kl_logps", ref_kl_logps, kl_logps.shape[0], hidden.device)
-        kl = (kl_logps.detach() - ref_kl_logps).to(logps.dtype).mean().clamp(min=0)
+        kl = (kl_logps.detach() - ref_kl_logps).to(compute).mean().clamp(min=0)
     else:
-        kl = logps.new_zeros(())
-    desirable = desirable.to(device=logps.device, dtype=torch.bool)
-    losses = kto_sequence_losses(logps, ref, desirable, kl, beta=beta, loss_type=loss_type,
-                                 desirable_weight=desirable_weight, undesirable_weight=undesirable_weight)  # fmt: skip
-    rewards = (beta * (logps - ref)).detach()
+        kl = torch.zeros((), dtype=compute, device=hidden.device)
+    desirable = desirable.to(device=hidden.device, dtype=torch.bool)
+    spec = LossSpec("kto", (loss_type,), (1.0,), beta, desirable_weight=float(desirable_weight),
+                    undesirable_weight=float(undesirable_weight))  # fmt: skip
+    out = loss_on_head(spec, hidden, weight, target, bias, ref, desirable, kl, ignore_index, shift, reference,
+                       accum_dtype, memory_budget)  # fmt: skip
+    logps = out.sums.detach()
+    rewards = beta * (logps - ref.to(logps.dtype))
     n_chosen = desirable.sum()
     n_rejected = (~desirable).sum()
     metrics = {
@@ -524,4 +558,461 @@ def fused_linear_kto_loss(
         "logps/rejected": torch.where(desirable, 0, logps.detach()).sum() / n_rejected,
     }
     metrics["rewards/margins"] = metrics["rewards/chosen"] - metrics["rewards/rejected"]
-    return KTOOutput(losses.mean(), logps.detach(), rewards, metrics)
+    return KTOOutput(out.loss, logps, rewards, metrics)
+
+
+# --- 6. The loss on the head, in one pass where each pair's loss is its own -----------------------
+
+SINGLE_PASS_DPO_TYPES = frozenset(DPO_LOSS_TYPES) - {"aot", "aot_unpaired"}
+"""The DPO loss types whose gradient at a pair depends only on that pair's values (and on counts
+known from the labels up front: ``"sft"``'s denominator). ``"aot"`` and ``"aot_unpaired"`` sort
+the margins across the batch: a pair's gradient depends on every other pair, so they run in two
+passes."""
+
+
+class LossSpec(NamedTuple):
+    """A preference loss and TRL's settings of it, as the single pass takes them (``family``:
+    ``"dpo"``, ``"cpo"``, ``"orpo"`` or ``"kto"``; ``types`` and ``type_weights``: DPO's list of
+    loss types and their weights, the one type of CPO and KTO)."""
+
+    family: str
+    types: tuple[str, ...]
+    type_weights: tuple[float, ...]
+    beta: float
+    label_smoothing: float = 0.0
+    discopop_tau: float = 0.05
+    simpo_gamma: float = 0.5
+    cpo_alpha: float = 0.0
+    alpha: float = 0.0
+    desirable_weight: float = 1.0
+    undesirable_weight: float = 1.0
+
+    @property
+    def paired(self) -> bool:
+        return self.family != "kto"
+
+    @property
+    def uses_means(self) -> bool:
+        """Whether the loss reads mean log-probabilities per scored token (else sums)."""
+        return self.family == "orpo" or (self.family == "cpo" and self.types[0] in ("ipo", "simpo"))
+
+    @property
+    def single_pass(self) -> bool:
+        """Whether each pair's (sequence's) gradient depends on its own values alone."""
+        return self.family != "dpo" or all(t in SINGLE_PASS_DPO_TYPES for t in self.types)
+
+
+def sequence_loss(
+    spec: LossSpec,
+    sums: torch.Tensor,
+    counts: torch.Tensor,
+    ref: torch.Tensor,
+    desirable: torch.Tensor | None,
+    kl: torch.Tensor | None,
+) -> torch.Tensor:
+    """The loss (0-dim) from each sequence's log-probability sum ``(B,)`` and scored-token count,
+    by the ``*_pair_losses`` formulas: both passes' loss (autograd differentiates it in two)."""
+    if spec.family == "kto":
+        assert desirable is not None and kl is not None
+        return kto_sequence_losses(sums, ref.to(sums.dtype), desirable, kl.to(sums.dtype), beta=spec.beta,
+                                   loss_type=spec.types[0], desirable_weight=spec.desirable_weight,
+                                   undesirable_weight=spec.undesirable_weight).mean()  # fmt: skip
+    values = sums / counts.clamp(min=1) if spec.uses_means else sums
+    chosen, rejected = _pairs(values, "hidden")
+    chosen_counts, rejected_counts = _pairs(counts, "hidden")
+    if spec.family == "dpo":
+        ref_chosen, ref_rejected = _pairs(ref.to(sums.dtype), "ref")
+        loss = sums.new_zeros(())
+        for t, w in zip(spec.types, spec.type_weights, strict=True):
+            pair_losses = dpo_pair_losses(chosen, rejected, ref_chosen, ref_rejected, beta=spec.beta, loss_type=t,
+                                          label_smoothing=spec.label_smoothing, chosen_counts=chosen_counts,
+                                          rejected_counts=rejected_counts, discopop_tau=spec.discopop_tau)  # fmt: skip
+            loss = loss + pair_losses.mean() * w
+        return loss
+    nll = -_pairs(sums, "hidden")[0].sum() / chosen_counts.sum().clamp(min=1)
+    if spec.family == "cpo":
+        losses, _, _ = cpo_pair_losses(chosen, rejected, beta=spec.beta, loss_type=spec.types[0],
+                                       label_smoothing=spec.label_smoothing, simpo_gamma=spec.simpo_gamma,
+                                       alpha=spec.alpha)  # fmt: skip
+        return losses.mean() + spec.cpo_alpha * nll if spec.cpo_alpha != 0 else losses.mean()
+    ratio, _ = orpo_pair_losses(chosen, rejected)
+    return nll - spec.beta * ratio.mean()
+
+
+# The gradient of sequence_loss w.r.t. each sequence's sum, written out (the single pass needs it
+# inside a custom op, where autograd does not run), as autograd differentiates the formulas above.
+# With s(x) = sigmoid(x), d/dx -logsigmoid(x) = -s(-x), d/dx s(x) = s(x) s(-x), b = beta, eps the
+# label smoothing, and DPO's c = chosen - ref_chosen, r = rejected - ref_rejected, d = c - r, x = b d:
+#   sigmoid -b s(-x) | hinge -b [1 - x > 0] | robust b (-(1 - eps) s(-x) - eps s(x)) / (1 - 2 eps)
+#   exo_pair b s(x) s(-x) (x - log(1 - eps) + log(eps))
+#   discopop, m = s(x / tau): b (-s(-x) (1 - m) - e^-x m + m (1 - m) / tau (logsigmoid(x) + e^-x))
+#   (each d/dd: +1 to c, -1 to r); ipo 2 (d' - 1/(2b)) and sigmoid_norm -b s(-b d') of
+#   d' = c / n_c - r / n_r (so 1/n_c to c, -1/n_r to r); and per side:
+#   nca_pair  c: -b s(-bc) + b s(bc) / 2, r: b s(br) / 2 | bco_pair c: -b s(-bc), r: b s(br)
+#   sppo_hard c: 2 (c - 1/(2b)), r: 2 (r + 1/(2b))   | apo_zero c: -b s(bc) s(-bc), r: b s(br) s(-br)
+#   apo_down  c: b s(bc) s(-bc) - b s(x) s(-x), r: b s(x) s(-x)
+# each over the P pairs (the mean); sft's -sum(chosen) / sum(n_c) gives -1 / sum(n_c) to each chosen.
+# CPO on x = b (u(c) - u(r) - [simpo] gamma / b), u(v) = v or AlphaPO's (1 - e^(-alpha v)) / alpha
+# (u' = e^(-alpha v)): sigmoid/simpo b (-(1 - eps) s(-x) + eps s(x)), hinge -b [1 - x > 0], ipo
+# 2 (x / b - 1/(2b)), times u'(c) to c and -u'(r) to r, over P; its NLL gives -cpo_alpha / sum(n_c)
+# to each chosen sum. ORPO on means, o = (c - r) - (log(1 - e^c) - log(1 - e^r)):
+# d o / d c = -1 / expm1(c), d o / d r = 1 / expm1(r), and d loss / d o = -b s(-o) / P, plus the NLL's
+# -1 / sum(n_c). A mean's gradient reaches its sum divided by the count. KTO on l = sum - ref:
+# desirable -w_d b s(y) s(-y) with y = b (l - kl) ("apo_zero_unpaired": y = b l), undesirable
+# w_u b s(y) s(-y) with y = b (kl - l) (b l), over the B sequences.
+
+
+def _sigmoid_slope(x: torch.Tensor) -> torch.Tensor:
+    return torch.sigmoid(x) * torch.sigmoid(-x)
+
+
+def _dpo_grads(
+    spec: LossSpec, chosen: torch.Tensor, rejected: torch.Tensor, n_c: torch.Tensor, n_r: torch.Tensor,
+    ref_chosen: torch.Tensor, ref_rejected: torch.Tensor, n_pairs: int, chosen_total: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    b, eps = spec.beta, spec.label_smoothing
+    c, r = chosen - ref_chosen, rejected - ref_rejected
+    d = c - r
+    x = b * d
+    n_c, n_r = n_c.clamp(min=1), n_r.clamp(min=1)
+    gc, gr = torch.zeros_like(c), torch.zeros_like(r)
+    for t, w in zip(spec.types, spec.type_weights, strict=True):
+        if t == "sft":
+            gc = gc - w * n_pairs / chosen_total.clamp(min=1)  # (the division by n_pairs below undoes n_pairs)
+            continue
+        if t in ("ipo", "sigmoid_norm"):
+            d_avg = c / n_c - r / n_r
+            g = 2 * (d_avg - 1 / (2 * b)) if t == "ipo" else -b * torch.sigmoid(-b * d_avg)
+            gc, gr = gc + w * g / n_c, gr - w * g / n_r
+            continue
+        side: tuple[torch.Tensor, torch.Tensor] | None = None
+        if t == "sigmoid":
+            g = -b * torch.sigmoid(-x)
+        elif t == "hinge":
+            g = -b * (1 - x > 0).to(x.dtype)
+        elif t == "robust":
+            g = b * (-(1 - eps) * torch.sigmoid(-x) - eps * torch.sigmoid(x)) / (1 - 2 * eps)
+        elif t == "exo_pair":
+            g = b * _sigmoid_slope(x) * (x - math.log1p(-eps) + math.log(eps))
+        elif t == "discopop":
+            tau = spec.discopop_tau
+            mix = torch.sigmoid(x / tau)
+            g = b * (-torch.sigmoid(-x) * (1 - mix) - torch.exp(-x) * mix
+                     + mix * (1 - mix) / tau * (F.logsigmoid(x) + torch.exp(-x)))  # fmt: skip
+        elif t == "nca_pair":
+            side = -b * torch.sigmoid(-b * c) + b * torch.sigmoid(b * c) / 2, b * torch.sigmoid(b * r) / 2
+        elif t == "bco_pair":
+            side = -b * torch.sigmoid(-b * c), b * torch.sigmoid(b * r)
+        elif t == "sppo_hard":
+            side = 2 * (c - 0.5 / b), 2 * (r + 0.5 / b)
+        elif t == "apo_zero":
+            side = -b * _sigmoid_slope(b * c), b * _sigmoid_slope(b * r)
+        elif t == "apo_down":
+            side = b * _sigmoid_slope(b * c) - b * _sigmoid_slope(x), b * _sigmoid_slope(x)
+        else:
+            raise ValueError(f"loss_type {t!r} takes two passes")
+        g_c, g_r = side if side is not None else (g, -g)
+        gc, gr = gc + w * g_c, gr + w * g_r
+    return gc / n_pairs, gr / n_pairs
+
+
+def _cpo_grads(
+    spec: LossSpec, chosen: torch.Tensor, rejected: torch.Tensor, n_pairs: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    b, eps, loss_type = spec.beta, spec.label_smoothing, spec.types[0]
+    if spec.alpha != 0.0:
+        u_c, u_r = torch.exp(chosen).pow(-spec.alpha), torch.exp(rejected).pow(-spec.alpha)  # u'(c), u'(r)
+        logits = (1 - u_c) / spec.alpha - (1 - u_r) / spec.alpha
+    else:
+        u_c = u_r = torch.ones_like(chosen)
+        logits = chosen - rejected
+    if loss_type == "simpo":
+        logits = logits - spec.simpo_gamma / b
+    x = b * logits
+    if loss_type in ("sigmoid", "simpo"):
+        g = b * (-(1 - eps) * torch.sigmoid(-x) + eps * torch.sigmoid(x))
+    elif loss_type == "hinge":
+        g = -b * (1 - x > 0).to(x.dtype)
+    else:  # ipo
+        g = 2 * (logits - 1 / (2 * b))
+    return g * u_c / n_pairs, -g * u_r / n_pairs
+
+
+def _orpo_grads(
+    spec: LossSpec, chosen: torch.Tensor, rejected: torch.Tensor, n_pairs: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    log_odds = (chosen - rejected) - (log1mexp(chosen) - log1mexp(rejected))
+    g = -spec.beta * torch.sigmoid(-log_odds) / n_pairs
+    return g * -1 / torch.expm1(chosen), g / torch.expm1(rejected)
+
+
+def _kto_grads(
+    spec: LossSpec, sums: torch.Tensor, ref: torch.Tensor, desirable: torch.Tensor, kl: torch.Tensor, n_seqs: int
+) -> torch.Tensor:
+    b, logratios = spec.beta, sums - ref
+    shift = kl if spec.types[0] == "kto" else torch.zeros_like(kl)
+    chosen = -spec.desirable_weight * b * _sigmoid_slope(b * (logratios - shift))
+    rejected = spec.undesirable_weight * b * _sigmoid_slope(b * (shift - logratios))
+    return torch.where(desirable, chosen, rejected) / n_seqs
+
+
+def sequence_grads(
+    spec: LossSpec,
+    sums: torch.Tensor,
+    counts: torch.Tensor,
+    ref: torch.Tensor,
+    desirable: torch.Tensor | None,
+    kl: torch.Tensor | None,
+    n_seqs: int,
+    chosen_total: torch.Tensor,
+) -> torch.Tensor:
+    """``d loss / d sums`` (the gradient of each scored token's log-probability) of the sequences
+    of one chunk (:func:`sequence_loss` of the whole batch of ``n_seqs`` sequences, see the
+    derivation above): chosen then rejected sequences of the same pairs when paired.
+    ``chosen_total``: the batch's scored chosen tokens (the NLL's and ``"sft"``'s denominator)."""
+    if spec.family == "kto":
+        assert desirable is not None and kl is not None
+        return _kto_grads(spec, sums, ref, desirable, kl, n_seqs)
+    n_pairs = n_seqs // 2
+    values = sums / counts.clamp(min=1) if spec.uses_means else sums
+    chosen, rejected = _pairs(values, "sums")
+    n_c, n_r = _pairs(counts, "counts")
+    if spec.family == "dpo":
+        ref_chosen, ref_rejected = _pairs(ref, "ref")
+        gc, gr = _dpo_grads(spec, chosen, rejected, n_c, n_r, ref_chosen, ref_rejected, n_pairs, chosen_total)
+    elif spec.family == "cpo":
+        gc, gr = _cpo_grads(spec, chosen, rejected, n_pairs)
+    else:
+        gc, gr = _orpo_grads(spec, chosen, rejected, n_pairs)
+    if spec.uses_means:
+        gc, gr = gc / n_c.clamp(min=1), gr / n_r.clamp(min=1)
+    nll_weight = 1.0 if spec.family == "orpo" else spec.cpo_alpha if spec.family == "cpo" else 0.0
+    if nll_weight != 0.0:
+        gc = gc - nll_weight / chosen_total.clamp(min=1)
+    return torch.cat([gc, gr])
+
+
+def sequence_chunks(n_seqs: int, per_chunk: int, paired: bool) -> list[tuple[slice, ...]]:
+    """The sequences of each chunk, as ranges of the batch: ``per_chunk`` whole pairs (pair ``p``
+    is sequences ``p`` and ``p + n_seqs / 2``: two ranges per chunk, one when it holds every pair)
+    or, unpaired, ``per_chunk`` sequences; balanced (as many chunks as ``per_chunk`` needs, of
+    equal size but the last)."""
+    groups = n_seqs // 2 if paired else n_seqs
+    if groups == 0:
+        return []
+    per_chunk = cdiv(groups, cdiv(groups, max(1, per_chunk)))
+    out: list[tuple[slice, ...]] = []
+    for start in range(0, groups, per_chunk):
+        stop = min(start + per_chunk, groups)
+        if not paired:
+            out.append((slice(start, stop),))
+        elif start == 0 and stop == groups:
+            out.append((slice(0, n_seqs),))
+        else:
+            out.append((slice(start, stop), slice(groups + start, groups + stop)))
+    return out
+
+
+# (loss, sums, dh, dw, db, dlogits): torch.library needs the arity spelled out.
+Outputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def _preference_fwd(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    target: torch.Tensor,
+    ref: torch.Tensor,
+    desirable: torch.Tensor | None,
+    kl: torch.Tensor | None,
+    family: str,
+    types: str,
+    type_weights: list[float],
+    beta: float,
+    label_smoothing: float,
+    discopop_tau: float,
+    simpo_gamma: float,
+    cpo_alpha: float,
+    alpha: float,
+    desirable_weight: float,
+    undesirable_weight: float,
+    ignore_index: int,
+    seqs_per_chunk: int,
+    accum_fp32: bool,
+    compute_dh: bool,
+    compute_dw: bool,
+    compute_db: bool,
+) -> Outputs:
+    """Forward launcher on flat tokens (``hidden`` ``(B T, H)``, ``target`` ``(B, T)``, ``ref``
+    ``(B,)`` fp32; ``types``: :class:`LossSpec`'s, joined by commas): the loss with its gradients for an upstream gradient of 1, as
+    :func:`fk.flce.chunks.head_grads` returns them, and each sequence's log-probability sum.
+    Each chunk's logits give its tokens' log-probabilities (pass 1 of :mod:`fk.align.logprobs`'
+    kernel), their sums per sequence, :func:`sequence_grads` on those, and ``dz`` over the logits
+    (pass 2), then ``dh`` and the chunk's ``dW`` share."""
+    spec = LossSpec(family, tuple(types.split(",")), tuple(type_weights), beta, label_smoothing, discopop_tau, simpo_gamma,
+                    cpo_alpha, alpha, desirable_weight, undesirable_weight)  # fmt: skip
+    n_seqs, seq_len = target.shape
+    counts = (target != ignore_index).sum(-1).to(torch.float32)
+    chosen_total = counts[: n_seqs // 2].sum() if spec.paired else counts.sum()
+    sums = torch.empty(n_seqs, dtype=torch.float32, device=hidden.device)
+    flat_target = target.reshape(-1)
+    chunks = sequence_chunks(n_seqs, seqs_per_chunk // 2 if spec.paired else seqs_per_chunk, spec.paired)
+
+    def chunk_loss(logits: torch.Tensor, parts: tuple[slice, ...], want_grad: bool) -> None:
+        seqs = [slice(part.start // seq_len, part.stop // seq_len) for part in parts]
+        tgt = flat_target[parts[0]] if len(parts) == 1 else torch.cat([flat_target[part] for part in parts])
+        lse, logp = row_values(logits), row_values(logits)
+        launch_token_logprobs(logits, tgt, ignore_index, 1.0, lse=lse, logp=logp)
+        chunk_sums = logp.view(-1, seq_len).sum(-1)
+        offset = 0
+        for rows in seqs:
+            size = rows.stop - rows.start
+            sums[rows] = chunk_sums[offset : offset + size]
+            offset += size
+        if not want_grad:
+            return
+        pick = lambda t: t[seqs[0]] if len(seqs) == 1 else torch.cat([t[rows] for rows in seqs])  # noqa: E731
+        grad = sequence_grads(spec, chunk_sums, pick(counts), pick(ref), pick(desirable) if desirable is not None
+                              else None, kl, n_seqs, chosen_total)  # fmt: skip
+        grad_logp = grad.to(torch.float32).unsqueeze(-1).expand(-1, seq_len).reshape(-1).contiguous()
+        launch_token_logprobs(logits, tgt, ignore_index, 1.0, lse=lse, forward=False, grad_logp=grad_logp)
+
+    token_chunks = [tuple(slice(rows.start * seq_len, rows.stop * seq_len) for rows in seqs) for seqs in chunks]
+    grads = gathered_head_grads(hidden, weight, bias, token_chunks, chunk_loss, accum_fp32, compute_dh, compute_dw,
+                                compute_db)  # fmt: skip
+    loss = sequence_loss(spec, sums, counts, ref, desirable, kl)
+    return (loss, sums, *grads)
+
+
+def _preference_fwd_fake(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    target: torch.Tensor,
+    family: str,
+    seqs_per_chunk: int,
+    accum_fp32: bool,
+    compute_dh: bool,
+    compute_dw: bool,
+    compute_db: bool,
+) -> Outputs:
+    n_seqs = target.shape[0]
+    one_chunk = len(sequence_chunks(n_seqs, seqs_per_chunk // 2 if family != "kto" else seqs_per_chunk,
+                                    family != "kto")) == 1  # fmt: skip
+    sums = hidden.new_empty(n_seqs, dtype=torch.float32)
+    return (sums.new_empty(()), sums, *head_grad_fakes(hidden, weight, bias, hidden.shape[0] if one_chunk else 0,
+                                                       accum_fp32, compute_dh, compute_dw, compute_db))  # fmt: skip
+
+
+def _preference_bwd(
+    grad_loss: torch.Tensor,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    dh_saved: torch.Tensor,
+    dw_saved: torch.Tensor,
+    db_saved: torch.Tensor,
+    logits_grad: torch.Tensor,
+    need_dh: bool,
+    need_dw: bool,
+    need_db: bool,
+    inplace: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backward launcher: the forward's gradients times the upstream gradient of the loss."""
+    return scale_grads(grad_loss, hidden, weight, bias, dh_saved, dw_saved, db_saved, logits_grad,
+                       need_dh, need_dw, need_db, inplace)  # fmt: skip
+
+
+_N_INPUTS = 24
+
+
+def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
+    hidden, weight, bias = inputs[:3]
+    dh, dw, db, logits_grad = output[2:]
+    ctx.save_for_backward(hidden, weight, bias, dh, dw, db, logits_grad)
+    ctx.mark_non_differentiable(*output[1:])
+    ctx.set_materialize_grads(False)
+
+
+def _backward(run_backward: Any, ctx: Any, grad_loss: torch.Tensor | None, *_rest: Any) -> tuple[Any, ...]:
+    needs = need_dh, need_dw, need_db = ctx.needs_input_grad[:3]
+    if grad_loss is None or not (need_dh or need_dw or need_db):
+        return input_grads(None, needs, _N_INPUTS)
+    hidden, weight, bias, dh, dw, db, logits_grad = ctx.saved_tensors
+    # In place only in eager mode: a custom op (the torch.compile path) may not return its input.
+    inplace = run_backward is _preference_bwd
+    grads = run_backward(grad_loss, hidden, weight, bias, dh, dw, db, logits_grad, need_dh, need_dw, need_db, inplace)
+    return input_grads(grads, needs, _N_INPUTS)
+
+
+_preference_loss = define_autograd_op(
+    __name__, "preference_loss",
+    forward=_preference_fwd, forward_fake=fake_from(_preference_fwd, _preference_fwd_fake),
+    backward_launcher=_preference_bwd, backward_fake=fake_from(_preference_bwd, backward_fakes),
+    setup_context=_setup_context, backward=_backward,
+)  # fmt: skip
+
+
+def seqs_per_chunk_for(spec: LossSpec, memory_budget: int, vocab: int, itemsize: int, seq_len: int) -> int:
+    """Sequences per chunk of the single pass (a multiple of 2 when paired): as many whole pairs
+    (sequences) as the budget's logits hold; 0 where not even one fits (two passes then)."""
+    tokens = chunk_tokens_for(memory_budget, vocab, itemsize)
+    group = 2 * seq_len if spec.paired else seq_len
+    return tokens // max(group, 1) * (2 if spec.paired else 1)
+
+
+class SequenceValues(NamedTuple):
+    """What a loss' metrics read: the loss, each sequence's log-probability sum and its count."""
+
+    loss: torch.Tensor
+    sums: torch.Tensor
+    counts: torch.Tensor
+
+
+def loss_on_head(
+    spec: LossSpec,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None,
+    ref: torch.Tensor | None,
+    desirable: torch.Tensor | None,
+    kl: torch.Tensor | None,
+    ignore_index: int,
+    shift: bool,
+    reference: bool,
+    accum_dtype: torch.dtype | None,
+    memory_budget: int,
+) -> SequenceValues:
+    """The loss of ``spec`` on the head: one pass (:data:`_preference_loss`, 6 N H V FLOPs) where
+    the loss is per pair (:attr:`LossSpec.single_pass`) and a pair fits ``memory_budget``'s
+    logits, else :func:`sequence_logps` and autograd on :func:`sequence_loss` (8 N H V), as on the
+    CPU without Triton and for the reference. ``ref``: ``(B,)`` (DPO: the chosen's then the
+    rejected's) or None (0)."""
+    validate.check_tensor("hidden", hidden)
+    validate.check_ndim("hidden", hidden, 3)
+    n_seqs, seq_len = hidden.shape[:2]
+    per_chunk = seqs_per_chunk_for(spec, memory_budget, weight.shape[0], hidden.element_size(), seq_len)
+    if spec.paired and n_seqs % 2:
+        _pairs(hidden, "hidden")  # raises
+    if reference or not spec.single_pass or per_chunk == 0 or not uses_kernel(hidden):
+        seq = sequence_logps(hidden, weight, target, bias=bias, ignore_index=ignore_index, shift=shift,
+                             reference=reference, accum_dtype=accum_dtype, memory_budget=memory_budget)  # fmt: skip
+        refs = torch.zeros_like(seq.sums) if ref is None else ref
+        return SequenceValues(sequence_loss(spec, seq.sums, seq.counts, refs, desirable, kl), seq.sums, seq.counts)
+    _options, target, _ = check_inputs(hidden, weight, target, bias, None, ignore_index, "none", 0.0, 0.0, None, shift,
+                                       None, accum_dtype, memory_budget)  # fmt: skip
+    hidden2d = hidden.reshape(-1, hidden.shape[-1])
+    if hidden2d.stride(-1) != 1 or hidden2d.stride(0) != hidden2d.shape[1]:
+        hidden2d = hidden2d.contiguous()
+    refs = torch.zeros(n_seqs, dtype=torch.float32, device=hidden.device) if ref is None else ref.float().contiguous()
+    grad_on = torch.is_grad_enabled()
+    loss, sums, *_ = _preference_loss(
+        hidden2d, weight, bias, target, refs, desirable, kl.float() if kl is not None else None, spec.family,
+        ",".join(spec.types), list(spec.type_weights), spec.beta, spec.label_smoothing, spec.discopop_tau,
+        spec.simpo_gamma, spec.cpo_alpha, spec.alpha, spec.desirable_weight, spec.undesirable_weight, ignore_index,
+        per_chunk, accum_dtype != weight.dtype, grad_on and hidden.requires_grad, grad_on and weight.requires_grad,
+        grad_on and bias is not None and bias.requires_grad,
+    )  # fmt: skip
+    counts = (target != ignore_index).sum(-1).to(torch.float32)
+    return SequenceValues(loss, sums, counts)

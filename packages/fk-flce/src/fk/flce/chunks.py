@@ -23,6 +23,11 @@ computes ``dW = dz^T @ (g h)`` once, in the weight's dtype. A loss whose upstrea
 per token (reduction "none") computes no gradient in its forward; its backward recomputes each
 chunk's logits (:func:`head_grads` with ``recompute``, 8 N H V FLOPs in all).
 
+A chunk may also be several token ranges taken together (:func:`run_gathered_chunks`,
+:func:`gathered_head_grads`): fk-align's preference losses put a pair's chosen and rejected
+sequences, ``P`` sequences apart, into one chunk, so that each pair's loss and gradient are
+known inside it (one pass).
+
 The launchers of such a loss are registered as custom ops by :func:`fk.core.ops.define_autograd_op`:
 :func:`head_grad_fakes` and :func:`backward_fakes` are the fakes of what this engine returns, and
 :func:`empty_output` stands for an output that is not computed.
@@ -33,7 +38,7 @@ forward and of a backward, their fakes.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import triton
@@ -192,16 +197,55 @@ def run_chunks(
     gradient is wanted of ``chunk_loss`` when a buffer is given or ``keep_logits_grad`` (one chunk
     only), which returns the logits' gradient ``(N, V)``."""
     n_tokens = hidden.shape[0]
+    chunks = [(slice(start, min(start + chunk_tokens, n_tokens)),) for start in range(0, n_tokens, chunk_tokens)]
+    return run_gathered_chunks(hidden, weight, bias, chunks, lambda logits, parts, want: chunk_loss(logits, parts[0], want),
+                               dh=dh, dw=dw, db=db, keep_logits_grad=keep_logits_grad)  # fmt: skip
+
+
+GatheredChunkLoss = Callable[[torch.Tensor, tuple[slice, ...], bool], None]
+"""``chunk_loss(logits, parts, want_grad)``: as :data:`ChunkLoss` for a chunk made of the token
+ranges ``parts`` of ``hidden``, its logits' rows in that order."""
+
+
+def run_gathered_chunks(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    chunks: Sequence[tuple[slice, ...]],
+    chunk_loss: GatheredChunkLoss,
+    *,
+    dh: torch.Tensor | None,
+    dw: torch.Tensor | None,
+    db: torch.Tensor | None,
+    keep_logits_grad: bool = False,
+) -> torch.Tensor | None:
+    """:func:`run_chunks` over given ``chunks``, each a tuple of token ranges of ``hidden`` that
+    one chunk holds together (a preference pair's chosen and rejected sequences, which are ``P``
+    sequences apart). A chunk of several ranges gathers its hidden states into one buffer (``n_c
+    H`` elements, a copy that is small beside the chunk's logits), so that its logits and its ``dW``
+    share are one matmul each; ``dh`` is written straight into each range's rows."""
     want_grad = dh is not None or dw is not None or db is not None or keep_logits_grad
+    most = max((sum(part.stop - part.start for part in parts) for parts in chunks), default=0)
     logits = None
     # One logits buffer for every chunk: a new one per chunk would hold two chunks at a time.
-    buffer = hidden.new_empty((min(chunk_tokens, n_tokens), weight.shape[0]))
-    for index, start in enumerate(range(0, n_tokens, chunk_tokens)):
-        rows = slice(start, min(start + chunk_tokens, n_tokens))
-        h = hidden[rows]
-        logits = chunk_logits(h, weight, bias, out=buffer[: rows.stop - start])
-        chunk_loss(logits, rows, want_grad)
-        chunk_grads(logits, h, weight, dh[rows] if dh is not None else None, dw, db, first=index == 0)
+    buffer = hidden.new_empty((most, weight.shape[0]))
+    gathered = hidden.new_empty((most, hidden.shape[1])) if any(len(parts) > 1 for parts in chunks) else None
+    for index, parts in enumerate(chunks):
+        n_c = sum(part.stop - part.start for part in parts)
+        if len(parts) == 1:
+            h = hidden[parts[0]]
+        else:
+            assert gathered is not None
+            h = torch.cat([hidden[part] for part in parts], out=gathered[:n_c])
+        logits = chunk_logits(h, weight, bias, out=buffer[:n_c])
+        chunk_loss(logits, parts, want_grad)
+        if dh is not None:
+            offset = 0
+            for part in parts:
+                size = part.stop - part.start
+                torch.mm(logits[offset : offset + size], weight, out=dh[part])
+                offset += size
+        chunk_grads(logits, h, weight, None, dw, db, first=index == 0)
     return logits if keep_logits_grad else None
 
 
@@ -255,11 +299,32 @@ def head_grads(
     with :func:`scale_grads`; :func:`head_grad_fakes` is the fake. ``recompute``: the backward of a
     loss whose upstream gradient differs per token (reduction "none"), ``chunk_loss`` scaling each
     row by its own; dW then accumulates over the chunks even in one (no dlogits kept)."""
-    keep = not recompute and keeps_logits_grad(hidden, chunk_tokens, compute_dw)
+    n_tokens = hidden.shape[0]
+    chunks = [(slice(start, min(start + chunk_tokens, n_tokens)),) for start in range(0, n_tokens, chunk_tokens)]
+    return gathered_head_grads(hidden, weight, bias, chunks, lambda logits, parts, want: chunk_loss(logits, parts[0], want),
+                               accum_fp32, compute_dh, compute_dw, compute_db, recompute=recompute)  # fmt: skip
+
+
+def gathered_head_grads(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    chunks: Sequence[tuple[slice, ...]],
+    chunk_loss: GatheredChunkLoss,
+    accum_fp32: bool,
+    compute_dh: bool,
+    compute_dw: bool,
+    compute_db: bool,
+    *,
+    recompute: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`head_grads` over given ``chunks`` (:func:`run_gathered_chunks`): the logits'
+    gradient is kept when there is one chunk (``dW`` is then left to the backward)."""
+    keep = not recompute and compute_dw and len(chunks) == 1 and hidden.shape[0] > 0
     dh, dw, db = gradient_buffers(hidden, weight, compute_dh, compute_dw and not keep, compute_db and bias is not None,
                                   accum_fp32)  # fmt: skip
-    logits_grad = run_chunks(hidden, weight, bias, chunk_tokens, chunk_loss, dh=dh, dw=dw, db=db,
-                             keep_logits_grad=keep)  # fmt: skip
+    logits_grad = run_gathered_chunks(hidden, weight, bias, chunks, chunk_loss, dh=dh, dw=dw, db=db,
+                                      keep_logits_grad=keep)  # fmt: skip
     return (dh if dh is not None else empty_output(hidden), dw if dw is not None else empty_output(hidden),
             db if db is not None else empty_output(hidden, torch.float32),
             logits_grad if logits_grad is not None else empty_output(hidden))  # fmt: skip
