@@ -1,5 +1,6 @@
-"""benchmarks/bench_e2e.py: the order of its timed rounds, how it merges them, and a --tiny run on
-the CPU (Triton's interpreter) with two rounds, whose record must hold each round's speed."""
+"""benchmarks/bench_e2e.py: how it merges records, and a --tiny run on the CPU (Triton's
+interpreter) with two rounds, whose record must hold each round's speed (the rounds' order and
+merge are fk.core.bench's: fk-core's test_bench.py)."""
 
 from __future__ import annotations
 
@@ -26,23 +27,6 @@ def _script() -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-def test_odd_rounds_run_the_providers_in_reverse() -> None:
-    order = _script().round_order(["a", "b", "c"], 3)
-    assert order == [(0, "a"), (0, "b"), (0, "c"), (1, "c"), (1, "b"), (1, "a"), (2, "a"), (2, "b"), (2, "c")]
-
-
-def test_rounds_merge_into_the_median_of_all_steps() -> None:
-    rounds = [
-        {"step_seconds": [1.0, 2.0, 9.0], "tokens_per_step": 100, "peak_gib": 3.0, "losses": [5.0]},
-        {"step_seconds": [3.0, 4.0, 4.0], "tokens_per_step": 100, "peak_gib": 4.0, "losses": [6.0]},
-    ]
-    merged = _script().merge_rounds(rounds)
-    assert merged["median_step_ms"] == pytest.approx(3500.0)  # the median of the six steps
-    assert merged["tokens_per_s"] == pytest.approx(100 / 3.5)
-    assert merged["round_tokens_per_s"] == pytest.approx([50.0, 25.0])  # each round's own median
-    assert merged["peak_gib"] == 4.0 and merged["losses"] == [5.0]  # the largest peak; the first round's losses
 
 
 @pytest.mark.serial
