@@ -318,22 +318,14 @@ def main() -> int:
     parser.add_argument("--plot", type=Path, help="only redraw the plots (and print the table) from this JSON record")
     parser.add_argument("--plot-dir", type=Path, default=Path("docs/assets/benchmarks"))
     parser.add_argument("--tiny", action="store_true", help="the tiny model, 2 x 32 tokens, 2 steps (CPU allowed)")
-    parser.add_argument("--providers", nargs="+", choices=PROVIDERS, default=list(PROVIDERS))
+    bench.add_round_options(parser, PROVIDERS)
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     parser.add_argument("--batch", type=int, help="sequences per step (default 4; --tiny 2)")
     parser.add_argument("--seq", type=int, help="tokens per sequence (default 2048; --tiny 32)")
-    parser.add_argument("--steps", type=int, help="timed steps (default 10; --tiny 2)")
-    parser.add_argument("--warmup", type=int, help="steps before timing (default 3; --tiny 1)")
-    parser.add_argument("--rounds", type=int, help="timed rounds of every provider (default 2; --tiny 1)")
-    parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--search-seconds", type=float, default=45.0,
                         help="time for the largest-batch search per provider and mode (0: no search)")  # fmt: skip
     parser.add_argument("--family", nargs="+", default=["llama"],
                         help="model types to build with the benchmark's shape (default llama; Liger runs where it has a patch)")  # fmt: skip
-    parser.add_argument("--merge", action="store_true",
-                        help="keep the rows of other (family, mode) cases of the record already at --out")  # fmt: skip
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
-    parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         bench.worker_main(worker, args.worker, args.result)
@@ -343,10 +335,7 @@ def main() -> int:
         plots(record, args.plot_dir)
         print(summary(record))
         return 0
-    defaults = (("batch", 4, 2), ("seq", 2048, 32), ("steps", 10, 2), ("warmup", 3, 1), ("rounds", 2, 1))
-    for name, default, tiny in defaults:
-        if getattr(args, name) is None:
-            setattr(args, name, tiny if args.tiny else default)
+    bench.fill_defaults(args, {**bench.ROUND_DEFAULTS, "batch": (4, 2), "seq": (2048, 32)})
     if not torch.cuda.is_available() and not args.tiny:
         parser.error("the benchmark needs a CUDA GPU; on a CPU run it with --tiny")
     record = run(args)

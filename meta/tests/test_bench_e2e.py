@@ -4,39 +4,21 @@ merge are fk.core.bench's: fk-core's test_bench.py)."""
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import subprocess
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
-import torch
 
-from fk.core import bench
+from fk.core import bench, testing
 
 pytest.importorskip("transformers")
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_e2e.py"
 pytestmark = pytest.mark.skipif(not SCRIPT.exists(), reason="needs a checkout with benchmarks/")
 
 
-def _script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_e2e", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.serial
 def test_tiny_run_with_two_rounds(tmp_path: Path) -> None:
-    interpret = "0" if torch.cuda.is_available() else "1"
-    env = {**os.environ, "TRITON_INTERPRET": interpret, "PYTHONPATH": os.pathsep.join(sys.path)}
-    command = [sys.executable, str(SCRIPT), "--tiny", "--modes", "full", "--providers", "stock", "fk",
-               "--rounds", "2", "--search-seconds", "0", "--out", str(tmp_path)]  # fmt: skip
-    out = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300, check=False)
-    assert out.returncode == 0, f"stdout:\n{out.stdout}\nstderr:\n{out.stderr[-5000:]}"
+    testing.run_python(str(SCRIPT), "--tiny", "--modes", "full", "--providers", "stock", "fk", "--rounds", "2",
+                       "--search-seconds", "0", "--out", str(tmp_path))  # fmt: skip
     record = bench.BenchRecord.from_json(tmp_path / "e2e.json")
     runs = {r["provider"]: r for r in record.rows if r["kind"] == "run"}
     assert set(runs) == {"stock", "fk"}
@@ -51,7 +33,7 @@ def test_merge_keeps_the_other_modes_rows() -> None:
     old = bench.BenchRecord("e2e", rows=[{"mode": "full", "v": 1}, {"mode": "lora", "v": 2}], notes="old")
     old.environment["date_utc"] = "then"
     new = bench.BenchRecord("e2e", rows=[{"mode": "lora", "v": 3}], notes="new")
-    merged = _script().merge_record(new, old, ["lora"])
+    merged = testing.load_script(SCRIPT).merge_record(new, old, ["lora"])
     assert merged.rows == [{"measured_utc": "then", "mode": "full", "v": 1}, {"mode": "lora", "v": 3}]
     assert merged.notes == "new; llama full: from the call of then"
 
@@ -61,7 +43,7 @@ def test_merge_keeps_the_other_families_rows() -> None:
     old = bench.BenchRecord("e2e", rows=[{"mode": "full", "v": 1}, {"family": "olmo3", "mode": "full", "v": 2}])
     new = bench.BenchRecord("e2e", rows=[{"family": "olmo3", "mode": "full", "v": 3}], notes="new")
     old.environment["date_utc"] = "before"
-    merged = _script().merge_record(new, old, ["full"], ("olmo3",))
+    merged = testing.load_script(SCRIPT).merge_record(new, old, ["full"], ("olmo3",))
     assert merged.rows == [
         {"measured_utc": "before", "mode": "full", "v": 1},
         {"family": "olmo3", "mode": "full", "v": 3},
@@ -69,6 +51,6 @@ def test_merge_keeps_the_other_families_rows() -> None:
     # merged again: the Llama row keeps the date of the call that measured it
     merged.environment["date_utc"] = "now"
     newer = bench.BenchRecord("e2e", rows=[{"family": "glm4", "mode": "full", "v": 4}], notes="newer")
-    again = _script().merge_record(newer, merged, ["full"], ("glm4",))
+    again = testing.load_script(SCRIPT).merge_record(newer, merged, ["full"], ("glm4",))
     assert again.rows[0]["measured_utc"] == "before" and again.rows[1]["measured_utc"] == "now"
     assert again.notes == "newer; llama full: from the call of before; olmo3 full: from the call of now"

@@ -51,6 +51,7 @@ Only ``torch`` is imported at module level; matplotlib is imported inside :func:
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dataclasses
 import importlib.metadata
@@ -71,11 +72,14 @@ from typing import Any, TypeVar
 import torch
 
 __all__ = [
+    "ROUND_DEFAULTS",
     "BenchRecord",
     "Ceilings",
     "TimeStats",
+    "add_round_options",
     "copy_bandwidth_tbps",
     "environment",
+    "fill_defaults",
     "fraction",
     "graph_time_us",
     "markdown_table",
@@ -622,6 +626,34 @@ def plot(
 
 
 # ------------------------------------------------------------------------ runs in fresh processes
+
+
+ROUND_DEFAULTS: dict[str, tuple[int, int]] = {"steps": (10, 2), "warmup": (3, 1), "rounds": (2, 1)}
+"""The defaults of :func:`add_round_options`' counts: on the GPU, and with ``--tiny``."""
+
+
+def add_round_options(parser: argparse.ArgumentParser, providers: Sequence[str]) -> None:
+    """The options of a benchmark that trains each provider in rounds of fresh processes:
+    ``--providers``; ``--steps``, ``--warmup`` and ``--rounds`` (left unset, :func:`fill_defaults`
+    gives them :data:`ROUND_DEFAULTS`); ``--lr``; ``--merge`` (for :func:`merge_records`); and the
+    hidden ``--worker`` and ``--result`` by which :func:`run_worker` starts the script."""
+    parser.add_argument("--providers", nargs="+", choices=providers, default=list(providers))
+    what = {"steps": "timed steps", "warmup": "steps before timing", "rounds": "timed rounds of every provider"}
+    for name, (full, tiny) in ROUND_DEFAULTS.items():
+        parser.add_argument(f"--{name}", type=int, help=f"{what[name]} (default {full}; --tiny {tiny})")
+    parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--merge", action="store_true",
+                        help="keep the rows of the record already at --out of the cases this call does not run")  # fmt: skip
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
+
+
+def fill_defaults(args: argparse.Namespace, defaults: Mapping[str, tuple[Any, Any]]) -> None:
+    """Set each option of ``defaults`` that was left unset (None) to its first value, or with
+    ``args.tiny`` to its second."""
+    for name, (full, tiny) in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, tiny if args.tiny else full)
 
 
 def round_order(providers: Sequence[str], rounds: int) -> list[tuple[int, str]]:

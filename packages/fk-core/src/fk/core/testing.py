@@ -22,8 +22,11 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -358,7 +361,6 @@ def assert_compile_matches_eager(
 def run_on_reference_path(code: str) -> None:
     """Run ``code`` in a fresh interpreter with Triton's interpreter off and no GPU visible (the
     path a CPU-only user gets: the plain PyTorch reference); it must print ``ok`` last."""
-    import os
     import subprocess
     import sys
 
@@ -366,6 +368,35 @@ def run_on_reference_path(code: str) -> None:
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=False)
     if out.returncode != 0 or out.stdout.strip().splitlines()[-1:] != ["ok"]:
         raise AssertionError(f"reference-path run failed:\nstdout:\n{out.stdout}\nstderr:\n{out.stderr}")
+
+
+def load_script(path: str | os.PathLike[str]) -> ModuleType:
+    """The module of a script that is not on the import path (a ``benchmarks/bench_*.py``), by
+    its file, for testing its functions."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(Path(path).stem, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_python(*args: str, timeout_s: float = 300.0) -> str:
+    """Run ``python *args`` (a script and its options, or ``-m module ...``) in a fresh interpreter
+    that imports what this process imports (its ``sys.path``), with Triton's interpreter on where
+    there is no GPU; its standard output. An exit status other than 0 fails with the run's output."""
+    import subprocess
+    import sys
+
+    interpret = "0" if torch.cuda.is_available() else "1"
+    env = {**os.environ, "TRITON_INTERPRET": interpret, "PYTHONPATH": os.pathsep.join(sys.path)}
+    out = subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=timeout_s,
+                         check=False)  # fmt: skip
+    if out.returncode != 0:
+        raise AssertionError(f"python {' '.join(args)[:200]} exited with {out.returncode}:\nstdout:\n{out.stdout}\n"
+                             f"stderr:\n{out.stderr[-5000:]}")  # fmt: skip
+    return out.stdout
 
 
 # --- several processes ------------------------------------------------------------------------
