@@ -332,7 +332,7 @@ def run(args: argparse.Namespace) -> bench.BenchRecord:
             timed.setdefault(key, []).append(out)
             results[key] = merge_trainer_rounds(timed[key])
     sizes = "; ".join(f"{kind}: {', '.join(f'{k} {v}' for k, v in args.sizes[kind]._asdict().items())}"
-                      for kind in args.trainers)  # fmt: skip
+                      for kind in TRAINERS)  # fmt: skip
     notes = [
         "TRL's DPOTrainer (loss sigmoid, a reference copy of the policy) and GRPOTrainer (loss dapo, beta 0, "
         "completions sampled by model.generate to exactly the completion length)",
