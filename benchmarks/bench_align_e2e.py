@@ -89,8 +89,14 @@ class Sizes(NamedTuple):
     generations: int = 1  # GRPO: completions of a prompt (TRL's default num_generations is 8)
 
 
-SIZES = {"dpo": Sizes(prompt=512, completion=1536, batch=2), "grpo": Sizes(896, 128, batch=16, generations=8)}
-TINY_SIZES = {"dpo": Sizes(prompt=4, completion=12, batch=1), "grpo": Sizes(6, 4, batch=4, generations=2)}
+SIZES = {
+    "dpo": Sizes(prompt=512, completion=1536, batch=2),
+    "grpo": Sizes(prompt=896, completion=128, batch=16, generations=8),
+}
+TINY_SIZES = {
+    "dpo": Sizes(prompt=4, completion=12, batch=1),
+    "grpo": Sizes(prompt=6, completion=4, batch=4, generations=2),
+}
 """Few tokens: each of fk's kernel launches runs one program per row in Triton's interpreter."""
 
 
