@@ -42,12 +42,8 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import os
-import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -167,15 +163,6 @@ def worker(job: dict[str, Any]) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def _worker_main(job_json: str, result: Path) -> None:
-    job = json.loads(job_json)
-    try:
-        out = worker(job)
-    except ImportError as exc:
-        out = {"skipped": f"{type(exc).__name__}: {exc}"}
-    result.write_text(json.dumps(out))
-
-
 # ---------------------------------------------------------------------------------------- the parent
 
 
@@ -188,57 +175,13 @@ def _available(provider: str, mode: str) -> str | None:
     return None
 
 
-def run_case(job: dict[str, Any]) -> dict[str, Any]:
-    """Run :func:`worker` for ``job`` in a fresh interpreter; its result, or why it failed."""
-    with tempfile.TemporaryDirectory() as tmp:
-        result = Path(tmp) / "result.json"
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(job), "--result", str(result)]
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=WORKER_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            return {"failed": f"timed out after {WORKER_TIMEOUT_S} s"}
-        if proc.returncode != 0 or not result.exists():
-            tail = (proc.stdout + proc.stderr).strip().splitlines()[-15:]
-            return {"failed": f"exit status {proc.returncode}: " + "\n".join(tail)}
-        out: dict[str, Any] = json.loads(result.read_text())
-        return out
-
-
-def _loss_diff(losses: list[float], stock: list[float] | None) -> float | None:
-    if not stock or len(stock) != len(losses):
-        return None
-    return max(abs(a - b) / max(abs(b), 1e-6) for a, b in zip(losses, stock, strict=True))
-
-
-def _status(out: dict[str, Any]) -> str:
-    return f"skipped: {out['skipped']}" if "skipped" in out else f"failed: {out['failed']}"
-
-
-def round_order(providers: list[str], rounds: int) -> list[tuple[int, str]]:
-    """(round, provider) in the order they run: even rounds in ``providers``' order, odd ones reversed."""
-    return [(r, p) for r in range(rounds) for p in (providers if r % 2 == 0 else providers[::-1])]
-
-
-def merge_rounds(outs: list[dict[str, Any]]) -> dict[str, Any]:
-    """One (mode, provider)'s timed rounds as one result: tokens/s from the median of every round's
-    timed steps, each round's tokens/s, the largest peak; losses and the rest from the first round."""
-    steps = [s for out in outs for s in out["step_seconds"]]
-    median = statistics.median(steps)
-    tokens = outs[0]["tokens_per_step"]
-    peaks = [out["peak_gib"] for out in outs if out["peak_gib"] is not None]
-    return {
-        **outs[0], "tokens_per_s": tokens / median, "median_step_ms": 1e3 * median, "peak_gib": max(peaks, default=None),
-        "round_tokens_per_s": [tokens / statistics.median(out["step_seconds"]) for out in outs],
-    }  # fmt: skip
-
-
 def run(args: argparse.Namespace) -> bench.BenchRecord:
     shape_name = "tiny" if args.tiny else "llama-3.2-1b"
     shape = training.SHAPES[shape_name]
     base = {"shape": shape_name, "batch": args.batch, "seq": args.seq, "steps": args.steps, "warmup": args.warmup,
             "lr": args.lr, "search_seconds": args.search_seconds}  # fmt: skip
     search = torch.cuda.is_available() and args.search_seconds > 0
-    order = [provider for _, provider in round_order(args.providers, args.rounds)]
+    order = [provider for _, provider in bench.round_order(args.providers, args.rounds)]
     cases = [(family, mode) for family in args.family for mode in args.modes]
     jobs = [(family, mode, provider, "timed") for family, mode in cases for provider in order]
     jobs += [(family, mode, provider, "search") for family, mode in cases for provider in args.providers if search]
@@ -251,13 +194,13 @@ def run(args: argparse.Namespace) -> bench.BenchRecord:
             continue
         why = _available(provider, mode)
         job = {**base, "family": family, "mode": mode, "provider": provider, "phase": phase}
-        out: dict[str, Any] = {"skipped": why} if why else run_case(job)
+        out = {"skipped": why} if why else bench.run_worker(__file__, job, WORKER_TIMEOUT_S)
         if "skipped" in out or "failed" in out:
             results[key] = out
-            print(f"{family} {mode} {provider} ({phase}): {_status(out)}", file=sys.stderr)
+            print(f"{family} {mode} {provider} ({phase}): {bench.worker_status(out)}", file=sys.stderr)
         elif phase == "timed":
             timed.setdefault(key, []).append(out)
-            results[key] = merge_rounds(timed[key])
+            results[key] = bench.merge_rounds(timed[key])
         else:
             results[key].update(out)
     # The parent touches the GPU only now, so the workers had all of its memory.
@@ -278,7 +221,7 @@ def run(args: argparse.Namespace) -> bench.BenchRecord:
         out = results[family, mode, provider]
         common = {"family": family, "mode": mode, "provider": provider, "model": shape_name, "seq": args.seq}
         if "skipped" in out or "failed" in out:
-            record.add(kind="run", **common, batch=args.batch, status=_status(out))
+            record.add(kind="run", **common, batch=args.batch, status=bench.worker_status(out))
             continue
         stock = results.get((family, mode, "stock"), {}).get("losses")
         largest = max(out.get("search", []), key=lambda row: row["batch"], default=None)
@@ -286,7 +229,7 @@ def run(args: argparse.Namespace) -> bench.BenchRecord:
             kind="run", **common, batch=args.batch, status="ok", tokens_per_s=out["tokens_per_s"],
             round_tokens_per_s=out["round_tokens_per_s"], median_step_ms=out["median_step_ms"],
             peak_gib=out["peak_gib"], losses=out["losses"],
-            loss_rel_diff=_loss_diff(out["losses"], stock), logits_returned=out["logits_returned"],
+            loss_rel_diff=bench.max_relative_diff(out["losses"], stock), logits_returned=out["logits_returned"],
             patched=out["patched"], fallbacks=out["fallbacks"], trainable_params=out["trainable_params"],
             max_batch=(largest or {"batch": args.batch})["batch"] if "search" in out else None,
             max_batch_tokens_per_s=(largest or out)["tokens_per_s"] if "search" in out else None,
@@ -375,35 +318,24 @@ def main() -> int:
     parser.add_argument("--plot", type=Path, help="only redraw the plots (and print the table) from this JSON record")
     parser.add_argument("--plot-dir", type=Path, default=Path("docs/assets/benchmarks"))
     parser.add_argument("--tiny", action="store_true", help="the tiny model, 2 x 32 tokens, 2 steps (CPU allowed)")
-    parser.add_argument("--providers", nargs="+", choices=PROVIDERS, default=list(PROVIDERS))
+    bench.add_round_options(parser, PROVIDERS)
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     parser.add_argument("--batch", type=int, help="sequences per step (default 4; --tiny 2)")
     parser.add_argument("--seq", type=int, help="tokens per sequence (default 2048; --tiny 32)")
-    parser.add_argument("--steps", type=int, help="timed steps (default 10; --tiny 2)")
-    parser.add_argument("--warmup", type=int, help="steps before timing (default 3; --tiny 1)")
-    parser.add_argument("--rounds", type=int, help="timed rounds of every provider (default 2; --tiny 1)")
-    parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--search-seconds", type=float, default=45.0,
                         help="time for the largest-batch search per provider and mode (0: no search)")  # fmt: skip
     parser.add_argument("--family", nargs="+", default=["llama"],
                         help="model types to build with the benchmark's shape (default llama; Liger runs where it has a patch)")  # fmt: skip
-    parser.add_argument("--merge", action="store_true",
-                        help="keep the rows of other (family, mode) cases of the record already at --out")  # fmt: skip
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
-    parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        _worker_main(args.worker, args.result)
+        bench.worker_main(worker, args.worker, args.result)
         return 0
     if args.plot:
         record = bench.BenchRecord.from_json(args.plot)
         plots(record, args.plot_dir)
         print(summary(record))
         return 0
-    defaults = (("batch", 4, 2), ("seq", 2048, 32), ("steps", 10, 2), ("warmup", 3, 1), ("rounds", 2, 1))
-    for name, default, tiny in defaults:
-        if getattr(args, name) is None:
-            setattr(args, name, tiny if args.tiny else default)
+    bench.fill_defaults(args, {**bench.ROUND_DEFAULTS, "batch": (4, 2), "seq": (2048, 32)})
     if not torch.cuda.is_available() and not args.tiny:
         parser.error("the benchmark needs a CUDA GPU; on a CPU run it with --tiny")
     record = run(args)

@@ -4,14 +4,9 @@ and its tables and merge on a record made by hand."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
-import torch
 
 from fk.core import bench, testing
 
@@ -22,20 +17,11 @@ MEASURED = {"ms", "gpu_ms", "tflops", "matmul_fraction", "peak_mb", "rep", "prov
 rows of a case by all the others)."""
 
 
-def _script() -> ModuleType:
-    module: ModuleType = testing.load_script(SCRIPT)
-    return module
-
-
 @pytest.mark.serial
 def test_tiny_run_measures_fk_and_eager_for_every_loss(tmp_path: Path) -> None:
-    interpret = "0" if torch.cuda.is_available() else "1"
-    env = {**os.environ, "TRITON_INTERPRET": interpret, "PYTHONPATH": os.pathsep.join(sys.path)}
-    out = subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--out", str(tmp_path)], env=env,
-                         capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
-    assert out.returncode == 0, f"stdout:\n{out.stdout}\nstderr:\n{out.stderr[-5000:]}"
+    stdout = testing.run_python(str(SCRIPT), "--tiny", "--out", str(tmp_path))
     record = bench.BenchRecord.from_json(tmp_path / "align.json")
-    losses = list(_script().LOSSES)
+    losses = list(testing.load_script(SCRIPT).LOSSES)
     timed = [r for r in record.rows if r.get("table") == "time" and "ms" in r]
     assert {(r["loss"], r["provider"]) for r in timed} == {(loss, p) for loss in losses for p in ("fk", "eager")}
     skipped = {(r["loss"], r["provider"]) for r in record.rows if "status" in r}
@@ -50,7 +36,7 @@ def test_tiny_run_measures_fk_and_eager_for_every_loss(tmp_path: Path) -> None:
         fk = checks[(loss, "fk")]
         assert fk["reference"] == "eager" and fk["enforced"]
         assert fk["loss_err"] < 2e-2 and fk["grad_err"] < 5e-2, fk
-    assert "| dpo" in out.stdout and "Not measured" in out.stdout
+    assert "| dpo" in stdout and "Not measured" in stdout
 
 
 def _row(loss: str, provider: str, ms: float, **extra: object) -> dict[str, object]:
@@ -66,7 +52,7 @@ def test_tables_compare_like_with_like_and_memory_with_liger() -> None:
         {"table": "time", "loss": "dpo", "model": "m", "tokens": 64, "provider": "torch.compile",
          "status": "skipped: compiled at the largest token count only"},
     ])  # fmt: skip
-    module = _script()
+    module = testing.load_script(SCRIPT)
     (line,) = module.time_table(record)
     assert line["x liger"] == pytest.approx(1.5) and line["x eager"] == pytest.approx(1.5)
     assert line["speedup"] == pytest.approx(1.5) and line["fk matmul%"] == pytest.approx(50.0)
@@ -77,7 +63,7 @@ def test_tables_compare_like_with_like_and_memory_with_liger() -> None:
 
 
 def test_merge_keeps_the_other_losses_rows() -> None:
-    module = _script()
+    module = testing.load_script(SCRIPT)
     old = bench.BenchRecord("align", rows=[_row("dpo", "fk", 1.0), _row("jsd", "fk", 2.0)])
     old.environment["date_utc"] = "then"
     new = bench.BenchRecord("align", rows=[_row("jsd", "fk", 3.0)], notes="new")

@@ -4,15 +4,11 @@ will check (fk's losses equal stock's and one process's; vocabulary-parallel equ
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-import torch
 
-from fk.core import bench
+from fk.core import bench, testing
 
 pytest.importorskip("transformers")
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_distributed.py"
@@ -23,12 +19,8 @@ SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_distributed
 def test_tiny_run_under_torchrun(tmp_path: Path) -> None:
     # CPU tensors and gloo: the kernels run in Triton's interpreter, except on a GPU machine, where
     # the CPU tensors take the reference path (the GPU run of the benchmark covers the kernels).
-    interpret = "0" if torch.cuda.is_available() else "1"
-    env = {**os.environ, "TRITON_INTERPRET": interpret, "PYTHONPATH": os.pathsep.join(sys.path)}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(SCRIPT), "--tiny",
-               "--steps", "1", "--out", str(tmp_path)]  # fmt: skip
-    out = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300, check=False)
-    assert out.returncode == 0, f"stdout:\n{out.stdout}\nstderr:\n{out.stderr[-5000:]}"
+    stdout = testing.run_python("-m", "torch.distributed.run", "--nproc-per-node", "2", str(SCRIPT), "--tiny",
+                                "--steps", "1", "--out", str(tmp_path))  # fmt: skip
     record = bench.BenchRecord.from_json(tmp_path / "distributed-tiny.json")
     rows = {r["provider"]: r for r in record.rows}
     kinds = ("fsdp2", "fsdp2-head", "ddp")
@@ -45,5 +37,5 @@ def test_tiny_run_under_torchrun(tmp_path: Path) -> None:
     parallel = rows["fk vocab-parallel"]
     assert parallel["loss_err"] < 1e-2 and parallel["dh_err"] < 1e-2 * max(1.0, parallel["dh_scale"])
     assert parallel["dw_err"] < 1e-2 * max(1.0, parallel["dw_scale"])
-    summary = out.stdout
+    summary = stdout
     assert "| wrapper" in summary and "| fsdp2-head" in summary and "fk vocab-parallel" in summary

@@ -26,6 +26,16 @@ def test_corpus_is_deterministic_and_follows_its_chain() -> None:
         training.MarkovCorpus(vocab=8, active=16)
 
 
+def test_word_tokenizer_maps_word_ti_to_token_i_and_back() -> None:
+    pytest.importorskip("transformers")
+    tokenizer = training.word_tokenizer(128256)
+    ids = tokenizer("t5 t128255  t3\nt99999")["input_ids"]
+    assert ids == [5, 128255, 3, 99999]  # one token a word, nothing added around the text
+    assert tokenizer("t12 t21 t120")["input_ids"] == [12, 21, 120]  # no special token cut out of a word
+    assert tokenizer.decode([7, 128255, 2], skip_special_tokens=True) == "t7 t128255"  # 2 ends a sequence
+    assert (tokenizer.pad_token_id, tokenizer.eos_token_id, len(tokenizer)) == (0, 2, 128256)
+
+
 @pytest.mark.parametrize("tied", [True, False])
 def test_shape_counts_the_parameters_of_the_model_it_builds(tied: bool) -> None:
     shape = training.ModelShape(hidden=32, intermediate=48, layers=2, heads=4, kv_heads=2, head_dim=8, vocab=100,

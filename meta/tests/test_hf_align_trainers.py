@@ -20,6 +20,7 @@ import torch
 
 import fk.align
 import fk.hf
+from fk.hf import training
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("datasets", reason="TRL's trainers need `datasets` (fk-hf[testing] brings it)")
@@ -36,14 +37,8 @@ pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWa
 
 
 def _tokenizer() -> Any:
-    """A whitespace-split word-level tokenizer over the tiny models' vocabulary (``t0`` ... ``t299``)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    tokenizer = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t1"))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, pad_token="t0", unk_token="t1", eos_token="t2"
-    )
+    """A whitespace-split word-level tokenizer over the tiny models' vocabulary (``t3`` ... ``t299``)."""
+    return training.word_tokenizer(VOCAB)
 
 
 def _words(gen: torch.Generator, n: int) -> str:

@@ -396,3 +396,62 @@ def test_cpu_time_ms_is_the_median_of_the_timed_calls_and_clears_gradients() -> 
     assert ms >= 0 and calls == [True] * 4
     with pytest.raises(ValueError, match="rep >= 1"):
         bench.cpu_time_ms(step, rep=0)
+
+
+# ------------------------------------------------------------------------ runs in fresh processes
+
+
+def test_odd_rounds_run_the_providers_in_reverse() -> None:
+    order = bench.round_order(["a", "b", "c"], 3)
+    assert order == [(0, "a"), (0, "b"), (0, "c"), (1, "c"), (1, "b"), (1, "a"), (2, "a"), (2, "b"), (2, "c")]
+
+
+def test_rounds_merge_into_the_median_of_all_steps() -> None:
+    rounds = [
+        {"step_seconds": [1.0, 2.0, 9.0], "tokens_per_step": 100, "peak_gib": 3.0, "losses": [5.0]},
+        {"step_seconds": [3.0, 4.0, 4.0], "tokens_per_step": 100, "peak_gib": 4.0, "losses": [6.0]},
+    ]
+    merged = bench.merge_rounds(rounds)
+    assert merged["median_step_ms"] == pytest.approx(3500.0)  # the median of the six steps
+    assert merged["tokens_per_s"] == pytest.approx(100 / 3.5)
+    assert merged["round_tokens_per_s"] == pytest.approx([50.0, 25.0])  # each round's own median
+    assert merged["peak_gib"] == 4.0 and merged["losses"] == [5.0]  # the largest peak; the first round's losses
+
+
+def test_max_relative_diff_needs_a_reference_of_the_same_length() -> None:
+    assert bench.max_relative_diff([1.0, 2.2], [1.0, 2.0]) == pytest.approx(0.1)
+    assert bench.max_relative_diff([1.0], [1.0, 2.0]) is None and bench.max_relative_diff([1.0], None) is None
+
+
+WORKER_SCRIPT = """
+import sys
+sys.path.insert(0, SRC)  # where the test's fk.core comes from
+from fk.core import bench
+
+def worker(job):
+    if job["kind"] == "import":
+        import a_module_that_is_not_installed  # noqa: F401
+    if job["kind"] == "crash":
+        raise RuntimeError("the worker broke")
+    return {"twice": 2 * job["x"]}
+
+bench.worker_main(worker, sys.argv[2], sys.argv[4])
+"""
+
+
+@pytest.mark.parametrize(
+    ("kind", "expected"),
+    [("ok", {"twice": 6}), ("import", "skipped: ModuleNotFoundError"), ("crash", "failed: exit status 1")],
+)
+def test_run_worker_returns_the_workers_json_or_why_there_is_none(tmp_path: Path, kind: str, expected: Any) -> None:
+    """A worker's result comes back as JSON; a missing import is a skip, an exception a failure
+    whose message ends with the worker's own error."""
+    script = tmp_path / "script.py"
+    script.write_text(WORKER_SCRIPT.replace("SRC", repr(str(Path(bench.__file__).parents[2]))))
+    out = bench.run_worker(script, {"kind": kind, "x": 3}, timeout_s=120)
+    if isinstance(expected, dict):
+        assert out == expected
+        return
+    assert bench.worker_status(out).startswith(expected)
+    if kind == "crash":
+        assert out["failed"].endswith("RuntimeError: the worker broke")

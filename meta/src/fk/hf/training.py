@@ -10,10 +10,12 @@ Shared by the training demo (``python -m fk.hf.demo``) and the end-to-end benchm
 - :class:`MarkovCorpus`: a deterministic token stream with structure a model can learn, so the
   loss visibly falls (nothing is downloaded);
 - :func:`train`: AdamW steps (fused where available), each one timed, with CUDA's peak memory on a
-  GPU and the bytes held for backward on CPU.
+  GPU and the bytes held for backward on CPU;
+- :func:`word_tokenizer`: a tokenizer over a model's whole vocabulary, built on the spot, for the
+  trainers that need a processing class (TRL's; nothing downloaded).
 
 Importing this module imports torch only; ``transformers`` (and ``peft`` for LoRA) when a model is
-built.
+built, ``tokenizers`` when a tokenizer is.
 """
 
 from __future__ import annotations
@@ -201,6 +203,24 @@ class MarkovCorpus:
         for t in range(1, seq):
             tokens[t] = self.successors[tokens[t - 1], choices[t]]
         return tokens.t().contiguous()
+
+
+def word_tokenizer(vocab: int) -> Any:
+    """A ``transformers.PreTrainedTokenizerFast`` over ``vocab`` tokens: ``<pad>`` (0), ``<unk>``
+    (1), ``</s>`` (2, ends a sequence), then the words ``t3`` ... ``t{vocab-1}`` (word ``ti`` is token
+    ``i``). Text is split at whitespace and nothing is added around it, so a text of ``n`` words is
+    ``n`` tokens, and any token id decodes. (The special tokens are no prefix of a word: the
+    tokenizer cuts them out of a text wherever they occur.)"""
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    specials = ["<pad>", "<unk>", "</s>"]
+    words = {**{token: i for i, token in enumerate(specials)}, **{f"t{i}": i for i in range(len(specials), vocab)}}
+    tokenizer = Tokenizer(models.WordLevel(words, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, pad_token="<pad>", unk_token="<unk>", eos_token="</s>"
+    )
 
 
 @contextlib.contextmanager

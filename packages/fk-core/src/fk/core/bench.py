@@ -40,11 +40,18 @@ Records (:class:`BenchRecord`, :func:`environment`, :func:`plot`, :func:`markdow
     and one row per measurement. Plots and tables are drawn from the record, so they can be redrawn
     later without a GPU.
 
+Training runs in fresh processes (:func:`run_worker`, :func:`round_order`, :func:`merge_rounds`)
+    An end-to-end benchmark runs each provider in its own interpreter (a peer's patch can change
+    classes for the whole process, and each run should find the GPU's memory empty), in rounds
+    whose odd ones reverse the providers' order, so that each provider sits as often early as late
+    while the GPU's clocks and temperature drift. A round's timed steps merge into one median.
+
 Only ``torch`` is imported at module level; matplotlib is imported inside :func:`plot`.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dataclasses
 import importlib.metadata
@@ -53,7 +60,9 @@ import math
 import os
 import platform
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Generator, Iterable, Mapping, Sequence, Sized
 from dataclasses import dataclass, field
@@ -63,25 +72,34 @@ from typing import Any, TypeVar
 import torch
 
 __all__ = [
+    "ROUND_DEFAULTS",
     "BenchRecord",
     "Ceilings",
     "TimeStats",
+    "add_round_options",
     "copy_bandwidth_tbps",
     "cpu_time_ms",
     "environment",
+    "fill_defaults",
     "floor_ms",
     "fraction",
     "graph_time_us",
     "markdown_table",
     "matmul_tflops",
+    "max_relative_diff",
     "measure_ceilings",
+    "merge_rounds",
     "peak_memory_bytes",
     "plot",
     "progress",
+    "round_order",
+    "run_worker",
     "tbps",
     "tflops",
     "time_ms",
     "time_stats_ms",
+    "worker_main",
+    "worker_status",
 ]
 
 T = TypeVar("T")
@@ -635,6 +653,99 @@ def plot(
     finally:
         plt.close(fig)
     return out
+
+
+# ------------------------------------------------------------------------ runs in fresh processes
+
+
+ROUND_DEFAULTS: dict[str, tuple[int, int]] = {"steps": (10, 2), "warmup": (3, 1), "rounds": (2, 1)}
+"""The defaults of :func:`add_round_options`' counts: on the GPU, and with ``--tiny``."""
+
+
+def add_round_options(parser: argparse.ArgumentParser, providers: Sequence[str]) -> None:
+    """The options of a benchmark that trains each provider in rounds of fresh processes:
+    ``--providers``; ``--steps``, ``--warmup`` and ``--rounds`` (left unset, :func:`fill_defaults`
+    gives them :data:`ROUND_DEFAULTS`); ``--lr``; ``--merge`` (for :func:`merge_records`); and the
+    hidden ``--worker`` and ``--result`` by which :func:`run_worker` starts the script."""
+    parser.add_argument("--providers", nargs="+", choices=providers, default=list(providers))
+    what = {"steps": "timed steps", "warmup": "steps before timing", "rounds": "timed rounds of every provider"}
+    for name, (full, tiny) in ROUND_DEFAULTS.items():
+        parser.add_argument(f"--{name}", type=int, help=f"{what[name]} (default {full}; --tiny {tiny})")
+    parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--merge", action="store_true",
+                        help="keep the rows of the record already at --out of the cases this call does not run")  # fmt: skip
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
+
+
+def fill_defaults(args: argparse.Namespace, defaults: Mapping[str, tuple[Any, Any]]) -> None:
+    """Set each option of ``defaults`` that was left unset (None) to its first value, or with
+    ``args.tiny`` to its second."""
+    for name, (full, tiny) in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, tiny if args.tiny else full)
+
+
+def round_order(providers: Sequence[str], rounds: int) -> list[tuple[int, str]]:
+    """(round, provider) in the order they run: even rounds in ``providers``' order, odd ones reversed."""
+    return [(r, p) for r in range(rounds) for p in (providers if r % 2 == 0 else providers[::-1])]
+
+
+def merge_rounds(outs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """One case's timed rounds as one result. Each round gives ``step_seconds`` (its timed steps),
+    ``tokens_per_step`` and ``peak_gib`` (None off CUDA): tokens/s from the median of every round's
+    steps, each round's own tokens/s, the largest peak; the other fields from the first round."""
+    steps = [s for out in outs for s in out["step_seconds"]]
+    median = statistics.median(steps)
+    tokens = outs[0]["tokens_per_step"]
+    peaks = [out["peak_gib"] for out in outs if out["peak_gib"] is not None]
+    return {
+        **outs[0], "tokens_per_s": tokens / median, "median_step_ms": 1e3 * median, "peak_gib": max(peaks, default=None),
+        "round_tokens_per_s": [tokens / statistics.median(out["step_seconds"]) for out in outs],
+    }  # fmt: skip
+
+
+def max_relative_diff(values: Sequence[float], reference: Sequence[float] | None) -> float | None:
+    """The largest ``|value - reference| / |reference|`` of two equally long series (a provider's
+    per-step losses against stock's), or None where there is no reference of that length."""
+    if not reference or len(reference) != len(values):
+        return None
+    return max(abs(a - b) / max(abs(b), 1e-6) for a, b in zip(values, reference, strict=True))
+
+
+def worker_status(out: Mapping[str, Any]) -> str:
+    """How a run that gave no measurement ended: ``skipped: why`` or ``failed: why``."""
+    return f"skipped: {out['skipped']}" if "skipped" in out else f"failed: {out['failed']}"
+
+
+def run_worker(script: str | os.PathLike[str], job: Mapping[str, Any], timeout_s: float) -> dict[str, Any]:
+    """Run ``python script --worker JSON --result PATH`` in a fresh interpreter (the script calls
+    :func:`worker_main` there) and return the JSON it wrote; ``{"failed": why}`` with the end of
+    its output where it exited with an error, wrote nothing or ran past ``timeout_s``."""
+    with tempfile.TemporaryDirectory() as tmp:
+        result = Path(tmp) / "result.json"
+        cmd = [sys.executable, str(Path(script).resolve()), "--worker", json.dumps(job), "--result", str(result)]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return {"failed": f"timed out after {timeout_s:g} s"}
+        if proc.returncode != 0 or not result.exists():
+            tail = (proc.stdout + proc.stderr).strip().splitlines()[-15:]
+            return {"failed": f"exit status {proc.returncode}: " + "\n".join(tail)}
+        out: dict[str, Any] = json.loads(result.read_text())
+        return out
+
+
+def worker_main(
+    worker: Callable[[dict[str, Any]], dict[str, Any]], job_json: str, result: str | os.PathLike[str]
+) -> None:
+    """The worker side of :func:`run_worker`: ``worker(job)`` written as JSON to ``result``; an
+    ``ImportError`` (a peer that is not installed) is written as ``{"skipped": why}``."""
+    try:
+        out = worker(json.loads(job_json))
+    except ImportError as exc:
+        out = {"skipped": f"{type(exc).__name__}: {exc}"}
+    Path(result).write_text(json.dumps(out))
 
 
 # --------------------------------------------------------------------------------------- run output

@@ -22,8 +22,11 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -358,7 +361,6 @@ def assert_compile_matches_eager(
 def run_on_reference_path(code: str) -> None:
     """Run ``code`` in a fresh interpreter with Triton's interpreter off and no GPU visible (the
     path a CPU-only user gets: the plain PyTorch reference); it must print ``ok`` last."""
-    import os
     import subprocess
     import sys
 
@@ -371,11 +373,10 @@ def run_on_reference_path(code: str) -> None:
 # --- scripts -----------------------------------------------------------------------------------
 
 
-def load_script(path: Any) -> Any:
+def load_script(path: str | os.PathLike[str]) -> ModuleType:
     """The module of the Python file at ``path`` (a benchmark script, which is not a package), run
     under the file's stem as its name; for tests of ``benchmarks/*.py``."""
     import importlib.util
-    from pathlib import Path
 
     path = Path(path)
     spec = importlib.util.spec_from_file_location(path.stem, path)
@@ -384,6 +385,23 @@ def load_script(path: Any) -> Any:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def run_python(*args: str, timeout_s: float = 300.0) -> str:
+    """Run ``python *args`` (a script and its options, or ``-m module ...``) in a fresh interpreter
+    that imports what this process imports (its ``sys.path``), with Triton's interpreter on where
+    there is no GPU; its standard output. An exit status other than 0 fails with the run's output."""
+    import subprocess
+    import sys
+
+    interpret = "0" if torch.cuda.is_available() else "1"
+    env = {**os.environ, "TRITON_INTERPRET": interpret, "PYTHONPATH": os.pathsep.join(sys.path)}
+    out = subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=timeout_s,
+                         check=False)  # fmt: skip
+    if out.returncode != 0:
+        raise AssertionError(f"python {' '.join(args)[:200]} exited with {out.returncode}:\nstdout:\n{out.stdout}\n"
+                             f"stderr:\n{out.stderr[-5000:]}")  # fmt: skip
+    return out.stdout
 
 
 # --- peers ------------------------------------------------------------------------------------
