@@ -10,9 +10,9 @@ its own (``torch.distributed.run``, one process per GPU):
   Adam states and gradients take about 16 bytes a parameter of CPU memory), random init, full
   fine-tune, bf16, ZeRO-3 with the optimizer and the parameters offloaded to the CPU, non-reentrant
   gradient checkpointing on every layer, batch 1 per GPU. The longest sequence that trains without
-  running out of GPU memory: lengths from ``--start`` (4096) doubling until one fails, then
-  bisected down to ``--granule`` (1024) tokens; each length trains 2 steps (the second timed:
-  tokens/s over all GPUs, peak ``max_memory_allocated`` over the ranks). A length that runs out
+  running out of GPU memory: lengths from ``--start`` (8192) doubling up to ``--max-seq``
+  (131072) until one fails, then bisected down to ``--granule`` (2048) tokens; each length trains
+  one step, timed (tokens/s over all GPUs; peak ``max_memory_allocated`` over the ranks). A length that runs out
   of memory is caught in the process, which goes on with a shorter one; where it cannot (a rank
   hangs or the engine breaks), the process is started again with what was learned. The search
   stops at ``--budget-s`` seconds a provider: the result is then the longest length that trained,
@@ -65,14 +65,15 @@ COLLECTIVE_TIMEOUT_S = 300
 """A collective that does not pair up (one rank ran out of memory, the other waits) fails after this."""
 
 
-def next_seq(lo: int | None, hi: int | None, start: int, granule: int) -> int | None:
+def next_seq(lo: int | None, hi: int | None, start: int, granule: int, cap: int | None = None) -> int | None:
     """The next length to try, given the longest that trained (``lo``) and the shortest that failed
-    (``hi``): ``start`` first, then doubling until one fails, then the midpoint rounded to
-    ``granule``; None when ``hi - lo`` is one granule or less (or ``start`` already failed)."""
+    (``hi``): ``start`` first, then doubling (up to ``cap``) until one fails, then the midpoint
+    rounded to ``granule``; None when ``hi - lo`` is one granule or less, ``cap`` trained, or
+    ``start`` already failed."""
     if lo is None:
         return start if hi is None else None
     if hi is None:
-        return 2 * lo
+        return None if lo == cap else min(2 * lo, cap or 2 * lo)
     mid = (lo + hi) // 2 // granule * granule
     return mid if lo < mid < hi else None
 
@@ -181,10 +182,13 @@ def worker(job: dict[str, Any], result: Path) -> None:
         emit(event="throughput", **out)
         return
     lo, hi = job["lo"], job["hi"]
-    while (seq := next_seq(lo, hi, job["start"], job["granule"])) is not None and time.time() < job["deadline"]:
+    while time.time() < job["deadline"]:
+        seq = next_seq(lo, hi, job["start"], job["granule"], job["max_seq"])
+        if seq is None:
+            break
         emit(event="trying", seq=seq)
         try:
-            out = _train_steps(engine, corpus, job, seq, WARMUP["offload"] + 1)
+            out = _train_steps(engine, corpus, job, seq, WARMUP["offload"] + 1)  # (one step)
         except (torch.OutOfMemoryError, RuntimeError) as exc:
             if not is_oom(exc):
                 raise
@@ -226,7 +230,7 @@ def search(base: dict[str, Any], provider: str) -> dict[str, Any]:
     lo = hi = None
     trials: list[dict[str, Any]] = []
     patched, failure = None, None
-    while time.time() < deadline and next_seq(lo, hi, base["start"], base["granule"]) is not None:
+    while time.time() < deadline and next_seq(lo, hi, base["start"], base["granule"], base["max_seq"]) is not None:
         job = {**base, "provider": provider, "lo": lo, "hi": hi, "deadline": deadline}
         events, failure = _launch(job, deadline - time.time() + 120)
         patched = next((e["patched"] for e in events if e["event"] == "ready"), patched)
@@ -241,6 +245,10 @@ def search(base: dict[str, Any], provider: str) -> dict[str, Any]:
         unfinished = tried[-1] if tried and tried[-1] not in (lo, hi) else None
         if failure is None:
             break
+        if failure.startswith("timed out"):  # the budget ran out during a length: not a failure of that length
+            if unfinished is not None:
+                trials.append({"seq": unfinished, "status": "timeout", "error": failure})
+            break
         if unfinished is None:  # it died outside a length: building or wrapping the model, or at its end
             if not trials:
                 return {"status": f"failed: {failure}", "trials": trials}
@@ -252,8 +260,10 @@ def search(base: dict[str, Any], provider: str) -> dict[str, Any]:
             "patched": patched, "trials": trials, **({k: best[k] for k in ("tokens_per_s", "peak_gib")} if best else {})}  # fmt: skip
 
 
-WARMUP = {"offload": 1, "throughput": 2}
-"""Steps before the timed ones, per scenario."""
+WARMUP = {"offload": 0, "throughput": 2}
+"""Steps before the timed ones, per scenario (offload: each length trains one step, timed: near the
+longest length one step of a 3B model takes a minute; the first length absorbs the engine's
+first-step work)."""
 
 
 def _speed(event: dict[str, Any], base: dict[str, Any], seq: int) -> dict[str, Any]:
@@ -278,7 +288,8 @@ def run(args: argparse.Namespace) -> bench.BenchRecord:
         "DeepSpeed ZeRO-3, bf16, random init, providers each in their own processes (one per GPU); "
         f"offload: {SHAPE['offload'] if not args.tiny else 'tiny'} shape, optimizer and parameters offloaded "
         f"to the CPU, non-reentrant gradient checkpointing, batch {args.batch} per GPU, lengths from {args.start} "
-        f"doubling then bisected to {args.granule} tokens, 2 steps each (the second timed), {args.budget_s:.0f} s a "
+        f"doubling up to {args.max_seq} then bisected to {args.granule} tokens, one timed step each, "
+        f"{args.budget_s:.0f} s a "
         f"provider; throughput: {SHAPE['throughput'] if not args.tiny else 'tiny'} shape, no offload, "
         f"{args.batch} x {args.seq} tokens per GPU, {args.steps} timed steps after 2 (median); "
         f"optimizer: {'DeepSpeedCPUAdam' if args.cpu_adam else 'torch AdamW (torch_adam)'}; "
@@ -286,7 +297,7 @@ def run(args: argparse.Namespace) -> bench.BenchRecord:
     for provider in bench.progress(args.providers, desc=f"{NAME} {args.scenario} x{args.world}"):
         base = {"scenario": args.scenario, "world": args.world, "shape": "tiny" if args.tiny else SHAPE[args.scenario],
                 "batch": args.batch, "seq": args.seq, "steps": args.steps, "start": args.start, "granule": args.granule,
-                "budget_s": args.budget_s, "lr": 1e-5, "cpu_adam": args.cpu_adam,
+                "max_seq": args.max_seq, "budget_s": args.budget_s, "lr": 1e-5, "cpu_adam": args.cpu_adam,
                 "simulate_oom_above": args.simulate_oom_above}  # fmt: skip
         if provider == "liger" and importlib.util.find_spec("liger_kernel") is None:
             out: dict[str, Any] = {"status": "skipped: liger-kernel is not installed (pip install liger-kernel==0.8.5)"}
@@ -354,9 +365,10 @@ def main() -> int:
     parser.add_argument("--batch", type=int, help="sequences per GPU (offload default 1; throughput 4)")
     parser.add_argument("--seq", type=int, help="throughput: tokens per sequence (default 2048; --tiny 32)")
     parser.add_argument("--steps", type=int, help="throughput: timed steps (default 8; --tiny 1)")
-    parser.add_argument("--start", type=int, help="offload: first length tried (default 4096; --tiny 16)")
-    parser.add_argument("--granule", type=int, help="offload: bisection resolution (default 1024; --tiny 8)")
-    parser.add_argument("--budget-s", type=float, default=120.0, help="seconds a provider (the search stops after)")
+    parser.add_argument("--start", type=int, help="offload: first length tried (default 8192; --tiny 16)")
+    parser.add_argument("--granule", type=int, help="offload: bisection resolution (default 2048; --tiny 8)")
+    parser.add_argument("--max-seq", type=int, help="offload: longest length tried (default 131072; --tiny 256)")
+    parser.add_argument("--budget-s", type=float, default=200.0, help="seconds a provider (the search stops after)")
     parser.add_argument("--cpu-adam", action="store_true", help="DeepSpeedCPUAdam instead of torch's AdamW")
     parser.add_argument("--simulate-oom-above", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--merge", action="store_true", help="keep the other (scenario, GPUs, provider) rows at --out")
@@ -368,7 +380,7 @@ def main() -> int:
         return 0
     tiny = args.tiny
     defaults = {"batch": (1 if args.scenario == "offload" else 4, 1), "seq": (2048, 32), "steps": (8, 1),
-                "start": (4096, 16), "granule": (1024, 8)}  # fmt: skip
+                "start": (8192, 16), "granule": (2048, 8), "max_seq": (131072, 256)}  # fmt: skip
     for name, (default, small) in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, small if tiny else default)

@@ -40,6 +40,8 @@ def test_search_doubles_until_a_failure_then_bisects_to_the_granule() -> None:
     assert tried == [1024, 2048, 4096, 8192, 6144, 5120, 4608, 4864]
     assert (lo, hi) == (4864, 5120)
     assert next_seq(None, 1024, 1024, 256) is None  # the first length failed: nothing shorter is tried
+    assert next_seq(4096, None, 1024, 256, cap=6000) == 6000  # doubling stops at the cap
+    assert next_seq(6000, None, 1024, 256, cap=6000) is None
 
 
 @pytest.mark.serial
