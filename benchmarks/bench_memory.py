@@ -232,7 +232,7 @@ def search(base: dict[str, Any], provider: str) -> dict[str, Any]:
     patched, failure = None, None
     while time.time() < deadline and next_seq(lo, hi, base["start"], base["granule"], base["max_seq"]) is not None:
         job = {**base, "provider": provider, "lo": lo, "hi": hi, "deadline": deadline}
-        events, failure = _launch(job, deadline - time.time() + 120)
+        events, failure = _launch(job, deadline - time.time() + 90)
         patched = next((e["patched"] for e in events if e["event"] == "ready"), patched)
         for e in events:
             if e["event"] == "ok":
