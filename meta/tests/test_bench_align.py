@@ -4,7 +4,6 @@ and its tables and merge on a record made by hand."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -14,7 +13,7 @@ from types import ModuleType
 import pytest
 import torch
 
-from fk.core import bench
+from fk.core import bench, testing
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_align.py"
 pytestmark = pytest.mark.skipif(not SCRIPT.exists(), reason="needs a checkout with benchmarks/")
@@ -24,10 +23,7 @@ rows of a case by all the others)."""
 
 
 def _script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_align", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module: ModuleType = testing.import_script(SCRIPT)
     return module
 
 

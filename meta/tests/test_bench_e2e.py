@@ -3,7 +3,6 @@ the CPU (Triton's interpreter) with two rounds, whose record must hold each roun
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -13,7 +12,7 @@ from types import ModuleType
 import pytest
 import torch
 
-from fk.core import bench
+from fk.core import bench, testing
 
 pytest.importorskip("transformers")
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_e2e.py"
@@ -21,10 +20,7 @@ pytestmark = pytest.mark.skipif(not SCRIPT.exists(), reason="needs a checkout wi
 
 
 def _script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_e2e", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module: ModuleType = testing.import_script(SCRIPT)
     return module
 
 

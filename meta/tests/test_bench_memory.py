@@ -4,33 +4,22 @@ the search must find the edge of, with fk's fused loss running where stock compu
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
-from fk.core import bench
+from fk.core import bench, testing
 
 pytest.importorskip("transformers")
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_memory.py"
 pytestmark = pytest.mark.skipif(not SCRIPT.exists(), reason="needs a checkout with benchmarks/")
 
 
-def _script() -> ModuleType:
-    sys.path.insert(0, str(SCRIPT.parent))  # (it imports bench_e2e beside it)
-    spec = importlib.util.spec_from_file_location("bench_memory", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_search_doubles_until_a_failure_then_bisects_to_the_granule() -> None:
-    next_seq = _script().next_seq
+    next_seq = testing.import_script(SCRIPT).next_seq
     fits = 5000  # lengths up to this train
     lo = hi = None
     tried = []

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import functools
 import math
+import os
+import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -366,6 +368,27 @@ def run_on_reference_path(code: str) -> None:
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=False)
     if out.returncode != 0 or out.stdout.strip().splitlines()[-1:] != ["ok"]:
         raise AssertionError(f"reference-path run failed:\nstdout:\n{out.stdout}\nstderr:\n{out.stderr}")
+
+
+# --- scripts ----------------------------------------------------------------------------------
+
+
+def import_script(path: str | os.PathLike[str]) -> types.ModuleType:
+    """The Python script at ``path`` (``benchmarks/bench_e2e.py``) imported as a module named after
+    its file, with its folder first on ``sys.path`` (a script may import its neighbours), for tests
+    of a script's functions."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    script = Path(path)
+    if str(script.parent) not in sys.path:
+        sys.path.insert(0, str(script.parent))
+    spec = importlib.util.spec_from_file_location(script.stem, script)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 # --- several processes ------------------------------------------------------------------------
