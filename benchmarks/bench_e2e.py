@@ -71,7 +71,7 @@ WORKER_TIMEOUT_S = 420
 # ---------------------------------------------------------------------------------------- the worker
 
 
-def _patch_before_build(provider: str, family: str) -> None:
+def patch_before_build(provider: str, family: str) -> None:
     """Liger's patch of ``family``'s classes (its defaults); ``ImportError`` (the run is skipped)
     where Liger has none for the family."""
     if provider == "liger":
@@ -82,7 +82,7 @@ def _patch_before_build(provider: str, family: str) -> None:
         MODEL_TYPE_TO_APPLY_LIGER_FN[family]()
 
 
-def _patch_after_build(provider: str, model: torch.nn.Module) -> dict[str, int]:
+def patch_after_build(provider: str, model: torch.nn.Module) -> dict[str, int]:
     if not provider.startswith("fk"):
         return {}
     import fk.hf
@@ -107,7 +107,7 @@ def _fallback_log() -> list[str]:
     return messages
 
 
-def _is_oom(exc: BaseException) -> bool:
+def is_oom(exc: BaseException) -> bool:
     """Whether ``exc`` is running out of GPU memory (the allocator's error, or cuBLAS failing to allocate)."""
     text = str(exc)
     return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in text.lower() or "ALLOC_FAILED" in text
@@ -129,7 +129,7 @@ def search_max_batch(
             r = training.train(model, corpus, steps=2, warmup=1, batch=batch, seq=job["seq"], lr=job["lr"],
                                optimizer=opt, first_step=1000)  # fmt: skip
         except (torch.OutOfMemoryError, RuntimeError) as exc:
-            if not _is_oom(exc):
+            if not is_oom(exc):
                 raise
             opt.zero_grad(set_to_none=True)
             return rows, "oom"
@@ -144,10 +144,10 @@ def worker(job: dict[str, Any]) -> dict[str, Any]:
     shape = training.SHAPES[job["shape"]]
     device = "cuda" if torch.cuda.is_available() else "cpu"
     fallbacks = _fallback_log()
-    _patch_before_build(provider, job["family"])
+    patch_before_build(provider, job["family"])
     model = training.build_model(shape, dtype=torch.bfloat16, device=device, seed=0, lora=lora,
                                  max_positions=job["seq"], model_type=job["family"])  # fmt: skip
-    patched = _patch_after_build(provider, model)
+    patched = patch_after_build(provider, model)
     corpus = training.MarkovCorpus(shape.vocab, active=1024 if shape.vocab >= 4096 else 32, branching=4)
     opt = training.make_optimizer(model, job["lr"])
     if job["phase"] == "search":

@@ -55,10 +55,10 @@ def main() -> None:
     parser.add_argument("--lora", action="store_true")
     parser.add_argument("--gap-us", type=float, default=20.0, help="smallest idle gap to list (microseconds)")
     args = parser.parse_args()
-    bench_e2e._patch_before_build(args.provider)
+    bench_e2e.patch_before_build(args.provider, "llama")
     model = training.build_model(training.SHAPES["llama-3.2-1b"], dtype=torch.bfloat16, device="cuda", seed=0,
                                  lora=args.lora, max_positions=args.seq)  # fmt: skip
-    bench_e2e._patch_after_build(args.provider, model)
+    bench_e2e.patch_after_build(args.provider, model)
     corpus = training.MarkovCorpus(128256, active=1024, branching=4)
     opt = training.make_optimizer(model, 1e-4)
     run = training.train(model, corpus, steps=8, warmup=3, batch=args.batch, seq=args.seq, lr=1e-4, optimizer=opt)

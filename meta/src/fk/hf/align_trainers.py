@@ -30,7 +30,7 @@ before ``train()``: it adds a path to the model's ``forward`` on the instance (a
 by anything else, that returns the loss computed in the model's forward), which accelerate's
 mixed-precision wrapper and DDP then call through as they call TRL's fused head. The loss runs
 inside the model's forward, as TRL's does, so DDP sees it as the module's output, and an LM head
-that FSDP2 shards on its own is unsharded around it (:func:`fk.hf.fsdp_hooks.run_as_forward`).
+that FSDP2 shards on its own is unsharded around it (:func:`fk.hf.sharding_hooks.run_as_forward`).
 
 This module imports ``torch``; TRL is imported when :func:`align_trainer` is called.
 """
@@ -48,7 +48,7 @@ import torch
 import torch.nn.functional as F
 
 import fk.align as align
-from fk.hf.fsdp_hooks import plain_linear, run_as_forward
+from fk.hf.sharding_hooks import plain_linear, run_as_forward
 
 log = logging.getLogger("fk.hf")
 

@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from fk.core.forward import has_hooks, stock_forward
-from fk.hf.fsdp_hooks import is_dtensor, plain_linear
 from fk.hf.functions import function_copy, rewrapped
 from fk.hf.marks import GROUP, PLAN, STOCK
+from fk.hf.sharding_hooks import is_dtensor, plain_linear
 
 if TYPE_CHECKING:
     from fk.hf.recognize import NormPlan

@@ -7,7 +7,7 @@
   (``fully_shard(model)``), the root's hooks have gathered it before the patched forward reads it.
   When the head is sharded on its own (``fully_shard(model.lm_head)``, or with a tied embedding
   ``fully_shard([embed_tokens, lm_head])``), the fused loss runs as the head's forward, inside
-  FSDP2's hooks (see :func:`fk.hf.fsdp_hooks.run_as_forward`): the full weight is gathered for the
+  FSDP2's hooks (see :func:`fk.hf.sharding_hooks.run_as_forward`): the full weight is gathered for the
   loss and freed after it, and the weight's gradient is reduce-scattered into the shards as
   after a stock ``lm_head(h)``. A ``MixedPrecisionPolicy`` holds as for stock: the loss computes
   in ``param_dtype``; the gradients are reduced in ``reduce_dtype``.

@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 
 from fk.core.forward import has_hooks
-from fk.hf.fsdp_hooks import is_dtensor, plain_linear, run_as_forward
 from fk.hf.marks import LOSS_OPTIONS, PLAN
 from fk.hf.recognize import HeadPlan
+from fk.hf.sharding_hooks import is_dtensor, is_zero3_partitioned, plain_linear, run_as_forward
 
 
 def _keep_last(hidden_states: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
@@ -62,6 +62,13 @@ def fused_causal_lm_loss(
                 "with its embedding as one group, fully_shard([model.model.embed_tokens, model.lm_head]), or leave "
                 "the head to the root's fully_shard(model)"
             )
+        if is_zero3_partitioned(head_weight):
+            raise TypeError(
+                "lm_head.weight is a DeepSpeed ZeRO-3 partition (not gathered) where fk's fused loss reads it: "
+                "ZeRO-3 gathers a parameter only around the forward of its module, and this head carries none of "
+                "its hooks. Train the model through the engine deepspeed.initialize returns (or through "
+                "accelerate or the Trainer), or gather the weight with deepspeed.zero.GatheredParameters"
+            )
         device_type = hidden.device.type
         if torch.is_autocast_enabled(device_type):
             dtype = torch.get_autocast_dtype(device_type)
@@ -75,7 +82,7 @@ def fused_causal_lm_loss(
         return loss
 
     target = target.to(hidden_states.device)
-    if lm_head._forward_pre_hooks or lm_head._forward_hooks:  # FSDP2's (see plain_linear): run them
+    if lm_head._forward_pre_hooks or lm_head._forward_hooks:  # FSDP2's or ZeRO-3's (see plain_linear): run them
         return run_as_forward(lm_head, loss_forward, hidden_states, target)
     return loss_forward(lm_head, hidden_states, target)
 

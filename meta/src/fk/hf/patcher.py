@@ -31,7 +31,6 @@ from fk.hf.blocks import (
     swiglu_forward,
 )
 from fk.hf.decoder import add_norm_forward_for
-from fk.hf.fsdp_hooks import plain_linear
 from fk.hf.loss_head import causal_lm_forward
 from fk.hf.marks import ALL, GROUP, KIND, LORA, PLAN, RECOMPUTE, STOCK, SWITCHED_OFF
 from fk.hf.recognize import (
@@ -45,6 +44,7 @@ from fk.hf.recognize import (
     rope_candidate,
 )
 from fk.hf.report import PatchReport
+from fk.hf.sharding_hooks import plain_linear
 from fk.hf.switches import SWITCHES
 
 BLOCK_FORWARDS: dict[str, Callable[..., Any]] = {

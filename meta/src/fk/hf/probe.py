@@ -10,20 +10,26 @@ a batch of one 8-token sequence under ``torch.no_grad``, stock and fused, from t
 What fails to agree within :data:`TOLERANCE` (or raises) stays stock, with the reason in the report.
 Blocks on the meta device (a model built for ``from_pretrained`` before its weights are loaded)
 are probed on CPU copies with random weights; the head, which needs the whole model, is then
-taken on structure alone.
+taken on structure alone. So it is for a model built under DeepSpeed's ``zero.Init`` (ZeRO-3, as
+``from_pretrained`` builds one when a ZeRO-3 config is active): its parameters are partitions
+across the ranks; a norm or MLP is probed with its own parameters gathered for the probe (every
+rank patches the same model, so every rank gathers the same ones), the head on structure alone
+(gathering the whole model would take the memory ZeRO-3 is there to save).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 
 from fk.hf.marks import PLAN
 from fk.hf.recognize import HeadPlan, MlpPlan, NormPlan, Refusal
+from fk.hf.sharding_hooks import is_zero3_partitioned
 
 TOLERANCE = {torch.float64: 1e-7, torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
 """Largest ``‖fk - stock‖ / ‖stock‖`` accepted, per dtype: a few times each dtype's rounding error
@@ -48,6 +54,21 @@ def _agree(got: tuple[torch.Tensor, ...], want: tuple[torch.Tensor, ...], dtype:
 
 def _meta(t: torch.Tensor | None) -> bool:
     return t is not None and t.device.type == "meta"
+
+
+@contextlib.contextmanager
+def _gathered(module: torch.nn.Module) -> Iterator[None]:
+    """Within the block, ``module``'s DeepSpeed ZeRO-3 partitioned parameters (a model built under
+    ``zero.Init``) are whole on every rank, read-only (``deepspeed.zero.GatheredParameters``, a
+    collective: every rank probes the same modules); a module without any: nothing happens."""
+    partitioned = [p for p in module.parameters() if is_zero3_partitioned(p)]
+    if not partitioned:
+        yield
+        return
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(partitioned):
+        yield
 
 
 def _weight(module: torch.nn.Module) -> torch.Tensor:
@@ -88,6 +109,11 @@ def norm(module: torch.nn.Module, eps_attr: str) -> NormPlan | Refusal:
     """Which norm ``module`` is (see :mod:`fk.hf.recognize`): the first of RMSNorm with offset 0,
     RMSNorm with offset 1 (Gemma's ``1 + weight``) and LayerNorm whose forward and backward agree
     with stock's; its casting from :func:`casting`."""
+    with _gathered(module):
+        return _norm(module, eps_attr)
+
+
+def _norm(module: torch.nn.Module, eps_attr: str) -> NormPlan | Refusal:
     from fk.norms import layer_norm
 
     weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
@@ -161,6 +187,11 @@ def casting(probe: torch.nn.Module, eps: float, offset: float) -> str:
 def mlp(module: torch.nn.Module, plan: MlpPlan, forward: Callable[..., torch.Tensor]) -> MlpPlan | Refusal:
     """``plan`` where fk's ``forward`` of the gated MLP ``module`` agrees with stock's on the probe
     (on a CPU copy with random weights where the MLP's are on the meta device)."""
+    with _gathered(module):
+        return _mlp(module, plan, forward)
+
+
+def _mlp(module: torch.nn.Module, plan: MlpPlan, forward: Callable[..., torch.Tensor]) -> MlpPlan | Refusal:
     if _meta(_weight(module.get_submodule("down_proj"))):
         module = _materialized(module)
     weight = _weight(module.get_submodule("gate_up_proj" if hasattr(module, "gate_up_proj") else "gate_proj"))
@@ -224,13 +255,13 @@ def rope(fn: Callable[..., Any]) -> Callable[..., Any] | str:
 
 def head(module: torch.nn.Module, plan: HeadPlan, forward: Callable[..., Any]) -> Refusal | None:
     """None where the loss of fk's head ``forward`` (with ``plan``) equals stock's on the probe.
-    A model on the meta device (built for ``from_pretrained``, its weights not loaded yet) cannot
-    run: its head is taken on structure alone (its forward reads nothing beyond
-    :data:`fk.hf.recognize.HEAD_NAMES`)."""
+    A model on the meta device (built for ``from_pretrained``, its weights not loaded yet), or
+    partitioned by DeepSpeed's ``zero.Init``, is not probed: its head is taken on structure alone
+    (its forward reads nothing beyond :data:`fk.hf.recognize.HEAD_NAMES`)."""
     weight = getattr(module.lm_head, "weight", None)
     if not isinstance(weight, torch.Tensor):
         return Refusal("flce", "the head has no weight")
-    if _meta(weight):
+    if _meta(weight) or is_zero3_partitioned(weight):
         return None
     vocab = weight.shape[0]
     ids = torch.randint(0, vocab, (1, HEAD_PROBE_TOKENS), generator=torch.Generator().manual_seed(0), device="cpu")

@@ -4,7 +4,8 @@ Shared by the training demo (``python -m fk.hf.demo``) and the end-to-end benchm
 (``benchmarks/bench_e2e.py``), so both build, feed and step the model the same way:
 
 - :class:`ModelShape` and :data:`SHAPES`: the model sizes used (``tiny`` for a CPU run through
-  Triton's interpreter, ``demo`` for the GPU demo, ``llama-3.2-1b`` for the benchmark);
+  Triton's interpreter, ``demo`` for the GPU demo, ``llama-3.2-1b`` and ``llama-3.2-3b`` for the
+  benchmarks);
 - :func:`build_model`: a ``LlamaForCausalLM`` from random init (one seed, one set of weights),
   optionally wrapped as a PEFT LoRA model (r=16, alpha=32, all seven linear projections);
 - :class:`MarkovCorpus`: a deterministic token stream with structure a model can learn, so the
@@ -110,6 +111,10 @@ SHAPES: dict[str, ModelShape] = {
     # Llama-3.2-1B (tied embeddings, as released).
     "llama-3.2-1b": ModelShape(
         hidden=2048, intermediate=8192, layers=16, heads=32, kv_heads=8, head_dim=64, vocab=128256
+    ),
+    # Llama-3.2-3B (tied embeddings, as released): the memory benchmark's ZeRO-3 offload scenario.
+    "llama-3.2-3b": ModelShape(
+        hidden=3072, intermediate=8192, layers=28, heads=24, kv_heads=8, head_dim=128, vocab=128256
     ),
 }
 

@@ -375,10 +375,14 @@ def run_on_reference_path(code: str) -> None:
 
 def load_script(path: str | os.PathLike[str]) -> ModuleType:
     """The module of the Python file at ``path`` (a benchmark script, which is not a package), run
-    under the file's stem as its name; for tests of ``benchmarks/*.py``."""
+    under the file's stem as its name, with its folder on ``sys.path`` (a script may import its
+    neighbours, as bench_memory.py does bench_e2e.py); for tests of ``benchmarks/*.py``."""
     import importlib.util
+    import sys
 
     path = Path(path)
+    if str(path.parent) not in sys.path:
+        sys.path.insert(0, str(path.parent))
     spec = importlib.util.spec_from_file_location(path.stem, path)
     if spec is None or spec.loader is None:
         raise ImportError(f"cannot load {path} as a module")
@@ -433,10 +437,14 @@ def require_bitsandbytes_4bit(device: str) -> Any:
 # --- several processes ------------------------------------------------------------------------
 
 
-def run_distributed(fn: Callable[..., None], *args: Any, world_size: int = 2, timeout_s: float = 120.0) -> None:
+def run_distributed(
+    fn: Callable[..., None], *args: Any, world_size: int = 2, timeout_s: float = 120.0, backend: str = "gloo"
+) -> None:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` processes joined in a gloo process
     group (the default group), as CPU CI tests multi-GPU logic; returns when every process has
-    finished and re-raises the first error (with its traceback) as an exception here.
+    finished and re-raises the first error (with its traceback) as an exception here. With
+    ``backend="nccl"`` the group is NCCL's and process ``rank`` computes on GPU ``rank`` (its
+    current device), for GPU tests of several GPUs.
 
     On a Linux machine without CUDA the processes are forked from this one (no second import of
     torch and Triton, and ``fn`` may be any function); elsewhere they are spawned and ``fn`` must be
@@ -454,20 +462,28 @@ def run_distributed(fn: Callable[..., None], *args: Any, world_size: int = 2, ti
     with tempfile.TemporaryDirectory() as tmp:
         store = f"file://{tmp}/store"
         method = "fork" if sys.platform == "linux" and not torch.cuda.is_available() else "spawn"
-        mp.start_processes(_distributed_worker, args=(fn, args, world_size, store, timeout_s), nprocs=world_size,
-                           start_method=method)  # fmt: skip
+        mp.start_processes(_distributed_worker, args=(fn, args, world_size, store, timeout_s, backend),
+                           nprocs=world_size, start_method=method)  # fmt: skip
 
 
 def _distributed_worker(
-    rank: int, fn: Callable[..., None], args: tuple[Any, ...], world_size: int, store: str, timeout_s: float
+    rank: int,
+    fn: Callable[..., None],
+    args: tuple[Any, ...],
+    world_size: int,
+    store: str,
+    timeout_s: float,
+    backend: str,
 ) -> None:
     import datetime
 
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
     timeout = datetime.timedelta(seconds=timeout_s)
-    dist.init_process_group("gloo", init_method=store, rank=rank, world_size=world_size, timeout=timeout)
+    dist.init_process_group(backend, init_method=store, rank=rank, world_size=world_size, timeout=timeout)
     try:
         fn(rank, world_size, *args)
     finally:
