@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from fk.core.matmul import scaled_mm
 from fk.glu import gated_act_backward, gated_act_forward
 from fk.lora.dora_elementwise import dora_dropout_output, dora_grad_terms
-from fk.lora.masked_low_rank import add_masked_low_rank_, masked
+from fk.lora.masked_low_rank import add_masked_low_rank_
 from fk.lora.projection import (
     Settings,
     add_lora_out,
@@ -103,7 +103,7 @@ def dora_ref(
 #   dW     = dy_ms^T x2 ;  dx = dy_ms W + s G A
 # With dropout x2 W^T is not, and zd is scaled by (ms - 1); with dy_ms1 = (ms - 1) * dy:
 #   dW     = dy^T x2 + f dy_ms1^T (x2 * m)
-#   dx     = dy W + f (dy_ms1 W + s G A) * m    (dy_ms1 W masked by masked_low_rank's ``masked``)
+#   dx     = dy W + f (dy_ms1 W + s G A) * m    (the masked sum in one pass: masked_low_rank, addend)
 # Under autocast DoRA is not fused (fk.lora.patch leaves it to PEFT; the functions refuse it).
 
 DORA_NORM_CHUNK_ELEMENTS = 1 << 24
@@ -259,8 +259,7 @@ def _dora_bwd(
     if need_dx:
         assert gs is not None and low.mask is not None and dy_ms1 is not None
         dx = torch.mm(dy, weight) if dx is None else dx.addmm_(dy, weight)
-        dx.add_(masked(torch.mm(dy_ms1, weight), low.mask, f))
-        add_masked_low_rank_(dx, gs, low.A_c, low.mask, f)
+        add_masked_low_rank_(dx, gs, low.A_c, low.mask, f, addend=torch.mm(dy_ms1, weight))
     return grads, dx
 
 
