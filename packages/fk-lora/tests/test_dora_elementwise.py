@@ -10,6 +10,7 @@ from fk.core import testing
 from fk.core.backend import uses_kernel
 from fk.core.testing import DTYPES, dtype_name
 from fk.lora.dora_elementwise import (
+    LowRank,
     dora_dropout_output,
     dora_dropout_output_ref,
     dora_dropout_output_torch,
@@ -19,6 +20,7 @@ from fk.lora.dora_elementwise import (
 )
 
 SHAPES = [(1, 1), (7, 130), (37, 257), (45, 600)]  # (M, N): odd rows, widths not a power of two
+RANKS = {1: 1, 130: 5, 257: 16, 600: 33}  # r per N: below, at and above one rank step of 16
 
 MANTISSA_BITS = {torch.float32: 23, torch.float16: 10, torch.bfloat16: 7}
 
@@ -30,20 +32,25 @@ def _scale(n: int, device: str, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return ms, norm
 
 
-def _forward_inputs(m: int, n: int, dtype: torch.dtype, device: str, seed: int = 0) -> list[torch.Tensor]:
-    return [testing.random_tensor((m, n), dtype, device, seed=seed + i) for i in range(3)]
+def _forward_inputs(
+    m: int, n: int, r: int, dtype: torch.dtype, device: str, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, LowRank]:
+    base, zd = (testing.random_tensor((m, n), dtype, device, seed=seed + i) for i in range(2))
+    xa = testing.random_tensor((m, r), dtype, device, seed=seed + 2)
+    B = testing.random_tensor((n, r), dtype, device, seed=seed + 3, scale=r**-0.5)
+    return base, zd, LowRank(xa, B, 2.0)
 
 
 @pytest.mark.parametrize("with_bias", [False, True], ids=["no_bias", "bias"])
 @pytest.mark.parametrize(("m", "n"), SHAPES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
 def test_dropout_output_matches_reference(device: str, dtype: torch.dtype, m: int, n: int, with_bias: bool) -> None:
-    base, zd, lr = _forward_inputs(m, n, dtype, device)
+    base, zd, low_rank = _forward_inputs(m, n, RANKS[n], dtype, device)
     ms, _ = _scale(n, device, seed=5)
     bias = testing.random_tensor((n,), dtype, device, seed=7) if with_bias else None
-    want_y, want_z = dora_dropout_output_ref(base, zd, lr, ms, bias)
-    base_y, base_z = dora_dropout_output_torch(base.clone(), zd.clone(), lr, ms, bias)
-    y, z = dora_dropout_output(base.clone(), zd.clone(), lr, ms, bias)
+    want_y, want_z = dora_dropout_output_ref(base, zd, low_rank, ms, bias)
+    base_y, base_z = dora_dropout_output_torch(base.clone(), zd.clone(), low_rank, ms, bias)
+    y, z = dora_dropout_output(base.clone(), zd.clone(), low_rank, ms, bias)
     assert y.dtype == z.dtype == dtype
     testing.assert_close(y, want_y, base_y, name="y")
     testing.assert_close(z, want_z, base_z, name="z")
@@ -68,9 +75,15 @@ def test_dropout_output_is_summed_in_fp32_and_rounded_once(device: str, dtype: t
     # "Summed in fp32, rounded once" (dora.py's equations): each y is within half a unit of the
     # exact sum, up to fp32's error. Rounding each scaled term to the dtype first, as a fusion that
     # kept (ms - 1) zd or ms lr in the dtype would, breaks that bound, as the second check shows.
-    base, zd, lr = _forward_inputs(129, 300, dtype, device, seed=11)
+    # lr is rounded to the dtype (as the matmul that wrote it did): small integer factors make
+    # s xa B^T exact in fp32, so that rounding is the same in the kernel and here.
+    base, zd, _ = _forward_inputs(129, 300, 16, dtype, device, seed=11)
+    gen = torch.Generator().manual_seed(12)
+    xa, B = (torch.randint(-8, 9, shape, generator=gen).to(dtype).to(device) for shape in ((129, 16), (300, 16)))
+    low_rank = LowRank(xa, B, 2.0**-6)
+    lr = (low_rank.scaling * (xa.double() @ B.double().t())).to(dtype)
     ms, _ = _scale(300, device, seed=15)
-    y, _ = dora_dropout_output(base.clone(), zd.clone(), lr, ms, None)
+    y, _ = dora_dropout_output(base.clone(), zd.clone(), low_rank, ms, None)
     ms64 = ms.double()
     terms = [base.double(), (ms64 - 1) * zd.double(), ms64 * lr.double()]
     assert float(_rounded_once_error(y, terms, dtype).max()) <= 0.0
@@ -80,9 +93,9 @@ def test_dropout_output_is_summed_in_fp32_and_rounded_once(device: str, dtype: t
 
 
 def test_dropout_output_writes_over_base_and_zd(device: str) -> None:
-    base, zd, lr = _forward_inputs(37, 257, torch.bfloat16, device, seed=3)
+    base, zd, low_rank = _forward_inputs(37, 257, 16, torch.bfloat16, device, seed=3)
     ms, _ = _scale(257, device, seed=4)
-    y, z = dora_dropout_output(base, zd, lr, ms, None)
+    y, z = dora_dropout_output(base, zd, low_rank, ms, None)
     assert z.data_ptr() == zd.data_ptr()
     if uses_kernel(base):
         assert y.data_ptr() == base.data_ptr()

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from fk.core.matmul import scaled_mm
 from fk.glu import gated_act_backward, gated_act_forward
-from fk.lora.dora_elementwise import dora_dropout_output, dora_grad_terms
+from fk.lora.dora_elementwise import LowRank, dora_dropout_output, dora_grad_terms
 from fk.lora.masked_low_rank import add_masked_low_rank_
 from fk.lora.projection import (
     Settings,
@@ -84,8 +84,8 @@ def dora_ref(
 #   z    = zd + lr
 #   y    = x2 W^T + b + (ms - 1) * zd + ms * lr   summed in fp32, rounded once
 # Kept for the backward: z, ms, n, and what plain LoRA keeps (xa, m, A and B in c).
-# With dropout, y and z come from one pass over x2 W^T, zd and lr (fk.lora.dora_elementwise), y
-# written over x2 W^T's buffer and z over zd's.
+# With dropout, y and z come from one pass over x2 W^T and zd (fk.lora.dora_elementwise), which
+# forms lr in registers from xa and B, and writes y over x2 W^T's buffer and z over zd's.
 #
 # The norm reads W once, in row chunks of DORA_NORM_CHUNK_ELEMENTS, forming each chunk of W + s B A
 # in fp32 (2 N K r FLOPs in all, as for B A itself; no [N, K] buffer). The cheaper-looking
@@ -199,8 +199,7 @@ def _dora_fwd(
         return torch.addcmul(params.bias, z, ms, out=y), _DoRALowRank(xa, mask, A_c, B_c, z, ms, norm)
     f = 1.0 / (1.0 - p)
     zd = scaled_mm(kept_input(x2, mask, dropout_dtype, c), params.weight.t(), f, c)
-    lr = scaled_mm(xa, B_c.t(), scaling, c)
-    y, z = dora_dropout_output(base_out(x2, params.weight, None), zd, lr, ms, params.bias)
+    y, z = dora_dropout_output(base_out(x2, params.weight, None), zd, LowRank(xa, B_c, scaling), ms, params.bias)
     return y, _DoRALowRank(xa, mask, A_c, B_c, z, ms, norm)
 
 

@@ -7,8 +7,9 @@ pass of its own, and the fp32 ones (the forward's sum, the magnitude's column su
 copies of ``[M, N]``. The two kernels here do each group in one pass:
 
 - :func:`dora_dropout_output` (forward, with dropout): ``y = x2 W^T + (ms - 1) zd + ms lr + b``
-  summed in fp32 and rounded once, and ``z = zd + lr``; reads three ``[M, N]`` tensors in ``c``
-  and writes two, over two of them.
+  summed in fp32 and rounded once, and ``z = zd + lr``; reads two ``[M, N]`` tensors in ``c`` and
+  writes two over them. ``lr`` is formed tile by tile in registers from its rank-sized factors
+  (``tl.dot`` in fp32, rounded to ``c`` as the matmul that wrote it rounded it), never written.
 - :func:`dora_grad_terms` (backward): ``dmag = colsum(dy * z) / n`` and ``db = colsum(dy)`` (fp32
   partial column sums per program, then :func:`fk.core.reduce.sum_rows_pair`), with
   ``dy_ms = ms * dy`` and ``dy_ms1 = (ms - 1) * dy`` (each one fp32 product rounded to ``c``,
@@ -32,26 +33,44 @@ import triton.language as tl
 
 from fk.core.backend import uses_kernel
 from fk.core.launch import as_rows, cdiv, multiprocessor_count, writable_rows
-from fk.core.matmul import column_sum
+from fk.core.matmul import column_sum, scaled_mm
 from fk.core.reduce import sum_rows, sum_rows_pair
 from fk.core.tiles import round_to
 
 # --- 1. References and the torch expressions ------------------------------------------------------
 
 
+class LowRank(NamedTuple):
+    """``lr = s xa B^T`` ``[M, N]`` as its factors."""
+
+    xa: torch.Tensor
+    """``[M, r]`` in ``c``."""
+    B: torch.Tensor
+    """``[N, r]`` in ``c``."""
+    scaling: float
+    """``s``."""
+
+    def product(self) -> torch.Tensor:
+        """``lr`` in ``c``: one matmul, scaled and rounded once (:func:`fk.core.matmul.scaled_mm`)."""
+        return scaled_mm(self.xa, self.B.t(), self.scaling, self.xa.dtype)
+
+
 def dora_dropout_output_ref(
-    base: torch.Tensor, zd: torch.Tensor, lr: torch.Tensor, ms: torch.Tensor, bias: torch.Tensor | None
+    base: torch.Tensor, zd: torch.Tensor, low_rank: LowRank, ms: torch.Tensor, bias: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(base + (ms - 1) zd + ms lr + b, zd + lr)`` in float64: what :func:`dora_dropout_output` rounds."""
-    base, zd, lr, ms = base.double(), zd.double(), lr.double(), ms.double()
+    lr = low_rank.scaling * (low_rank.xa.double() @ low_rank.B.double().t())
+    base, zd, ms = base.double(), zd.double(), ms.double()
     y = base + (ms - 1) * zd + ms * lr
     return (y if bias is None else y + bias.double()), zd + lr
 
 
 def dora_dropout_output_torch(
-    base: torch.Tensor, zd: torch.Tensor, lr: torch.Tensor, ms: torch.Tensor, bias: torch.Tensor | None
+    base: torch.Tensor, zd: torch.Tensor, low_rank: LowRank, ms: torch.Tensor, bias: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`dora_dropout_output` in torch ops: the sum in an fp32 ``[M, N]`` buffer, a pass a term."""
+    """:func:`dora_dropout_output` in torch ops: ``lr`` written by a matmul, the sum in an fp32
+    ``[M, N]`` buffer, a pass a term."""
+    lr = low_rank.product()
     y32 = base.float().addcmul_(zd, ms - 1).addcmul_(lr, ms)
     if bias is not None:
         y32.add_(bias)
@@ -99,6 +118,7 @@ def dora_grad_terms_torch(
 # --- 2. Kernels -----------------------------------------------------------------------------------
 #
 # Forward, per element (i, j), all in fp32 from c, one rounding to c per output:
+#   lr[i, j] = c(s sum_k xa[i, k] B[j, k])                              (c(): rounded to c)
 #   y[i, j] = base[i, j] + (ms_j - 1) zd[i, j] + ms_j lr[i, j] + b_j    (added in that order)
 #   z[i, j] = zd[i, j] + lr[i, j]
 # Backward, with dy [M, N]; n is detached and ms = mag / n, so d/dmag_j = (1 / n_j) d/dms_j:
@@ -113,30 +133,44 @@ def dora_grad_terms_torch(
 def _dora_dropout_output_kernel(
     base_ptr,  # [M, N] x2 W^T in c; y is written over it (y_ptr)
     zd_ptr,  # [M, N] d(x2) W^T in c; z is written over it (z_ptr)
-    lr_ptr,  # [M, N] s xa B^T in c
+    xa_ptr,  # [M, r] in c
+    b_ptr,  # [N, r] B in c
     ms_ptr,  # [N] fp32
     bias_ptr,  # [N] b (read only when HAS_BIAS)
     y_ptr,  # [M, N] out, c
     z_ptr,  # [M, N] out, c
     n_rows,
     n_cols,
+    rank,
     base_row_stride,
     zd_row_stride,
-    lr_row_stride,
+    xa_row_stride,
+    b_row_stride,
     y_row_stride,
     z_row_stride,
+    scaling,
     HAS_BIAS: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
+    BLOCK_RANK: tl.constexpr,
 ):
     rows = (tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
     col_ok = cols < n_cols
     ok = (rows < n_rows)[:, None] & col_ok[None, :]
+    row_ok = rows < n_rows
+    product = tl.zeros((BLOCK_ROWS, BLOCK_COLS), dtype=tl.float32)
+    for k0 in range(0, rank, BLOCK_RANK):  # the rank, padded to BLOCK_RANK with zeros
+        ks = k0 + tl.arange(0, BLOCK_RANK)
+        k_ok = ks < rank
+        xa = tl.load(xa_ptr + rows[:, None] * xa_row_stride + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
+        bt = tl.load(b_ptr + cols[None, :].to(tl.int64) * b_row_stride + ks[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)  # fmt: skip
+        # In fp32 (IEEE, not TF32), as fk.lora.masked_low_rank: r FMAs an element, next to a pass over [M, N].
+        product += tl.dot(xa.to(tl.float32), bt.to(tl.float32), input_precision="ieee")
+    lr = round_to(product * scaling, y_ptr.dtype.element_ty).to(tl.float32)  # as the matmul rounded it
     ms = tl.load(ms_ptr + cols, mask=col_ok, other=0.0)[None, :]
     base = tl.load(base_ptr + rows[:, None] * base_row_stride + cols[None, :], mask=ok, other=0.0).to(tl.float32)
     zd = tl.load(zd_ptr + rows[:, None] * zd_row_stride + cols[None, :], mask=ok, other=0.0).to(tl.float32)
-    lr = tl.load(lr_ptr + rows[:, None] * lr_row_stride + cols[None, :], mask=ok, other=0.0).to(tl.float32)
     y = base + zd * (ms - 1.0)
     y += lr * ms
     if HAS_BIAS:
@@ -200,6 +234,7 @@ def _dora_grad_terms_kernel(
 class LaunchParams(NamedTuple):
     block_rows: int  # rows of a tile
     block_cols: int  # columns of a tile (a backward program's strip)
+    block_rank: int  # forward: the rank step of lr's tl.dot (its smallest)
     num_warps: int
     programs_per_sm: int  # backward: programs (row groups x column strips) per multiprocessor
 
@@ -207,10 +242,10 @@ class LaunchParams(NamedTuple):
 # Both are streaming passes: a tile of 4096 elements, 32 a thread over 4 warps, keeps enough loads
 # in flight. The backward's row groups are sized so the grid is a few waves of programs, each
 # writing one fp32 partial row per sum (a few MiB in all, read back from L2 by sum_rows_pair).
-# Not tuned on a GPU yet.
+# xa and B are rank-sized and come from L2 for every forward tile. Not tuned on a GPU yet.
 LAUNCH = {
-    "forward": LaunchParams(block_rows=32, block_cols=128, num_warps=4, programs_per_sm=0),
-    "backward": LaunchParams(block_rows=32, block_cols=128, num_warps=4, programs_per_sm=4),
+    "forward": LaunchParams(block_rows=32, block_cols=128, block_rank=16, num_warps=4, programs_per_sm=0),
+    "backward": LaunchParams(block_rows=32, block_cols=128, block_rank=0, num_warps=4, programs_per_sm=4),
 }
 
 
@@ -222,28 +257,31 @@ def _on_kernel_path(t: torch.Tensor) -> bool:
 
 
 def dora_dropout_output(
-    base: torch.Tensor, zd: torch.Tensor, lr: torch.Tensor, ms: torch.Tensor, bias: torch.Tensor | None
+    base: torch.Tensor, zd: torch.Tensor, low_rank: LowRank, ms: torch.Tensor, bias: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A DoRA projection's output with dropout and what its backward keeps: ``(y, z)`` with
-    ``y = base + (ms - 1) zd + ms lr + b`` (summed in fp32, rounded once) and ``z = zd + lr``.
+    ``y = base + (ms - 1) zd + ms lr + b`` (summed in fp32, rounded once) and ``z = zd + lr``,
+    ``lr`` the product of ``low_rank`` rounded to ``c``.
 
-    ``base``, ``zd`` and ``lr`` ``[M, N]`` in one dtype ``c``; ``ms`` ``[N]`` fp32; ``bias`` ``[N]``
-    or None. ``base`` and ``zd`` are consumed: ``z`` is ``zd`` updated in place, and on Triton's
-    path ``y`` is written over ``base`` (one kernel); elsewhere ``y`` is a new tensor.
+    ``base`` and ``zd`` ``[M, N]`` and ``low_rank``'s factors in one dtype ``c``; ``ms`` ``[N]``
+    fp32; ``bias`` ``[N]`` or None. ``base`` and ``zd`` are consumed: ``z`` is ``zd`` updated in
+    place, and on Triton's path ``y`` is written over ``base`` (one kernel, ``lr`` formed in it);
+    elsewhere ``lr`` is a matmul's output and ``y`` a new tensor.
     """
     base_rows, zd_rows = writable_rows(base), writable_rows(zd)
     if base_rows is None or zd_rows is None or not _on_kernel_path(base):
-        return dora_dropout_output_torch(base, zd, lr, ms, bias)
-    lr_rows = as_rows(lr)
+        return dora_dropout_output_torch(base, zd, low_rank, ms, bias)
+    xa, B = as_rows(low_rank.xa), as_rows(low_rank.B)
     n_rows, n_cols = base_rows.shape
     params = LAUNCH["forward"]
     grid = (cdiv(n_rows, params.block_rows), cdiv(n_cols, params.block_cols))
     _dora_dropout_output_kernel[grid](
-        base_rows, zd_rows, lr_rows, ms, bias if bias is not None else ms, base_rows, zd_rows,
-        n_rows, n_cols,
-        base_rows.stride(0), zd_rows.stride(0), lr_rows.stride(0), base_rows.stride(0), zd_rows.stride(0),
+        base_rows, zd_rows, xa, B, ms, bias if bias is not None else ms, base_rows, zd_rows,
+        n_rows, n_cols, xa.shape[1],
+        base_rows.stride(0), zd_rows.stride(0), xa.stride(0), B.stride(0), base_rows.stride(0), zd_rows.stride(0),
+        low_rank.scaling,
         HAS_BIAS=bias is not None, BLOCK_ROWS=params.block_rows, BLOCK_COLS=params.block_cols,
-        num_warps=params.num_warps,
+        BLOCK_RANK=params.block_rank, num_warps=params.num_warps,
     )  # fmt: skip
     return base, zd
 
