@@ -72,3 +72,19 @@ def test_compile_takes_torch_ops(device: str) -> None:
     testing.assert_close(
         got, add_masked_low_rank_ref(dx, g, a, mask, 1 / 0.7), _torch_ops(dx, g, a, mask, 1 / 0.7), name="dx"
     )
+
+
+@pytest.mark.parametrize(("m", "k", "r"), [(37, 300, 16), (129, 257, 8)])
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
+def test_addend_is_masked_with_the_product(device: str, dtype: torch.dtype, m: int, k: int, r: int) -> None:
+    # DoRA's dropout term: dx += f m (dy_ms1 W + G A), the [M, K] addend read in the same pass.
+    dx, g, a, mask = _inputs(m, k, r, dtype, device, 0.3)
+    addend = testing.random_tensor((m, k), dtype, device, seed=9)
+    f = 1 / 0.7
+    want = add_masked_low_rank_ref(dx, g, a, mask, f, addend)
+    baseline = dx + masked(addend, mask, f) + masked(torch.mm(g, a), mask, f)
+    got = add_masked_low_rank_(dx.clone(), g, a, mask, f, addend=addend)
+    testing.assert_close(got, want, baseline, name="dx")
+    assert torch.equal(got[~mask], dx[~mask])
+    without = add_masked_low_rank_ref(dx, g, a, mask, f)
+    assert (got.double() - without).abs().max() > 1e-2

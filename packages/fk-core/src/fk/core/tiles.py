@@ -4,6 +4,10 @@ A row-wise kernel with a persistent grid (see :mod:`fk.core.launch`) walks a ``[
 matrix in tiles of ``ROWS`` whole rows: program ``p`` takes tiles ``p, p + P, p + 2P, ...``.
 :func:`load_row_tile` loads one such tile; a tile past the last row loads nothing (every element is
 masked), so a loop may load the tile after its last one, as a prefetching loop does.
+
+:func:`round_to` casts an fp32 result to its output dtype rounding to nearest even on both paths:
+a GPU's fp32 -> bf16 cast does, Triton's interpreter's rounds toward zero, which biases every
+element the same way and shows in sums taken later over many of them (a LoRA weight gradient).
 """
 
 from __future__ import annotations
@@ -11,7 +15,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from fk.core import backend  # noqa: F401 (decides interpretation before @triton.jit below)
+from fk.core import backend
+
+ROUND_BF16_BY_BITS = tl.constexpr(backend.INTERPRETER_ON)
+"""Whether :func:`round_to` rounds fp32 -> bf16 itself (in the interpreter; a GPU's cast is exact)."""
 
 
 @triton.jit
@@ -22,3 +29,16 @@ def load_row_tile(ptr, tile, n_rows, row_stride, cols, col_mask, ROWS: tl.conste
     rows = tile * ROWS + tl.arange(0, ROWS)
     mask = (rows < n_rows)[:, None] & col_mask[None, :]
     return tl.load(ptr + rows.to(tl.int64)[:, None] * row_stride + cols[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def round_to(x, dtype: tl.constexpr):
+    """The fp32 tensor ``x`` cast to ``dtype``, rounded to nearest even as torch rounds (the
+    interpreter's fp16 cast already does; its bf16 cast is replaced by integer rounding of the bits,
+    which keeps infinities and quiet NaNs). On a GPU this is ``x.to(dtype)``."""
+    if ROUND_BF16_BY_BITS and dtype == tl.bfloat16:
+        # add half a bf16 unit (less one, plus the last kept bit: ties to even) and cut the low half
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
+        x = bits.to(tl.float32, bitcast=True)
+    return x.to(dtype)

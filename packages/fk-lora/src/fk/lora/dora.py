@@ -19,9 +19,10 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from fk.core.matmul import column_sum, scaled_mm
+from fk.core.matmul import scaled_mm
 from fk.glu import gated_act_backward, gated_act_forward
-from fk.lora.masked_low_rank import add_masked_low_rank_, masked
+from fk.lora.dora_elementwise import LowRank, dora_dropout_output, dora_grad_terms
+from fk.lora.masked_low_rank import add_masked_low_rank_
 from fk.lora.projection import (
     Settings,
     add_lora_out,
@@ -83,6 +84,8 @@ def dora_ref(
 #   z    = zd + lr
 #   y    = x2 W^T + b + (ms - 1) * zd + ms * lr   summed in fp32, rounded once
 # Kept for the backward: z, ms, n, and what plain LoRA keeps (xa, m, A and B in c).
+# With dropout, y and z come from one pass over x2 W^T and zd (fk.lora.dora_elementwise), which
+# forms lr in registers from xa and B, and writes y over x2 W^T's buffer and z over zd's.
 #
 # The norm reads W once, in row chunks of DORA_NORM_CHUNK_ELEMENTS, forming each chunk of W + s B A
 # in fp32 (2 N K r FLOPs in all, as for B A itself; no [N, K] buffer). The cheaper-looking
@@ -94,12 +97,13 @@ def dora_ref(
 #   dmag   = colsum(dy * z) / n                 (both forms: dy/dms_j = sum_i dy_ij z_ij)
 #   db     = colsum(dy)                         (b is added once, unscaled)
 #   dy_ms  = ms * dy                            the gradient reaching lr
+# (dmag, db, dy_ms and, with dropout, dy_ms1 below: one pass over dy, fk.lora.dora_elementwise)
 #   dB     = s dy_ms^T xa ;  s G = s dy_ms B ;  dA = f (s G)^T (x2 * m)
 # Without dropout x2 W^T is scaled by ms as well:
 #   dW     = dy_ms^T x2 ;  dx = dy_ms W + s G A
 # With dropout x2 W^T is not, and zd is scaled by (ms - 1); with dy_ms1 = (ms - 1) * dy:
 #   dW     = dy^T x2 + f dy_ms1^T (x2 * m)
-#   dx     = dy W + f (dy_ms1 W + s G A) * m    (dy_ms1 W masked by masked_low_rank's ``masked``)
+#   dx     = dy W + f (dy_ms1 W + s G A) * m    (the masked sum in one pass: masked_low_rank, addend)
 # Under autocast DoRA is not fused (fk.lora.patch leaves it to PEFT; the functions refuse it).
 
 DORA_NORM_CHUNK_ELEMENTS = 1 << 24
@@ -195,11 +199,8 @@ def _dora_fwd(
         return torch.addcmul(params.bias, z, ms, out=y), _DoRALowRank(xa, mask, A_c, B_c, z, ms, norm)
     f = 1.0 / (1.0 - p)
     zd = scaled_mm(kept_input(x2, mask, dropout_dtype, c), params.weight.t(), f, c)
-    lr = scaled_mm(xa, B_c.t(), scaling, c)
-    y32 = base_out(x2, params.weight, None).float().addcmul_(zd, ms - 1).addcmul_(lr, ms)
-    if params.bias is not None:
-        y32.add_(params.bias)
-    return y32.to(c), _DoRALowRank(xa, mask, A_c, B_c, zd.add_(lr), ms, norm)
+    y, z = dora_dropout_output(base_out(x2, params.weight, None), zd, LowRank(xa, B_c, scaling), ms, params.bias)
+    return y, _DoRALowRank(xa, mask, A_c, B_c, z, ms, norm)
 
 
 def _dora_bwd(
@@ -220,21 +221,29 @@ def _dora_bwd(
     scaling, p, dropout_dtype = settings
     c = dy.dtype
     f = 1.0 if low.mask is None else 1.0 / (1.0 - p)
-    grads = _DoRAGrads()
-    if needs.magnitude:
-        grads = grads._replace(magnitude=(column_sum(dy.float() * low.z) / low.norm).to(magnitude_dtype))
-    if needs.bias:
-        grads = grads._replace(bias=column_sum(dy).to(weight.dtype))
-    dy_ms = torch.mul(dy, low.ms, out=torch.empty_like(dy))  # (in fp32, rounded once to c)
-    gs = scaled_lora_grad(dy_ms, low.B_c, scaling) if need_dx or needs.lora_A else None
+    # dmag, db, dy_ms and (dropout) dy_ms1 in one pass over dy, each formed only where needed
+    need_dy_ms = need_dx or needs.lora_A or needs.lora_B or (low.mask is None and needs.weight)
+    need_dy_ms1 = low.mask is not None and (needs.weight or need_dx)
+    terms = dora_grad_terms(
+        dy, low.z, low.ms, low.norm,
+        (magnitude_dtype if needs.magnitude else None, weight.dtype if needs.bias else None),
+        (need_dy_ms, need_dy_ms1),
+    )  # fmt: skip
+    grads = _DoRAGrads(bias=terms.bias, magnitude=terms.magnitude)
+    dy_ms, dy_ms1 = terms.dy_ms, terms.dy_ms1
+    if dy_ms is None and dy_ms1 is None:  # only mag or b needs a gradient
+        return grads, dx
+    gs = scaled_lora_grad(dy_ms, low.B_c, scaling) if dy_ms is not None and (need_dx or needs.lora_A) else None
     need_kept = needs.lora_A or (needs.weight and low.mask is not None)  # x2 * m, for dA and (dropout) dW
     kept = kept_input(x2, low.mask, dropout_dtype, c) if need_kept else None
     if needs.lora_B:
+        assert dy_ms is not None
         grads = grads._replace(lora_B=scaled_mm(dy_ms.t(), low.xa, scaling, lora_dtype))
     if needs.lora_A:
         assert gs is not None and kept is not None
         grads = grads._replace(lora_A=scaled_mm(gs.t(), kept, f, lora_dtype))
     if low.mask is None:
+        assert dy_ms is not None
         if needs.weight:
             grads = grads._replace(weight=scaled_mm(dy_ms.t(), x2, 1.0, weight.dtype))
         if need_dx:
@@ -242,16 +251,14 @@ def _dora_bwd(
             dx = torch.mm(dy_ms, weight) if dx is None else dx.addmm_(dy_ms, weight)
             dx.addmm_(gs, low.A_c)
         return grads, dx
-    dy_ms1 = torch.mul(dy, low.ms - 1, out=torch.empty_like(dy))
     if needs.weight:
-        assert kept is not None
+        assert kept is not None and dy_ms1 is not None
         dW = scaled_mm(dy.t(), x2, 1.0, torch.float32).add_(scaled_mm(dy_ms1.t(), kept, f, torch.float32))
         grads = grads._replace(weight=dW.to(weight.dtype))
     if need_dx:
-        assert gs is not None and low.mask is not None
+        assert gs is not None and low.mask is not None and dy_ms1 is not None
         dx = torch.mm(dy, weight) if dx is None else dx.addmm_(dy, weight)
-        dx.add_(masked(torch.mm(dy_ms1, weight), low.mask, f))
-        add_masked_low_rank_(dx, gs, low.A_c, low.mask, f)
+        add_masked_low_rank_(dx, gs, low.A_c, low.mask, f, addend=torch.mm(dy_ms1, weight))
     return grads, dx
 
 
