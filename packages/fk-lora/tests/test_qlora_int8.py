@@ -256,22 +256,11 @@ class _Model(torch.nn.Module):
         return self.mlp(attn["o_proj"](torch.tanh(q[..., :24] * k) + v[..., :24].sum(-1, keepdim=True)))
 
 
-def _peft_model(dtype: torch.dtype, dropout: float, device: str, **config: Any) -> Any:
+def _peft_model(dtype: torch.dtype, dropout: float, device: str, **options: Any) -> Any:
     torch.manual_seed(3)
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    model = peft.get_peft_model(_Model(dtype, device), LoraConfig(r=RANK, lora_alpha=8, lora_dropout=dropout, target_modules=targets, **config))  # fmt: skip
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.copy_(torch.randn_like(param) * 0.1)
-    return model.train()
-
-
-def _model_loss(model: Any, x: torch.Tensor, seed: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    torch.manual_seed(seed)
-    loss = model(x).float().square().mean()
-    params = [p for p in model.parameters() if p.requires_grad]
-    return loss.detach(), list(torch.autograd.grad(loss, [x, *params]))
+    config = LoraConfig(r=RANK, lora_alpha=8, lora_dropout=dropout, target_modules=targets, **options)
+    return testing.with_random_lora_b(peft.get_peft_model(_Model(dtype, device), config))
 
 
 @DROPOUT
@@ -284,17 +273,15 @@ def test_patch_fuses_int8_projections_and_matches_peft(
     model = _peft_model(dtype, dropout, bnb_device)
     assert type(model.base_model.model.self_attn["q_proj"]) is peft_bnb.Linear8bitLt
     x = _input((2, 3, IN), dtype, bnb_device, seed=5)
-    want = _model_loss(model, x, seed=1)
+    want = testing.seeded_loss_and_grads(model, x, seed=1, with_input=True)
     with caplog.at_level(logging.INFO, logger="fk.lora"):
         report = fk.lora.patch(model)
-        try:
-            got = _model_loss(model, x, seed=1)
-        finally:
-            fk.lora.unpatch(model)
-    assert not report.skipped
-    assert [n.rsplit(".", 1)[-1] for n in report.mlp] == ["mlp"]
-    assert [[n.rsplit(".", 1)[-1] for n in group] for group in report.qkv] == [["q_proj", "k_proj", "v_proj"]]
-    assert [n.rsplit(".", 1)[-1] for n in report.linear] == ["o_proj"]
+        got = testing.seeded_loss_and_grads(model, x, seed=1, with_input=True)
+    fk.lora.unpatch(model)
+    short = lambda names: [n.rsplit(".", 1)[-1] for n in names]  # noqa: E731
+    assert (short(report.mlp), [short(g) for g in report.qkv], short(report.linear), report.skipped) == (
+        ["mlp"], [["q_proj", "k_proj", "v_proj"]], ["o_proj"], {}
+    )  # fmt: skip
     assert "runs PEFT's forward" not in caplog.text  # every call took the fused path
     tol = _tol(dtype)
     torch.testing.assert_close(got[0], want[0], rtol=tol, atol=0.0)

@@ -437,6 +437,29 @@ def _require_bitsandbytes(device: str, kind: str, what: str) -> Any:
     return bnb
 
 
+def with_random_lora_b(peft_model: torch.nn.Module, scale: float = 0.1) -> Any:
+    """``peft_model`` with every ``lora_B`` parameter drawn from torch's generator times ``scale``
+    (PEFT starts them at zero, which would hide the LoRA branch's output and most of its
+    gradients), in training mode."""
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn_like(param) * scale)
+    return peft_model.train()
+
+
+def seeded_loss_and_grads(
+    model: torch.nn.Module, x: torch.Tensor, seed: int, *, with_input: bool = False
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """``mean(model(x)^2)`` in fp32, with torch's generator seeded by ``seed`` first (so dropout
+    masks replay), and its gradients: of ``x`` first when ``with_input``, then of every parameter
+    that requires grad."""
+    torch.manual_seed(seed)
+    loss = model(x).float().square().mean()
+    params = [p for p in model.parameters() if p.requires_grad]
+    return loss.detach(), list(torch.autograd.grad(loss, [x, *params] if with_input else params))
+
+
 def require_bitsandbytes_4bit(device: str) -> Any:
     """The ``bitsandbytes`` module where it is installed and has a 4-bit backend for ``device`` (its
     CPU one, or its CUDA library on a GPU); otherwise the calling test is skipped, naming what is
