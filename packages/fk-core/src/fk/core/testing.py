@@ -412,26 +412,64 @@ def run_python(*args: str, timeout_s: float = 300.0) -> str:
 
 
 @functools.cache
-def _bitsandbytes_quantizes_4bit_on(device: str) -> bool:
-    import bitsandbytes.functional as bnb_f
+def _bitsandbytes_backend_on(device: str, kind: str) -> bool:
+    """Whether bitsandbytes runs ``kind`` (``"4bit"``: quantizes to NF4; ``"int8"``: a quantized
+    ``Linear8bitLt``'s forward, LLM.int8()'s product) on ``device``."""
+    import bitsandbytes as bnb
 
     try:
-        bnb_f.quantize_4bit(torch.ones(64, device=device), blocksize=64, quant_type="nf4")
+        if kind == "4bit":
+            bnb.functional.quantize_4bit(torch.ones(64, device=device), blocksize=64, quant_type="nf4")
+        else:
+            layer = bnb.nn.Linear8bitLt(4, 4, bias=False, has_fp16_weights=False).to(device).eval()
+            layer(torch.ones(2, 4, dtype=torch.float16, device=device))
     except (RuntimeError, NotImplementedError, ValueError):
         return False
     return True
+
+
+def _require_bitsandbytes(device: str, kind: str, what: str) -> Any:
+    import pytest
+
+    bnb = pytest.importorskip("bitsandbytes", reason="bitsandbytes is not installed (extra fk-lora[qlora])")
+    if not _bitsandbytes_backend_on(device, kind):
+        pytest.skip(f"bitsandbytes {bnb.__version__} has no {what} backend for {device}")
+    return bnb
+
+
+def with_random_lora_b(peft_model: torch.nn.Module, scale: float = 0.1) -> Any:
+    """``peft_model`` with every ``lora_B`` parameter drawn from torch's generator times ``scale``
+    (PEFT starts them at zero, which would hide the LoRA branch's output and most of its
+    gradients), in training mode."""
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn_like(param) * scale)
+    return peft_model.train()
+
+
+def seeded_loss_and_grads(
+    model: torch.nn.Module, x: torch.Tensor, seed: int, *, with_input: bool = False
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """``mean(model(x)^2)`` in fp32, with torch's generator seeded by ``seed`` first (so dropout
+    masks replay), and its gradients: of ``x`` first when ``with_input``, then of every parameter
+    that requires grad."""
+    torch.manual_seed(seed)
+    loss = model(x).float().square().mean()
+    params = [p for p in model.parameters() if p.requires_grad]
+    return loss.detach(), list(torch.autograd.grad(loss, [x, *params] if with_input else params))
 
 
 def require_bitsandbytes_4bit(device: str) -> Any:
     """The ``bitsandbytes`` module where it is installed and has a 4-bit backend for ``device`` (its
     CPU one, or its CUDA library on a GPU); otherwise the calling test is skipped, naming what is
     missing. (QLoRA tests compare fk.lora with bitsandbytes' own layers on the test device.)"""
-    import pytest
+    return _require_bitsandbytes(device, "4bit", "4-bit")
 
-    bnb = pytest.importorskip("bitsandbytes", reason="bitsandbytes is not installed (extra fk-lora[qlora])")
-    if not _bitsandbytes_quantizes_4bit_on(device):
-        pytest.skip(f"bitsandbytes {bnb.__version__} has no 4-bit backend for {device}")
-    return bnb
+
+def require_bitsandbytes_int8(device: str) -> Any:
+    """:func:`require_bitsandbytes_4bit` for bitsandbytes' LLM.int8() layer (``Linear8bitLt``)."""
+    return _require_bitsandbytes(device, "int8", "LLM.int8() (Linear8bitLt)")
 
 
 # --- several processes ------------------------------------------------------------------------

@@ -75,7 +75,7 @@ from fk.lora.projection import (
     stackable,
     to_flat,
 )
-from fk.lora.quant import QuantizedWeight, dequantize
+from fk.lora.quant import Int8Base, QuantizedWeight, dequantize
 
 MLP_ACTIVATIONS: dict[str, str] = {"swiglu": "silu", "geglu": "gelu_tanh"}
 """Short names accepted by :func:`lora_mlp` (Hugging Face ``hidden_act`` names are accepted too)."""
@@ -84,13 +84,16 @@ MLP_ACTIVATIONS: dict[str, str] = {"swiglu": "silu", "geglu": "gelu_tanh"}
 class LoRAWeights(NamedTuple):
     """The parameters of one LoRA projection (a PEFT ``lora.Linear`` with one active adapter)."""
 
-    weight: torch.Tensor | QuantizedWeight
+    weight: torch.Tensor | QuantizedWeight | Int8Base
     """Base weight ``[N, K]`` (``base_layer.weight``), frozen or trainable; or a frozen 4-bit
     (NF4/FP4) :class:`fk.lora.quant.QuantizedWeight` (QLoRA, plain LoRA only: every function
     takes one), dequantized to the compute dtype (autocast's, else ``x``'s) in the forward and again
-    in the backward for ``dx``, never kept."""
+    in the backward for ``dx``, never kept; or a bitsandbytes LLM.int8() layer,
+    :class:`fk.lora.quant.Int8Base` (plain LoRA, outside autocast), whose own product gives the base
+    output and whose int8 weight, dequantized to ``x``'s dtype, gives ``dx``'s base term."""
     bias: torch.Tensor | None
-    """Base bias ``[N]`` or None."""
+    """Base bias ``[N]`` or None. With an :class:`fk.lora.quant.Int8Base`, the layer's bias (its
+    product adds it; the fused functions use it for its gradient only), in ``x``'s dtype."""
     lora_A: torch.Tensor
     """``[r, K]`` (``lora_A[adapter].weight``)."""
     lora_B: torch.Tensor
@@ -111,7 +114,7 @@ class LoRAWeights(NamedTuple):
 
 def lora_linear_ref(
     x: torch.Tensor,
-    base_weight: torch.Tensor | QuantizedWeight,
+    base_weight: torch.Tensor | QuantizedWeight | Int8Base,
     base_bias: torch.Tensor | None,
     lora_A: torch.Tensor,
     lora_B: torch.Tensor,
@@ -132,9 +135,13 @@ def lora_linear_ref(
     ``base`` is ``result - b`` without dropout and ``xl W^T`` with it (PEFT recomputes the base
     product on the dropped input).
     """
-    if isinstance(base_weight, QuantizedWeight):  # (QLoRA: bitsandbytes' dequantize, then matmul in x's dtype)
-        base_weight = dequantize(base_weight).to(x.dtype)
-    result = F.linear(x, base_weight, base_bias)
+    if isinstance(base_weight, Int8Base):  # (LLM.int8(): the layer's own product, bias included)
+        result = base_weight.product(x)
+        base_weight = dequantize(base_weight.weight, dtype=x.dtype)  # (for DoRA's norm only)
+    else:
+        if isinstance(base_weight, QuantizedWeight):  # (QLoRA: bitsandbytes' dequantize, then matmul in x's dtype)
+            base_weight = dequantize(base_weight).to(x.dtype)
+        result = F.linear(x, base_weight, base_bias)
     xl = x.to(lora_A.dtype)
     if dropout_p > 0:
         xl = F.dropout(xl, dropout_p, training=True)
@@ -204,6 +211,31 @@ def lora_mlp_ref(
 # one projection's W exists at a time. Forward: for its base matmul. Backward: for dx = dy W (and
 # the MLP's dh = dy Wd), never for a parameter gradient (the base is frozen). Only the packed data
 # is kept between forward and backward.
+#
+# 8-bit (LLM.int8(), bitsandbytes' Linear8bitLt with has_fp16_weights=False) bases, given as an Int8Base
+# (the int8 weight and the layer as its product). What bitsandbytes 0.50.2 computes, which PEFT's
+# lora.bnb.Linear8bitLt (and lora.Linear around such a base) runs as `base_layer(x)`:
+#   forward: Linear8bitLt.forward sets state.is_training = training, casts the bias in place to x's
+#     dtype, and calls bnb.matmul. On CUDA (and on CPU in eval mode) that is MatMul8bitLt: x cast to
+#     fp16 and quantized row-wise to int8 (int8_vectorwise_quant); with threshold > 0, the columns of
+#     x holding any |x| > threshold are zeroed in the int8 copy and multiplied in x's own dtype
+#     against the weight's dequantized columns (int8_mixed_scaled_mm); int8 GEMM, dequantized with
+#     the bias added, returned in x's dtype. On CPU in training mode it is MatMul8bitFp: W dequantized
+#     to x's dtype, then F.linear. Either way the output has x's dtype.
+#   backward, for x: grad_A = dy.to(x's dtype) @ (CB.to(x's dtype) * (SCB / 127)) in both functions:
+#     the dense product with the dequantized weight, no int8 in it (and no gradient for the frozen
+#     int8 weight); the bias gets sum_rows(dy).
+# So fk calls the layer itself for the base output (bitsandbytes' activation quantization and
+# outlier split stay exact, whatever the device or mode; it runs once, with autograd off, and fk
+# never imports bitsandbytes), adds the LoRA branch into that output as above, and in the backward
+# forms dx = dy W + s G A in one buffer with W dequantized by fk.lora.quant to x's dtype, like the
+# 4-bit W: for dx only, one projection's at a time, never kept. (fk dequantizes in
+# int8_vectorwise_dequant's order, (CB * SCB) / 127 in fp32 then rounded once; bitsandbytes'
+# backward forms CB * (SCB / 127): in fp32 the two differ by an ulp at most, so after the rounding
+# to x's dtype a weight element differs, rarely, by one rounding of that dtype.) The MLP's down
+# projection on an int8 base is computed on all rows at once (its outlier columns are found over
+# all rows, as PEFT's call finds them), never in row chunks. DoRA and autocast on int8 bases are
+# refused (fk.lora.patch leaves them to PEFT).
 
 
 class _Params(NamedTuple):
@@ -225,7 +257,9 @@ class _Params(NamedTuple):
 
 class _QuantizedBase:
     """A 4-bit base weight (:class:`fk.lora.quant.QuantizedWeight`) in the weight slot of
-    :class:`_Params`, with the compute dtype ``c`` it is dequantized to.
+    :class:`_Params`, with the compute dtype ``c`` it is dequantized to; or an int8 one with its
+    layer's ``product`` (:class:`fk.lora.quant.Int8Base`), which gives the forward's base output
+    (:func:`_base_product`), while ``W`` is dequantized for the backward's ``dx`` only.
 
     It is not a tensor, so autograd passes it through ``apply`` untouched (no gradient: the base
     is frozen) and :class:`_LoRAProjections` and :class:`_LoRAMLP` keep it on ``ctx`` rather than
@@ -243,14 +277,19 @@ class _QuantizedBase:
     into a reused buffer (:func:`fk.lora.quant.dequantize_rows`) is for later.
     """
 
-    __slots__ = ("dtype", "q", "shape")
+    __slots__ = ("dtype", "product", "q", "shape")
 
-    def __init__(self, q: QuantizedWeight, dtype: torch.dtype) -> None:
-        self.q, self.dtype, self.shape = q, dtype, torch.Size(q.shape)
+    def __init__(self, q: QuantizedWeight | Int8Base, dtype: torch.dtype) -> None:
+        self.product = q.product if isinstance(q, Int8Base) else None
+        self.q = q.weight if isinstance(q, Int8Base) else q
+        self.dtype, self.shape = dtype, torch.Size(self.q.shape)
 
     def dense(self) -> torch.Tensor:
-        """``W`` in ``c``: dequantized to bitsandbytes' own dtype (``QuantState.dtype``), then
-        cast, as bitsandbytes' 4-bit matmul does (``dequantize_4bit(...).to(A.dtype)``)."""
+        """``W`` in ``c``. 4-bit: dequantized to bitsandbytes' own dtype (``QuantState.dtype``),
+        then cast, as bitsandbytes' 4-bit matmul does (``dequantize_4bit(...).to(A.dtype)``). int8:
+        dequantized to ``c`` directly (one rounding), as bitsandbytes' int8 backward forms it."""
+        if self.product is not None:
+            return dequantize(self.q, dtype=self.dtype)
         w = dequantize(self.q)
         return w if w.dtype == self.dtype else w.to(self.dtype)
 
@@ -260,6 +299,22 @@ def _dense(weight: Any) -> torch.Tensor:
     result straight on to the one matmul that needs it, so a dequantized weight lives no longer than
     that matmul (and one projection's at a time)."""
     return weight.dense() if isinstance(weight, _QuantizedBase) else weight
+
+
+def _base_product(xc: torch.Tensor, proj: _Params, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``xc W^T + b`` (:func:`base_out`; a 4-bit ``W`` dequantized for it), or, for an int8 base, its
+    layer's own product (bias included), checked for its shape and dtype, and copied into ``out``
+    when one is given."""
+    weight = proj.weight
+    product = weight.product if isinstance(weight, _QuantizedBase) else None
+    if product is None:
+        return base_out(xc, _dense(weight), proj.bias, out=out)
+    y = product(xc)
+    want = (xc.shape[0], weight.shape[0])
+    if not isinstance(y, torch.Tensor) or tuple(y.shape) != want or y.dtype != xc.dtype:
+        got = f"{tuple(y.shape)} {y.dtype}" if isinstance(y, torch.Tensor) else type(y).__name__
+        raise ValueError(f"the int8 base's product must return {want} in {xc.dtype}, got {got}")
+    return y if out is None else out.copy_(y)
 
 
 def _weights_to_save(params: Sequence[_Params]) -> tuple[list[torch.Tensor | None], list[_QuantizedBase | None]]:
@@ -324,10 +379,10 @@ def _base_outs_and_lora_inputs(
     ``c``) of projections that share ``x2``, launched in the order :func:`_base_first` gives."""
     first = _base_first(settings)
     # (a 4-bit W is dequantized for its own matmul, and dropped before the next one's)
-    ys = [base_out(xc, _dense(proj.weight), proj.bias) for proj in params] if first else []
+    ys = [_base_product(xc, proj) for proj in params] if first else []
     xas, masks, A_cs = lora_input_products(x2, xc, [proj.lora_A for proj in params], settings)
     if not first:
-        ys = [base_out(xc, _dense(proj.weight), proj.bias) for proj in params]
+        ys = [_base_product(xc, proj) for proj in params]
     return ys, xas, masks, A_cs
 
 
@@ -684,7 +739,8 @@ class _LoRAMLP(torch.autograd.Function):
         add_lora_out(up, xa_u, low_u.B_c, params_u.lora_bias, settings_u.scaling)
         del xc
         rows = _mlp_chunk_rows(gate, settings_d.dropout_p)
-        if rows >= gate.shape[0]:
+        int8_down = isinstance(params_d.weight, _QuantizedBase) and params_d.weight.product is not None
+        if rows >= gate.shape[0] or int8_down:  # (an int8 base's outlier columns are found over all rows)
             h = gated_act_forward(gate, up, act)
             y, low_d = _proj_fwd(h, h, params_d, settings_d)
             del h  # recomputed in the backward
@@ -779,7 +835,7 @@ def _check_parts(
     lora_bias = rest[1] if len(rest) > 1 else None
     magnitude = rest[2] if len(rest) > 2 else None
     names = [f"{prefix}{n}" for n in ("weight", "bias", "lora_A", "lora_B", "scaling", "dropout_p", "lora_bias", "magnitude")]  # fmt: skip
-    if isinstance(weight, QuantizedWeight):
+    if isinstance(weight, (QuantizedWeight, Int8Base)):
         weight = _quantized_base(names[0], x, weight, cast, magnitude is not None)
     tensors = ((names[2], lora_A), (names[3], lora_B))
     for name, t in tensors if isinstance(weight, _QuantizedBase) else ((names[0], weight), *tensors):
@@ -812,16 +868,25 @@ def _check_parts(
 
 
 def _quantized_base(
-    name: str, x: torch.Tensor, q: QuantizedWeight, cast: torch.dtype | None, dora: bool
+    name: str, x: torch.Tensor, q: QuantizedWeight | Int8Base, cast: torch.dtype | None, dora: bool
 ) -> _QuantizedBase:
-    """A 4-bit base weight checked against ``x``, for the compute dtype ``c``: autocast's, else ``x``'s."""
-    if q.quant_type not in ("nf4", "fp4"):
-        raise ValueError(f"{name} is a {q.quant_type} QuantizedWeight; fk.lora fuses 4-bit (nf4, fp4) bases only")
+    """A 4-bit base weight, or an int8 base layer, checked against ``x``, for the compute dtype ``c``:
+    autocast's, else ``x``'s (int8: ``x``'s, outside autocast only)."""
+    int8 = isinstance(q, Int8Base)
+    weight = q.weight if isinstance(q, Int8Base) else q
+    kind = "an Int8Base" if int8 else "a QuantizedWeight"
+    if not int8 and weight.quant_type not in ("nf4", "fp4"):
+        raise ValueError(
+            f"{name} is a {weight.quant_type} QuantizedWeight; fk.lora fuses 4-bit (nf4, fp4) weights, "
+            "and int8 bases as an Int8Base (the weight with its layer's product)"
+        )
     if dora:
-        raise ValueError(f"{name} is a QuantizedWeight: DoRA on a quantized base is not fused")
-    validate.check_same_device(f"{name}.data", q.data, "x", x)
-    if q.shape[1] != x.shape[-1]:
-        raise ValueError(f"{name} takes {q.shape[1]} input features, got x of shape {tuple(x.shape)}")
+        raise ValueError(f"{name} is {kind}: DoRA on a quantized base is not fused")
+    if int8 and cast is not None:
+        raise ValueError(f"{name} is an Int8Base: int8 bases are fused outside torch.autocast only")
+    validate.check_same_device(f"{name}.data", weight.data, "x", x)
+    if weight.shape[1] != x.shape[-1]:
+        raise ValueError(f"{name} takes {weight.shape[1]} input features, got x of shape {tuple(x.shape)}")
     return _QuantizedBase(q, cast if cast is not None else x.dtype)
 
 
@@ -839,7 +904,7 @@ def _cast_params(params: _Params, cast: torch.dtype | None) -> _Params:
     ``F.linear``'s operands (autograd sees the casts)."""
     if cast is None:
         return params
-    quantized = isinstance(params.weight, (_QuantizedBase, QuantizedWeight))  # (dequantized to autocast's dtype)
+    quantized = isinstance(params.weight, _QuantizedBase)  # (dequantized to autocast's dtype)
     return _Params._make(t if t is None or t.dtype == cast or (quantized and i == 0) else t.to(cast) for i, t in enumerate(params))  # fmt: skip
 
 
@@ -863,7 +928,7 @@ def _module_params(
     """The settings, tensors and DoRA magnitude of :func:`_module_parts`, without the width check;
     a 4-bit base (a ``Linear4bit``'s, read by the patcher) is dequantized to ``compute``."""
     weight, bias, lora_A, lora_B, scaling, dropout_p, lora_bias, magnitude = parts
-    base = _QuantizedBase(weight, compute) if isinstance(weight, QuantizedWeight) else weight
+    base = _QuantizedBase(weight, compute) if isinstance(weight, (QuantizedWeight, Int8Base)) else weight
     params = _Params(base, bias, lora_A, lora_B, lora_bias)
     return Settings(scaling, dropout_p, lora_A.dtype), _cast_params(params, cast), magnitude
 
@@ -884,7 +949,7 @@ def _check_x(x: object) -> torch.Tensor:
 
 def lora_linear(
     x: torch.Tensor,
-    base_weight: torch.Tensor | QuantizedWeight,
+    base_weight: torch.Tensor | QuantizedWeight | Int8Base,
     base_bias: torch.Tensor | None,
     lora_A: torch.Tensor,
     lora_B: torch.Tensor,
@@ -900,8 +965,10 @@ def lora_linear(
         x: ``(..., K)``, fp32/fp16/bf16.
         base_weight: ``[N, K]``, dtype of ``x`` (any float dtype under autocast); no gradient,
             buffer or FLOP is spent on it when it does not require grad (the usual frozen base).
-            Or a 4-bit (NF4/FP4) :class:`fk.lora.quant.QuantizedWeight` (QLoRA; see :class:`LoRAWeights`).
-        base_bias: ``[N]`` or None, dtype of ``base_weight``; frozen or trainable.
+            Or a 4-bit (NF4/FP4) :class:`fk.lora.quant.QuantizedWeight` (QLoRA; see :class:`LoRAWeights`),
+            or a bitsandbytes LLM.int8() layer as an :class:`fk.lora.quant.Int8Base` (outside autocast).
+        base_bias: ``[N]`` or None, dtype of ``base_weight``; frozen or trainable. With an
+            ``Int8Base``: the layer's own bias, in ``x``'s dtype (its product adds it).
         lora_A: ``[r, K]``; ``lora_B``: ``[N, r]``, both of one float dtype (may differ from ``x``'s).
         scaling: ``alpha / r`` (``alpha / sqrt(r)`` for rsLoRA).
         dropout_p: LoRA dropout in ``[0, 1)``, applied to the LoRA branch's input only; the mask is
@@ -994,7 +1061,9 @@ def lora_mlp(
     composed of DoRA's launchers and :func:`fk.glu.gated_act` (see :func:`module_mlp`).
 
     QLoRA: any of the three base weights may be a 4-bit :class:`fk.lora.quant.QuantizedWeight`
-    (plain LoRA), dequantized where a matmul needs it, one projection's at a time, never saved.
+    (plain LoRA), dequantized where a matmul needs it, one projection's at a time, never saved, or
+    an int8 :class:`fk.lora.quant.Int8Base` (plain LoRA, outside autocast; an int8 down projection
+    takes all rows at once).
     """
     return module_mlp(x, gate_parts, up_parts, down_parts, activation, from_module=False)
 

@@ -30,7 +30,11 @@ and up, or on neither; otherwise its projections are fused one by one).
 
 QLoRA: a ``lora.Linear`` (PEFT's ``lora.bnb.Linear4bit``) on a bitsandbytes 4-bit base is fused
 alone, in a q/k/v group, and in a gated MLP (any of gate, up and down 4-bit), plain LoRA only:
-DoRA on a 4-bit base is left to PEFT.
+DoRA on a 4-bit base is left to PEFT. The same holds for PEFT's ``lora.bnb.Linear8bitLt`` (or a
+``lora.Linear``) on a bitsandbytes LLM.int8() ``Linear8bitLt`` base with ``has_fp16_weights=False``:
+the layer's own product gives the base output (:class:`fk.lora.quant.Int8Base`); a
+``Linear8bitLt`` with ``has_fp16_weights=True``, or not quantized yet, and DoRA on an int8 base are
+left to PEFT.
 
 At every call the patched forward checks that the module is still plain LoRA or DoRA (and, for a
 fused MLP, that no hooks are registered on its projections, which the fused call would skip: PEFT's
@@ -38,7 +42,8 @@ mixed-batch ``adapter_names`` arrive through such hooks): one active adapter,
 not merged, adapters enabled, no LoRA variant but DoRA, DoRA outside autocast (with its dropout
 module in its layer's training mode), a ``torch.nn.Linear`` base layer
 or a bitsandbytes 4-bit ``Linear4bit`` one (plain LoRA, outside autocast, the input in its
-``compute_dtype``; not int8), base and LoRA weights in fp32, fp16 or bf16, the base weight
+``compute_dtype``) or int8 ``Linear8bitLt`` one (plain LoRA, outside autocast, its bias in the
+input's dtype), base and LoRA weights in fp32, fp16 or bf16, the base weight
 in the input's dtype (any of those under autocast, which casts every operand, as fk.lora's
 functions then do), and PEFT's input dtype
 casting enabled where the LoRA weights' dtype is not the input's. Otherwise
@@ -61,7 +66,7 @@ from torch import nn
 
 from fk.core.forward import SharedInputGroup, has_hooks, restore_class, stock_forward, swap_forward, swapped
 from fk.lora.lora import LoRAWeights, module_mlp, module_projections
-from fk.lora.quant import QuantizedWeight, from_bnb
+from fk.lora.quant import Int8Base, QuantizedWeight, from_bnb, int8_base
 
 log = logging.getLogger("fk.lora")
 
@@ -119,14 +124,14 @@ def _dora_variant_class() -> type:
     return DoraLinearVariant
 
 
-def _peft_4bit_class() -> type | None:
-    """PEFT's LoRA layer for a bitsandbytes ``Linear4bit`` base (None where PEFT defines none:
-    bitsandbytes is not installed: PEFT's module imports it unconditionally)."""
+def _peft_bnb_class(name: str) -> type | None:
+    """PEFT's LoRA layer ``name`` (``"Linear4bit"``, ``"Linear8bitLt"``) for a bitsandbytes base (None
+    where PEFT defines none: bitsandbytes is not installed: PEFT's module imports it unconditionally)."""
     try:
         import peft.tuners.lora.bnb as peft_bnb
     except ImportError:
         return None
-    cls: type | None = getattr(peft_bnb, "Linear4bit", None)
+    cls: type | None = getattr(peft_bnb, name, None)
     return cls
 
 
@@ -135,9 +140,31 @@ def _is_4bit(module: Any) -> bool:
     builds around a bitsandbytes base where it finds no 4-bit backend, as on CPU) on a quantized
     4-bit bitsandbytes base (duck-typed: its base weight carries a ``quant_state``). fk.lora fuses
     those on their own, in q/k/v groups and in gated MLPs (plain LoRA)."""
-    if type(module) is not _lora_linear_class() and type(module) is not _peft_4bit_class():
+    if type(module) is not _lora_linear_class() and type(module) is not _peft_bnb_class("Linear4bit"):
         return False
     return _has_4bit_weight(_base_layer(module))
+
+
+def _is_int8(module: Any) -> bool:
+    """Whether ``module`` is PEFT's ``lora.bnb.Linear8bitLt`` (or a plain ``lora.Linear``, which PEFT
+    builds around a ``Linear8bitLt`` when the model is not marked ``is_loaded_in_8bit``: its forward
+    computes the same) on a bitsandbytes LLM.int8() base whose weight is int8 (:func:`_has_int8_weight`)."""
+    if type(module) is not _lora_linear_class() and type(module) is not _peft_bnb_class("Linear8bitLt"):
+        return False
+    return _has_int8_weight(_base_layer(module))
+
+
+def _has_int8_weight(base: nn.Module) -> bool:
+    """Whether ``base`` is a bitsandbytes ``Linear8bitLt`` with its weight quantized to int8 and kept
+    so (duck-typed: an int8 weight, and a ``state`` with ``has_fp16_weights`` off)."""
+    weight = base._parameters.get("weight")
+    state = base.__dict__.get("state")
+    return (
+        weight is not None
+        and weight.dtype == torch.int8
+        and state is not None
+        and getattr(state, "has_fp16_weights", True) is False
+    )
 
 
 def _has_4bit_weight(base: nn.Module) -> bool:
@@ -164,9 +191,13 @@ def _has_dora(module: Any) -> bool:
 
 def _static_reason(module: Any, lora_linear_cls: type) -> str | None:
     """Why ``module`` can never take the fused path (None: it can)."""
-    quantized = _is_4bit(module)
-    if type(module).__name__ == "Linear8bitLt" or type(_base_layer(module)).__name__ == "Linear8bitLt":
-        return "bitsandbytes 8-bit base (Linear8bitLt quantizes the activations too): left to PEFT"
+    int8 = _is_int8(module)
+    quantized = _is_4bit(module) or int8
+    if not int8 and type(_base_layer(module)).__name__ == "Linear8bitLt":
+        state = getattr(_base_layer(module), "state", None)
+        if getattr(state, "has_fp16_weights", False):
+            return "bitsandbytes Linear8bitLt with has_fp16_weights=True (its weight is requantized at every call): left to PEFT"  # fmt: skip
+        return "bitsandbytes Linear8bitLt whose weight is not int8 (not quantized yet): left to PEFT"
     if type(module) is not lora_linear_cls and not quantized:
         return f"{type(module).__module__}.{type(module).__name__} is not PEFT's plain lora.Linear (quantized or custom layer)"  # fmt: skip
     base = getattr(module, "get_base_layer")()  # noqa: B009 (mypy narrows module to object above)
@@ -178,6 +209,8 @@ def _static_reason(module: Any, lora_linear_cls: type) -> str | None:
     if others:
         return f"LoRA variant {', '.join(others)} (fk.lora fuses plain LoRA and DoRA)"
     if quantized and _has_dora(module):
+        if int8:
+            return "DoRA on an int8 base (fk.lora fuses plain LoRA on int8 bases)"
         return "DoRA on a 4-bit base (fk.lora fuses plain LoRA on 4-bit bases)"
     return None
 
@@ -217,8 +250,9 @@ def _call_parts(module: Any, x: Any) -> LoRAWeights | str:
         return "use_dora is set without PEFT's DoRA variant"
     base = _base_layer(module)
     quantized = type(base) is not nn.Linear and _has_4bit_weight(base)
-    if type(base) is not nn.Linear and not quantized:
-        return f"base layer {type(base).__name__} is not torch.nn.Linear"
+    int8 = type(base) is not nn.Linear and not quantized and _has_int8_weight(base)
+    if type(base) is not nn.Linear and not quantized and not int8:
+        return f"base layer {type(base).__name__} is not torch.nn.Linear (or an int8 Linear8bitLt)"
     dropout = children["lora_dropout"]._modules[name]
     if isinstance(dropout, nn.Identity):
         p = 0.0
@@ -230,8 +264,8 @@ def _call_parts(module: Any, x: Any) -> LoRAWeights | str:
         return f"dropout module {type(dropout).__name__}"
     if not isinstance(x, torch.Tensor) or x.dtype not in _FLOATS:
         return "input is not a float tensor"
-    if quantized:
-        return _4bit_parts(module, name, base, x, p)
+    if quantized or int8:
+        return _quantized_parts(module, name, base, x, p, int8)
     magnitude = None
     if dora:
         if torch.is_autocast_enabled(x.device.type):
@@ -258,26 +292,35 @@ def _call_parts(module: Any, x: Any) -> LoRAWeights | str:
     )  # fmt: skip
 
 
-def _4bit_parts(module: Any, name: str, base: Any, x: torch.Tensor, p: float) -> LoRAWeights | str:
-    """:func:`_call_parts` for a ``lora.bnb.Linear4bit`` (plain LoRA, checked up to the dropout):
-    the base weight as a :class:`fk.lora.quant.QuantizedWeight` (read at every call: it shares the
-    layer's tensors, no copy), dequantized by the fused call to bitsandbytes' ``compute_dtype``
-    (the input's where bitsandbytes has none yet, as its forward sets it) and the bias cast to it, as
-    bitsandbytes' ``Linear4bit.forward`` casts both. The input must already have that dtype, outside
-    autocast (bitsandbytes would cast it for the base matmul only: PEFT's LoRA branch then sees the
-    uncast input)."""
+def _quantized_parts(module: Any, name: str, base: Any, x: torch.Tensor, p: float, int8: bool) -> LoRAWeights | str:
+    """:func:`_call_parts` for a LoRA layer on a bitsandbytes base (plain LoRA, checked up to the
+    dropout), outside autocast (bitsandbytes would cast the input for the base matmul only: PEFT's
+    LoRA branch then sees the uncast input).
+
+    4-bit (``lora.bnb.Linear4bit``): the base weight as a :class:`fk.lora.quant.QuantizedWeight`
+    (read at every call: it shares the layer's tensors, no copy), dequantized by the fused call to
+    bitsandbytes' ``compute_dtype`` (the input's where bitsandbytes has none yet, as its forward
+    sets it) and the bias cast to it, as bitsandbytes' ``Linear4bit.forward`` casts both. The input
+    must already have that dtype.
+
+    int8 (``lora.bnb.Linear8bitLt``): the layer as an :class:`fk.lora.quant.Int8Base` (its own
+    product for the base output; its weight, read at every call, for ``dx``), any float input. Its
+    bias must have the input's dtype: ``Linear8bitLt.forward`` casts it in place otherwise, which
+    PEFT's forward then does for this call (and the next call is fused)."""
+    what = "int8" if int8 else "4-bit"
     if torch.is_autocast_enabled(x.device.type):
-        return "4-bit base under autocast (fk.lora fuses 4-bit bases outside autocast)"
+        return f"{what} base under autocast (fk.lora fuses {what} bases outside autocast)"
     if module.use_dora.get(name, False):
-        return "DoRA on a 4-bit base (fk.lora fuses plain LoRA on 4-bit bases)"
-    compute = getattr(base, "compute_dtype", None) or x.dtype
+        return f"DoRA on a{'n' if int8 else ''} {what} base (fk.lora fuses plain LoRA on {what} bases)"
+    compute = x.dtype if int8 else getattr(base, "compute_dtype", None) or x.dtype
     if compute != x.dtype:
         return f"input dtype {x.dtype} differs from the 4-bit base's compute_dtype {compute}"
+    weight: QuantizedWeight | Int8Base
     try:
-        weight: QuantizedWeight = from_bnb(base)
+        weight = int8_base(base) if int8 else from_bnb(base)
     except (TypeError, ValueError) as e:
-        return f"4-bit base not readable: {e}"
-    if weight.quant_type not in ("nf4", "fp4"):
+        return f"{what} base not readable: {e}"
+    if isinstance(weight, QuantizedWeight) and weight.quant_type not in ("nf4", "fp4"):
         return f"base quant_type {weight.quant_type} (fk.lora fuses nf4 and fp4)"
     children = module._modules
     lora_a = children["lora_A"]._modules[name]._parameters
@@ -290,6 +333,8 @@ def _4bit_parts(module: Any, name: str, base: Any, x: torch.Tensor, p: float) ->
         return "input dtype casting is disabled"
     bias = base._parameters.get("bias")
     if bias is not None and bias.dtype != compute:
+        if int8:
+            return f"base bias dtype {bias.dtype} differs from the input's {x.dtype} (Linear8bitLt casts it in place)"
         bias = bias.to(compute)  # (autograd carries a trainable bias's gradient back through the cast)
     return LoRAWeights(weight, bias, lora_a_w, lora_b_w, float(module.scaling[name]), p, lora_b.get("bias"))
 

@@ -35,6 +35,7 @@ kernels, the launchers and the reading of bitsandbytes' objects.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -160,6 +161,40 @@ class QuantizedWeight:
         """Blocks of the flattened weight (4-bit), or rows (int8)."""
         n, k = self.shape
         return n if self.quant_type == "int8" else cdiv(n * k, self.blocksize)
+
+
+@dataclass(frozen=True, eq=False)
+class Int8Base:
+    """A bitsandbytes LLM.int8() base layer (``Linear8bitLt`` with ``has_fp16_weights=False``) as the
+    fused LoRA functions take it: its int8 weight, and its own product.
+
+    LLM.int8()'s base product quantizes the activations too (row-wise absmax to int8, the columns of
+    ``x`` with an ``|x|`` above the layer's ``threshold`` kept apart and multiplied in ``x``'s dtype
+    against the dequantized weight columns), and bitsandbytes computes it differently per device and
+    mode (0.50: ``MatMul8bitLt`` on CUDA; on CPU in training mode ``MatMul8bitFp``, a dequantization
+    then ``F.linear``). The fused functions therefore call ``product`` for the base output, so it is
+    bitsandbytes' own, bit for bit, and form everything else themselves: the LoRA branch and, in the
+    backward, ``dx = dy W`` from ``weight`` dequantized by :func:`dequantize` to ``x``'s dtype
+    (bitsandbytes' backward multiplies ``dy`` by the dequantized weight the same way; see
+    :mod:`fk.lora.lora`).
+
+    weight: the int8 :class:`QuantizedWeight` (``CB``, ``SCB``).
+    product: ``x2`` ``[M, K]`` -> ``x2 W^T + b`` ``[M, N]`` in ``x2``'s dtype, bias included: the
+        ``Linear8bitLt`` itself (:func:`int8_base`). It is called with autograd off, once per forward.
+    """
+
+    weight: QuantizedWeight
+    product: Callable[[torch.Tensor], torch.Tensor]
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.weight, QuantizedWeight) or self.weight.quant_type != "int8":
+            raise TypeError(f"weight must be an int8 QuantizedWeight, got {self.weight!r}")
+        if not callable(self.product):
+            raise TypeError(f"product must be callable (the Linear8bitLt layer), got {type(self.product).__name__}")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.weight.shape
 
 
 def _check_numel(name: str, tensor: torch.Tensor, numel: int, why: str) -> None:
@@ -467,7 +502,8 @@ def from_bnb(layer_or_weight: Any) -> QuantizedWeight:
     its weight (``Params4bit``, ``Int8Params``), sharing its tensors (no copy).
 
     Read by attributes (``quant_state`` with ``absmax``, ``shape``, ``blocksize``, ``quant_type``,
-    ``dtype``, ``offset``, ``state2``; ``SCB``), so bitsandbytes need not be imported here. A weight
+    ``dtype``, ``offset``, ``state2``; ``SCB``, on the weight or, once a ``Linear8bitLt`` has run,
+    on the layer's ``state``), so bitsandbytes need not be imported here. A weight
     not quantized yet (bitsandbytes quantizes when it moves to a device), with ``has_fp16_weights``,
     or repacked for bitsandbytes' CPU matmul (``packing_format_for_cpu``) raises ``ValueError``.
     """
@@ -482,7 +518,9 @@ def from_bnb(layer_or_weight: Any) -> QuantizedWeight:
     if state is not None:
         return _from_quant_state(weight, state)
     if getattr(weight, "SCB", None) is not None or hasattr(weight, "has_fp16_weights"):
-        return _from_int8_params(weight)
+        # (Linear8bitLt's first forward moves SCB from its weight to its ``state``.)
+        state_scb = None if weight is layer_or_weight else getattr(getattr(layer_or_weight, "state", None), "SCB", None)
+        return _from_int8_params(weight, state_scb)
     if hasattr(weight, "quant_type") and hasattr(weight, "blocksize"):  # a Params4bit not quantized yet
         raise ValueError("layer_or_weight is not quantized yet: bitsandbytes quantizes it when it moves to a device")
     raise TypeError(
@@ -519,11 +557,18 @@ def _from_quant_state(weight: torch.Tensor, state: Any) -> QuantizedWeight:
     )
 
 
-def _from_int8_params(weight: torch.Tensor) -> QuantizedWeight:
+def _from_int8_params(weight: torch.Tensor, state_scb: torch.Tensor | None) -> QuantizedWeight:
     if getattr(weight, "has_fp16_weights", False):
         raise ValueError("layer_or_weight has has_fp16_weights=True: its weight is not kept in int8")
     scb = getattr(weight, "SCB", None)
+    scb = state_scb if scb is None else scb
     if weight.dtype != torch.int8 or scb is None:
         raise ValueError("layer_or_weight is not quantized yet: bitsandbytes quantizes it when it moves to a device")
     n, k = weight.shape
     return QuantizedWeight("int8", weight.data, (int(n), int(k)), scb.reshape(-1), dtype=torch.float16)
+
+
+def int8_base(layer: Any) -> Int8Base:
+    """The :class:`Int8Base` of a bitsandbytes ``Linear8bitLt`` (``has_fp16_weights=False``, quantized):
+    its weight read by :func:`from_bnb` (no copy) and the layer itself as the product."""
+    return Int8Base(from_bnb(layer), layer)
