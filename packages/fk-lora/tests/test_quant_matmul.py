@@ -28,14 +28,15 @@ SMALL = LaunchParams(block_m=16, block_n=16, block_k=32, group_m=2, num_warps=4,
 """Tiles smaller than the test shapes (tl.dot's smallest), two row tiles per group."""
 
 # (quant_type, nested, blocksize, the weight's own dtype, compute dtype, (M, N, K)). bitsandbytes takes
-# blocksizes 32..4096 (powers of two) and any shape: its blocks run over the flattened weight.
+# blocksizes 32..4096 (powers of two) and any shape: its blocks run over the flattened weight. The last
+# two have rows of whole blocks (the kernels' aligned path: a scale per row of a tile), the first two not.
 CASES = [
     ("nf4", True, 64, torch.bfloat16, torch.bfloat16, (37, 45, 100)),
     ("nf4", False, 32, torch.float16, torch.float16, (20, 33, 99)),
-    ("fp4", True, 128, torch.float32, torch.float16, (33, 19, 70)),
+    ("fp4", True, 128, torch.float32, torch.float16, (33, 19, 256)),
     ("fp4", False, 64, torch.float32, torch.bfloat16, (17, 40, 64)),
 ]
-CASE_IDS = ["nf4_nested_bf16", "nf4_fp16_odd", "fp4_nested_fp32w_fp16", "fp4_fp32w_bf16"]
+CASE_IDS = ["nf4_nested_bf16", "nf4_fp16_odd", "fp4_nested_fp32w_fp16_aligned", "fp4_fp32w_bf16_aligned"]
 
 
 def _weight(case: tuple, device: str) -> QuantizedWeight:

@@ -96,13 +96,28 @@ def _tile_ids(GROUP_M: tl.constexpr, n_tiles_m, n_tiles_n):
     return first_m + (pid % per_group) % rows_in_group, (pid % per_group) // rows_in_group
 
 
+# Two workarounds for Triton's interpreter (INTERPRETER), where the tests run, so that it computes
+# what a GPU computes: its tl.dot multiplies bfloat16's raw bits as integers (the operands go in as
+# fp32 instead, which holds their values exactly), and it casts fp32 to bfloat16 toward zero (the
+# rounding to nearest even is done on the bits first; the cast is then exact).
+
+
 @triton.jit
-def _dot(a, b, acc, EXACT_DOT: tl.constexpr):
-    """acc + a b in fp32. EXACT_DOT (Triton's interpreter, whose dot multiplies bfloat16's raw bits
-    as integers): the operands upcast to fp32 first, which holds their values exactly."""
-    if EXACT_DOT:
+def _dot(a, b, acc, INTERPRETER: tl.constexpr):
+    """acc + a b, products summed in fp32."""
+    if INTERPRETER:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _round(v, dtype: tl.constexpr, INTERPRETER: tl.constexpr):
+    """fp32 ``v`` rounded to ``dtype``, to nearest even."""
+    if INTERPRETER and dtype == tl.bfloat16:
+        bits = v.to(tl.uint32, bitcast=True)
+        bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+        v = bits.to(tl.float32, bitcast=True)
+    return v.to(dtype)
 
 
 @triton.jit
@@ -114,21 +129,35 @@ def _weight_tile(
     absmax2_ptr,  # [ceil(n_blocks / BLOCKSIZE2)] fp32 (NESTED): the absmax's block scales
     offset_ptr,  # [1] fp32 (NESTED): added to the dequantized absmax
     n,  # [BN] rows of W
-    k,  # [BK] columns of W
+    k0,  # the first of the tile's BK columns of W
     N,
     K,
+    BK: tl.constexpr,
     BLOCKSIZE: tl.constexpr,
     BLOCKSIZE2: tl.constexpr,
     NESTED: tl.constexpr,
+    ALIGNED: tl.constexpr,  # K % BLOCKSIZE == 0 and BLOCKSIZE % BK == 0: each row of the tile in one block
     W_ROUND: tl.constexpr,  # the weight's own dtype, rounded to before c: 0 fp32, 1 fp16, 2 bf16
     c: tl.constexpr,  # the compute dtype
+    INTERPRETER: tl.constexpr,
 ):
-    """W[n, k] in c, [BN, BK], zero outside [N, K]: quant.py's _dequantize_4bit_kernel's values."""
-    ok = (n < N)[:, None] & (k < K)[None, :]
-    i = n.to(tl.int64)[:, None] * K + k[None, :]
-    byte = tl.load(data_ptr + (i >> 1), mask=ok, other=0).to(tl.int32)
-    value = tl.load(code_ptr + tl.where((i & 1) == 0, byte >> 4, byte & 0xF))  # 16 values: from L1
-    block = i // BLOCKSIZE
+    """W[n, k0:k0 + BK] in c, [BN, BK], zero outside [N, K]: quant.py's _dequantize_4bit_kernel's
+    values. ALIGNED: one scale per row of the tile, and BK / 2 whole bytes of codes per row (K even),
+    split into their two nibbles; else the element-wise indexing of the dequantization kernel."""
+    if ALIGNED:
+        ok = (n < N)[:, None]
+        first = n.to(tl.int64) * K + k0  # [BN], even
+        byte = tl.load(data_ptr + (first >> 1)[:, None] + tl.arange(0, BK // 2)[None, :], mask=ok, other=0)
+        byte = byte.to(tl.int32)
+        value = tl.load(code_ptr + tl.interleave(byte >> 4, byte & 0xF))  # 16 values: from L1
+        block = (first // BLOCKSIZE)[:, None]  # [BN, 1]
+    else:
+        k = k0 + tl.arange(0, BK)
+        ok = (n < N)[:, None] & (k < K)[None, :]
+        i = n.to(tl.int64)[:, None] * K + k[None, :]
+        byte = tl.load(data_ptr + (i >> 1), mask=ok, other=0).to(tl.int32)
+        value = tl.load(code_ptr + tl.where((i & 1) == 0, byte >> 4, byte & 0xF))  # 16 values: from L1
+        block = i // BLOCKSIZE
     if NESTED:
         absmax_q = tl.load(absmax_ptr + block, mask=ok, other=0).to(tl.int32)
         scale = tl.load(code2_ptr + absmax_q) * tl.load(absmax2_ptr + block // BLOCKSIZE2, mask=ok, other=0.0)
@@ -137,10 +166,10 @@ def _weight_tile(
         scale = tl.load(absmax_ptr + block, mask=ok, other=0.0)
     w = tl.where(ok, value * scale, 0.0)
     if W_ROUND == 1:
-        w = w.to(tl.float16)
+        w = w.to(tl.float16).to(tl.float32)
     elif W_ROUND == 2:
-        w = w.to(tl.bfloat16)
-    return w.to(c)
+        w = _round(w, tl.bfloat16, INTERPRETER).to(tl.float32)
+    return _round(w, c, INTERPRETER)
 
 
 @triton.jit
@@ -164,10 +193,11 @@ def _linear_4bit_kernel(
     BLOCKSIZE: tl.constexpr,
     BLOCKSIZE2: tl.constexpr,
     NESTED: tl.constexpr,
+    ALIGNED: tl.constexpr,
     W_ROUND: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     ACCUMULATE: tl.constexpr,
-    EXACT_DOT: tl.constexpr,
+    INTERPRETER: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -182,16 +212,16 @@ def _linear_4bit_kernel(
         k = k0 + tl.arange(0, BLOCK_K)
         xs = tl.load(x_ptr + m.to(tl.int64)[:, None] * x_stride_m + k[None, :] * x_stride_k,
                      mask=(m < M)[:, None] & (k < K)[None, :], other=0.0)  # fmt: skip
-        w = _weight_tile(data_ptr, code_ptr, absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, n, k, N, K,
-                         BLOCKSIZE, BLOCKSIZE2, NESTED, W_ROUND, c)  # fmt: skip
-        acc = _dot(xs, tl.trans(w), acc, EXACT_DOT)
+        w = _weight_tile(data_ptr, code_ptr, absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, n, k0, N, K,
+                         BLOCK_K, BLOCKSIZE, BLOCKSIZE2, NESTED, ALIGNED, W_ROUND, c, INTERPRETER)  # fmt: skip
+        acc = _dot(xs, tl.trans(w), acc, INTERPRETER)
     ok = (m < M)[:, None] & (n < N)[None, :]
     y_at = y_ptr + m.to(tl.int64)[:, None] * y_stride_m + n[None, :] * y_stride_n
     if HAS_BIAS:
         acc += tl.load(bias_ptr + n, mask=n < N, other=0.0).to(tl.float32)[None, :]
     if ACCUMULATE:
         acc += tl.load(y_at, mask=ok, other=0.0).to(tl.float32)
-    tl.store(y_at, acc.to(y_ptr.dtype.element_ty), mask=ok)
+    tl.store(y_at, _round(acc, y_ptr.dtype.element_ty, INTERPRETER), mask=ok)
 
 
 @triton.jit
@@ -214,9 +244,10 @@ def _matmul_4bit_kernel(
     BLOCKSIZE: tl.constexpr,
     BLOCKSIZE2: tl.constexpr,
     NESTED: tl.constexpr,
+    ALIGNED: tl.constexpr,
     W_ROUND: tl.constexpr,
     ACCUMULATE: tl.constexpr,
-    EXACT_DOT: tl.constexpr,
+    INTERPRETER: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -231,14 +262,14 @@ def _matmul_4bit_kernel(
         n = n0 + tl.arange(0, BLOCK_N)
         g = tl.load(dy_ptr + m.to(tl.int64)[:, None] * dy_stride_m + n[None, :] * dy_stride_n,
                     mask=(m < M)[:, None] & (n < N)[None, :], other=0.0)  # fmt: skip
-        w = _weight_tile(data_ptr, code_ptr, absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, n, k, N, K,
-                         BLOCKSIZE, BLOCKSIZE2, NESTED, W_ROUND, c)  # fmt: skip
-        acc = _dot(g, w, acc, EXACT_DOT)
+        w = _weight_tile(data_ptr, code_ptr, absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, n, tile_k * BLOCK_K,
+                         N, K, BLOCK_K, BLOCKSIZE, BLOCKSIZE2, NESTED, ALIGNED, W_ROUND, c, INTERPRETER)  # fmt: skip
+        acc = _dot(g, w, acc, INTERPRETER)
     ok = (m < M)[:, None] & (k < K)[None, :]
     dx_at = dx_ptr + m.to(tl.int64)[:, None] * dx_stride_m + k[None, :] * dx_stride_k
     if ACCUMULATE:
         acc += tl.load(dx_at, mask=ok, other=0.0).to(tl.float32)
-    tl.store(dx_at, acc.to(dx_ptr.dtype.element_ty), mask=ok)
+    tl.store(dx_at, _round(acc, dx_ptr.dtype.element_ty, INTERPRETER), mask=ok)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -255,11 +286,12 @@ class LaunchParams(NamedTuple):
     num_stages: int  # software-pipelined loads in flight: 3 fits a 128 x 128 x 64 bf16 step in shared memory
 
 
-# Hopper's usual bf16 GEMM tile (128 x 128 outputs, 64 deep), not yet swept on a GPU
+# Hopper's usual bf16 GEMM tile (128 x 128, 64 deep), not yet swept on a GPU
 # (benchmarks/tune_qlora_matmul.py sweeps it; results go to benchmarks/experiments/INDEX.md).
+# block_k stays at most QLoRA's blocksize (64), which keeps the kernels' aligned path (a scale per row).
 LAUNCH = {
     "forward": LaunchParams(block_m=128, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=3),
-    "input_grad": LaunchParams(block_m=128, block_n=64, block_k=128, group_m=8, num_warps=8, num_stages=3),
+    "input_grad": LaunchParams(block_m=128, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=3),
 }
 
 TILE_DEQUANT_MAX_ROWS = 512
@@ -318,15 +350,16 @@ def _output(out: torch.Tensor | None, shape: tuple[int, int], like: torch.Tensor
     return out
 
 
-def _weight_args(q: QuantizedWeight) -> tuple[list[torch.Tensor], dict[str, int | bool]]:
-    """The weight's tensor arguments and constants, for either kernel."""
+def _weight_args(q: QuantizedWeight, block_k: int) -> tuple[list[torch.Tensor], dict[str, int | bool]]:
+    """The weight's tensor arguments and constants, for either kernel with ``block_k`` columns a tile."""
     nested = q.nested
     absmax2, code2, offset = (nested.absmax, nested.code, nested.offset) if nested else (q.absmax,) * 3
     tensors = [q.data.reshape(-1), code_table(q.quant_type, q.device), q.absmax.reshape(-1),
                code2.reshape(-1), absmax2.reshape(-1), offset.reshape(-1)]  # fmt: skip
     constants: dict[str, int | bool] = {
         "BLOCKSIZE": q.blocksize, "BLOCKSIZE2": nested.blocksize if nested else 1,
-        "NESTED": nested is not None, "W_ROUND": _W_ROUND[q.dtype], "EXACT_DOT": INTERPRETER_ON,
+        "NESTED": nested is not None, "ALIGNED": q.shape[1] % q.blocksize == 0 and q.blocksize % block_k == 0,
+        "W_ROUND": _W_ROUND[q.dtype], "INTERPRETER": INTERPRETER_ON,
     }  # fmt: skip
     return tensors, constants
 
@@ -368,7 +401,7 @@ def linear_4bit(
             return y if bias is None else y.add_(bias.to(y.dtype))
         return torch.mm(x, w, out=y) if bias is None else torch.addmm(bias.to(x.dtype), x, w, out=y)
     p = params or LAUNCH["forward"]
-    tensors, constants = _weight_args(q)
+    tensors, constants = _weight_args(q, p.block_k)
     grid = (cdiv(x.shape[0], p.block_m) * cdiv(n, p.block_n),)
     _linear_4bit_kernel[grid](
         y, x, bias if bias is not None else y, *tensors, x.shape[0], n, k,
@@ -406,7 +439,7 @@ def matmul_4bit(
         w = dequantize(q).to(dy.dtype)
         return dx.addmm_(dy, w) if accumulate else torch.mm(dy, w, out=dx)
     p = params or LAUNCH["input_grad"]
-    tensors, constants = _weight_args(q)
+    tensors, constants = _weight_args(q, p.block_k)
     grid = (cdiv(dy.shape[0], p.block_m) * cdiv(k, p.block_k),)
     _matmul_4bit_kernel[grid](
         dx, dy, *tensors, dy.shape[0], n, k,
