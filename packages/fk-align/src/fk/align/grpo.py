@@ -32,7 +32,7 @@ Not supported (yet): ``loss_type="vespo"``, ``top_entropy_quantile < 1``,
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 
@@ -45,16 +45,14 @@ from fk.align.logprobs import (
 )
 from fk.core import validate
 from fk.core.backend import uses_kernel
-from fk.core.ops import define_autograd_op, fake_from
+from fk.core.ops import fake_from
 from fk.flce.chunks import (
     DEFAULT_MEMORY_BUDGET,
-    backward_fakes,
     chunk_tokens_for,
+    define_stored_grads_op,
     empty_output,
     head_grad_fakes,
     head_grads,
-    input_grads,
-    scale_grads,
 )
 from fk.flce.cross_entropy import check_num_items, row_values
 from fk.flce.linear_cross_entropy import check_inputs
@@ -386,53 +384,9 @@ def _grpo_fwd_fake(
     )  # fmt: skip
 
 
-def _grpo_bwd(
-    grad_loss: torch.Tensor,
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    dh_saved: torch.Tensor,
-    dw_saved: torch.Tensor,
-    db_saved: torch.Tensor,
-    logits_grad: torch.Tensor,
-    need_dh: bool,
-    need_dw: bool,
-    need_db: bool,
-    inplace: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Backward launcher: the forward's gradients times the upstream gradient of the loss."""
-    return scale_grads(grad_loss, hidden, weight, bias, dh_saved, dw_saved, db_saved, logits_grad,
-                       need_dh, need_dw, need_db, inplace)  # fmt: skip
-
-
-_N_INPUTS = 24
-
-
-def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
-    hidden, weight, bias = inputs[:3]
-    dh, dw, db, logits_grad = output[5:]
-    ctx.save_for_backward(hidden, weight, bias, dh, dw, db, logits_grad)
-    ctx.mark_non_differentiable(*output[1:])
-    ctx.set_materialize_grads(False)
-
-
-def _backward(run_backward: Any, ctx: Any, grad_loss: torch.Tensor | None, *_rest: Any) -> tuple[Any, ...]:
-    needs = need_dh, need_dw, need_db = ctx.needs_input_grad[:3]
-    if grad_loss is None or not (need_dh or need_dw or need_db):
-        return input_grads(None, needs, _N_INPUTS)
-    hidden, weight, bias, dh, dw, db, logits_grad = ctx.saved_tensors
-    # In place only in eager mode: a custom op (the torch.compile path) may not return its input.
-    inplace = run_backward is _grpo_bwd
-    grads = run_backward(grad_loss, hidden, weight, bias, dh, dw, db, logits_grad, need_dh, need_dw, need_db, inplace)
-    return input_grads(grads, needs, _N_INPUTS)
-
-
-_grpo_token_loss = define_autograd_op(
-    __name__, "grpo_token_loss",
-    forward=_grpo_fwd, forward_fake=fake_from(_grpo_fwd, _grpo_fwd_fake),
-    backward_launcher=_grpo_bwd, backward_fake=fake_from(_grpo_bwd, backward_fakes),
-    setup_context=_setup_context, backward=_backward,
-)  # fmt: skip
+_grpo_token_loss = define_stored_grads_op(
+    __name__, "grpo_token_loss", _grpo_fwd, fake_from(_grpo_fwd, _grpo_fwd_fake), grads_at=5, n_inputs=24
+)
 
 
 # --- 3. Functional API ----------------------------------------------------------------------------

@@ -39,6 +39,7 @@ forward and of a backward, their fakes.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import triton
@@ -46,6 +47,7 @@ import triton.language as tl
 
 from fk.core.launch import cdiv
 from fk.core.matmul import accumulate_mm, column_sum
+from fk.core.ops import define_autograd_op, fake_from
 
 # --- 1. Chunk sizes -------------------------------------------------------------------------------
 
@@ -416,3 +418,43 @@ def backward_fakes(
         torch.empty_like(weight) if need_dw else empty_output(hidden),
         torch.empty_like(bias) if need_db and bias is not None else empty_output(hidden),
     )
+
+
+def define_stored_grads_op(
+    module_name: str,
+    name: str,
+    forward: Callable[..., Any],
+    forward_fake: Callable[..., Any],
+    grads_at: int,
+    n_inputs: int,
+) -> Callable[..., Any]:
+    """A differentiable head op (:func:`fk.core.ops.define_autograd_op`) of a reduced loss whose
+    forward computed its own gradients: it returns the loss first, then outputs without gradient,
+    among them, from index ``grads_at``, :func:`head_grads`' dh, dW, db and the logits' gradient
+    for an upstream gradient of 1. The backward scales those by the loss' upstream gradient
+    (:func:`scale_grads`). The forward takes ``n_inputs`` inputs, hidden, weight and bias first.
+    (fk-align's token-level GRPO and its one-pass preference losses are such ops.)"""
+
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
+        hidden, weight, bias = inputs[:3]
+        ctx.save_for_backward(hidden, weight, bias, *output[grads_at : grads_at + 4])
+        ctx.mark_non_differentiable(*output[1:])
+        ctx.set_materialize_grads(False)
+
+    def backward(run_backward: Any, ctx: Any, grad_loss: torch.Tensor | None, *_rest: Any) -> tuple[Any, ...]:
+        needs = need_dh, need_dw, need_db = ctx.needs_input_grad[:3]
+        if grad_loss is None or not (need_dh or need_dw or need_db):
+            return input_grads(None, needs, n_inputs)
+        hidden, weight, bias, dh, dw, db, logits_grad = ctx.saved_tensors
+        # In place only in eager mode: a custom op (the torch.compile path) may not return its input.
+        inplace = run_backward is scale_grads
+        grads = run_backward(
+            grad_loss, hidden, weight, bias, dh, dw, db, logits_grad, need_dh, need_dw, need_db, inplace
+        )
+        return input_grads(grads, needs, n_inputs)
+
+    return define_autograd_op(
+        module_name, name, forward=forward, forward_fake=forward_fake,
+        backward_launcher=scale_grads, backward_fake=fake_from(scale_grads, backward_fakes),
+        setup_context=setup_context, backward=backward,
+    )  # fmt: skip
