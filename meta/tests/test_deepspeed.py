@@ -201,7 +201,9 @@ def ranks(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
         if not (out_dir / "done").exists():
             out_dir.mkdir(exist_ok=True)
             backend = "nccl" if CUDA else "gloo"
-            testing.run_distributed(_worker, out_dir, world_size=world, timeout_s=300, backend=backend)
+            # (spawned: the Trainer cases let accelerate raise torch's thread count, which hangs a forked child)
+            testing.run_distributed(_worker, out_dir, world_size=world, timeout_s=300, backend=backend,
+                                    start_method="spawn")  # fmt: skip
             (out_dir / "done").touch()
     return [torch.load(out_dir / f"rank{r}.pt") for r in range(world)]
 

@@ -476,7 +476,12 @@ def require_bitsandbytes_int8(device: str) -> Any:
 
 
 def run_distributed(
-    fn: Callable[..., None], *args: Any, world_size: int = 2, timeout_s: float = 120.0, backend: str = "gloo"
+    fn: Callable[..., None],
+    *args: Any,
+    world_size: int = 2,
+    timeout_s: float = 120.0,
+    backend: str = "gloo",
+    start_method: str | None = None,
 ) -> None:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` processes joined in a gloo process
     group (the default group), as CPU CI tests multi-GPU logic; returns when every process has
@@ -487,7 +492,11 @@ def run_distributed(
     On a Linux machine without CUDA the processes are forked from this one (no second import of
     torch and Triton, and ``fn`` may be any function); elsewhere they are spawned and ``fn`` must be
     importable (a module-level function of a test module is). A CUDA machine spawns because a
-    process whose autograd engine has run on a GPU (an earlier test) cannot fork safely. Each
+    process whose autograd engine has run on a GPU (an earlier test) cannot fork safely.
+    ``start_method="spawn"`` spawns on a CPU machine too: for ``fn`` that lets a library raise
+    torch's thread count (accelerate's Trainer on CPU does), where a forked child's OpenMP, whose
+    thread pool the parent's earlier tests started, waits forever (MKL's vectorized cos under
+    LlamaRotaryEmbedding hung so in CI, 2026-11-27). Each
     runs torch with one thread (the CI has two cores). A collective that does not pair up across
     the ranks fails after ``timeout_s`` instead of hanging. ``fn`` passes results back through
     files (e.g. ``torch.save`` into a test's ``tmp_path``).
@@ -499,7 +508,7 @@ def run_distributed(
 
     with tempfile.TemporaryDirectory() as tmp:
         store = f"file://{tmp}/store"
-        method = "fork" if sys.platform == "linux" and not torch.cuda.is_available() else "spawn"
+        method = start_method or ("fork" if sys.platform == "linux" and not torch.cuda.is_available() else "spawn")
         mp.start_processes(_distributed_worker, args=(fn, args, world_size, store, timeout_s, backend),
                            nprocs=world_size, start_method=method)  # fmt: skip
 
