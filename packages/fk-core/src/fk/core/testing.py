@@ -509,8 +509,27 @@ def run_distributed(
     with tempfile.TemporaryDirectory() as tmp:
         store = f"file://{tmp}/store"
         method = start_method or ("fork" if sys.platform == "linux" and not torch.cuda.is_available() else "spawn")
-        mp.start_processes(_distributed_worker, args=(fn, args, world_size, store, timeout_s, backend),
-                           nprocs=world_size, start_method=method)  # fmt: skip
+        # A spawned process imports fn's module by name, from this process' sys.path: under pytest's
+        # importlib mode a test module ("meta.tests.test_x") is not on it, so its root goes there.
+        root = _module_root(fn) if method == "spawn" else None
+        added = [root] if root is not None and root not in sys.path else []
+        sys.path[:0] = added
+        try:
+            mp.start_processes(_distributed_worker, args=(fn, args, world_size, store, timeout_s, backend),
+                               nprocs=world_size, start_method=method)  # fmt: skip
+        finally:
+            for path in added:
+                sys.path.remove(path)
+
+
+def _module_root(fn: Callable[..., Any]) -> str | None:
+    """The folder from which ``fn``'s module imports by its dotted name (None where unknown)."""
+    import sys
+
+    file = getattr(sys.modules.get(fn.__module__), "__file__", None)
+    if file is None:
+        return None
+    return str(Path(file).resolve().parents[fn.__module__.count(".")])
 
 
 def _distributed_worker(
