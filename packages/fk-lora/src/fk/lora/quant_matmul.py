@@ -133,14 +133,17 @@ def _weight_tile(
     INTERPRETER: tl.constexpr,
 ):
     """W[n, k0:k0 + BK] in c, [BN, BK], zero outside [N, K]: quant.py's _dequantize_4bit_kernel's
-    values. ALIGNED: one scale per row of the tile, and BK / 2 whole bytes of codes per row (K even),
-    split into their two nibbles; else the element-wise indexing of the dequantization kernel."""
+    values. ALIGNED: one scale per row of the tile (every k of the tile in [0, K), K even); else the
+    element-wise indexing of the dequantization kernel. Either way each element reads its own byte
+    (two neighbours read the same one, from L1) and takes its nibble: splitting BK / 2 loaded bytes
+    into their nibbles with tl.interleave gave wrong values in the input gradient's tl.dot on an
+    H200 (Triton 3.6; right in the interpreter and in the forward)."""
     if ALIGNED:
         ok = (n < N)[:, None]
         first = n.to(tl.int64) * K + k0  # [BN], even
-        byte = tl.load(data_ptr + (first >> 1)[:, None] + tl.arange(0, BK // 2)[None, :], mask=ok, other=0)
-        byte = byte.to(tl.int32)
-        value = tl.load(code_ptr + tl.interleave(byte >> 4, byte & 0xF))  # 16 values: from L1
+        i = first[:, None] + tl.arange(0, BK)[None, :]
+        byte = tl.load(data_ptr + (i >> 1), mask=ok, other=0).to(tl.int32)
+        value = tl.load(code_ptr + tl.where((i & 1) == 0, byte >> 4, byte & 0xF))  # 16 values: from L1
         block = (first // BLOCKSIZE)[:, None]  # [BN, 1]
     else:
         k = k0 + tl.arange(0, BK)
@@ -285,6 +288,11 @@ LAUNCH = {
     "input_grad": LaunchParams(block_m=128, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=3),
 }
 
+UNALIGNED_MAX_STAGES = 2
+"""The most pipeline stages when a tile's rows span quantization blocks (not ``ALIGNED``): the
+element-wise scale indices are pipelined with the codes, and at 3 stages the 128 x 128 x 64 input
+gradient needs 240 KiB of shared memory, more than a Hopper SM's 227 KiB (2 stages: 144 KiB)."""
+
 TILE_DEQUANT_MAX_ROWS = 0
 """The most rows (tokens, ``M``) for which a product with a 4-bit weight dequantizes it tile by tile
 inside the GEMM; above, ``W`` is dequantized whole and cuBLAS runs the product.
@@ -355,6 +363,10 @@ def _weight_args(q: QuantizedWeight, block_k: int) -> tuple[list[torch.Tensor], 
     return tensors, constants
 
 
+def _stages(p: LaunchParams, constants: dict[str, int | bool]) -> int:
+    return p.num_stages if constants["ALIGNED"] else min(p.num_stages, UNALIGNED_MAX_STAGES)
+
+
 def _reference_path(a: torch.Tensor) -> bool:
     return not uses_kernel(a) or torch.compiler.is_compiling()
 
@@ -399,7 +411,7 @@ def linear_4bit(
         x.stride(0), x.stride(1), y.stride(0), y.stride(1), **constants,
         HAS_BIAS=bias is not None, ACCUMULATE=accumulate,
         BLOCK_M=p.block_m, BLOCK_N=p.block_n, BLOCK_K=p.block_k, GROUP_M=p.group_m,
-        num_warps=p.num_warps, num_stages=p.num_stages,
+        num_warps=p.num_warps, num_stages=_stages(p, constants),
         enable_fp_fusion=False,  # the nested absmax's product and sum round apart, as bitsandbytes rounds them
     )  # fmt: skip
     return y
@@ -437,7 +449,7 @@ def matmul_4bit(
         dy.stride(0), dy.stride(1), dx.stride(0), dx.stride(1), **constants,
         ACCUMULATE=accumulate,
         BLOCK_M=p.block_m, BLOCK_N=p.block_n, BLOCK_K=p.block_k, GROUP_M=p.group_m,
-        num_warps=p.num_warps, num_stages=p.num_stages,
+        num_warps=p.num_warps, num_stages=_stages(p, constants),
         enable_fp_fusion=False,  # as in linear_4bit
     )  # fmt: skip
     return dx
