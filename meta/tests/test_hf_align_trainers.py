@@ -142,6 +142,9 @@ def test_dpo_trainer_matches_stock(device: str, tmp_path: Path, spy: dict[str, i
     assert patched.__dict__["_fk_align"] == "dpo"
     counts = fk.hf.patched_modules(patched.model)
     assert counts["rms_norm"] == _expected_counts("llama")["rms_norm"] and counts["swiglu"] > 0
+    ref_counts = fk.hf.patched_modules(patched.ref_model)  # the reference's blocks too, not its head
+    assert ref_counts["rms_norm"] == counts["rms_norm"] and ref_counts["swiglu"] == counts["swiglu"]
+    assert ref_counts["flce"] == 0 and not any(fk.hf.patched_modules(stock.ref_model).values())
     assert "rewards/margins" in _logs(patched)[0] and "mean_token_accuracy" in _logs(patched)[0]
     _assert_same_logs(patched, stock)
 
@@ -289,4 +292,6 @@ def test_gkd_trainer_matches_stock(beta: float, device: str, tmp_path: Path, spy
     patched = _train_gkd(tmp_path, device, True, **options)
     assert spy == {"fused_linear_distill_from_logits": 2 * STEPS}
     assert patched.__dict__["_fk_align"] == "gkd" and any(fk.hf.patched_modules(patched.model).values())
+    teacher = fk.hf.patched_modules(patched.teacher_model)
+    assert teacher["rms_norm"] > 0 and teacher["flce"] == 0
     _assert_same_logs(patched, stock)

@@ -407,6 +407,12 @@ _LOSSES: dict[str, Callable[..., Any]] = {"dpo": dpo_compute_loss, "grpo": grpo_
 # --- 6. The switch --------------------------------------------------------------------------------
 
 
+FROZEN_MODELS = ("ref_model", "teacher_model")
+"""The trainer attributes of the models that run without gradient every step (DPO's and GRPO's
+reference, GKD's teacher): :func:`align_trainer` patches their blocks too (not their heads: TRL
+computes their log-probabilities or logits with its own head code, over the patched decoder)."""
+
+
 def align_trainer(trainer: Any, switches: dict[str, bool]) -> Any:
     """See :func:`fk.hf.align_trainer`."""
     from fk.hf import apply
@@ -423,6 +429,11 @@ def align_trainer(trainer: Any, switches: dict[str, bool]) -> Any:
         return trainer
     if not any(patched_modules(trainer.model).values()):
         apply(trainer.model, **switches)
+    for name in FROZEN_MODELS:
+        frozen = getattr(trainer, name, None)
+        frozen = trainer.accelerator.unwrap_model(frozen) if frozen is not None else None
+        if isinstance(frozen, torch.nn.Module) and not any(patched_modules(frozen).values()):
+            apply(frozen, **{**switches, "flce": False, "lora": False})
     unsupported = unsupported_settings(trainer, kind, method)
     if unsupported:
         log.warning("fk.hf.align_trainer: %s keeps its own loss: fk-align does not compute %s",
