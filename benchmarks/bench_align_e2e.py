@@ -41,8 +41,10 @@ tokens); peak memory ``torch.cuda.max_memory_allocated`` over the timed steps. F
 generation and scoring (TRL's ``_generate_and_score_completions``, timed between synchronizations)
 are also left out, giving the training part alone: ``train tokens/s`` (the same tokens over the
 median step without them) and its ``train peak`` (the peak counter reset when they end). DPO's
-per-step losses are compared with stock's (same weights, batches and reference: bf16 tolerance);
-GRPO's are not comparable: each provider samples its own completions (the patched kernels round
+first-step loss is compared with stock's (:data:`FIRST_LOSS_TOLERANCE`): the same weights, batch
+and reference. Later steps are recorded, not compared: from random init at this learning rate a
+step's bf16 rounding changes the next steps' losses by tens of percent, for Liger as for fk. GRPO's
+are not comparable: each provider samples its own completions (the patched kernels round
 differently in bf16, and one changed probability changes the samples).
 
 Run on a GPU:  python benchmarks/bench_align_e2e.py --out benchmarks/results
@@ -73,8 +75,12 @@ from fk.hf import training
 NAME = "align_e2e"
 PROVIDERS = ("stock", "liger", "fk")
 TRAINERS = ("dpo", "grpo")
-LOSS_TOLERANCE = 2e-2
-"""Largest relative difference from stock's per-step DPO loss that counts as agreeing (bf16, as bench_e2e.py)."""
+FIRST_LOSS_TOLERANCE = 0.1
+"""Largest absolute difference from stock's first DPO loss that counts as agreeing. Stock's is
+log 2 (policy and reference are one model); another provider's moves by beta/2 times the margin
+its kernels' bf16 rounding puts between policy and reference, a sum over the 3072 scored tokens of
+differences of ~0.01 nats each (~0.5 at random signs: ~0.03 at beta 0.1). An error in the loss
+(a token shifted, a sum or a sign wrong) moves the margin by hundreds of nats."""
 WORKER_TIMEOUT_S = 300
 FK_LOSSES = {"dpo": "fused_linear_dpo_loss", "grpo": "fused_linear_grpo_loss"}
 """The fk.align function that computes each trainer's loss under fk."""
@@ -366,7 +372,7 @@ def run(args: argparse.Namespace) -> bench.BenchRecord:
             round_tokens_per_s=out["round_tokens_per_s"], median_step_ms=out["median_step_ms"], peak_gib=out["peak_gib"],
             train_tokens_per_s=out["train_tokens_per_s"], train_median_step_ms=out["train_median_step_ms"],
             train_peak_gib=out["train_peak_gib"], generation_share=out["generation_share"], losses=out["losses"],
-            loss_rel_diff=bench.max_relative_diff(out["losses"], stock) if kind == "dpo" else None,
+            first_loss_diff=abs(out["losses"][0] - stock[0]) if kind == "dpo" and stock else None,
             fk_loss_calls=out["fk_loss_calls"], liger_modules=out["liger_modules"], patched=out["patched"],
         )  # fmt: skip
     return record
@@ -402,21 +408,22 @@ def table(record: bench.BenchRecord) -> list[dict[str, Any]]:
             line[f"x {peer}"] = r[speed] / p[speed]
             if r["peak_gib"] and p["peak_gib"]:
                 line[f"memory / {peer}"] = r["peak_gib"] / p["peak_gib"]
-        diff = r.get("loss_rel_diff")
-        line["loss vs stock"] = None if provider == "stock" else diff
-        line["status"] = "ok" if diff is None or diff <= LOSS_TOLERANCE else "LOSS DIFFERS"
+        diff = r.get("first_loss_diff")
+        line["first loss"] = r["losses"][0] if kind == "dpo" and r.get("losses") else None
+        line["first loss vs stock"] = None if provider == "stock" else diff
+        line["status"] = "ok" if diff is None or diff <= FIRST_LOSS_TOLERANCE else "LOSS DIFFERS"
         lines.append(line)
     return lines
 
 
 COLUMNS = ["trainer", "provider", "tokens/s", "train tokens/s", "generation share", "x stock", "x liger", "peak GiB",
-           "train peak GiB", "memory / stock", "memory / liger", "loss vs stock", "status"]  # fmt: skip
+           "train peak GiB", "memory / stock", "memory / liger", "first loss", "first loss vs stock", "status"]  # fmt: skip
 
 
 def summary(record: bench.BenchRecord) -> str:
     """Markdown for docs/benchmarks.md ("x peer": tokens/s over the peer's, for GRPO of the training
-    part; "memory / peer": peak over the peer's; "loss vs stock": DPO's largest relative difference
-    of a step's loss)."""
+    part; "memory / peer": peak over the peer's; "first loss": DPO's loss at the first step, and its
+    absolute difference from stock's)."""
     return bench.markdown_table(table(record), COLUMNS, skip_absent=True)
 
 
