@@ -61,8 +61,8 @@ measured in the same run (from the wall time, as bench_flce.py). The minimum is 
 whose teacher adds ``2 N H_t V``. A preference loss can be done in one pass by holding each pair
 in one chunk (Liger does); GRPO at the token level needs only each token's own values.
 What each provider does: fk 6 N H V for ``dpo``/``cpo``/``simpo``/``orpo``/``kto`` (one pass:
-chunks of whole pairs, whole sequences for ``kto``; here all four pairs fit the default budget's one
-chunk, whose logits' gradient is kept for ``dW`` in the backward) and for ``grpo`` (one pass over
+chunks of whole pairs, whole sequences for ``kto``; here the default budget, 1 GiB, holds two of
+the four pairs: two chunks, ``dW`` summed in bf16) and for ``grpo`` (one pass over
 tokens), 6 N H V + 2 N H_t V for ``jsd``; Liger 6 N H V for the preference losses
 and ``kto`` (``torch.func.grad_and_value`` per chunk), 8 N H V for ``grpo`` (its selective
 log-prob recomputes the logits in its backward), 6 N H V + 2 N H_t V for ``jsd``; eager and
