@@ -4,15 +4,20 @@ The model: ``transformers.LlamaForCausalLM`` shaped like Llama-3.2-1B (hidden 20
 8192, 16 layers, 32 query / 8 key-value heads of 64, vocabulary 128256, tied embeddings), random
 init (one seed), bf16 weights, SDPA attention, trained on a synthetic Markov-chain corpus
 (``fk.hf.training``, shared with the demo) with AdamW (``fused=True``), 4 x 2048 tokens a step.
-Two modes: ``full`` (every weight trained) and ``lora`` (``peft.get_peft_model``, r=16, alpha=32,
+Three modes: ``full`` (every weight trained), ``lora`` (``peft.get_peft_model``, r=16, alpha=32,
 no dropout, on q, k, v, o, gate, up and down projections; PEFT's default fp32 adapters; the base
-frozen). Providers, each in its own subprocess (Liger patches transformers' classes globally):
+frozen) and ``qlora`` (the same on 4-bit bases: those seven projections of every layer made
+bitsandbytes ``Linear4bit``, NF4 in blocks of 64 with nested absmax, bf16 compute, by
+``fk.hf.training.quantize_4bit``; the embedding, norms and head bf16; no
+``prepare_model_for_kbit_training``, for every provider alike). ``qlora`` runs when asked for
+(``--modes qlora``); the default is ``full`` and ``lora``. Providers, each in its own subprocess
+(Liger patches transformers' classes globally):
 
 - ``stock``: the model as transformers builds it;
 - ``liger``: ``liger_kernel.transformers.apply_liger_kernel_to_llama()`` before the model is built
   (RMSNorm, RoPE, SwiGLU, fused linear cross entropy: its defaults);
-- ``fk``: ``fk.hf.apply(model)`` on the built model (on the PEFT model in ``lora`` mode, which
-  fuses the LoRA layers with fk.lora too);
+- ``fk``: ``fk.hf.apply(model)`` on the built model (on the PEFT model in ``lora`` and ``qlora``
+  modes, which fuses the LoRA layers with fk.lora too, on their 4-bit bases in ``qlora``);
 - ``fk-lowmem``: the same, plus ``fk.hf.loss_options(model, memory_budget=384 << 20,
   accum_dtype=torch.bfloat16)``: the fused loss in chunks of logits, for less memory.
 
@@ -60,7 +65,8 @@ NAME = "e2e"
 PROVIDERS = ("stock", "liger", "fk", "fk-lowmem")
 LOWMEM_LOSS_OPTIONS = {"memory_budget": 384 << 20, "accum_dtype": torch.bfloat16}
 """fk-lowmem: fk with the fused loss in 384 MiB chunks of logits, the head's gradient summed in bf16."""
-MODES = ("full", "lora")
+MODES = ("full", "lora", "qlora")
+DEFAULT_MODES = ("full", "lora")
 BATCHES = (4, 6, 8, 12, 16, 20, 24, 32, 40, 48, 64, 80, 96)
 """Batch sizes (sequences of ``--seq`` tokens) the largest-batch search tries, in this order."""
 LOSS_TOLERANCE = 2e-2
@@ -140,13 +146,13 @@ def search_max_batch(
 def worker(job: dict[str, Any]) -> dict[str, Any]:
     """One (mode, provider): build, patch, then train ``warmup + steps`` steps (``job["phase"]`` is
     ``"timed"``) or search the largest batch (``"search"``)."""
-    provider, lora = job["provider"], job["mode"] == "lora"
-    shape = training.SHAPES[job["shape"]]
+    provider, lora, qlora = job["provider"], job["mode"] in ("lora", "qlora"), job["mode"] == "qlora"
+    shape = training.SHAPES[shape_for(job["shape"], job["mode"])]
     device = "cuda" if torch.cuda.is_available() else "cpu"
     fallbacks = _fallback_log()
     patch_before_build(provider, job["family"])
     model = training.build_model(shape, dtype=torch.bfloat16, device=device, seed=0, lora=lora,
-                                 max_positions=job["seq"], model_type=job["family"])  # fmt: skip
+                                 qlora=qlora, max_positions=job["seq"], model_type=job["family"])  # fmt: skip
     patched = patch_after_build(provider, model)
     corpus = training.MarkovCorpus(shape.vocab, active=1024 if shape.vocab >= 4096 else 32, branching=4)
     opt = training.make_optimizer(model, job["lr"])
@@ -170,9 +176,17 @@ def _available(provider: str, mode: str) -> str | None:
     """Why ``provider`` cannot run ``mode`` here (a missing package), or None."""
     if provider == "liger" and importlib.util.find_spec("liger_kernel") is None:
         return "liger-kernel is not installed (pip install liger-kernel==0.8.5)"
-    if mode == "lora" and importlib.util.find_spec("peft") is None:
+    if mode in ("lora", "qlora") and importlib.util.find_spec("peft") is None:
         return "peft is not installed (pip install peft)"
+    if mode == "qlora" and importlib.util.find_spec("bitsandbytes") is None:
+        return "bitsandbytes is not installed (pip install fk-lora[qlora])"
     return None
+
+
+def shape_for(shape_name: str, mode: str) -> str:
+    """The shape a ``mode`` runs at: ``tiny``'s QLoRA runs at ``tiny-qlora`` (widths that are whole
+    4-bit blocks, which bitsandbytes' CPU dequantization needs)."""
+    return "tiny-qlora" if shape_name == "tiny" and mode == "qlora" else shape_name
 
 
 def run(args: argparse.Namespace) -> bench.BenchRecord:
@@ -212,6 +226,7 @@ def run(args: argparse.Namespace) -> bench.BenchRecord:
                f"AdamW (fused on CUDA), {args.batch} x {args.seq} tokens a step, {args.rounds} rounds of "
                f"{args.steps} timed steps after {args.warmup} (odd rounds in reverse provider order), tokens/s "
                f"from the median of all timed steps; lora: PEFT r=16, alpha=32, q/k/v/o/gate/up/down, fp32 adapters; "
+               f"qlora: the same on bitsandbytes NF4 bases (blocksize 64, nested absmax, bf16 compute); "
                f"peak memory: torch.cuda.max_memory_allocated; max batch: sizes {', '.join(map(str, BATCHES))} "
                f"of {args.seq} tokens tried in order in one more process after the rounds"),
     )  # fmt: skip
@@ -219,7 +234,13 @@ def run(args: argparse.Namespace) -> bench.BenchRecord:
         record.ceilings = bench.measure_ceilings().as_dict()
     for family, mode, provider in dict.fromkeys((family, mode, provider) for family, mode, provider, _ in jobs):
         out = results[family, mode, provider]
-        common = {"family": family, "mode": mode, "provider": provider, "model": shape_name, "seq": args.seq}
+        common = {
+            "family": family,
+            "mode": mode,
+            "provider": provider,
+            "model": shape_for(shape_name, mode),
+            "seq": args.seq,
+        }
         if "skipped" in out or "failed" in out:
             record.add(kind="run", **common, batch=args.batch, status=bench.worker_status(out))
             continue
@@ -319,7 +340,7 @@ def main() -> int:
     parser.add_argument("--plot-dir", type=Path, default=Path("docs/assets/benchmarks"))
     parser.add_argument("--tiny", action="store_true", help="the tiny model, 2 x 32 tokens, 2 steps (CPU allowed)")
     bench.add_round_options(parser, PROVIDERS)
-    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(DEFAULT_MODES))
     parser.add_argument("--batch", type=int, help="sequences per step (default 4; --tiny 2)")
     parser.add_argument("--seq", type=int, help="tokens per sequence (default 2048; --tiny 32)")
     parser.add_argument("--search-seconds", type=float, default=45.0,

@@ -42,6 +42,7 @@ if not torch.cuda.is_available():  # the --tiny CPU run: fk's kernels in Triton'
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from fk.core import bench
+from fk.hf import training
 
 NAME = "lora"
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -66,9 +67,11 @@ TINY = Shape(hidden=64, inter=128, heads=4, kv_heads=2, head_dim=16)
 is wrong for some others: fk-lora's tests/test_qlora.py)."""
 HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM = LLAMA
 
-QUANT_TYPE, QUANT_BLOCKSIZE, NESTED_BLOCKSIZE = "nf4", 64, 256
-"""--qlora's base weights: NF4 in blocks of 64, the absmax quantized again in blocks of 256
-(bitsandbytes' ``compress_statistics=True``), as QLoRA's paper and Hugging Face's usual config."""
+QUANT_TYPE, QUANT_BLOCKSIZE = training.QLORA_QUANT_TYPE, training.QLORA_BLOCKSIZE
+NESTED_BLOCKSIZE = 256
+"""--qlora's base weights (``fk.hf.training.quantize_4bit``'s): NF4 in blocks of 64, the absmax quantized
+again in blocks of 256 (bitsandbytes' ``compress_statistics=True``), as QLoRA's paper and Hugging
+Face's usual config."""
 
 
 class _MLP(nn.Module):
@@ -96,24 +99,6 @@ class _Attention(nn.Module):
         self.o_proj = nn.Linear(shape.heads * shape.head_dim, shape.hidden, bias=False)
 
 
-def _quantized(base: nn.Module) -> nn.Module:
-    """``base`` with each ``nn.Linear`` child replaced by a bitsandbytes ``Linear4bit`` of its weight
-    in bf16 (bf16 compute), quantized on :data:`DEVICE`; flagged as transformers flags a model loaded
-    in 4 bits, so that PEFT gives it its bitsandbytes LoRA layers."""
-    import bitsandbytes as bnb
-
-    for name, linear in list(base.named_children()):
-        if isinstance(linear, nn.Linear):
-            layer = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=False,
-                                      compute_dtype=torch.bfloat16, quant_type=QUANT_TYPE)  # fmt: skip
-            layer.weight = bnb.nn.Params4bit(linear.weight.data.to(torch.bfloat16), requires_grad=False,
-                                             quant_type=QUANT_TYPE, blocksize=QUANT_BLOCKSIZE,
-                                             compress_statistics=True)  # fmt: skip
-            setattr(base, name, layer)
-    base.is_loaded_in_4bit = True  # (PEFT reads it to pick lora.bnb.Linear4bit)
-    return base.to(DEVICE)
-
-
 def _lora_model(
     block: str, dropout: float, rank: int, alpha: int, adapter_dtype: torch.dtype, dora: bool = False,
     *, shape: Shape = LLAMA, qlora: bool = False,
@@ -125,8 +110,8 @@ def _lora_model(
     targets = ["gate_proj", "up_proj", "down_proj"] if block == "mlp" else ["q_proj", "k_proj", "v_proj", "o_proj"]
     config = peft.LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets,
                              init_lora_weights=False, use_dora=dora)  # fmt: skip
-    if qlora:
-        base = _quantized(base)
+    if qlora:  # each nn.Linear made a bitsandbytes Linear4bit, quantized on the GPU
+        training.quantize_4bit(base, targets, compute_dtype=torch.bfloat16, device=DEVICE)
     model = peft.inject_adapter_in_model(config, base)
     model = model.to(device=DEVICE, dtype=torch.bfloat16).train()  # (4-bit weights are uint8: not cast)
     for name, p in model.named_parameters():

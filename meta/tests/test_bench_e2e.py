@@ -29,6 +29,22 @@ def test_tiny_run_with_two_rounds(tmp_path: Path) -> None:
     assert "2 rounds of 2 timed steps" in record.notes
 
 
+@pytest.mark.serial
+def test_tiny_qlora_run(tmp_path: Path) -> None:
+    """``--modes qlora``: PEFT LoRA on bitsandbytes NF4 bases (at ``tiny-qlora``, whole 4-bit blocks),
+    fk fusing the LoRA layers on their 4-bit bases, the losses stock's."""
+    pytest.importorskip("peft")
+    pytest.importorskip("bitsandbytes")
+    testing.run_python(str(SCRIPT), "--tiny", "--modes", "qlora", "--providers", "stock", "fk",
+                       "--search-seconds", "0", "--out", str(tmp_path))  # fmt: skip
+    record = bench.BenchRecord.from_json(tmp_path / "e2e.json")
+    runs = {r["provider"]: r for r in record.rows if r["kind"] == "run"}
+    for run in runs.values():
+        assert run["status"] == "ok" and run["mode"] == "qlora" and run["model"] == "tiny-qlora"
+    assert runs["fk"]["patched"]["lora"] > 0 and runs["fk"]["loss_rel_diff"] < 2e-2
+    assert "qlora: the same on bitsandbytes NF4 bases" in record.notes
+
+
 def test_merge_keeps_the_other_modes_rows() -> None:
     old = bench.BenchRecord("e2e", rows=[{"mode": "full", "v": 1}, {"mode": "lora", "v": 2}], notes="old")
     old.environment["date_utc"] = "then"

@@ -7,7 +7,8 @@ Shared by the training demo (``python -m fk.hf.demo``) and the end-to-end benchm
   Triton's interpreter, ``demo`` for the GPU demo, ``llama-3.2-1b`` and ``llama-3.2-3b`` for the
   benchmarks);
 - :func:`build_model`: a ``LlamaForCausalLM`` from random init (one seed, one set of weights),
-  optionally wrapped as a PEFT LoRA model (r=16, alpha=32, all seven linear projections);
+  optionally wrapped as a PEFT LoRA model (r=16, alpha=32, all seven linear projections), on
+  4-bit bases for QLoRA (:func:`quantize_4bit`);
 - :class:`MarkovCorpus`: a deterministic token stream with structure a model can learn, so the
   loss visibly falls (nothing is downloaded);
 - :func:`train`: AdamW steps (fused where available), each one timed, with CUDA's peak memory on a
@@ -15,8 +16,8 @@ Shared by the training demo (``python -m fk.hf.demo``) and the end-to-end benchm
 - :func:`word_tokenizer`: a tokenizer over a model's whole vocabulary, built on the spot, for the
   trainers that need a processing class (TRL's; nothing downloaded).
 
-Importing this module imports torch only; ``transformers`` (and ``peft`` for LoRA) when a model is
-built, ``tokenizers`` when a tokenizer is.
+Importing this module imports torch only; ``transformers`` (and ``peft`` for LoRA, ``bitsandbytes``
+for QLoRA) when a model is built, ``tokenizers`` when a tokenizer is.
 """
 
 from __future__ import annotations
@@ -106,6 +107,9 @@ def _millions(n: int) -> str:
 SHAPES: dict[str, ModelShape] = {
     # Small enough that a few dozen steps run in seconds in Triton's interpreter on a CPU.
     "tiny": ModelShape(hidden=64, intermediate=176, layers=2, heads=4, kv_heads=2, head_dim=16, vocab=512),
+    # tiny with an intermediate size that is a multiple of the 4-bit blocksize (64): for QLoRA on a CPU,
+    # where bitsandbytes 0.50 dequantizes some other widths wrongly (fk-lora's tests/test_qlora.py).
+    "tiny-qlora": ModelShape(hidden=64, intermediate=192, layers=2, heads=4, kv_heads=2, head_dim=16, vocab=512),
     # Llama-3.2-1B's layer and vocabulary with 4 layers: the logits dominate memory.
     "demo": ModelShape(hidden=2048, intermediate=8192, layers=4, heads=32, kv_heads=8, head_dim=64, vocab=128256),
     # Llama-3.2-1B (tied embeddings, as released).
@@ -126,6 +130,7 @@ def build_model(
     device: str | torch.device,
     seed: int = 0,
     lora: bool = False,
+    qlora: bool = False,
     max_positions: int = 8192,
     model_type: str = "llama",
 ) -> torch.nn.Module:
@@ -136,13 +141,16 @@ def build_model(
     The same ``seed`` gives the same weights. With ``lora``, it is wrapped by
     ``peft.get_peft_model`` with r=16, alpha=32, no dropout, on all seven linear projections of
     every layer (:data:`LORA_TARGETS`); the base (embedding, norms, head) is frozen, and the
-    adapters are kept in PEFT's default dtype (fp32 next to a bf16 base). Raises ``ImportError``
-    with an install hint when ``lora`` is asked for and peft is missing.
+    adapters are kept in PEFT's default dtype (fp32 next to a bf16 base). With ``qlora`` (which
+    implies ``lora``), the seven projections of every layer are first made 4-bit
+    (:func:`quantize_4bit`), so PEFT puts its bitsandbytes LoRA layers on them; the embedding,
+    norms and head stay in ``dtype``. Raises ``ImportError`` with an install hint when peft (or,
+    for ``qlora``, bitsandbytes) is missing.
     """
     import transformers
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    peft = _import_peft() if lora else None
+    peft = _import_peft() if lora or qlora else None
     causal_lm = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])
     torch.manual_seed(seed)
     previous = torch.get_default_dtype()
@@ -152,12 +160,56 @@ def build_model(
             model: torch.nn.Module = causal_lm(shape.config(max_positions, model_type))
     finally:
         torch.set_default_dtype(previous)
+    if qlora:
+        quantize_4bit(model, LORA_TARGETS, compute_dtype=dtype)
     if peft is not None:
         config = peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=list(LORA_TARGETS))
         with warnings.catch_warnings():  # peft 0.21 calls a transformers 5 method that warns of its rename
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
             model = peft.get_peft_model(model, config)
     return model.train()
+
+
+QLORA_QUANT_TYPE, QLORA_BLOCKSIZE = "nf4", 64
+"""QLoRA's 4-bit format (its paper's, and Hugging Face's usual ``BitsAndBytesConfig``): NF4 in blocks
+of 64, the absmax quantized again (bitsandbytes' nested quantization, ``compress_statistics``, in
+blocks of 256)."""
+
+
+def quantize_4bit(
+    model: torch.nn.Module,
+    names: Iterable[str],
+    *,
+    compute_dtype: torch.dtype,
+    device: str | torch.device | None = None,
+) -> int:
+    """Replace each ``nn.Linear`` of ``model`` whose attribute name is in ``names`` by a bitsandbytes
+    ``Linear4bit`` of its weight (:data:`QLORA_QUANT_TYPE`, ``compute_dtype`` compute), quantized on
+    ``device`` (default: the weight's), and flag ``model`` as transformers flags a model loaded in 4 bits (PEFT reads
+    ``is_loaded_in_4bit`` to choose its bitsandbytes LoRA layers). Returns how many were replaced."""
+    try:
+        import bitsandbytes as bnb
+    except ImportError as exc:
+        raise ImportError("QLoRA needs bitsandbytes, which is not installed: pip install fk-lora[qlora]") from exc
+    wanted = set(names)
+    replaced = 0
+    for parent in list(model.modules()):
+        for name, linear in list(parent.named_children()):
+            if name not in wanted or type(linear) is not torch.nn.Linear:
+                continue
+            target = linear.weight.device if device is None else device
+            layer = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=linear.bias is not None,
+                                      compute_dtype=compute_dtype, quant_type=QLORA_QUANT_TYPE,
+                                      device="meta")  # fmt: skip
+            layer.weight = bnb.nn.Params4bit(linear.weight.data.to("cpu", compute_dtype), requires_grad=False,
+                                             quant_type=QLORA_QUANT_TYPE, blocksize=QLORA_BLOCKSIZE,
+                                             compress_statistics=True)  # fmt: skip
+            if linear.bias is not None:
+                layer.bias = torch.nn.Parameter(linear.bias.data.to("cpu"), requires_grad=False)
+            setattr(parent, name, layer.to(target))  # (Params4bit quantizes as it moves there)
+            replaced += 1
+    setattr(model, "is_loaded_in_4bit", True)  # noqa: B010 (an attribute PEFT reads, not the module's own)
+    return replaced
 
 
 def _import_peft() -> Any:
