@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from fk.align import distill
+from fk.align.budget import HEAD_DTYPE_SUM_CHUNKS
 from fk.align.distill import (
     FORWARD_KL,
     JSD,
@@ -203,6 +204,14 @@ def test_kernel_loops_over_column_blocks_and_rows(
 def test_matches_reference(device: str, loss: str, beta: float, dtype: torch.dtype) -> None:
     _compare((23,), dtype, device, seed=5, bias=True, loss=loss, beta=beta, temperature=2.0,
              memory_budget=SMALL_CHUNKS)  # fmt: skip
+
+
+@pytest.mark.parametrize("tokens_a_chunk", [12, 2], ids=["head_dtype_sum", "fp32_sum"])
+def test_weight_gradient_sum_in_either_dtype(device: str, tokens_a_chunk: int) -> None:
+    """bf16 heads, ``accum_dtype=None``: 23 tokens in 2 chunks sum ``dW`` in bf16, in 12 chunks (more
+    than ``fk.align.budget.HEAD_DTYPE_SUM_CHUNKS``) in fp32; both against the reference."""
+    assert 2 <= HEAD_DTYPE_SUM_CHUNKS < 12
+    _compare((23,), torch.bfloat16, device, seed=12, loss="jsd", beta=0.5, memory_budget=tokens_a_chunk * V * 4)
 
 
 @pytest.mark.parametrize("reduction", ["batchmean", "sum", "mean", "none"])

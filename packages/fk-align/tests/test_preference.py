@@ -21,8 +21,8 @@ from fk.align import (
     fused_linear_kto_loss,
     fused_linear_logprobs_ref,
     fused_linear_orpo_loss,
-    preference,
 )
+from fk.align.budget import HEAD_DTYPE_SUM_CHUNKS, sums_in_fp32
 from fk.align.preference import SINGLE_PASS_DPO_TYPES, LossSpec, PreferenceOutput, sequence_grads, sequence_loss
 from fk.core import testing
 from fk.core.testing import DTYPES, dtype_name
@@ -233,13 +233,13 @@ def test_single_pass_several_pairs_per_chunk_equals_two_passes(device: str, dtyp
 
 def test_weight_gradient_sum_dtype_follows_the_chunk_count(device: str) -> None:
     """``accum_dtype=None``: the single pass sums ``dW`` in the head's dtype over at most
-    ``HEAD_DTYPE_SUM_CHUNKS`` chunks, in fp32 over more; a given ``accum_dtype`` decides alone. Six
-    bf16 pairs in six chunks (the fp32 sum) against the reference."""
-    limit = preference.HEAD_DTYPE_SUM_CHUNKS
-    assert not preference._sums_in_fp32(None, torch.bfloat16, limit)
-    assert preference._sums_in_fp32(None, torch.bfloat16, limit + 1)
-    assert preference._sums_in_fp32(torch.float32, torch.bfloat16, 1)
-    assert not preference._sums_in_fp32(torch.bfloat16, torch.bfloat16, limit + 1)
+    ``HEAD_DTYPE_SUM_CHUNKS`` chunks, in fp32 over more; a given ``accum_dtype`` decides alone. Bf16
+    pairs in one chunk each, two more than that limit (the fp32 sum), against the reference."""
+    limit = HEAD_DTYPE_SUM_CHUNKS
+    assert not sums_in_fp32(None, torch.bfloat16, limit)
+    assert sums_in_fp32(None, torch.bfloat16, limit + 1) and sums_in_fp32(None, torch.bfloat16, None)
+    assert sums_in_fp32(torch.float32, torch.bfloat16, 1)
+    assert not sums_in_fp32(torch.bfloat16, torch.bfloat16, limit + 1)
     batch = _batch(device, torch.bfloat16, seed=34, pairs=limit + 2)
     _compare(fused_linear_dpo_loss, batch, budget=ONE_PAIR // 2, beta=0.1)
 

@@ -60,12 +60,12 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from fk.align.budget import ALIGN_MEMORY_BUDGET, sums_in_fp32
 from fk.core import validate
 from fk.core.backend import uses_kernel
-from fk.core.launch import multiprocessor_count, next_power_of_2
+from fk.core.launch import cdiv, multiprocessor_count, next_power_of_2
 from fk.core.ops import define_autograd_op, fake_from
 from fk.flce.chunks import (
-    DEFAULT_MEMORY_BUDGET,
     ChunkLoss,
     backward_fakes,
     chunk_logits,
@@ -946,10 +946,12 @@ def _fused_distill(
     in_forward = torch.is_grad_enabled() and reduction != "none"
     # (Balanced chunks in eager mode only: under torch.compile the token count may be symbolic.)
     n_tokens = None if torch.compiler.is_compiling() else hidden2d.shape[0]
+    per_chunk = chunk_tokens_for(memory_budget, n_classes, itemsize, n_tokens)
     out, *_ = _fused_linear_distill(
         hidden2d, student_weight, student_bias, *teacher2d, target.reshape(-1) if target is not None else None,
-        denominator, *options, reduction, chunk_tokens_for(memory_budget, n_classes, itemsize, n_tokens),
-        accum_dtype != student_weight.dtype, in_forward and student_hidden.requires_grad,
+        denominator, *options, reduction, per_chunk,
+        sums_in_fp32(accum_dtype, student_weight.dtype, None if n_tokens is None else cdiv(n_tokens, per_chunk)),
+        in_forward and student_hidden.requires_grad,
         in_forward and student_weight.requires_grad,
         in_forward and student_bias is not None and student_bias.requires_grad,
     )  # fmt: skip
@@ -979,7 +981,7 @@ def fused_linear_distill(
     teacher_softcap: float | None = None,
     num_items_in_batch: torch.Tensor | float | None = None,
     accum_dtype: torch.dtype | None = None,
-    memory_budget: int = DEFAULT_MEMORY_BUDGET,
+    memory_budget: int = ALIGN_MEMORY_BUDGET,
 ) -> torch.Tensor:
     """The distillation loss of a student head against a frozen teacher head, without the
     ``[tokens, vocab]`` logits of either (see the module docstring for the losses and reductions).
@@ -1014,9 +1016,11 @@ def fused_linear_distill(
             model predicts with, as TRL's ``DistillationTrainer`` takes them.
         num_items_in_batch: the divisor of "batchmean" instead of the count of tokens (gradient
             accumulation: the count in the whole batch).
-        accum_dtype: dtype the weight gradient accumulates in across chunks (fp32 by default).
+        accum_dtype: dtype the weight gradient is summed in across chunks: fp32, or the student
+            head's dtype (into the returned gradient). None (default): the head's dtype when the
+            pass has at most :data:`fk.align.budget.HEAD_DTYPE_SUM_CHUNKS` chunks, else fp32.
         memory_budget: bytes for one chunk of logits, the student's and the teacher's together
-            (see :data:`fk.flce.chunks.DEFAULT_MEMORY_BUDGET`).
+            (default :data:`fk.align.budget.ALIGN_MEMORY_BUDGET`, 1 GiB).
 
     Returns the loss in fp32: a scalar, or one value per token (``student_hidden.shape[:-1]``)
     for reduction "none".
@@ -1050,7 +1054,7 @@ def fused_linear_distill_from_logits(
     teacher_softcap: float | None = None,
     num_items_in_batch: torch.Tensor | float | None = None,
     accum_dtype: torch.dtype | None = None,
-    memory_budget: int = DEFAULT_MEMORY_BUDGET,
+    memory_budget: int = ALIGN_MEMORY_BUDGET,
 ) -> torch.Tensor:
     """:func:`fused_linear_distill` against the teacher's precomputed logits ``(..., V)`` (what
     TRL's GKD trainer passes: ``teacher_model(...).logits``, computed under ``no_grad``), any float

@@ -27,9 +27,9 @@ Memory (the forward's, which is the peak; ``dh`` and the returned gradients come
 chunk (every pair fits the budget), that chunk's logits' gradient (``N V`` in the head's dtype) is
 kept and ``dW`` made from it in the backward; with several, the chunk's logits (``n_c V``) and the
 ``dW`` sum: by default (``accum_dtype=None``) in the head's own dtype, the returned gradient
-itself, where the pass has at most :data:`HEAD_DTYPE_SUM_CHUNKS` chunks, else an fp32 accumulator
-(``V H * 4`` bytes) as in fk-flce; ``accum_dtype`` chooses either always. The default budget,
-:data:`PREFERENCE_MEMORY_BUDGET`, is smaller than fk-flce's.
+itself, where the pass has at most :data:`fk.align.budget.HEAD_DTYPE_SUM_CHUNKS` chunks, else an
+fp32 accumulator (``V H * 4`` bytes) as in fk-flce; ``accum_dtype`` chooses either always. The
+default budget, :data:`fk.align.budget.ALIGN_MEMORY_BUDGET`, is smaller than fk-flce's.
 
 Each loss has a ``*_pair_losses`` function on sequence log-probabilities (the formula, one value
 per pair, usable with log-probabilities from anywhere) and a ``fused_linear_*_loss`` that runs
@@ -54,6 +54,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from fk.align.budget import ALIGN_MEMORY_BUDGET, sums_in_fp32
 from fk.align.logprobs import fused_linear_logprobs, fused_linear_logprobs_ref, launch_token_logprobs
 from fk.core import validate
 from fk.core.backend import uses_kernel
@@ -75,19 +76,6 @@ DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "
 
 CPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "simpo")
 """TRL 1.16's ``CPOConfig.loss_type`` values ("alphapo" there is "simpo" with ``cpo_alpha=0`` here)."""
-
-
-PREFERENCE_MEMORY_BUDGET = 1 << 30
-"""The preference losses' default ``memory_budget`` (1 GiB: 4096 tokens of a 128256-word vocabulary
-in bf16, two pairs of 1024-token sequences). With fk-flce's 4 GiB all of bench_align.py's 8192
-tokens fit one chunk, whose kept logits' gradient (2 GiB) put the forward's peak above Liger's
-(one pair a chunk); with 1 GiB and the head-dtype ``dW`` sum the peak is one chunk's logits."""
-
-HEAD_DTYPE_SUM_CHUNKS = 4
-"""With ``accum_dtype=None``, the single pass sums its chunks' ``dW`` in the head's dtype (into the
-returned gradient: no fp32 accumulator, ``V H * 4`` bytes) when it has at most this many chunks,
-so each element is rounded at most 4 times (Liger's chunked losses add each pair's share in the
-head's dtype: once a pair); with more chunks, in fp32."""
 
 
 class PreferenceOutput(NamedTuple):
@@ -276,7 +264,7 @@ def fused_linear_dpo_loss(
     shift: bool = False,
     reference: bool = False,
     accum_dtype: torch.dtype | None = None,
-    memory_budget: int = PREFERENCE_MEMORY_BUDGET,
+    memory_budget: int = ALIGN_MEMORY_BUDGET,
 ) -> PreferenceOutput:
     """DPO on the fused head, as TRL 1.16's ``DPOTrainer`` computes it.
 
@@ -284,9 +272,9 @@ def fused_linear_dpo_loss(
         hidden: ``(2 P, T, H)`` the policy's last hidden states, chosen sequences first.
         weight, bias, ignore_index, shift, accum_dtype, memory_budget: as in
             :func:`fk.align.fused_linear_logprobs` (``shift=True`` takes TRL's unshifted labels),
-            but ``memory_budget`` defaults to :data:`PREFERENCE_MEMORY_BUDGET` and, in the single
-            pass, ``accum_dtype=None`` sums ``dW`` in the head's dtype over at most
-            :data:`HEAD_DTYPE_SUM_CHUNKS` chunks (see the module docstring).
+            but ``memory_budget`` defaults to :data:`fk.align.budget.ALIGN_MEMORY_BUDGET` and, in
+            the single pass, ``accum_dtype=None`` sums ``dW`` in the head's dtype over at most
+            :data:`fk.align.budget.HEAD_DTYPE_SUM_CHUNKS` chunks (see the module docstring).
         target: ``(2 P, T)`` labels, ``ignore_index`` where not scored.
         ref_chosen_logps, ref_rejected_logps: ``(P,)`` the reference model's sequence
             log-probabilities (TRL's precomputed ``ref_*_logps``); both None: reference-free (0).
@@ -383,7 +371,7 @@ def fused_linear_cpo_loss(
     shift: bool = False,
     reference: bool = False,
     accum_dtype: torch.dtype | None = None,
-    memory_budget: int = PREFERENCE_MEMORY_BUDGET,
+    memory_budget: int = ALIGN_MEMORY_BUDGET,
 ) -> PreferenceOutput:
     """CPO on the fused head, as TRL 1.16's ``CPOTrainer`` (SimPO: ``loss_type="simpo"``,
     ``cpo_alpha=0``; AlphaPO: that and ``alpha`` != 0). Sequence log-probabilities are sums, or
@@ -433,7 +421,7 @@ def fused_linear_orpo_loss(
     shift: bool = False,
     reference: bool = False,
     accum_dtype: torch.dtype | None = None,
-    memory_budget: int = PREFERENCE_MEMORY_BUDGET,
+    memory_budget: int = ALIGN_MEMORY_BUDGET,
 ) -> PreferenceOutput:
     """ORPO on the fused head, as TRL 1.16's ``ORPOTrainer``: ``loss = nll - mean(beta *
     logsigmoid(log_odds))`` on mean log-probabilities per scored token, ``nll`` the chosen
@@ -515,7 +503,7 @@ def fused_linear_kto_loss(
     shift: bool = False,
     reference: bool = False,
     accum_dtype: torch.dtype | None = None,
-    memory_budget: int = PREFERENCE_MEMORY_BUDGET,
+    memory_budget: int = ALIGN_MEMORY_BUDGET,
 ) -> KTOOutput:
     """KTO on the fused head, as TRL 1.16's ``KTOTrainer`` (unpaired: one label per sequence).
 
@@ -938,13 +926,6 @@ def seqs_per_chunk_for(spec: LossSpec, memory_budget: int, vocab: int, itemsize:
     return tokens // max(group, 1) * (2 if spec.paired else 1)
 
 
-def _sums_in_fp32(accum_dtype: torch.dtype | None, head_dtype: torch.dtype, n_chunks: int) -> bool:
-    """Whether the single pass sums ``dW`` in an fp32 accumulator (see :data:`HEAD_DTYPE_SUM_CHUNKS`)."""
-    if accum_dtype is None:
-        return n_chunks > HEAD_DTYPE_SUM_CHUNKS
-    return accum_dtype != head_dtype
-
-
 class SequenceValues(NamedTuple):
     """What a loss' metrics read: the loss, each sequence's log-probability sum and its count."""
 
@@ -995,7 +976,7 @@ def loss_on_head(
         hidden2d, weight, bias, target, refs, desirable, kl.float() if kl is not None else None, spec.family,
         ",".join(spec.types), list(spec.type_weights), spec.beta, spec.label_smoothing, spec.discopop_tau,
         spec.simpo_gamma, spec.cpo_alpha, spec.alpha, spec.desirable_weight, spec.undesirable_weight, ignore_index,
-        per_chunk, _sums_in_fp32(accum_dtype, weight.dtype, cdiv(n_seqs, per_chunk)),
+        per_chunk, sums_in_fp32(accum_dtype, weight.dtype, cdiv(n_seqs, per_chunk)),
         grad_on and hidden.requires_grad, grad_on and weight.requires_grad,
         grad_on and bias is not None and bias.requires_grad,
     )  # fmt: skip
