@@ -10,7 +10,11 @@ Forward+backward time, FLOP rate against the bf16 matmul ceiling measured in the
 peak memory. FLOPs counted: the base matmuls only, forward and the input gradient
 (``4 * tokens * sum(in * out)``); the LoRA branch is under 1% of that at r=16.
 
-``--dora`` runs the same with DoRA adapters (PEFT ``use_dora=True``; record ``lora_dora.json``).
+``--dora`` runs the same with DoRA adapters (PEFT ``use_dora=True``; record ``lora_dora.json``). Its
+floor ("fk floor%") is the base matmuls' FLOPs, twice with dropout (PEFT's DoRA then computes
+``F.linear(dropout(x), W)`` beside the base output, and its input gradient), at the matmul ceiling
+plus one read of each bf16 base weight (the norm of ``W + s B A``, every forward) at the copy
+bandwidth (:func:`dora_floor_work`).
 
 ``--qlora`` runs the same on 4-bit base weights (QLoRA; record ``lora_qlora.json``): each base linear
 a bitsandbytes ``Linear4bit`` (NF4, nested absmax, blocksize 64, bf16 compute) under PEFT's LoRA
@@ -170,17 +174,38 @@ def _timing(forward_backward: Callable[[], None], leaves: list[torch.Tensor], re
     return {"ms": ms, "gpu_ms": gpu_ms, "peak_mb": peak / 2**20}
 
 
+DORA_FLOOR = (
+    "floor: base matmul FLOPs of forward and input gradient (twice with dropout: PEFT's DoRA multiplies "
+    "the dropped input by the base weight too) at the matmul ceiling + one read of each bf16 base weight "
+    "(its norm) at the copy bandwidth"
+)
+
+
+def dora_floor_work(block: str, tokens: int, dropout: float, shape: Shape = LLAMA) -> tuple[float, int]:
+    """(FLOPs, bytes) a DoRA case must do at least, with PEFT's semantics: the base matmuls of the
+    forward and the input gradient, twice with dropout (PEFT's DoRA then multiplies the dropped
+    input by the base weight too, ``F.linear(dropout(x), W)``, and its input gradient follows), and
+    the forward's read of each bf16 base weight for the norm ``||W + s B A||`` (2 bytes an element)."""
+    products = 2 if dropout > 0 else 1
+    return products * _flops(block, tokens, shape), sum(2 * k * n for k, n in _projections(block, shape))
+
+
 def _against_ceilings(ceilings: bench.Ceilings | None, block: str, tokens: int, shape: Shape, qlora: bool,
-                      ms: float) -> dict[str, float]:  # fmt: skip
+                      ms: float, dora: bool = False, dropout: float = 0.0) -> dict[str, float]:  # fmt: skip
     """A row's share of what the ceilings allow: 4-bit bases, ``floor_ms`` (the FLOPs at the matmul
-    ceiling and the dequantizations at the copy bandwidth) and ``floor_fraction``; dense bases,
-    ``tflops`` and ``matmul_fraction``. Nothing without ceilings (the CPU)."""
+    ceiling and the dequantizations at the copy bandwidth) and ``floor_fraction``; DoRA, the same with
+    :func:`dora_floor_work`; dense LoRA, ``tflops`` and ``matmul_fraction``. Nothing without
+    ceilings (the CPU)."""
     if ceilings is None:
         return {}
     if qlora:
         floor = bench.floor_ms(
             ceilings, nbytes=2 * dequantization_bytes(block, shape), flops=_flops(block, tokens, shape)
         )
+        return {"floor_ms": floor, "floor_fraction": floor / ms}
+    if dora:
+        flops, nbytes = dora_floor_work(block, tokens, dropout, shape)
+        floor = bench.floor_ms(ceilings, nbytes=nbytes, flops=flops)
         return {"floor_ms": floor, "floor_fraction": floor / ms}
     achieved = bench.tflops(_flops(block, tokens, shape), ms)
     return {"tflops": achieved, "matmul_fraction": bench.fraction(achieved, ceilings.matmul_tflops)}
@@ -222,7 +247,7 @@ def measure(record: bench.BenchRecord, ceilings: bench.Ceilings | None, block: s
         timing = _timing(forward_backward, leaves, rep)
         record.add(
             provider=provider, block=block, tokens=tokens, dropout=dropout, adapter=adapter, mode="fwd+bwd",
-            **timing, **_against_ceilings(ceilings, block, tokens, shape, qlora, timing["ms"]),
+            **timing, **_against_ceilings(ceilings, block, tokens, shape, qlora, timing["ms"], dora, dropout),
             **({"dora": True} if dora else {}), **({"qlora": QUANT_TYPE} if qlora else {}),
         )  # fmt: skip
     fk.lora.unpatch(model)
@@ -245,7 +270,7 @@ def run(tokens: list[int], dropouts: list[float], adapters: list[str], out: Path
             "compute; PEFT's lora.bnb.Linear4bit)" if qlora else "bf16 base (frozen)")  # fmt: skip
     accounting = ("floor: base matmul FLOPs of forward and input gradient at the matmul ceiling + two "
                   "dequantizations of each weight at the copy bandwidth" if qlora
-                  else "FLOPs: base matmuls of forward and input gradient")  # fmt: skip
+                  else DORA_FLOOR if dora else "FLOPs: base matmuls of forward and input gradient")  # fmt: skip
     record = bench.BenchRecord(
         NAME,
         notes=(f"{layer}, {'DoRA, ' if dora else ''}r={rank}, alpha={alpha}, {base}, LoRA weights "
