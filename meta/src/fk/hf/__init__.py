@@ -184,10 +184,11 @@ def align_trainer(trainer: Any, **switches: bool) -> Any:
 
     The trainer's model is patched with :func:`apply` and ``switches`` (unless it already carries
     a patch, from :class:`FkCallback`), so is a reference model or teacher the trainer runs every
-    step (its blocks: its head stays TRL's or the model's own), and the trainer's loss method is replaced on the instance
-    by one that runs the model's decoder and :func:`fk.align.fused_linear_dpo_loss`,
-    :func:`fk.align.fused_linear_grpo_loss` or :func:`fk.align.fused_linear_distill_from_logits`,
-    returning TRL's loss and logging TRL's metrics. A setting fk-align does not compute (see
+    step (its blocks: its head stays TRL's or the model's own), and the trainer's loss method is
+    replaced on the instance by one that runs the model's decoder and
+    :func:`fk.align.fused_linear_dpo_loss`, :func:`fk.align.fused_linear_grpo_loss` or
+    :func:`fk.align.fused_linear_distill_from_logits`, returning TRL's loss and logging TRL's
+    metrics. A setting fk-align does not compute (see
     docs/packages/meta.md) leaves the trainer's loss TRL's own, with one warning naming it. Returns
     ``trainer``; calling it again does nothing. Any other trainer, or an unknown switch, raises
     ``TypeError``. Imports ``trl`` (see :mod:`fk.hf.align_trainers`)."""

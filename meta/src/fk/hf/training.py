@@ -185,8 +185,9 @@ def quantize_4bit(
 ) -> int:
     """Replace each ``nn.Linear`` of ``model`` whose attribute name is in ``names`` by a bitsandbytes
     ``Linear4bit`` of its weight (:data:`QLORA_QUANT_TYPE`, ``compute_dtype`` compute), quantized on
-    ``device`` (default: the weight's), and flag ``model`` as transformers flags a model loaded in 4 bits (PEFT reads
-    ``is_loaded_in_4bit`` to choose its bitsandbytes LoRA layers). Returns how many were replaced."""
+    ``device`` (default: the weight's), and flag ``model`` as transformers flags a model loaded in
+    4 bits (PEFT reads ``is_loaded_in_4bit`` to choose its bitsandbytes LoRA layers). Returns how
+    many were replaced."""
     try:
         import bitsandbytes as bnb
     except ImportError as exc:
