@@ -138,20 +138,16 @@ def _weight_tile(
     (two neighbours read the same one, from L1) and takes its nibble: splitting BK / 2 loaded bytes
     into their nibbles with tl.interleave gave wrong values in the input gradient's tl.dot on an
     H200 (Triton 3.6; right in the interpreter and in the forward)."""
+    k = k0 + tl.arange(0, BK)
+    i = n.to(tl.int64)[:, None] * K + k[None, :]
     if ALIGNED:
         ok = (n < N)[:, None]
-        first = n.to(tl.int64) * K + k0  # [BN], even
-        i = first[:, None] + tl.arange(0, BK)[None, :]
-        byte = tl.load(data_ptr + (i >> 1), mask=ok, other=0).to(tl.int32)
-        value = tl.load(code_ptr + tl.where((i & 1) == 0, byte >> 4, byte & 0xF))  # 16 values: from L1
-        block = (first // BLOCKSIZE)[:, None]  # [BN, 1]
+        block = ((n.to(tl.int64) * K + k0) // BLOCKSIZE)[:, None]  # [BN, 1]
     else:
-        k = k0 + tl.arange(0, BK)
         ok = (n < N)[:, None] & (k < K)[None, :]
-        i = n.to(tl.int64)[:, None] * K + k[None, :]
-        byte = tl.load(data_ptr + (i >> 1), mask=ok, other=0).to(tl.int32)
-        value = tl.load(code_ptr + tl.where((i & 1) == 0, byte >> 4, byte & 0xF))  # 16 values: from L1
         block = i // BLOCKSIZE
+    byte = tl.load(data_ptr + (i >> 1), mask=ok, other=0).to(tl.int32)
+    value = tl.load(code_ptr + tl.where((i & 1) == 0, byte >> 4, byte & 0xF))  # 16 values: from L1
     if NESTED:
         absmax_q = tl.load(absmax_ptr + block, mask=ok, other=0).to(tl.int32)
         scale = tl.load(code2_ptr + absmax_q) * tl.load(absmax2_ptr + block // BLOCKSIZE2, mask=ok, other=0.0)
