@@ -11,6 +11,7 @@ import torch
 
 from fk.core import backend, testing
 from fk.core.testing import DTYPES, dtype_name
+from fk.lora import quant
 from fk.lora.quant import (
     FP4_VALUES,
     INT8_SCALE,
@@ -121,6 +122,25 @@ def test_tiles_of_rows_into_a_reused_buffer_equal_the_whole(device: str, quant_t
     assert dequantize_rows(q, 4, 4).shape == (0, k)
 
 
+@pytest.mark.parametrize("launch", [(16, 8), (64, 64), (8, 2)], ids=str)
+@pytest.mark.parametrize("blocksize", [32, 128])
+def test_4bit_rows_across_programs_and_runs(
+    device: str, blocksize: int, launch: tuple[int, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Small tiles (elements a program, the longest run): many programs, runs shorter than a block
+    # and rows that start in the middle of a byte, a run and a tile (K = 33 is odd).
+    monkeypatch.setattr(quant, "LAUNCH_4BIT", quant.Launch4bit(*launch, num_warps=1))
+    n, k = 13, 33
+    q = quantize_ref(_weight((n, k), device, seed=4), "nf4", blocksize, nested=True, nested_blocksize=3)
+    whole = dequantize_ref(q, dtype=torch.float32)
+    assert torch.equal(dequantize(q, dtype=torch.float32), whole)
+    for start, stop in [(0, 1), (1, 2), (3, 8), (7, 13), (12, 13)]:
+        out = torch.full((stop - start + 1, k), 7.0, device=device)  # one row more than written
+        got = dequantize_rows(q, start, stop, out=out[: stop - start])
+        assert torch.equal(got, whole[start:stop])
+        assert bool((out[-1] == 7.0).all())
+
+
 def test_nested_absmax_rounds_product_and_sum_apart(device: str) -> None:
     # absmax = code2 * absmax2 + offset with code2 = absmax2 = 1 + 2^-12 and offset = -1: the product
     # 1 + 2^-11 + 2^-24 rounds (a tie, to even) to 1 + 2^-11, so absmax is 2^-11; one fused
@@ -180,8 +200,10 @@ def test_bad_input_names_the_argument() -> None:
         _bad(q, absmax=q.absmax[:-1])
     with pytest.raises(TypeError, match="absmax must have dtype in \\(uint8\\)"):
         _bad(q, nested=qn.nested)
-    with pytest.raises(ValueError, match="blocksize must be >= 1"):
+    with pytest.raises(ValueError, match="blocksize must be >= 2"):
         _bad(q, blocksize=0)
+    with pytest.raises(ValueError, match="blocksize must be a power of two"):
+        _bad(q, blocksize=48)
     with pytest.raises(ValueError, match="shape"):
         _bad(q, shape=(240,))
     assert qn.nested is not None

@@ -1,8 +1,7 @@
 """Dequantizing QLoRA base weights: bitsandbytes' 4-bit (NF4, FP4) and 8-bit (LLM.int8()) formats.
 
 A QLoRA base layer keeps its frozen weight ``W`` ``[N, K]`` quantized. The fused LoRA path needs
-``W`` in the compute dtype, one tile of rows at a time (into a reused buffer), never the whole
-matrix at once. This module describes such a weight without bitsandbytes' objects
+``W`` in the compute dtype for one matmul at a time, and drops it after. This module describes such a weight without bitsandbytes' objects
 (:class:`QuantizedWeight`, read from them by :func:`from_bnb`), defines its value in plain PyTorch
 (:func:`dequantize_ref`), and computes it with a Triton kernel (:func:`dequantize`,
 :func:`dequantize_rows`). :func:`quantize_ref` writes the formats, for tests.
@@ -220,7 +219,9 @@ def _check_weight(q: QuantizedWeight) -> None:
         if q.nested is not None:
             raise ValueError("nested must be None for int8 weights (their absmax is not quantized)")
         return
-    validate.check_int("blocksize", q.blocksize, 1)
+    validate.check_int("blocksize", q.blocksize, 2)
+    if q.blocksize & (q.blocksize - 1):
+        raise ValueError(f"blocksize must be a power of two (as bitsandbytes' are), got {q.blocksize}")
     validate.check_dtype("data", q.data, (torch.uint8,))
     _check_numel("data", q.data, cdiv(n * k, 2), "two 4-bit codes a byte")
     n_blocks = cdiv(n * k, q.blocksize)
@@ -333,39 +334,56 @@ def _blockwise_absmax(flat: torch.Tensor, blocksize: int) -> torch.Tensor:
 
 @triton.jit
 def _dequantize_4bit_kernel(
-    out_ptr,  # [n_rows, K] rows start:start + n_rows of W, unit column stride
+    out_ptr,  # [n_out] contiguous: W's flattened elements first:first + n_out
     data_ptr,  # [ceil(N * K / 2)] uint8: the code index of element i in byte i // 2, high nibble if i is even
     code_ptr,  # [16] fp32: the code book (NF4 or FP4)
     absmax_ptr,  # [n_blocks]: fp32 scale per block, or (NESTED) uint8 index into code2
     code2_ptr,  # [256] fp32 (NESTED): the absmax's code book
     absmax2_ptr,  # [ceil(n_blocks / BLOCKSIZE2)] fp32 (NESTED): the absmax's block scales
     offset_ptr,  # [1] fp32 (NESTED): added to the dequantized absmax
-    start,
-    n_rows,
-    n_cols,
-    out_row_stride,
+    first,
+    n_out,
     BLOCKSIZE: tl.constexpr,
     BLOCKSIZE2: tl.constexpr,
     NESTED: tl.constexpr,
-    BLOCK_ROWS: tl.constexpr,
-    BLOCK_COLS: tl.constexpr,
+    RUNS: tl.constexpr,
+    RUN: tl.constexpr,
 ):
-    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    cols = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
-    ok = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
-    i = (start + rows).to(tl.int64)[:, None] * n_cols + cols[None, :]  # index in the flattened W
-    byte = tl.load(data_ptr + (i >> 1), mask=ok, other=0).to(tl.int32)
-    index = tl.where((i & 1) == 0, byte >> 4, byte & 0xF)
-    value = tl.load(code_ptr + index)  # 16 values: from L1
-    block = i // BLOCKSIZE
+    # A program writes RUNS runs of RUN consecutive elements of the flattened W. Runs are aligned to
+    # RUN, a power of two that divides BLOCKSIZE: each starts on a byte and lies in one block, so a
+    # run has one scale, its bytes are loaded once (RUN // 2 of them, contiguous) and split into
+    # the high nibbles (even elements) and low ones (odd), interleaved back for one contiguous store.
+    # Offsets inside the tile are int32; the tile's start is a scalar (int64 for large weights).
+    tile_start = (first // RUN + tl.program_id(0) * RUNS) * RUN  # flat index of the tile's first element
+    runs = tl.arange(0, RUNS)
+    bytes_in_tile = runs[:, None] * (RUN // 2) + tl.arange(0, RUN // 2)[None, :]
+    # The bytes of elements first:first + n_out, relative to the tile's first byte.
+    byte_lo = first // 2 - tile_start // 2
+    byte_hi = tl.minimum((first + n_out + 1) // 2 - tile_start // 2, RUNS * RUN // 2)
+    byte = tl.load(
+        data_ptr + tile_start // 2 + bytes_in_tile,
+        mask=(bytes_in_tile >= byte_lo) & (bytes_in_tile < byte_hi),
+        other=0,
+    ).to(tl.int32)
+    block = (tile_start + runs.to(tl.int64) * RUN) // BLOCKSIZE  # [RUNS]: each run's block
+    block_ok = block * BLOCKSIZE < first + n_out
     if NESTED:
-        absmax_q = tl.load(absmax_ptr + block, mask=ok, other=0).to(tl.int32)
-        scale = tl.load(code2_ptr + absmax_q) * tl.load(absmax2_ptr + block // BLOCKSIZE2, mask=ok, other=0.0)
+        absmax_q = tl.load(absmax_ptr + block, mask=block_ok, other=0).to(tl.int32)
+        scale = tl.load(code2_ptr + absmax_q) * tl.load(absmax2_ptr + block // BLOCKSIZE2, mask=block_ok, other=0.0)
         scale = scale + tl.load(offset_ptr)  # rounded apart from the product: launched without fp fusion
     else:
-        scale = tl.load(absmax_ptr + block, mask=ok, other=0.0)
-    out = value * scale
-    tl.store(out_ptr + rows.to(tl.int64)[:, None] * out_row_stride + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=ok)  # fmt: skip
+        scale = tl.load(absmax_ptr + block, mask=block_ok, other=0.0)
+    even = tl.load(code_ptr + (byte >> 4)) * scale[:, None]  # 16 values: from L1
+    odd = tl.load(code_ptr + (byte & 0xF)) * scale[:, None]
+    out = tl.interleave(even, odd)  # [RUNS, RUN]: element 2j from byte j's high nibble, 2j + 1 from its low
+    in_tile = runs[:, None] * RUN + tl.arange(0, RUN)[None, :]
+    lo = first - tile_start
+    hi = tl.minimum(first + n_out - tile_start, RUNS * RUN)
+    tl.store(
+        out_ptr + (tile_start - first) + in_tile,
+        out.to(out_ptr.dtype.element_ty),
+        mask=(in_tile >= lo) & (in_tile < hi),
+    )
 
 
 @triton.jit
@@ -403,12 +421,24 @@ class LaunchParams(NamedTuple):
     num_warps: int
 
 
-# A tile of 16 x 256 outputs per program (8 KiB of bf16 written, 2 KiB of 4-bit codes read): enough
-# loads in flight per SM for a pass bound by memory; not yet tuned on a GPU.
-LAUNCH = {
-    "4bit": LaunchParams(block_rows=16, block_cols=256, num_warps=4),
-    "int8": LaunchParams(block_rows=16, block_cols=256, num_warps=4),
-}
+class Launch4bit(NamedTuple):
+    elements: int  # elements of W per program, a power of two
+    max_run: int  # the longest run of one block a tile row holds, a power of two (see the kernel)
+    num_warps: int
+
+
+# int8: a tile of 16 x 256 outputs per program; a row's scale loaded once, the codes' loads contiguous.
+LAUNCH_INT8 = LaunchParams(block_rows=16, block_cols=256, num_warps=4)
+# 4-bit: 2048 elements (1 KiB of codes) over 4 warps, runs up to 256 elements (a 128-byte load a
+# row): within 1% of the fastest of 16 launches at every Llama-3.1-8B weight, blocksizes 64 and 256
+# (benchmarks/experiments/INDEX.md#qlora_dequant_probe).
+LAUNCH_4BIT = Launch4bit(elements=2048, max_run=256, num_warps=4)
+
+
+def _runs(blocksize: int, params: Launch4bit) -> tuple[int, int]:
+    """(runs a program, elements a run) of the 4-bit kernel for ``blocksize`` (a power of two)."""
+    run = max(2, min(blocksize, params.max_run, params.elements))
+    return params.elements // run, run
 
 
 def _check_rows(q: QuantizedWeight, start: object, stop: object) -> tuple[int, int]:
@@ -446,10 +476,12 @@ def dequantize_rows(
 ) -> torch.Tensor:
     """Rows ``start:stop`` of the weight ``W`` ``[N, K]``, ``[stop - start, K]``: into ``out`` when
     given (any row stride, unit column stride: a slice of a reused buffer), else a new tensor of
-    ``dtype`` (default ``q.dtype``). The fused LoRA path calls this one tile of rows at a time.
+    ``dtype`` (default ``q.dtype``).
 
     One Triton kernel on Triton's path (a GPU, or the interpreter); :func:`dequantize_ref` elsewhere
-    and under ``torch.compile``. Both give the same values, bit for bit.
+    and under ``torch.compile``. Both give the same values, bit for bit. The 4-bit kernel writes the
+    rows as one contiguous run: into an ``out`` whose rows are apart, it writes a temporary and
+    copies it.
     """
     if not isinstance(q, QuantizedWeight):
         raise TypeError(f"q must be a QuantizedWeight, got {type(q).__name__}")
@@ -461,23 +493,25 @@ def dequantize_rows(
     rows = writable_rows(result)
     if rows is None or not uses_kernel(q.data) or torch.compiler.is_compiling():
         return result.copy_(dequantize_ref(q, start, stop, result.dtype))
-    params = LAUNCH["int8" if q.quant_type == "int8" else "4bit"]
-    grid = (cdiv(n_rows, params.block_rows), cdiv(n_cols, params.block_cols))
     if q.quant_type == "int8":
+        params = LAUNCH_INT8
         data = q.data if q.data.stride(1) == 1 else q.data.contiguous()
-        _dequantize_int8_kernel[grid](
+        _dequantize_int8_kernel[(cdiv(n_rows, params.block_rows), cdiv(n_cols, params.block_cols))](
             rows, data, q.absmax, start, n_rows, n_cols, data.stride(0), rows.stride(0),
             BLOCK_ROWS=params.block_rows, BLOCK_COLS=params.block_cols, num_warps=params.num_warps,
         )  # fmt: skip
         return result
+    if n_rows > 1 and rows.stride(0) != n_cols:  # (the kernel writes the flattened rows: a contiguous run)
+        return result.copy_(dequantize_rows(q, start, stop, dtype=result.dtype))
     nested = q.nested
     absmax2, code2, offset = (nested.absmax, nested.code, nested.offset) if nested else (q.absmax,) * 3
-    _dequantize_4bit_kernel[grid](
+    first, n_out = start * n_cols, n_rows * n_cols
+    runs, run = _runs(q.blocksize, LAUNCH_4BIT)
+    _dequantize_4bit_kernel[(cdiv(first % run + n_out, runs * run),)](
         rows, q.data.reshape(-1), code_table(q.quant_type, q.device), q.absmax.reshape(-1),
-        code2.reshape(-1), absmax2.reshape(-1), offset.reshape(-1),
-        start, n_rows, n_cols, rows.stride(0),
+        code2.reshape(-1), absmax2.reshape(-1), offset.reshape(-1), first, n_out,
         BLOCKSIZE=q.blocksize, BLOCKSIZE2=nested.blocksize if nested else 1, NESTED=nested is not None,
-        BLOCK_ROWS=params.block_rows, BLOCK_COLS=params.block_cols, num_warps=params.num_warps,
+        RUNS=runs, RUN=run, num_warps=LAUNCH_4BIT.num_warps,
         enable_fp_fusion=False,  # the nested absmax's product and sum round apart, as bitsandbytes rounds them
     )  # fmt: skip
     return result
