@@ -9,7 +9,6 @@ from __future__ import annotations
 import gc
 import importlib
 import logging
-import sys
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -40,19 +39,6 @@ INTER = 40
 BLOCKSIZE = 64
 QUANT = [("nf4", False), ("nf4", True), ("fp4", False), ("fp4", True)]
 QUANT_IDS = ["nf4", "nf4_nested", "fp4", "fp4_nested"]
-
-
-@pytest.fixture(params=["tile", "whole"])
-def base_matmul(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """The path a 4-bit base's matmuls take, forced: dequantized tile by tile inside the GEMM
-    (fk.lora.quant_matmul), or whole, then cuBLAS. fp32 compute always takes the whole path: its
-    "tile" case runs, its "whole" one would repeat it and is skipped."""
-    params = request.node.callspec.params
-    if request.param == "whole" and params.get("compute") == torch.float32:
-        pytest.skip("fp32 compute takes the whole path either way")
-    always = sys.maxsize if request.param == "tile" else -1
-    monkeypatch.setattr(importlib.import_module("fk.lora.quant_matmul"), "TILE_DEQUANT_MAX_ROWS", always)
-    return str(request.param)
 
 
 @pytest.fixture
@@ -109,7 +95,7 @@ def _tol(compute: torch.dtype) -> dict[str, float]:
 @pytest.mark.parametrize("dropout", [0.0, 0.25], ids=["no_dropout", "dropout"])
 @pytest.mark.parametrize("compute", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize(("quant_type", "nested"), QUANT, ids=QUANT_IDS)
-def test_lora_linear_on_4bit_base_matches_peft_bnb(bnb_device: str, quant_type: str, nested: bool, compute: torch.dtype, dropout: float, base_matmul: str) -> None:  # fmt: skip
+def test_lora_linear_on_4bit_base_matches_peft_bnb(bnb_device: str, quant_type: str, nested: bool, compute: torch.dtype, dropout: float) -> None:  # fmt: skip
     layer = _peft_layer(quant_type, nested, compute, dropout, seed=1, device=bnb_device)
     x = testing.random_tensor((2, 5, IN), compute, bnb_device, seed=9).requires_grad_(True)
     dy = testing.random_tensor((2, 5, OUT), compute, bnb_device, seed=10)
@@ -132,9 +118,7 @@ def test_lora_linear_on_4bit_base_matches_peft_bnb(bnb_device: str, quant_type: 
 
 @pytest.mark.parametrize("dropout", [0.0, 0.25], ids=["no_dropout", "dropout"])
 @pytest.mark.parametrize("compute", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_qkv_on_4bit_bases_matches_peft_bnb(
-    bnb_device: str, compute: torch.dtype, dropout: float, base_matmul: str
-) -> None:
+def test_qkv_on_4bit_bases_matches_peft_bnb(bnb_device: str, compute: torch.dtype, dropout: float) -> None:
     """q, k, v (NF4 nested, FP4, NF4; k narrower) in one fused call: outputs and the one dx."""
     layers = [
         _peft_layer("nf4", True, compute, dropout, seed=1, device=bnb_device),
@@ -203,7 +187,7 @@ def test_lora_mlp_on_4bit_bases_matches_peft_bnb(bnb_device: str, quant_type: st
 
 @pytest.mark.parametrize("compute", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_lora_mlp_on_4bit_bases_in_row_chunks_matches_peft_bnb(
-    bnb_device: str, compute: torch.dtype, monkeypatch: pytest.MonkeyPatch, base_matmul: str
+    bnb_device: str, compute: torch.dtype, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The MLP forming ``act(gate) * up`` four rows at a time (a down base dequantized once for all chunks)."""
     monkeypatch.setattr(importlib.import_module("fk.lora.lora"), "MLP_CHUNK_BYTES", 4 * INTER * compute.itemsize)
@@ -304,25 +288,6 @@ def test_one_dequantized_weight_at_a_time_once_per_pass(
     assert dequantized == [0, 0, 0]
     torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
     assert dequantized == [0] * 6
-    assert x.grad is not None
-
-
-@pytest.mark.parametrize("block", ["qkv", "mlp_row_chunks"])
-def test_tile_path_dequantizes_no_whole_weight(
-    device: str, block: str, dequantized: list[int], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """With bf16 compute over few rows (here: forced), every matmul with a 4-bit base dequantizes it
-    tile by tile inside the GEMM: no whole weight is ever dequantized, forward or backward."""
-    monkeypatch.setattr(importlib.import_module("fk.lora.quant_matmul"), "TILE_DEQUANT_MAX_ROWS", sys.maxsize)
-    x = testing.random_tensor((2, 5, IN), torch.bfloat16, device, seed=9).requires_grad_(True)
-    if block == "qkv":
-        parts = [_random_4bit_parts(n, IN, device, seed, 0.0) for n, seed in ((OUT, 1), (24, 4), (24, 7))]
-        outs = fk.lora.lora_qkv(x, *parts)
-    else:
-        monkeypatch.setattr(importlib.import_module("fk.lora.lora"), "MLP_CHUNK_BYTES", 4 * INTER * 2)
-        outs = (fk.lora.lora_mlp(x, *_mlp_parts(device, 0.0)),)
-    torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
-    assert dequantized == []
     assert x.grad is not None
 
 

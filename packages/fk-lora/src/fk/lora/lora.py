@@ -76,7 +76,6 @@ from fk.lora.projection import (
     to_flat,
 )
 from fk.lora.quant import Int8Base, QuantizedWeight, dequantize
-from fk.lora.quant_matmul import linear_4bit, matmul_4bit, tile_dequant_applies
 
 MLP_ACTIVATIONS: dict[str, str] = {"swiglu": "silu", "geglu": "gelu_tanh"}
 """Short names accepted by :func:`lora_mlp` (Hugging Face ``hidden_act`` names are accepted too)."""
@@ -207,13 +206,11 @@ def lora_mlp_ref(
 # (forward and eager backward), so g and u are the only [M, I] buffers: the down projection's
 # parameter gradients are then sums over the chunks, in fp32.
 #
-# 4-bit (QLoRA) bases, in the projections and the MLP alike: a matmul with W either dequantizes W
-# tile by tile inside the GEMM (fk.lora.quant_matmul; few rows, where the dequantization's bytes
-# dominate) or dequantizes W whole to c and drops it once that matmul (for the MLP's row chunks: all
-# of them) has run, so at most one projection's W exists at a time (_QuantizedBase.for_rows decides,
-# by the rows of the whole pass). Forward: for its base matmul. Backward: for dx = dy W (and the MLP's
-# dh = dy Wd), never for a parameter gradient (the base is frozen). Only the packed data is kept
-# between forward and backward.
+# 4-bit (QLoRA) bases, in the projections and the MLP alike: W is dequantized whole to c where a
+# matmul needs it and dropped once that matmul (for the MLP's row chunks: all of them) has run, so at
+# most one projection's W exists at a time. Forward: for its base matmul. Backward: for dx = dy W (and
+# the MLP's dh = dy Wd), never for a parameter gradient (the base is frozen). Only the packed data is
+# kept between forward and backward (why whole: _QuantizedBase).
 #
 # 8-bit (LLM.int8(), bitsandbytes' Linear8bitLt with has_fp16_weights=False) bases, given as an Int8Base
 # (the int8 weight and the layer as its product). What bitsandbytes 0.50.2 computes, which PEFT's
@@ -274,12 +271,11 @@ class _QuantizedBase:
     save the full-precision ``W``: what QLoRA exists to avoid.) ``shape`` and ``dtype`` stand in
     for the tensor's where the launchers read them.
 
-    Each matmul with ``W`` takes one of two paths (:meth:`for_rows`, by
-    :func:`fk.lora.quant_matmul.tile_dequant_applies`): over few rows, the GEMM dequantizes ``W`` tile
-    by tile (:func:`fk.lora.quant_matmul.linear_4bit`, :func:`~fk.lora.quant_matmul.matmul_4bit`: no
-    ``[N, K]`` temporary); over many, the whole matrix is dequantized into a temporary for cuBLAS
-    (bitsandbytes 0.50's ``MatMul4Bit`` does that in its backward, ``dequantize_4bit(...).to(dtype)``
-    then a matmul), where the dequantization's bytes are small beside the GEMM.
+    Each matmul with ``W`` is cuBLAS's, on the whole ``[N, K]`` matrix dequantized into a temporary
+    (:meth:`dense`), as bitsandbytes 0.50's ``MatMul4Bit`` does in its backward
+    (``dequantize_4bit(...).to(dtype)`` then a matmul). A GEMM dequantizing ``W`` tile by tile inside
+    its loop (no temporary) was slower than this at every size measured, and was removed
+    (``benchmarks/experiments/INDEX.md#tune_qlora_matmul``).
     """
 
     __slots__ = ("dtype", "product", "q", "shape")
@@ -298,33 +294,12 @@ class _QuantizedBase:
         w = dequantize(self.q)
         return w if w.dtype == self.dtype else w.to(self.dtype)
 
-    def for_rows(self, rows: int) -> Any:
-        """What the matmuls of one pass over ``rows`` rows take: this weight itself (dequantized tile
-        by tile inside each GEMM), or :meth:`dense`'s whole matrix for cuBLAS."""
-        tiled = self.product is None and tile_dequant_applies(rows, self.dtype)  # (a 4-bit W only)
-        return self if tiled else self.dense()
 
-
-def _operand(weight: Any, rows: int) -> Any:
-    """The base weight as the matmuls of one pass over ``rows`` rows take it: a tensor, or a
-    :class:`_QuantizedBase` (:meth:`_QuantizedBase.for_rows`: itself, or dequantized whole). Callers
-    pass the result straight on to the matmuls that need it, so a dequantized weight lives no longer
-    than those (and one projection's at a time)."""
-    return weight.for_rows(rows) if isinstance(weight, _QuantizedBase) else weight
-
-
-def _base_mm(xc: torch.Tensor, weight: Any, bias: torch.Tensor | None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``xc W^T + b`` (:func:`fk.lora.projection.base_out`), ``W`` from :func:`_operand`."""
-    if isinstance(weight, _QuantizedBase):
-        return linear_4bit(xc, weight.q, bias, out=out)
-    return base_out(xc, weight, bias, out)
-
-
-def _input_mm(dy: torch.Tensor, weight: Any, into: torch.Tensor | None = None) -> torch.Tensor:
-    """``dy W``, a new buffer, or added into ``into`` (``addmm_``); ``W`` from :func:`_operand`."""
-    if isinstance(weight, _QuantizedBase):
-        return matmul_4bit(dy, weight.q, out=into, accumulate=into is not None)
-    return torch.mm(dy, weight) if into is None else into.addmm_(dy, weight)
+def _dense(weight: Any) -> torch.Tensor:
+    """The base weight as a tensor in ``c`` (a :class:`_QuantizedBase` dequantized whole). Callers pass
+    the result straight on to the matmuls that need it, so a dequantized weight lives no longer than
+    those (and one projection's at a time)."""
+    return weight.dense() if isinstance(weight, _QuantizedBase) else weight
 
 
 def _base_product(xc: torch.Tensor, proj: _Params, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -334,7 +309,7 @@ def _base_product(xc: torch.Tensor, proj: _Params, out: torch.Tensor | None = No
     weight = proj.weight
     product = weight.product if isinstance(weight, _QuantizedBase) else None
     if product is None:
-        return _base_mm(xc, _operand(weight, xc.shape[0]), proj.bias, out=out)
+        return base_out(xc, _dense(weight), proj.bias, out)
     y = product(xc)
     want = (xc.shape[0], weight.shape[0])
     if not isinstance(y, torch.Tensor) or tuple(y.shape) != want or y.dtype != xc.dtype:
@@ -460,9 +435,8 @@ def _proj_bwd_input(
     dy: torch.Tensor, weight: Any, A_c: torch.Tensor, gs: torch.Tensor, mask: torch.Tensor | None, p: float
 ) -> torch.Tensor:
     """``dx = dy W + (s G A) * m / (1 - p)``, a new buffer (the order of :func:`add_lora_out`); a
-    :class:`_QuantizedBase` ``W`` is dequantized for the ``dy W`` matmul only (in its tiles, or whole:
-    :func:`_operand`, which passes a weight it resolved already through)."""
-    dx = _input_mm(dy, _operand(weight, dy.shape[0]))
+    :class:`_QuantizedBase` ``W`` is dequantized for the ``dy W`` matmul only."""
+    dx = torch.mm(dy, _dense(weight))
     if mask is None:
         return dx.addmm_(gs, A_c)
     return add_masked_low_rank_(dx, gs, A_c, mask, 1.0 / (1.0 - p))
@@ -527,8 +501,8 @@ def _shared_input_bwd(
     for i in live:  # the base terms first (the order of add_lora_out); a 4-bit W dequantized for its term only
         dy = dys[i]
         assert dy is not None
-        weight = _operand(weights[i], dy.shape[0])
-        dx = _input_mm(dy, weight, dx)
+        weight = _dense(weights[i])
+        dx = torch.mm(dy, weight) if dx is None else dx.addmm_(dy, weight)
         del weight
     assert dx is not None
     plain = [i for i in live if lows[i].mask is None]
@@ -641,11 +615,11 @@ def _down_forward_in_chunks(
     y = torch.empty((gate.shape[0], down.weight.shape[0]), dtype=c, device=gate.device)
     xa = torch.empty((gate.shape[0], down.lora_A.shape[0]), dtype=c, device=gate.device)
     A_parts, A_c = lora_a_operands(c, down.lora_A, 0.0, settings.dropout_dtype, c)  # (split once for all chunks)
-    weight = _operand(down.weight, gate.shape[0])  # (a 4-bit W: in each GEMM's tiles, or whole once for all chunks)
+    weight = _dense(down.weight)  # (a 4-bit W dequantized once for all chunks, dropped after them)
     for start in range(0, gate.shape[0], rows):
         part = slice(start, start + rows)
         h = gated_act_forward(gate[part], up[part], act)
-        _base_mm(h, weight, down.bias, out=y[part])
+        base_out(h, weight, down.bias, out=y[part])
         lora_input_product(h, h, down.lora_A, 0.0, settings.dropout_dtype, A_parts, out=xa[part])
         del h
     del weight
@@ -709,11 +683,10 @@ def _down_backward_in_chunks(
     db, dB and db_B. Per chunk: ``dh`` (a matmul and an ``addmm_``), fk.glu's gradient pass
     (which leaves ``h`` in ``dh``'s buffer), and one matmul each for dA and dW, accumulated over
     the chunks in fp32 (``fk.core.matmul.accumulate_mm``). A :class:`_QuantizedBase` ``Wd`` is
-    dequantized in each chunk's GEMM tiles, or once whole for all chunks (where ``dh`` is needed) and
-    dropped on return, as :func:`_operand` decides for all the rows.
+    dequantized once for all chunks (where ``dh`` is needed) and dropped on return.
     """
     gs = scaled_lora_grad(dy2, low.B_c, settings.scaling) if need_gu or needs.lora_A else None
-    wd_op = _operand(wd, dy2.shape[0]) if need_gu else wd
+    wd_dense = _dense(wd) if need_gu else wd
     grads = _proj_bwd_params(
         dy2, None, None, wd, low, lora_dtype, settings, needs._replace(weight=False, lora_A=False), gs
     )
@@ -724,7 +697,7 @@ def _down_backward_in_chunks(
         part = slice(start, start + rows)
         if need_gu:
             assert gs is not None
-            dh = _proj_bwd_input(dy2[part], wd_op, low.A_c, gs[part], None, 0.0)  # dy Wd + s G Ad
+            dh = _proj_bwd_input(dy2[part], wd_dense, low.A_c, gs[part], None, 0.0)  # dy Wd + s G Ad
             dg, du, h, written = gated_act_backward_with_value(dh, gate[part], up[part], act, inplace=True)
             del dh  # (its buffer holds h now)
             if not written:
