@@ -18,14 +18,18 @@ its own (``torch.distributed.run``, one process per GPU):
   stops at ``--budget-s`` seconds a provider: the result is then the longest length that trained,
   with the shortest that failed as its bound (``bounded_by``; none: no length failed).
 - ``throughput``: the Llama-3.2-1B shape, ZeRO-3 without offload, bf16, ``--batch`` x ``--seq``
-  tokens per GPU, ``--steps`` timed steps after 2: tokens/s (median step), peak memory per GPU and
-  the per-step losses, compared with stock's (bf16 tolerance).
+  tokens per GPU, ``--steps`` timed steps after 2, in ``--rounds`` rounds (a process each; even
+  rounds in the providers' order, odd ones reversed): tokens/s from the median of all rounds' timed
+  steps (and each round's own), peak memory per GPU, and the per-step losses of the first round,
+  compared with stock's (bf16 tolerance). On the 2-GPU H200 machine the step is bound by ZeRO-3's
+  all-gathers, whose time varies from one process to the next (an fk step measured 254 ms in one
+  run and 356 ms in another: ``experiments/INDEX.md#zero3_step_probe``), hence the rounds.
 
 The optimizer is PyTorch's AdamW (DeepSpeed's ``torch_adam``; on the CPU under offload); with
 ``--cpu-adam``, DeepSpeed's ``DeepSpeedCPUAdam`` (a C++ op DeepSpeed compiles at its first use).
 
 On a GPU machine:  python benchmarks/bench_memory.py --scenario offload --world 1 --out benchmarks/results
-                   python benchmarks/bench_memory.py --scenario throughput --world 2 --merge
+                   python benchmarks/bench_memory.py --scenario throughput --world 2 --rounds 2 --merge
 Try on a CPU:      python benchmarks/bench_memory.py --tiny --out /tmp/memory   (tiny model, gloo,
                    DeepSpeed's CPU accelerator, Triton's interpreter; ``--simulate-oom-above N``
                    makes lengths above N fail as out of memory, to exercise the search)
@@ -275,34 +279,54 @@ def _speed(event: dict[str, Any], base: dict[str, Any], seq: int) -> dict[str, A
 
 
 def throughput(base: dict[str, Any], provider: str) -> dict[str, Any]:
+    """One round of ``provider``'s throughput run: its result, with the timed steps' seconds and the
+    tokens a step (over every GPU) for :func:`fk.core.bench.merge_rounds`."""
     events, failure = _launch({**base, "provider": provider}, base["budget_s"] + 120)
     done = next((e for e in events if e["event"] == "throughput"), None)
     if done is None:
         return {"status": f"failed: {failure}"}
     patched = next((e["patched"] for e in events if e["event"] == "ready"), None)
-    return {"status": "ok", "patched": patched, **_speed(done, base, base["seq"])}
+    return {"status": "ok", "patched": patched, **_speed(done, base, base["seq"]),
+            "step_seconds": done["seconds"][WARMUP["throughput"] :],
+            "tokens_per_step": base["batch"] * base["seq"] * base["world"]}  # fmt: skip
+
+
+def _one_result(outs: list[dict[str, Any]]) -> dict[str, Any]:
+    """A provider's rounds as one result: the first that did not succeed, else (throughput) the
+    rounds merged: tokens/s from the median of all their timed steps, and each round's own."""
+    failed = next((out for out in outs if out["status"] != "ok"), None)
+    if failed is not None or len(outs) == 1:
+        return failed or outs[0]
+    merged = bench.merge_rounds(outs)
+    return {**merged, "rounds": len(outs)}
 
 
 def run(args: argparse.Namespace) -> bench.BenchRecord:
     record = bench.BenchRecord(NAME, notes=(
         "DeepSpeed ZeRO-3, bf16, random init, providers each in their own processes (one per GPU); "
         f"offload: {SHAPE['offload'] if not args.tiny else 'tiny'} shape, optimizer and parameters offloaded "
-        f"to the CPU, non-reentrant gradient checkpointing, batch {args.batch} per GPU, lengths from {args.start} "
+        f"to the CPU, non-reentrant gradient checkpointing, the row's batch per GPU, lengths from {args.start} "
         f"doubling up to {args.max_seq} then bisected to {args.granule} tokens, one timed step each, "
         f"{args.budget_s:.0f} s a "
         f"provider; throughput: {SHAPE['throughput'] if not args.tiny else 'tiny'} shape, no offload, "
-        f"{args.batch} x {args.seq} tokens per GPU, {args.steps} timed steps after 2 (median); "
+        f"the row's batch x {args.seq} tokens per GPU, {args.steps} timed steps after 2 in each of {args.rounds} "
+        "round(s) in alternating order (median of all); "
         f"optimizer: {'DeepSpeedCPUAdam' if args.cpu_adam else 'torch AdamW (torch_adam)'}; "
         "peak: torch.cuda.max_memory_allocated, the largest over the ranks"))  # fmt: skip
-    for provider in bench.progress(args.providers, desc=f"{NAME} {args.scenario} x{args.world}"):
-        base = {"scenario": args.scenario, "world": args.world, "shape": "tiny" if args.tiny else SHAPE[args.scenario],
-                "batch": args.batch, "seq": args.seq, "steps": args.steps, "start": args.start, "granule": args.granule,
-                "max_seq": args.max_seq, "budget_s": args.budget_s, "lr": 1e-5, "cpu_adam": args.cpu_adam,
-                "simulate_oom_above": args.simulate_oom_above}  # fmt: skip
+    base = {"scenario": args.scenario, "world": args.world, "shape": "tiny" if args.tiny else SHAPE[args.scenario],
+            "batch": args.batch, "seq": args.seq, "steps": args.steps, "start": args.start, "granule": args.granule,
+            "max_seq": args.max_seq, "budget_s": args.budget_s, "lr": 1e-5, "cpu_adam": args.cpu_adam,
+            "simulate_oom_above": args.simulate_oom_above}  # fmt: skip
+    outs: dict[str, list[dict[str, Any]]] = {}
+    order = bench.round_order(args.providers, args.rounds)  # (throughput: rounds in alternating order)
+    for _, provider in bench.progress(order, desc=f"{NAME} {args.scenario} x{args.world}"):
         if provider == "liger" and importlib.util.find_spec("liger_kernel") is None:
             out: dict[str, Any] = {"status": "skipped: liger-kernel is not installed (pip install liger-kernel==0.8.5)"}
         else:
             out = search(base, provider) if args.scenario == "offload" else throughput(base, provider)
+        outs.setdefault(provider, []).append(out)
+    for provider in args.providers:
+        out = _one_result(outs[provider])
         trials = out.pop("trials", [])
         row = record.add(kind=args.scenario, scenario=args.scenario, world=args.world, provider=provider,
                          model=base["shape"], batch=args.batch, **out)  # fmt: skip
@@ -365,6 +389,8 @@ def main() -> int:
     parser.add_argument("--batch", type=int, help="sequences per GPU (offload default 1; throughput 4)")
     parser.add_argument("--seq", type=int, help="throughput: tokens per sequence (default 2048; --tiny 32)")
     parser.add_argument("--steps", type=int, help="throughput: timed steps (default 8; --tiny 1)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="throughput: rounds of every provider, a process each, in alternating order")  # fmt: skip
     parser.add_argument("--start", type=int, help="offload: first length tried (default 8192; --tiny 16)")
     parser.add_argument("--granule", type=int, help="offload: bisection resolution (default 2048; --tiny 8)")
     parser.add_argument("--max-seq", type=int, help="offload: longest length tried (default 131072; --tiny 256)")
@@ -384,6 +410,8 @@ def main() -> int:
     for name, (default, small) in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, small if tiny else default)
+    if args.rounds < 1 or (args.rounds > 1 and args.scenario != "throughput"):
+        parser.error("--rounds must be >= 1, and more than 1 only with --scenario throughput")
     if args.simulate_oom_above and not tiny:
         parser.error("--simulate-oom-above is for --tiny runs")
     if not torch.cuda.is_available() and not tiny:

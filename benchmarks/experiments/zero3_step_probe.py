@@ -1,0 +1,79 @@
+"""bench_memory.py's ``throughput`` step (Llama-3.2-1B shape, DeepSpeed ZeRO-3 without offload, bf16,
+4 x 2048 tokens a GPU) for one variant of fk's fused loss, timed and then profiled: is fk's default
+loss (one chunk, the logits' gradient kept for the backward) what makes its ZeRO-3 step slower than
+fk-lowmem's (384 MiB chunks, the head's gradient summed in bf16)?
+
+Variants: ``fk`` (defaults), ``fk-lowmem`` (both options), ``fk-budget`` (the 384 MiB budget alone),
+``fk-bf16`` (the bf16 sum alone), ``liger``, ``stock``. Rank 0 prints the median of 6 timed steps
+(after 3), then the 15 CUDA kernels and the 15 host operators (self time) of one profiled step.
+
+Run on 2 GPUs:  torchrun --standalone --nproc-per-node 2 benchmarks/experiments/zero3_step_probe.py fk
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench_e2e import patch_after_build, patch_before_build  # benchmarks/
+from bench_memory import ds_config
+
+from fk.hf import training
+
+OPTIONS = {"fk-budget": {"memory_budget": 384 << 20}, "fk-bf16": {"accum_dtype": torch.bfloat16}}
+
+
+def main() -> None:
+    import deepspeed
+    import torch.distributed as dist
+
+    variant = sys.argv[1]
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    deepspeed.init_distributed(dist_backend="nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    provider = "fk" if variant in OPTIONS else variant
+    shape = training.SHAPES["llama-3.2-1b"]
+    patch_before_build(provider, "llama")
+    model = training.build_model(shape, dtype=torch.bfloat16, device="cuda", seed=0, max_positions=1 << 20)
+    patch_after_build(provider, model)
+    if variant in OPTIONS:
+        import fk.hf
+
+        fk.hf.loss_options(model, **OPTIONS[variant])
+    job = {"scenario": "throughput", "lr": 1e-4, "cpu_adam": False, "batch": 4}
+    engine, *_ = deepspeed.initialize(model=model, config=ds_config(job))
+    corpus = training.MarkovCorpus(shape.vocab, active=1024, branching=4)
+
+    def step(i: int) -> float:
+        rows = corpus.batch(i, 4 * world, 2048)[rank * 4 : (rank + 1) * 4].to(engine.device)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        out = engine(input_ids=rows, labels=rows)
+        engine.backward(out.loss)
+        engine.step()
+        torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    times = [step(i) for i in range(9)][3:]
+    if rank == 0:
+        print(f"{variant} world {world}: median step {1e3 * statistics.median(times):.1f} ms "
+              f"({[round(1e3 * t, 1) for t in times]}), peak {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB")  # fmt: skip
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    ) as prof:
+        step(9)
+    if rank == 0:
+        averages = prof.key_averages()
+        print(averages.table(sort_by="self_device_time_total", row_limit=15, max_name_column_width=70))
+        print(averages.table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=70))
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main()
