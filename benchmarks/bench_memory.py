@@ -307,8 +307,8 @@ def run(args: argparse.Namespace) -> bench.BenchRecord:
         f"offload: {SHAPE['offload'] if not args.tiny else 'tiny'} shape, optimizer and parameters offloaded "
         f"to the CPU, non-reentrant gradient checkpointing, the row's batch per GPU, lengths from {args.start} "
         f"doubling up to {args.max_seq} then bisected to {args.granule} tokens, one timed step each, "
-        f"{args.budget_s:.0f} s a "
-        f"provider; throughput: {SHAPE['throughput'] if not args.tiny else 'tiny'} shape, no offload, "
+        "the row's budget_s seconds a provider; "
+        f"throughput: {SHAPE['throughput'] if not args.tiny else 'tiny'} shape, no offload, "
         f"the row's batch x {args.seq} tokens per GPU, {args.steps} timed steps after 2 in each of {args.rounds} "
         "round(s) in alternating order (median of all); "
         f"optimizer: {'DeepSpeedCPUAdam' if args.cpu_adam else 'torch AdamW (torch_adam)'}; "
@@ -329,7 +329,8 @@ def run(args: argparse.Namespace) -> bench.BenchRecord:
         out = _one_result(outs[provider])
         trials = out.pop("trials", [])
         row = record.add(kind=args.scenario, scenario=args.scenario, world=args.world, provider=provider,
-                         model=base["shape"], batch=args.batch, **out)  # fmt: skip
+                         model=base["shape"], batch=args.batch,
+                         **({"budget_s": args.budget_s} if args.scenario == "offload" else {}), **out)  # fmt: skip
         for trial in trials:
             record.add(kind="trial", scenario=args.scenario, world=args.world, provider=provider, **trial)
         print(f"{provider}: {row['status']}", file=sys.stderr)

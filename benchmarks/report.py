@@ -47,10 +47,14 @@ def _section(name: str, record: bench.BenchRecord) -> str:
     env = record.environment
     peers = ", ".join(f"{k} {v}" for k, v in sorted((env.get("peers") or {}).items()) if v)
     ceilings = record.ceilings
+    measured = (  # (a record of whole training runs, such as memory.json, measures none)
+        f" Ceilings in the same run: copy {ceilings['copy_tbps']:.2f} TB/s, bf16 matmul {ceilings['matmul_tflops']:.0f} TFLOP/s."
+        if ceilings
+        else ""
+    )
     head = (
         f"Measured on {env.get('gpu')} on {env.get('date_utc')}, torch {env.get('torch')}, triton {env.get('triton')}"
-        f"{', ' + peers if peers else ''}. Ceilings in the same run: copy {ceilings.get('copy_tbps', 0):.2f} TB/s, "
-        f"bf16 matmul {ceilings.get('matmul_tflops', 0):.0f} TFLOP/s. {record.notes}"
+        f"{', ' + peers if peers else ''}.{measured} {record.notes}"
     )
     return f"{head}\n\n{module.summary(record)}\n"
 
