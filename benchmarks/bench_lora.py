@@ -310,6 +310,7 @@ def speedups(record: bench.BenchRecord) -> list[dict[str, object]]:
             "x peft": peft["ms"] / fk["ms"],
             **({"fk matmul%": 100 * fk["matmul_fraction"]} if "matmul_fraction" in fk else {}),
             **({"fk floor%": 100 * fk["floor_fraction"]} if "floor_fraction" in fk else {}),
+            **({"fk GPU floor%": 100 * fk["floor_ms"] / fk["gpu_ms"]} if "floor_ms" in fk and "gpu_ms" in fk else {}),
             **({"fk MB": fk["peak_mb"], "peft MB": peft["peak_mb"], "memory / peft": fk["peak_mb"] / peft["peak_mb"]}
                if "peak_mb" in fk else {}),
             **({"fk GPU ms": fk["gpu_ms"], "GPU x peft": peft["gpu_ms"] / fk["gpu_ms"]} if "gpu_ms" in fk else {}),
@@ -329,6 +330,7 @@ COLUMNS = [
     "x peft",
     "fk matmul%",
     "fk floor%",
+    "fk GPU floor%",
     "fk GPU ms",
     "GPU x peft",
     "fk MB",
@@ -339,7 +341,8 @@ COLUMNS = [
 
 def summary(record: bench.BenchRecord) -> str:
     """The markdown table for docs/benchmarks.md ("x peft": PEFT's time over fk's; "GPU x peft": the
-    same of the GPU work alone, ``bench.time_ms(gpu_only=True)``)."""
+    same of the GPU work alone, ``bench.time_ms(gpu_only=True)``; "fk floor%" the floor's time over
+    fk's wall time, "fk GPU floor%" over its GPU time)."""
     return bench.markdown_table(speedups(record), COLUMNS, skip_absent=True)
 
 
