@@ -1,8 +1,9 @@
 """QLoRA: fk.lora's fused projections and MLP on 4-bit (NF4, FP4; nested absmax or not) bitsandbytes
-base weights, against PEFT's own bitsandbytes LoRA layer (``peft.tuners.lora.bnb.Linear4bit``) on the
-test device (bitsandbytes' CPU backend, or its CUDA one on a GPU), and what the fused path keeps (never
-a dequantized weight for the backward; one dequantized weight at a time). The comparisons with
-bitsandbytes are skipped without it, or without its 4-bit backend for the device."""
+base weights, plain LoRA and DoRA, against PEFT's own bitsandbytes LoRA layer
+(``peft.tuners.lora.bnb.Linear4bit``, ``use_dora`` or not) on the test device (bitsandbytes' CPU
+backend, or its CUDA one on a GPU), and what the fused path keeps (never a dequantized weight for the
+backward; one dequantized weight at a time). The comparisons with bitsandbytes are skipped without
+it, or without its 4-bit backend for the device."""
 
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ INTER = 40
 BLOCKSIZE = 64
 QUANT = [("nf4", False), ("nf4", True), ("fp4", False), ("fp4", True)]
 QUANT_IDS = ["nf4", "nf4_nested", "fp4", "fp4_nested"]
+dora_or_not = pytest.mark.parametrize("dora", [False, True], ids=["lora", "dora"])
 
 
 @pytest.fixture
@@ -50,11 +52,14 @@ def bnb_device(device: str) -> str:
 
 def _peft_layer(
     quant_type: str, nested: bool, compute: torch.dtype, dropout: float, seed: int, device: str,
-    out: int = OUT, inp: int = IN,
+    out: int = OUT, inp: int = IN, dora: bool = False,
 ) -> Any:  # fmt: skip
     """PEFT's LoRA layer for a bitsandbytes ``Linear4bit`` base ``[out, inp]`` with a bias, on
     ``device`` (where bitsandbytes quantizes it), in training mode, with a random (non-zero)
-    ``lora_B``; LoRA weights in fp32 (PEFT's default)."""
+    ``lora_B``; LoRA weights in fp32 (PEFT's default). With ``dora``, PEFT's DoRA (``use_dora``), the
+    magnitude moved by up to 30% per row from the norm PEFT starts it at (so that ``m / n`` is not 1).
+    (The base weight is quantized from fp32: bitsandbytes dequantizes it to fp32, which PEFT's DoRA
+    norm then starts from, also next to a bf16 ``compute_dtype``.)"""
     base = bnb.nn.Linear4bit(inp, out, bias=True, compute_dtype=compute, quant_type=quant_type)
     w = testing.random_tensor((out, inp), torch.float32, "cpu", seed=seed)
     base.weight = bnb.nn.Params4bit(
@@ -63,23 +68,32 @@ def _peft_layer(
     base = base.to(device)
     with torch.no_grad():
         base.bias.copy_(testing.random_tensor((out,), torch.float32, device, seed=seed + 1))
-    config = LoraConfig(r=RANK, lora_alpha=8, lora_dropout=dropout)
-    layer = peft_bnb.Linear4bit(base, "default", config, r=RANK, lora_alpha=8, lora_dropout=dropout)
+    config = LoraConfig(r=RANK, lora_alpha=8, lora_dropout=dropout, use_dora=dora)
+    layer = peft_bnb.Linear4bit(base, "default", config, r=RANK, lora_alpha=8, lora_dropout=dropout, use_dora=dora)
     with torch.no_grad():
         layer.lora_B["default"].weight.copy_(testing.random_tensor((out, RANK), torch.float32, device, seed=seed + 2))
+        if dora:
+            layer.lora_magnitude_vector["default"].weight.mul_(1 + 0.3 * testing.random_tensor((out,), torch.float32, device, seed=seed + 3))  # fmt: skip
     return layer.to(device).train()
+
+
+def _magnitude(layer: Any) -> torch.Tensor | None:
+    """The layer's DoRA magnitude (None for plain LoRA)."""
+    return layer.lora_magnitude_vector["default"].weight if "default" in layer.lora_magnitude_vector else None
 
 
 def _parts(layer: Any, compute: torch.dtype, dropout: float) -> fk.lora.LoRAWeights:
     base = layer.base_layer
     return fk.lora.LoRAWeights(
         from_bnb(base), base.bias.to(compute), layer.lora_A["default"].weight, layer.lora_B["default"].weight,
-        layer.scaling["default"], dropout,
+        layer.scaling["default"], dropout, None, _magnitude(layer),
     )  # fmt: skip
 
 
 def _grads(layer: Any) -> list[torch.Tensor]:
+    """The gradients of lora_A, lora_B, the base bias and (DoRA) the magnitude, taken off the layer."""
     params = [layer.lora_A["default"].weight, layer.lora_B["default"].weight, layer.base_layer.bias]
+    params += [m for m in [_magnitude(layer)] if m is not None]
     grads = [p.grad.clone() for p in params]
     for p in params:
         p.grad = None
@@ -92,11 +106,25 @@ def _tol(compute: torch.dtype) -> dict[str, float]:
     return {"rtol": 1e-5, "atol": 1e-5} if compute == torch.float32 else {"rtol": 3e-2, "atol": 3e-2}
 
 
+def _assert_outputs_close(got: torch.Tensor, want: torch.Tensor, compute: torch.dtype, dora: bool) -> None:
+    """Plain LoRA: :func:`_tol`. DoRA: its absolute part relative to the largest output, as for the
+    gradients. With dropout, ``(m / n - 1)`` scales the base product on the dropped input, which
+    nearly cancels the base output where ``m / n`` is far from 1: PEFT rounds the base output to bf16
+    and adds that product in fp32, fk rounds both to bf16, so each is a few bf16 roundings of the
+    base product (not of the smaller output) away from the exact value, on either side."""
+    tol = _tol(compute)
+    scale = float(want.detach().abs().max()) if dora else 1.0
+    torch.testing.assert_close(got, want, rtol=tol["rtol"], atol=tol["atol"] * scale)
+
+
+@dora_or_not
 @pytest.mark.parametrize("dropout", [0.0, 0.25], ids=["no_dropout", "dropout"])
 @pytest.mark.parametrize("compute", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize(("quant_type", "nested"), QUANT, ids=QUANT_IDS)
-def test_lora_linear_on_4bit_base_matches_peft_bnb(bnb_device: str, quant_type: str, nested: bool, compute: torch.dtype, dropout: float) -> None:  # fmt: skip
-    layer = _peft_layer(quant_type, nested, compute, dropout, seed=1, device=bnb_device)
+def test_lora_linear_on_4bit_base_matches_peft_bnb(bnb_device: str, quant_type: str, nested: bool, compute: torch.dtype, dropout: float, dora: bool) -> None:  # fmt: skip
+    """One projection: the output and the gradients of x, lora_A, lora_B, the bias and (DoRA) the
+    magnitude. (PEFT's DoRA with dropout recomputes the base product on the dropped input.)"""
+    layer = _peft_layer(quant_type, nested, compute, dropout, seed=1, device=bnb_device, dora=dora)
     x = testing.random_tensor((2, 5, IN), compute, bnb_device, seed=9).requires_grad_(True)
     dy = testing.random_tensor((2, 5, OUT), compute, bnb_device, seed=10)
     torch.manual_seed(0)
@@ -109,21 +137,22 @@ def test_lora_linear_on_4bit_base_matches_peft_bnb(bnb_device: str, quant_type: 
     got.backward(dy)
     got_grads = [x.grad, *_grads(layer)]
     assert got.dtype == want.dtype == compute
-    torch.testing.assert_close(got, want, **_tol(compute))
+    _assert_outputs_close(got, want, compute, dora)
     scale = max(float(w.abs().max()) for w in want_grads)
     for g, w in zip(got_grads, want_grads, strict=True):
         assert g.dtype == w.dtype
         torch.testing.assert_close(g, w, rtol=_tol(compute)["rtol"], atol=_tol(compute)["atol"] * scale)
 
 
+@dora_or_not
 @pytest.mark.parametrize("dropout", [0.0, 0.25], ids=["no_dropout", "dropout"])
 @pytest.mark.parametrize("compute", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_qkv_on_4bit_bases_matches_peft_bnb(bnb_device: str, compute: torch.dtype, dropout: float) -> None:
+def test_qkv_on_4bit_bases_matches_peft_bnb(bnb_device: str, compute: torch.dtype, dropout: float, dora: bool) -> None:
     """q, k, v (NF4 nested, FP4, NF4; k narrower) in one fused call: outputs and the one dx."""
     layers = [
-        _peft_layer("nf4", True, compute, dropout, seed=1, device=bnb_device),
-        _peft_layer("fp4", False, compute, dropout, seed=4, device=bnb_device, out=24),
-        _peft_layer("nf4", False, compute, dropout, seed=7, device=bnb_device),
+        _peft_layer("nf4", True, compute, dropout, seed=1, device=bnb_device, dora=dora),
+        _peft_layer("fp4", False, compute, dropout, seed=4, device=bnb_device, out=24, dora=dora),
+        _peft_layer("nf4", False, compute, dropout, seed=7, device=bnb_device, dora=dora),
     ]
     x = testing.random_tensor((3, IN), compute, bnb_device, seed=11).requires_grad_(True)
     dys = [testing.random_tensor((3, layer.base_layer.out_features), compute, bnb_device, seed=12 + i) for i, layer in enumerate(layers)]  # fmt: skip
@@ -137,24 +166,26 @@ def test_qkv_on_4bit_bases_matches_peft_bnb(bnb_device: str, compute: torch.dtyp
     torch.autograd.backward(got, dys)
     got_grads = [x.grad, *(g for layer in layers for g in _grads(layer))]
     for g, w in zip(got, want, strict=True):
-        torch.testing.assert_close(g, w, **_tol(compute))
+        _assert_outputs_close(g, w, compute, dora)
     scale = max(float(w.abs().max()) for w in want_grads)
     for g, w in zip(got_grads, want_grads, strict=True):
         torch.testing.assert_close(g, w, rtol=_tol(compute)["rtol"], atol=_tol(compute)["atol"] * scale)
 
 
-def _mlp_layers(quant_type: str, nested: bool, compute: torch.dtype, dropout: float, device: str) -> list[Any]:
+def _mlp_layers(
+    quant_type: str, nested: bool, compute: torch.dtype, dropout: float, device: str, dora: bool = False
+) -> list[Any]:
     """PEFT's LoRA layers of a LlamaMLP on 4-bit bases: gate and up ``[INTER, IN]``, down ``[IN, INTER]``."""
     return [
-        _peft_layer(quant_type, nested, compute, dropout, seed=1, device=device, out=INTER),
-        _peft_layer(quant_type, nested, compute, dropout, seed=4, device=device, out=INTER),
-        _peft_layer(quant_type, nested, compute, dropout, seed=7, device=device, out=IN, inp=INTER),
+        _peft_layer(quant_type, nested, compute, dropout, seed=1, device=device, out=INTER, dora=dora),
+        _peft_layer(quant_type, nested, compute, dropout, seed=4, device=device, out=INTER, dora=dora),
+        _peft_layer(quant_type, nested, compute, dropout, seed=7, device=device, out=IN, inp=INTER, dora=dora),
     ]
 
 
 def _compare_mlp_with_peft(layers: list[Any], compute: torch.dtype, dropout: float, device: str) -> None:
     """``lora_mlp`` on the layers' 4-bit bases against PEFT's forward (LlamaMLP's: masks drawn gate,
-    up, down) and backward: the output, dx and every LoRA and bias gradient."""
+    up, down) and backward: the output, dx and every LoRA, bias and (DoRA) magnitude gradient."""
     gate, up, down = layers
     x = testing.random_tensor((2, 5, IN), compute, device, seed=9).requires_grad_(True)
     dy = testing.random_tensor((2, 5, IN), compute, device, seed=10)
@@ -185,6 +216,16 @@ def test_lora_mlp_on_4bit_bases_matches_peft_bnb(bnb_device: str, quant_type: st
     _compare_mlp_with_peft(_mlp_layers(quant_type, nested, compute, dropout, bnb_device), compute, dropout, bnb_device)
 
 
+@pytest.mark.parametrize("dropout", [0.0, 0.25], ids=["no_dropout", "dropout"])
+@pytest.mark.parametrize("compute", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(("quant_type", "nested"), [("nf4", True), ("fp4", False)], ids=["nf4_nested", "fp4"])
+def test_dora_mlp_on_4bit_bases_matches_peft_bnb(bnb_device: str, quant_type: str, nested: bool, compute: torch.dtype, dropout: float) -> None:  # fmt: skip
+    """DoRA on gate, up and down (fk.lora.dora's MLP), each on a 4-bit base. (The four quantizations
+    of one projection: test_lora_linear_on_4bit_base_matches_peft_bnb.)"""
+    layers = _mlp_layers(quant_type, nested, compute, dropout, bnb_device, dora=True)
+    _compare_mlp_with_peft(layers, compute, dropout, bnb_device)
+
+
 @pytest.mark.parametrize("compute", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_lora_mlp_on_4bit_bases_in_row_chunks_matches_peft_bnb(
     bnb_device: str, compute: torch.dtype, monkeypatch: pytest.MonkeyPatch
@@ -194,18 +235,22 @@ def test_lora_mlp_on_4bit_bases_in_row_chunks_matches_peft_bnb(
     _compare_mlp_with_peft(_mlp_layers("nf4", True, compute, 0.0, bnb_device), compute, 0.0, bnb_device)
 
 
-def _random_4bit_parts(out: int, inp: int, device: str, seed: int, dropout: float) -> fk.lora.LoRAWeights:
+def _random_4bit_parts(
+    out: int, inp: int, device: str, seed: int, dropout: float, dora: bool = False
+) -> fk.lora.LoRAWeights:
     """A LoRA projection on a random NF4 (nested) base ``[out, inp]`` (fk.lora.quant's own
-    quantizer), without bias, LoRA weights in fp32 that require grad."""
+    quantizer, from fp32), without bias, LoRA weights (and with ``dora`` a magnitude) in fp32 that
+    require grad."""
     w = testing.random_tensor((out, inp), torch.float32, device, seed=seed)
     a = testing.random_tensor((RANK, inp), torch.float32, device, seed=seed + 1, requires_grad=True)
     b = testing.random_tensor((out, RANK), torch.float32, device, seed=seed + 2, requires_grad=True)
+    m = testing.random_tensor((out,), torch.float32, device, seed=seed + 3).add(8.0).requires_grad_() if dora else None
     q = fk.lora.quantize_ref(w, "nf4", BLOCKSIZE, nested=True)
-    return fk.lora.LoRAWeights(q, None, a, b, 2.0, dropout)
+    return fk.lora.LoRAWeights(q, None, a, b, 2.0, dropout, None, m)
 
 
-def _mlp_parts(device: str, dropout: float) -> list[fk.lora.LoRAWeights]:
-    return [_random_4bit_parts(*shape, device, seed, dropout) for shape, seed in (((INTER, IN), 1), ((INTER, IN), 4), ((IN, INTER), 7))]  # fmt: skip
+def _mlp_parts(device: str, dropout: float, dora: bool = False) -> list[fk.lora.LoRAWeights]:
+    return [_random_4bit_parts(*shape, device, seed, dropout, dora) for shape, seed in (((INTER, IN), 1), ((INTER, IN), 4), ((IN, INTER), 7))]  # fmt: skip
 
 
 def _saved_shapes(call: Callable[[], torch.Tensor]) -> list[tuple[tuple[int, ...], torch.dtype]]:
@@ -226,25 +271,27 @@ def _densified(parts: fk.lora.LoRAWeights, compute: torch.dtype) -> fk.lora.LoRA
     return parts._replace(weight=fk.lora.dequantize(parts.weight, dtype=compute))
 
 
+@dora_or_not
 @pytest.mark.parametrize("compute", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("block", ["linear", "mlp"])
-def test_backward_does_not_keep_the_dequantized_weight(bnb_device: str, block: str, compute: torch.dtype) -> None:
-    """No tensor of a base weight's shape in the compute dtype is saved for the backward (with dense
-    base weights, those tensors are saved: the hook sees them)."""
+def test_backward_does_not_keep_the_dequantized_weight(bnb_device: str, block: str, compute: torch.dtype, dora: bool) -> None:  # fmt: skip
+    """No tensor of a base weight's shape in the compute dtype (nor in fp32, the dtype the weights
+    were quantized from, which DoRA's norm reads) is saved for the backward (with dense base
+    weights, those tensors are saved: the hook sees them)."""
     x = testing.random_tensor((2, 5, IN), compute, bnb_device, seed=9).requires_grad_(True)
     if block == "linear":
-        layer = _peft_layer("nf4", True, compute, 0.25, seed=1, device=bnb_device)
+        layer = _peft_layer("nf4", True, compute, 0.25, seed=1, device=bnb_device, dora=dora)
         parts = [_parts(layer, compute, 0.25)]
         call = lambda ps: fk.lora.lora_linear(x, *ps[0])  # noqa: E731
         weights = [(OUT, IN)]
     else:
-        parts = _mlp_parts(bnb_device, 0.25)
+        parts = _mlp_parts(bnb_device, 0.25, dora)
         call = lambda ps: fk.lora.lora_mlp(x, *ps)  # noqa: E731
         weights = [(INTER, IN), (IN, INTER)]
     quantized = _saved_shapes(lambda: call(parts))
     dense = _saved_shapes(lambda: call([_densified(p, compute) for p in parts]))
     for shape in weights:
-        assert (shape, compute) not in quantized
+        assert (shape, compute) not in quantized and (shape, torch.float32) not in quantized
         assert (shape, compute) in dense
 
 
@@ -252,14 +299,15 @@ def test_backward_does_not_keep_the_dequantized_weight(bnb_device: str, block: s
 def dequantized(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
     """Each time fk.lora dequantizes a 4-bit base, how many weights it dequantized before are still
     alive (a weak reference to each); after the test, none may be."""
-    base = importlib.import_module("fk.lora.lora")._QuantizedBase
+    base = importlib.import_module("fk.lora.quantized_base").QuantizedBase
     original = base.dense
     made: list[weakref.ref[torch.Tensor]] = []
     alive: list[int] = []
 
-    def dense(self: Any) -> torch.Tensor:  # (no gc.collect(): a weight freed only by the collector counts as alive)
+    # (no gc.collect(): a weight freed only by the collector counts as alive)
+    def dense(self: Any, **kwargs: Any) -> torch.Tensor:
         alive.append(sum(ref() is not None for ref in made))
-        w = original(self)
+        w = original(self, **kwargs)
         made.append(weakref.ref(w))
         return w
 
@@ -270,21 +318,22 @@ def dequantized(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
 
 
 @pytest.mark.parametrize("dropout", [0.0, 0.25], ids=["no_dropout", "dropout"])
-@pytest.mark.parametrize("block", ["qkv", "mlp", "mlp_row_chunks"])
+@pytest.mark.parametrize("block", ["qkv", "mlp", "mlp_row_chunks", "dora_qkv", "dora_mlp"])
 def test_one_dequantized_weight_at_a_time_once_per_pass(
     device: str, block: str, dropout: float, dequantized: list[int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Forward and backward dequantize each 4-bit base once (the forward for its base matmul, the
-    backward for its dx term; the MLP's down projection once for all its row chunks), and never
-    while another dequantized weight is alive."""
+    """Forward and backward dequantize each 4-bit base once (the forward for its base matmul, and
+    DoRA's norm and dropped-input product; the backward for its dx term; the MLP's down projection
+    once for all its row chunks), and never while another dequantized weight is alive."""
     x = testing.random_tensor((2, 5, IN), torch.float32, device, seed=9).requires_grad_(True)
-    if block == "qkv":
-        parts = [_random_4bit_parts(n, IN, device, seed, dropout) for n, seed in ((OUT, 1), (24, 4), (24, 7))]
+    dora = block.startswith("dora_")
+    if block.endswith("qkv"):
+        parts = [_random_4bit_parts(n, IN, device, seed, dropout, dora) for n, seed in ((OUT, 1), (24, 4), (24, 7))]
         outs = fk.lora.lora_qkv(x, *parts)
     else:
         if block == "mlp_row_chunks":
             monkeypatch.setattr(importlib.import_module("fk.lora.lora"), "MLP_CHUNK_BYTES", 4 * INTER * 4)
-        outs = (fk.lora.lora_mlp(x, *_mlp_parts(device, dropout)),)
+        outs = (fk.lora.lora_mlp(x, *_mlp_parts(device, dropout, dora)),)
     assert dequantized == [0, 0, 0]
     torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
     assert dequantized == [0] * 6
@@ -292,12 +341,13 @@ def test_one_dequantized_weight_at_a_time_once_per_pass(
 
 
 def test_quantized_base_is_refused_where_not_fused(device: str) -> None:
-    gate, up, down = _mlp_parts(device, 0.0)
+    """(DoRA on a 4-bit base is fused, outside autocast, as DoRA on a dense one; int8: test_qlora_int8.py.)"""
+    gate, up, _ = _mlp_parts(device, 0.0)
     x = testing.random_tensor((3, IN), torch.float32, device, seed=2)
-    with pytest.raises(ValueError, match="DoRA on a quantized base"):
-        fk.lora.lora_linear(x, *gate._replace(magnitude=torch.ones(INTER, device=device)))
-    with pytest.raises(ValueError, match=r"down_parts\.weight is a QuantizedWeight: DoRA on a quantized base"):
-        fk.lora.lora_mlp(x, gate, up, down._replace(magnitude=torch.ones(IN, device=device)))
+    dora = gate._replace(magnitude=torch.ones(INTER, device=device))
+    autocast = torch.autocast(torch.device(device).type, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"magnitude \(DoRA\) is not fused under torch\.autocast"), autocast:
+        fk.lora.lora_linear(x, *dora)
     with pytest.raises(ValueError, match=r"down_parts\.weight takes 100 input features"):
         fk.lora.lora_mlp(x, gate, up, gate)
 
@@ -347,14 +397,15 @@ def _qlora_model(compute: torch.dtype, dropout: float, device: str, dora: bool =
     return testing.with_random_lora_b(peft.get_peft_model(block, config))
 
 
+@dora_or_not
 @pytest.mark.parametrize("dropout", [0.0, 0.25], ids=["no_dropout", "dropout"])
 @pytest.mark.parametrize("compute", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_patch_fuses_4bit_projections_and_matches_peft(
-    bnb_device: str, compute: torch.dtype, dropout: float, caplog: pytest.LogCaptureFixture
+    bnb_device: str, compute: torch.dtype, dropout: float, dora: bool, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """q/k/v as one group, the MLP whole (lora_mlp on its 4-bit bases), o alone: the loss and every
-    LoRA gradient as PEFT + bitsandbytes give them."""
-    model = _qlora_model(compute, dropout, bnb_device)
+    """q/k/v as one group, the MLP whole (lora_mlp on its 4-bit bases), o alone, plain LoRA or DoRA:
+    the loss and every LoRA (and magnitude) gradient as PEFT + bitsandbytes give them."""
+    model = _qlora_model(compute, dropout, bnb_device, dora)
     x = testing.random_tensor((2, 3, IN), compute, bnb_device, seed=5)
     want = testing.seeded_loss_and_grads(model, x, seed=1)
     with caplog.at_level(logging.INFO, logger="fk.lora"):
@@ -372,22 +423,6 @@ def test_patch_fuses_4bit_projections_and_matches_peft(
     torch.testing.assert_close(got[0], want[0], rtol=tol["rtol"], atol=tol["atol"] * float(want[0]))
     for g, w in zip(got[1], want[1], strict=True):
         torch.testing.assert_close(g, w, rtol=tol["rtol"], atol=tol["atol"] * float(w.abs().max()))
-
-
-def test_patch_leaves_dora_on_4bit_bases_to_peft(bnb_device: str) -> None:
-    """DoRA on a 4-bit base is not fused: every such layer is reported as left to PEFT, and the
-    patched model computes what PEFT's does."""
-    model = _qlora_model(torch.float32, 0.0, bnb_device, dora=True)
-    x = testing.random_tensor((2, 3, IN), torch.float32, bnb_device, seed=5)
-    want = testing.seeded_loss_and_grads(model, x, seed=1)
-    report = fk.lora.patch(model)
-    try:
-        got = testing.seeded_loss_and_grads(model, x, seed=1)
-    finally:
-        fk.lora.unpatch(model)
-    assert report.n_patched == 0 and len(report.skipped) == 7
-    assert all("DoRA on a 4-bit base" in reason for reason in report.skipped.values())
-    torch.testing.assert_close(got[0], want[0], rtol=0.0, atol=0.0)
 
 
 def test_patch_leaves_mismatched_inputs_to_peft(bnb_device: str, caplog: pytest.LogCaptureFixture) -> None:

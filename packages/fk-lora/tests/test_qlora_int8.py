@@ -215,7 +215,7 @@ def test_int8_base_is_refused_where_not_fused(bnb_device: str) -> None:
     layer = _peft_layer(0.0, torch.float32, 0.0, "train", bnb_device, seed=1)
     parts = _parts(layer, 0.0)
     x = _input((3, IN), torch.float32, bnb_device, seed=2)
-    with pytest.raises(ValueError, match="Int8Base: DoRA on a quantized base is not fused"):
+    with pytest.raises(ValueError, match="Int8Base: DoRA on an int8 base is not fused"):
         fk.lora.lora_linear(x, *parts._replace(magnitude=torch.ones(OUT, device=bnb_device)))
     with pytest.raises(ValueError, match=r"outside torch\.autocast only"), torch.autocast(bnb_device, torch.bfloat16):
         fk.lora.lora_linear(x, *parts)

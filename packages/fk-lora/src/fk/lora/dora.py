@@ -5,7 +5,8 @@
 :func:`fk.lora.lora_mlp` take DoRA's magnitude (``LoRAWeights.magnitude``) and call the launchers
 here: :class:`DoRAProjections` (projections of one input, one ``dx``) and :class:`DoRAMLP` (a gated
 MLP with DoRA on all three projections). They are built from the parts plain LoRA's launchers are
-built from (:mod:`fk.lora.projection`).
+built from (:mod:`fk.lora.projection`), and take a 4-bit (QLoRA) base as plain LoRA's do
+(:mod:`fk.lora.quantized_base`: dequantized where needed, never saved).
 
 This file holds, in order: the reference (:func:`dora_ref`, the DoRA half of
 :func:`fk.lora.lora_linear_ref`), then the launchers, their equations first (the row norm
@@ -34,6 +35,7 @@ from fk.lora.projection import (
     scaled_lora_grad,
     to_flat,
 )
+from fk.lora.quantized_base import QuantizedBase, dense, saved_weights, weights_to_save
 
 # --- 1. Reference ---------------------------------------------------------------------------------
 
@@ -105,6 +107,13 @@ def dora_ref(
 #   dW     = dy^T x2 + f dy_ms1^T (x2 * m)
 #   dx     = dy W + f (dy_ms1 W + s G A) * m    (the masked sum in one pass: masked_low_rank, addend)
 # Under autocast DoRA is not fused (fk.lora.patch leaves it to PEFT; the functions refuse it).
+#
+# A 4-bit (QLoRA) W (fk.lora.quantized_base.QuantizedBase; frozen, so no dW) is dequantized whole in
+# the forward, first to bitsandbytes' own dtype (QuantState.dtype), as PEFT's dequantize_module_weight
+# gives it to DoRA's norm: n is formed from that W as above (fp32, rounded to the dropout dtype); then
+# cast to c for x2 W^T and, with dropout, zd, and dropped before the next projection's. The backward
+# dequantizes it again to c where dx needs it (dy_ms W; with dropout dy W and dy_ms1 W from one
+# dequantized W), and drops it. Only the packed data is kept between forward and backward.
 
 DORA_NORM_CHUNK_ELEMENTS = 1 << 24
 """Elements of ``W + s B A`` the DoRA norm forms at a time, in fp32 (64 MiB): never ``[N, K]`` whole."""
@@ -113,8 +122,8 @@ DORA_NORM_CHUNK_ELEMENTS = 1 << 24
 class DoRAParams(NamedTuple):
     """One DoRA projection's tensors, as :class:`DoRAProjections` takes them (flat, five a projection)."""
 
-    weight: torch.Tensor
-    """``W`` ``[N, K]``."""
+    weight: Any
+    """``W`` ``[N, K]``: a tensor, or a frozen 4-bit :class:`fk.lora.quantized_base.QuantizedBase`."""
     bias: torch.Tensor | None
     """``b`` ``[N]``."""
     lora_A: torch.Tensor
@@ -188,25 +197,33 @@ def _dora_fwd(
     mask: (y ``[M, N]`` in ``c``, what its backward keeps)."""
     c = x2.dtype
     scaling, p, dropout_dtype = settings
-    norm = dora_weight_norm(params.weight, params.lora_A, params.lora_B, scaling, dropout_dtype)
+    weight = params.weight
+    if isinstance(weight, QuantizedBase):  # W in bitsandbytes' dtype for the norm (PEFT's), then in c
+        weight = weight.dense(own_dtype=True)
+    norm = dora_weight_norm(weight, params.lora_A, params.lora_B, scaling, dropout_dtype)
+    if weight.dtype != c:  # (a 4-bit W only: a dense one has c; the uncast W is dropped here)
+        weight = weight.to(c)
     ms = params.magnitude.detach().float() / norm
     B_c = params.lora_B.to(c)
     if mask is None:
-        z = add_lora_out(base_out(x2, params.weight, None), xa, B_c, None, scaling)
+        z = add_lora_out(base_out(x2, weight, None), xa, B_c, None, scaling)
+        del weight  # (a dequantized W is dropped before the next projection's)
         y = torch.empty_like(z)  # ms * z + b: one pass, computed in fp32 (ms's dtype), rounded once
         if params.bias is None:
             return torch.mul(z, ms, out=y), _DoRALowRank(xa, mask, A_c, B_c, z, ms, norm)
         return torch.addcmul(params.bias, z, ms, out=y), _DoRALowRank(xa, mask, A_c, B_c, z, ms, norm)
     f = 1.0 / (1.0 - p)
-    zd = scaled_mm(kept_input(x2, mask, dropout_dtype, c), params.weight.t(), f, c)
-    y, z = dora_dropout_output(base_out(x2, params.weight, None), zd, LowRank(xa, B_c, scaling), ms, params.bias)
+    zd = scaled_mm(kept_input(x2, mask, dropout_dtype, c), weight.t(), f, c)
+    base = base_out(x2, weight, None)
+    del weight
+    y, z = dora_dropout_output(base, zd, LowRank(xa, B_c, scaling), ms, params.bias)
     return y, _DoRALowRank(xa, mask, A_c, B_c, z, ms, norm)
 
 
 def _dora_bwd(
     dy: torch.Tensor,
     x2: torch.Tensor,
-    weight: torch.Tensor,
+    weight: Any,
     low: _DoRALowRank,
     dtypes: tuple[torch.dtype, torch.dtype],
     settings: Settings,
@@ -216,7 +233,8 @@ def _dora_bwd(
 ) -> tuple[_DoRAGrads, torch.Tensor | None]:
     """The backward of :func:`_dora_fwd` (see the equations above): (the parameter gradients, dx
     with this projection's terms added, a new buffer when ``dx`` is None). ``dtypes``: the LoRA
-    weights' and the magnitude's."""
+    weights' and the magnitude's. ``weight`` is ``W`` or its :class:`QuantizedBase`, dequantized
+    here for ``dx`` only and dropped on return."""
     lora_dtype, magnitude_dtype = dtypes
     scaling, p, dropout_dtype = settings
     c = dy.dtype
@@ -248,7 +266,8 @@ def _dora_bwd(
             grads = grads._replace(weight=scaled_mm(dy_ms.t(), x2, 1.0, weight.dtype))
         if need_dx:
             assert gs is not None
-            dx = torch.mm(dy_ms, weight) if dx is None else dx.addmm_(dy_ms, weight)
+            w = dense(weight)
+            dx = torch.mm(dy_ms, w) if dx is None else dx.addmm_(dy_ms, w)
             dx.addmm_(gs, low.A_c)
         return grads, dx
     if needs.weight:
@@ -257,15 +276,17 @@ def _dora_bwd(
         grads = grads._replace(weight=dW.to(weight.dtype))
     if need_dx:
         assert gs is not None and low.mask is not None and dy_ms1 is not None
-        dx = torch.mm(dy, weight) if dx is None else dx.addmm_(dy, weight)
-        add_masked_low_rank_(dx, gs, low.A_c, low.mask, f, addend=torch.mm(dy_ms1, weight))
+        w = dense(weight)  # (one dequantized W for both of its products)
+        dx = torch.mm(dy, w) if dx is None else dx.addmm_(dy, w)
+        add_masked_low_rank_(dx, gs, low.A_c, low.mask, f, addend=torch.mm(dy_ms1, w))
     return grads, dx
 
 
 class DoRAProjections(torch.autograd.Function):
     """``len(settings)`` DoRA projections of one input ``x`` (one output each): ``settings`` one
     :class:`Settings` per projection, ``flat`` their :class:`DoRAParams` (:func:`to_flat`). ``x``
-    and the base weights share one dtype, ``c``."""
+    and the base weights share one dtype, ``c`` (a 4-bit base: its :class:`QuantizedBase`, kept on
+    ``ctx``, packed)."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, settings: tuple[Settings, ...], *flat: Any) -> Any:
@@ -277,7 +298,8 @@ class DoRAProjections(torch.autograd.Function):
             y, low = _dora_fwd(x2, xa, mask, A_c, proj, setting)
             lows.append(low)
             outs.append(y.view(*x.shape[:-1], y.shape[-1]))
-        ctx.save_for_backward(x, *(proj.weight for proj in params), *to_flat(lows))
+        kept_weights, ctx.quantized = weights_to_save([proj.weight for proj in params])
+        ctx.save_for_backward(x, *kept_weights, *to_flat(lows))
         ctx.settings = settings
         ctx.dtypes = [(proj.lora_A.dtype, proj.magnitude.dtype) for proj in params]
         ctx.set_materialize_grads(False)
@@ -288,7 +310,7 @@ class DoRAProjections(torch.autograd.Function):
     def backward(ctx: Any, *dys: Any) -> Any:
         n = len(ctx.settings)
         x, *saved = ctx.saved_tensors
-        weights, lows = saved[:n], from_flat(_DoRALowRank, saved[n:])
+        weights, lows = saved_weights(saved[:n], ctx.quantized), from_flat(_DoRALowRank, saved[n:])
         x2 = x.reshape(-1, x.shape[-1])
         needs = from_flat(_DoRANeeds, ctx.needs_input_grad[2:])
         need_dx = ctx.needs_input_grad[0]
@@ -318,6 +340,7 @@ class DoRAMLP(torch.autograd.Function):
     ``dx``). What is kept of ``[M, I]`` size: DoRA's ``z`` of gate and of up, and, for one with
     dropout, its output too (which ``ms * z + b`` gives back only without dropout). The gate and up
     outputs without dropout and ``h = act(gate) * up`` are recomputed in the backward, elementwise.
+    A 4-bit base is kept packed (:class:`QuantizedBase`) and dequantized as in :class:`DoRAProjections`.
     """
 
     @staticmethod
@@ -333,7 +356,7 @@ class DoRAMLP(torch.autograd.Function):
         del h  # recomputed in the backward
         kept_g = gate if low_g.mask is not None else None
         kept_u = up if low_u.mask is not None else None
-        weights = (params_g.weight, params_u.weight, params_d.weight)
+        weights, ctx.quantized = weights_to_save([params_g.weight, params_u.weight, params_d.weight])
         ctx.save_for_backward(
             x, *weights, params_g.bias, params_u.bias, kept_g, kept_u, *to_flat([low_g, low_u, low_d])
         )
@@ -345,6 +368,7 @@ class DoRAMLP(torch.autograd.Function):
     @backward_without_autocast
     def backward(ctx: Any, dy: torch.Tensor) -> Any:
         x, wg, wu, wd, bias_g, bias_u, kept_g, kept_u, *lows = ctx.saved_tensors
+        wg, wu, wd = saved_weights((wg, wu, wd), ctx.quantized)  # (4-bit: dequantized in _dora_bwd for dx)
         low_g, low_u, low_d = from_flat(_DoRALowRank, lows)
         settings_g, settings_u, settings_d = ctx.settings
         dtypes_g, dtypes_u, dtypes_d = ctx.dtypes

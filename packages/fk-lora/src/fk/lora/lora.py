@@ -76,6 +76,7 @@ from fk.lora.projection import (
     to_flat,
 )
 from fk.lora.quant import Int8Base, QuantizedWeight, dequantize
+from fk.lora.quantized_base import QuantizedBase, dense, saved_weights, weights_to_save
 
 MLP_ACTIVATIONS: dict[str, str] = {"swiglu": "silu", "geglu": "gelu_tanh"}
 """Short names accepted by :func:`lora_mlp` (Hugging Face ``hidden_act`` names are accepted too)."""
@@ -86,9 +87,10 @@ class LoRAWeights(NamedTuple):
 
     weight: torch.Tensor | QuantizedWeight | Int8Base
     """Base weight ``[N, K]`` (``base_layer.weight``), frozen or trainable; or a frozen 4-bit
-    (NF4/FP4) :class:`fk.lora.quant.QuantizedWeight` (QLoRA, plain LoRA only: every function
+    (NF4/FP4) :class:`fk.lora.quant.QuantizedWeight` (QLoRA, plain LoRA or DoRA: every function
     takes one), dequantized to the compute dtype (autocast's, else ``x``'s) in the forward and again
-    in the backward for ``dx``, never kept; or a bitsandbytes LLM.int8() layer,
+    in the backward for ``dx``, never kept (DoRA's norm: from the weight in bitsandbytes' own dtype,
+    as PEFT's); or a bitsandbytes LLM.int8() layer,
     :class:`fk.lora.quant.Int8Base` (plain LoRA, outside autocast), whose own product gives the base
     output and whose int8 weight, dequantized to ``x``'s dtype, gives ``dx``'s base term."""
     bias: torch.Tensor | None
@@ -138,9 +140,10 @@ def lora_linear_ref(
     if isinstance(base_weight, Int8Base):  # (LLM.int8(): the layer's own product, bias included)
         result = base_weight.product(x)
         base_weight = dequantize(base_weight.weight, dtype=x.dtype)  # (for DoRA's norm only)
+    elif isinstance(base_weight, QuantizedWeight):  # (QLoRA: bitsandbytes' dequantize, then matmul in x's dtype)
+        base_weight = dequantize(base_weight)  # (in bitsandbytes' own dtype: DoRA's norm starts from it, as PEFT's)
+        result = F.linear(x, base_weight.to(x.dtype), base_bias)
     else:
-        if isinstance(base_weight, QuantizedWeight):  # (QLoRA: bitsandbytes' dequantize, then matmul in x's dtype)
-            base_weight = dequantize(base_weight).to(x.dtype)
         result = F.linear(x, base_weight, base_bias)
     xl = x.to(lora_A.dtype)
     if dropout_p > 0:
@@ -206,11 +209,12 @@ def lora_mlp_ref(
 # (forward and eager backward), so g and u are the only [M, I] buffers: the down projection's
 # parameter gradients are then sums over the chunks, in fp32.
 #
-# 4-bit (QLoRA) bases, in the projections and the MLP alike: W is dequantized whole to c where a
-# matmul needs it and dropped once that matmul (for the MLP's row chunks: all of them) has run, so at
-# most one projection's W exists at a time. Forward: for its base matmul. Backward: for dx = dy W (and
-# the MLP's dh = dy Wd), never for a parameter gradient (the base is frozen). Only the packed data is
-# kept between forward and backward (why whole: _QuantizedBase).
+# 4-bit (QLoRA) bases, in the projections and the MLP alike, plain LoRA and DoRA (fk.lora.dora): W is
+# dequantized whole to c where a matmul needs it and dropped once that matmul (for the MLP's row
+# chunks: all of them) has run, so at most one projection's W exists at a time. Forward: for its base
+# matmul (DoRA: and its norm and, with dropout, its product on the dropped input). Backward: for
+# dx = dy W (and the MLP's dh = dy Wd), never for a parameter gradient (the base is frozen). Only the
+# packed data is kept between forward and backward (why whole: fk.lora.quantized_base).
 #
 # 8-bit (LLM.int8(), bitsandbytes' Linear8bitLt with has_fp16_weights=False) bases, given as an Int8Base
 # (the int8 weight and the layer as its product). What bitsandbytes 0.50.2 computes, which PEFT's
@@ -243,7 +247,7 @@ class _Params(NamedTuple):
     under autocast; flat, five a projection, at the functions' boundary (:func:`to_flat`)."""
 
     weight: Any
-    """``W`` ``[N, K]``, in the compute dtype ``c``: a tensor, or a :class:`_QuantizedBase`
+    """``W`` ``[N, K]``, in the compute dtype ``c``: a tensor, or a :class:`QuantizedBase`
     (4-bit QLoRA base)."""
     bias: torch.Tensor | None
     """``b`` ``[N]``."""
@@ -255,79 +259,20 @@ class _Params(NamedTuple):
     """``b_B`` ``[N]``."""
 
 
-class _QuantizedBase:
-    """A 4-bit base weight (:class:`fk.lora.quant.QuantizedWeight`) in the weight slot of
-    :class:`_Params`, with the compute dtype ``c`` it is dequantized to; or an int8 one with its
-    layer's ``product`` (:class:`fk.lora.quant.Int8Base`), which gives the forward's base output
-    (:func:`_base_product`), while ``W`` is dequantized for the backward's ``dx`` only.
-
-    It is not a tensor, so autograd passes it through ``apply`` untouched (no gradient: the base
-    is frozen) and :class:`_LoRAProjections` and :class:`_LoRAMLP` keep it on ``ctx`` rather than
-    saving a tensor: only the packed data stays alive between forward and backward. The forward
-    dequantizes ``W`` for the base matmul into a temporary it drops before the next projection's;
-    the backward dequantizes it again for ``dx = dy W`` (the MLP's down projection: ``dh = dy Wd``),
-    and drops it before the next projection's. So at most one projection's ``W`` is dequantized at
-    a time. (Dequantizing in the wrapper, before ``apply``, would have autograd
-    save the full-precision ``W``: what QLoRA exists to avoid.) ``shape`` and ``dtype`` stand in
-    for the tensor's where the launchers read them.
-
-    Each matmul with ``W`` is cuBLAS's, on the whole ``[N, K]`` matrix dequantized into a temporary
-    (:meth:`dense`), as bitsandbytes 0.50's ``MatMul4Bit`` does in its backward
-    (``dequantize_4bit(...).to(dtype)`` then a matmul). A GEMM dequantizing ``W`` tile by tile inside
-    its loop (no temporary) was slower than this at every size measured, and was removed
-    (``benchmarks/experiments/INDEX.md#tune_qlora_matmul``).
-    """
-
-    __slots__ = ("dtype", "product", "q", "shape")
-
-    def __init__(self, q: QuantizedWeight | Int8Base, dtype: torch.dtype) -> None:
-        self.product = q.product if isinstance(q, Int8Base) else None
-        self.q = q.weight if isinstance(q, Int8Base) else q
-        self.dtype, self.shape = dtype, torch.Size(self.q.shape)
-
-    def dense(self) -> torch.Tensor:
-        """``W`` in ``c``. 4-bit: dequantized to bitsandbytes' own dtype (``QuantState.dtype``),
-        then cast, as bitsandbytes' 4-bit matmul does (``dequantize_4bit(...).to(A.dtype)``). int8:
-        dequantized to ``c`` directly (one rounding), as bitsandbytes' int8 backward forms it."""
-        if self.product is not None:
-            return dequantize(self.q, dtype=self.dtype)
-        w = dequantize(self.q)
-        return w if w.dtype == self.dtype else w.to(self.dtype)
-
-
-def _dense(weight: Any) -> torch.Tensor:
-    """The base weight as a tensor in ``c`` (a :class:`_QuantizedBase` dequantized whole). Callers pass
-    the result straight on to the matmuls that need it, so a dequantized weight lives no longer than
-    those (and one projection's at a time)."""
-    return weight.dense() if isinstance(weight, _QuantizedBase) else weight
-
-
 def _base_product(xc: torch.Tensor, proj: _Params, out: torch.Tensor | None = None) -> torch.Tensor:
     """``xc W^T + b`` (:func:`base_out`; a 4-bit ``W`` dequantized for it), or, for an int8 base, its
     layer's own product (bias included), checked for its shape and dtype, and copied into ``out``
     when one is given."""
     weight = proj.weight
-    product = weight.product if isinstance(weight, _QuantizedBase) else None
+    product = weight.product if isinstance(weight, QuantizedBase) else None
     if product is None:
-        return base_out(xc, _dense(weight), proj.bias, out)
+        return base_out(xc, dense(weight), proj.bias, out)
     y = product(xc)
     want = (xc.shape[0], weight.shape[0])
     if not isinstance(y, torch.Tensor) or tuple(y.shape) != want or y.dtype != xc.dtype:
         got = f"{tuple(y.shape)} {y.dtype}" if isinstance(y, torch.Tensor) else type(y).__name__
         raise ValueError(f"the int8 base's product must return {want} in {xc.dtype}, got {got}")
     return y if out is None else out.copy_(y)
-
-
-def _weights_to_save(params: Sequence[_Params]) -> tuple[list[torch.Tensor | None], list[_QuantizedBase | None]]:
-    """(the base weights an autograd function saves, None for a 4-bit one; the 4-bit ones, which it
-    keeps on ``ctx`` instead: their packed data only, never a dequantized ``W``)."""
-    quantized = [proj.weight if isinstance(proj.weight, _QuantizedBase) else None for proj in params]
-    return [None if q is not None else proj.weight for q, proj in zip(quantized, params, strict=True)], quantized
-
-
-def _saved_weights(saved: Sequence[torch.Tensor | None], quantized: Sequence[_QuantizedBase | None]) -> list[Any]:
-    """:func:`_weights_to_save` undone in the backward: each base weight, or its :class:`_QuantizedBase`."""
-    return [w if q is None else q for w, q in zip(saved, quantized, strict=True)]
 
 
 class _Needs(NamedTuple):
@@ -435,8 +380,8 @@ def _proj_bwd_input(
     dy: torch.Tensor, weight: Any, A_c: torch.Tensor, gs: torch.Tensor, mask: torch.Tensor | None, p: float
 ) -> torch.Tensor:
     """``dx = dy W + (s G A) * m / (1 - p)``, a new buffer (the order of :func:`add_lora_out`); a
-    :class:`_QuantizedBase` ``W`` is dequantized for the ``dy W`` matmul only."""
-    dx = torch.mm(dy, _dense(weight))
+    :class:`QuantizedBase` ``W`` is dequantized for the ``dy W`` matmul only."""
+    dx = torch.mm(dy, dense(weight))
     if mask is None:
         return dx.addmm_(gs, A_c)
     return add_masked_low_rank_(dx, gs, A_c, mask, 1.0 / (1.0 - p))
@@ -457,7 +402,7 @@ def _shared_input_bwd(
     (dx, the parameter gradients of each projection).
 
     ``dys[i]`` ``[M, N_i]`` (None: projection i got no gradient), ``weights[i]`` its base weight
-    (or a :class:`_QuantizedBase`, dequantized for its ``dy W`` term only, then dropped),
+    (or a :class:`QuantizedBase`, dequantized for its ``dy W`` term only, then dropped),
     ``lows[i]`` what its forward kept, ``lora_dtypes[i]`` its LoRA weights' dtype; ``xc`` is ``x2``
     in the gradients' dtype (needed for dW only).
     dx is one buffer: the ``dy W`` terms first, then the rank-sized ``s G A`` terms. For the
@@ -501,7 +446,7 @@ def _shared_input_bwd(
     for i in live:  # the base terms first (the order of add_lora_out); a 4-bit W dequantized for its term only
         dy = dys[i]
         assert dy is not None
-        weight = _dense(weights[i])
+        weight = dense(weights[i])
         dx = torch.mm(dy, weight) if dx is None else dx.addmm_(dy, weight)
         del weight
     assert dx is not None
@@ -545,15 +490,15 @@ class _LoRAProjections(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1])
         c = params[0].weight.dtype
         xc = x2 if x2.dtype == c else x2.to(c)
-        # (a 4-bit base is dequantized for its base matmul only, one at a time: see _QuantizedBase)
+        # (a 4-bit base is dequantized for its base matmul only, one at a time: see QuantizedBase)
         ys, xas, masks, A_cs = _base_outs_and_lora_inputs(x2, xc, params, settings)
         outs, lows = [], []
         for y, xa, mask, A_c, proj, setting in zip(ys, xas, masks, A_cs, params, settings, strict=True):
             lows.append(_LowRank(xa, mask, A_c, proj.lora_B.to(c)))
             y = add_lora_out(y, xa, lows[-1].B_c, proj.lora_bias, setting.scaling)
             outs.append(y.view(*x.shape[:-1], y.shape[-1]))
-        saved_weights, quantized = _weights_to_save(params)
-        ctx.save_for_backward(x, *saved_weights, *to_flat(lows))
+        kept_weights, quantized = weights_to_save([proj.weight for proj in params])
+        ctx.save_for_backward(x, *kept_weights, *to_flat(lows))
         ctx.quantized = quantized
         ctx.settings = settings
         ctx.lora_dtypes = [proj.lora_A.dtype for proj in params]
@@ -566,7 +511,7 @@ class _LoRAProjections(torch.autograd.Function):
         n = len(ctx.settings)
         x, *saved = ctx.saved_tensors
         # (a 4-bit base is dequantized again by _shared_input_bwd, one at a time, for its dx = dy W term)
-        weights = _saved_weights(saved[:n], ctx.quantized)
+        weights = saved_weights(saved[:n], ctx.quantized)
         lows = from_flat(_LowRank, saved[n:])
         need_dx = ctx.needs_input_grad[0]
         x2 = x.reshape(-1, x.shape[-1])
@@ -615,7 +560,7 @@ def _down_forward_in_chunks(
     y = torch.empty((gate.shape[0], down.weight.shape[0]), dtype=c, device=gate.device)
     xa = torch.empty((gate.shape[0], down.lora_A.shape[0]), dtype=c, device=gate.device)
     A_parts, A_c = lora_a_operands(c, down.lora_A, 0.0, settings.dropout_dtype, c)  # (split once for all chunks)
-    weight = _dense(down.weight)  # (a 4-bit W dequantized once for all chunks, dropped after them)
+    weight = dense(down.weight)  # (a 4-bit W dequantized once for all chunks, dropped after them)
     for start in range(0, gate.shape[0], rows):
         part = slice(start, start + rows)
         h = gated_act_forward(gate[part], up[part], act)
@@ -682,11 +627,11 @@ def _down_backward_in_chunks(
     What needs no ``h`` is formed for all rows at once: ``s G`` (:func:`scaled_lora_grad`), and
     db, dB and db_B. Per chunk: ``dh`` (a matmul and an ``addmm_``), fk.glu's gradient pass
     (which leaves ``h`` in ``dh``'s buffer), and one matmul each for dA and dW, accumulated over
-    the chunks in fp32 (``fk.core.matmul.accumulate_mm``). A :class:`_QuantizedBase` ``Wd`` is
+    the chunks in fp32 (``fk.core.matmul.accumulate_mm``). A :class:`QuantizedBase` ``Wd`` is
     dequantized once for all chunks (where ``dh`` is needed) and dropped on return.
     """
     gs = scaled_lora_grad(dy2, low.B_c, settings.scaling) if need_gu or needs.lora_A else None
-    wd_dense = _dense(wd) if need_gu else wd
+    wd_dense = dense(wd) if need_gu else wd
     grads = _proj_bwd_params(
         dy2, None, None, wd, low, lora_dtype, settings, needs._replace(weight=False, lora_A=False), gs
     )
@@ -742,14 +687,14 @@ class _LoRAMLP(torch.autograd.Function):
         add_lora_out(up, xa_u, low_u.B_c, params_u.lora_bias, settings_u.scaling)
         del xc
         rows = _mlp_chunk_rows(gate, settings_d.dropout_p)
-        int8_down = isinstance(params_d.weight, _QuantizedBase) and params_d.weight.product is not None
+        int8_down = isinstance(params_d.weight, QuantizedBase) and params_d.weight.product is not None
         if rows >= gate.shape[0] or int8_down:  # (an int8 base's outlier columns are found over all rows)
             h = gated_act_forward(gate, up, act)
             y, low_d = _proj_fwd(h, h, params_d, settings_d)
             del h  # recomputed in the backward
         else:  # h a chunk of rows at a time: never [M, I] at once
             y, low_d = _down_forward_in_chunks(gate, up, act, rows, params_d, settings_d)
-        weights, ctx.quantized = _weights_to_save([params_g, params_u, params_d])
+        weights, ctx.quantized = weights_to_save([params_g.weight, params_u.weight, params_d.weight])
         ctx.save_for_backward(x, gate, up, *weights, *to_flat([low_g, low_u, low_d]))
         ctx.act, ctx.settings = act, settings
         ctx.lora_dtypes = (params_g.lora_A.dtype, params_u.lora_A.dtype, params_d.lora_A.dtype)
@@ -761,7 +706,7 @@ class _LoRAMLP(torch.autograd.Function):
         act, settings_d = ctx.act, ctx.settings[2]
         x, gate, up, *saved = ctx.saved_tensors
         # (4-bit bases: dequantized again where dx = dy W needs them, one at a time, and dropped)
-        wg, wu, wd = _saved_weights(saved[:3], ctx.quantized)
+        wg, wu, wd = saved_weights(saved[:3], ctx.quantized)
         low_g, low_u, low_d = from_flat(_LowRank, saved[3:])
         ld_g, ld_u, ld_d = ctx.lora_dtypes
         need_dx = ctx.needs_input_grad[0]
@@ -841,7 +786,7 @@ def _check_parts(
     if isinstance(weight, (QuantizedWeight, Int8Base)):
         weight = _quantized_base(names[0], x, weight, cast, magnitude is not None)
     tensors = ((names[2], lora_A), (names[3], lora_B))
-    for name, t in tensors if isinstance(weight, _QuantizedBase) else ((names[0], weight), *tensors):
+    for name, t in tensors if isinstance(weight, QuantizedBase) else ((names[0], weight), *tensors):
         validate.check_tensor(name, t)
         validate.check_dtype(name, t)
         validate.check_same_device(name, t, "x", x)
@@ -872,25 +817,24 @@ def _check_parts(
 
 def _quantized_base(
     name: str, x: torch.Tensor, q: QuantizedWeight | Int8Base, cast: torch.dtype | None, dora: bool
-) -> _QuantizedBase:
+) -> QuantizedBase:
     """A 4-bit base weight, or an int8 base layer, checked against ``x``, for the compute dtype ``c``:
     autocast's, else ``x``'s (int8: ``x``'s, outside autocast only)."""
     int8 = isinstance(q, Int8Base)
     weight = q.weight if isinstance(q, Int8Base) else q
-    kind = "an Int8Base" if int8 else "a QuantizedWeight"
     if not int8 and weight.quant_type not in ("nf4", "fp4"):
         raise ValueError(
             f"{name} is a {weight.quant_type} QuantizedWeight; fk.lora fuses 4-bit (nf4, fp4) weights, "
             "and int8 bases as an Int8Base (the weight with its layer's product)"
         )
-    if dora:
-        raise ValueError(f"{name} is {kind}: DoRA on a quantized base is not fused")
+    if dora and int8:
+        raise ValueError(f"{name} is an Int8Base: DoRA on an int8 base is not fused")
     if int8 and cast is not None:
         raise ValueError(f"{name} is an Int8Base: int8 bases are fused outside torch.autocast only")
     validate.check_same_device(f"{name}.data", weight.data, "x", x)
     if weight.shape[1] != x.shape[-1]:
         raise ValueError(f"{name} takes {weight.shape[1]} input features, got x of shape {tuple(x.shape)}")
-    return _QuantizedBase(q, cast if cast is not None else x.dtype)
+    return QuantizedBase(q, cast if cast is not None else x.dtype)
 
 
 def _check_dora_combination(prefix: str, has_lora_bias: bool, cast: torch.dtype | None) -> None:
@@ -907,7 +851,7 @@ def _cast_params(params: _Params, cast: torch.dtype | None) -> _Params:
     ``F.linear``'s operands (autograd sees the casts)."""
     if cast is None:
         return params
-    quantized = isinstance(params.weight, _QuantizedBase)  # (dequantized to autocast's dtype)
+    quantized = isinstance(params.weight, QuantizedBase)  # (dequantized to autocast's dtype)
     return _Params._make(t if t is None or t.dtype == cast or (quantized and i == 0) else t.to(cast) for i, t in enumerate(params))  # fmt: skip
 
 
@@ -931,7 +875,7 @@ def _module_params(
     """The settings, tensors and DoRA magnitude of :func:`_module_parts`, without the width check;
     a 4-bit base (a ``Linear4bit``'s, read by the patcher) is dequantized to ``compute``."""
     weight, bias, lora_A, lora_B, scaling, dropout_p, lora_bias, magnitude = parts
-    base = _QuantizedBase(weight, compute) if isinstance(weight, (QuantizedWeight, Int8Base)) else weight
+    base = QuantizedBase(weight, compute) if isinstance(weight, (QuantizedWeight, Int8Base)) else weight
     params = _Params(base, bias, lora_A, lora_B, lora_bias)
     return Settings(scaling, dropout_p, lora_A.dtype), _cast_params(params, cast), magnitude
 
@@ -1064,7 +1008,7 @@ def lora_mlp(
     composed of DoRA's launchers and :func:`fk.glu.gated_act` (see :func:`module_mlp`).
 
     QLoRA: any of the three base weights may be a 4-bit :class:`fk.lora.quant.QuantizedWeight`
-    (plain LoRA), dequantized where a matmul needs it, one projection's at a time, never saved, or
+    (plain LoRA or DoRA), dequantized where a matmul needs it, one projection's at a time, never saved, or
     an int8 :class:`fk.lora.quant.Int8Base` (plain LoRA, outside autocast; an int8 down projection
     takes all rows at once).
     """

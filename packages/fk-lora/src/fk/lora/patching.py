@@ -29,10 +29,10 @@ members are DoRA or none is), and a DoRA MLP goes to :func:`fk.lora.lora_mlp` (w
 and up, or on neither; otherwise its projections are fused one by one).
 
 QLoRA: a ``lora.Linear`` (PEFT's ``lora.bnb.Linear4bit``) on a bitsandbytes 4-bit base is fused
-alone, in a q/k/v group, and in a gated MLP (any of gate, up and down 4-bit), plain LoRA only:
-DoRA on a 4-bit base is left to PEFT. The same holds for PEFT's ``lora.bnb.Linear8bitLt`` (or a
-``lora.Linear``) on a bitsandbytes LLM.int8() ``Linear8bitLt`` base with ``has_fp16_weights=False``:
-the layer's own product gives the base output (:class:`fk.lora.quant.Int8Base`); a
+alone, in a q/k/v group, and in a gated MLP (any of gate, up and down 4-bit), plain LoRA and DoRA
+(grouped as above). PEFT's ``lora.bnb.Linear8bitLt`` (or a ``lora.Linear``) on a bitsandbytes
+LLM.int8() ``Linear8bitLt`` base with ``has_fp16_weights=False`` is fused in the same places, plain
+LoRA only: the layer's own product gives the base output (:class:`fk.lora.quant.Int8Base`); a
 ``Linear8bitLt`` with ``has_fp16_weights=True``, or not quantized yet, and DoRA on an int8 base are
 left to PEFT.
 
@@ -41,15 +41,15 @@ fused MLP, that no hooks are registered on its projections, which the fused call
 mixed-batch ``adapter_names`` arrive through such hooks): one active adapter,
 not merged, adapters enabled, no LoRA variant but DoRA, DoRA outside autocast (with its dropout
 module in its layer's training mode), a ``torch.nn.Linear`` base layer
-or a bitsandbytes 4-bit ``Linear4bit`` one (plain LoRA, outside autocast, the input in its
+or a bitsandbytes 4-bit ``Linear4bit`` one (plain LoRA or DoRA, outside autocast, the input in its
 ``compute_dtype``) or int8 ``Linear8bitLt`` one (plain LoRA, outside autocast, its bias in the
 input's dtype), base and LoRA weights in fp32, fp16 or bf16, the base weight
 in the input's dtype (any of those under autocast, which casts every operand, as fk.lora's
 functions then do), and PEFT's input dtype
 casting enabled where the LoRA weights' dtype is not the input's. Otherwise
 it runs PEFT's own forward, and says so once per module and reason on the ``fk.lora`` logger.
-Modules that can never take the fused path (quantized, LoRA variants other than DoRA at patch
-time) are left alone and reported as skipped.
+Modules that can never take the fused path (other quantized or custom layers, DoRA on an int8 base,
+LoRA variants other than DoRA at patch time) are left alone and reported as skipped.
 
 This module imports ``peft`` (only when :func:`patch` is called); the rest of fk.lora does not.
 """
@@ -139,7 +139,7 @@ def _is_4bit(module: Any) -> bool:
     """Whether ``module`` is PEFT's ``lora.bnb.Linear4bit`` (or a plain ``lora.Linear``, which PEFT
     builds around a bitsandbytes base where it finds no 4-bit backend, as on CPU) on a quantized
     4-bit bitsandbytes base (duck-typed: its base weight carries a ``quant_state``). fk.lora fuses
-    those on their own, in q/k/v groups and in gated MLPs (plain LoRA)."""
+    those on their own, in q/k/v groups and in gated MLPs (plain LoRA and DoRA)."""
     if type(module) is not _lora_linear_class() and type(module) is not _peft_bnb_class("Linear4bit"):
         return False
     return _has_4bit_weight(_base_layer(module))
@@ -208,10 +208,8 @@ def _static_reason(module: Any, lora_linear_cls: type) -> str | None:
     others = _other_variants(module)
     if others:
         return f"LoRA variant {', '.join(others)} (fk.lora fuses plain LoRA and DoRA)"
-    if quantized and _has_dora(module):
-        if int8:
-            return "DoRA on an int8 base (fk.lora fuses plain LoRA on int8 bases)"
-        return "DoRA on a 4-bit base (fk.lora fuses plain LoRA on 4-bit bases)"
+    if int8 and _has_dora(module):
+        return "DoRA on an int8 base (fk.lora fuses plain LoRA on int8 bases)"
     return None
 
 
@@ -265,7 +263,7 @@ def _call_parts(module: Any, x: Any) -> LoRAWeights | str:
     if not isinstance(x, torch.Tensor) or x.dtype not in _FLOATS:
         return "input is not a float tensor"
     if quantized or int8:
-        return _quantized_parts(module, name, base, x, p, int8)
+        return _quantized_parts(module, name, base, x, p, int8, dora)
     magnitude = None
     if dora:
         if torch.is_autocast_enabled(x.device.type):
@@ -292,16 +290,19 @@ def _call_parts(module: Any, x: Any) -> LoRAWeights | str:
     )  # fmt: skip
 
 
-def _quantized_parts(module: Any, name: str, base: Any, x: torch.Tensor, p: float, int8: bool) -> LoRAWeights | str:
-    """:func:`_call_parts` for a LoRA layer on a bitsandbytes base (plain LoRA, checked up to the
-    dropout), outside autocast (bitsandbytes would cast the input for the base matmul only: PEFT's
-    LoRA branch then sees the uncast input).
+def _quantized_parts(
+    module: Any, name: str, base: Any, x: torch.Tensor, p: float, int8: bool, dora: bool
+) -> LoRAWeights | str:
+    """:func:`_call_parts` for a LoRA layer on a bitsandbytes base (plain LoRA or ``dora``, checked up
+    to the dropout), outside autocast (bitsandbytes would cast the input for the base matmul only:
+    PEFT's LoRA branch then sees the uncast input).
 
     4-bit (``lora.bnb.Linear4bit``): the base weight as a :class:`fk.lora.quant.QuantizedWeight`
     (read at every call: it shares the layer's tensors, no copy), dequantized by the fused call to
     bitsandbytes' ``compute_dtype`` (the input's where bitsandbytes has none yet, as its forward
     sets it) and the bias cast to it, as bitsandbytes' ``Linear4bit.forward`` casts both. The input
-    must already have that dtype.
+    must already have that dtype. DoRA: with its magnitude (its norm from the weight dequantized to
+    bitsandbytes' own dtype, as PEFT's ``dequantize_module_weight`` gives it: fk.lora.dora).
 
     int8 (``lora.bnb.Linear8bitLt``): the layer as an :class:`fk.lora.quant.Int8Base` (its own
     product for the base output; its weight, read at every call, for ``dx``), any float input. Its
@@ -310,8 +311,13 @@ def _quantized_parts(module: Any, name: str, base: Any, x: torch.Tensor, p: floa
     what = "int8" if int8 else "4-bit"
     if torch.is_autocast_enabled(x.device.type):
         return f"{what} base under autocast (fk.lora fuses {what} bases outside autocast)"
-    if module.use_dora.get(name, False):
-        return f"DoRA on a{'n' if int8 else ''} {what} base (fk.lora fuses plain LoRA on {what} bases)"
+    if int8 and dora:
+        return "DoRA on an int8 base (fk.lora fuses plain LoRA on int8 bases)"
+    magnitude = None
+    if dora:
+        magnitude = module._modules["lora_magnitude_vector"]._modules[name]._parameters["weight"]
+        if magnitude is None or magnitude.dtype not in _FLOATS:
+            return "DoRA magnitude is not an fp32, fp16 or bf16 parameter"
     compute = x.dtype if int8 else getattr(base, "compute_dtype", None) or x.dtype
     if compute != x.dtype:
         return f"input dtype {x.dtype} differs from the 4-bit base's compute_dtype {compute}"
@@ -336,7 +342,7 @@ def _quantized_parts(module: Any, name: str, base: Any, x: torch.Tensor, p: floa
         if int8:
             return f"base bias dtype {bias.dtype} differs from the input's {x.dtype} (Linear8bitLt casts it in place)"
         bias = bias.to(compute)  # (autograd carries a trainable bias's gradient back through the cast)
-    return LoRAWeights(weight, bias, lora_a_w, lora_b_w, float(module.scaling[name]), p, lora_b.get("bias"))
+    return LoRAWeights(weight, bias, lora_a_w, lora_b_w, float(module.scaling[name]), p, lora_b.get("bias"), magnitude)
 
 
 def _fallback(module: nn.Module, label: str, reason: str) -> None:

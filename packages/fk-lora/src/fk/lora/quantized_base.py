@@ -1,0 +1,75 @@
+"""A quantized base weight where the launchers take a base weight: :class:`QuantizedBase`, and the
+helpers that dequantize it where a matmul needs it (:func:`dense`) and keep only its packed data
+between forward and backward (:func:`weights_to_save`, :func:`saved_weights`).
+
+Plain LoRA's launchers (:mod:`fk.lora.lora`) and DoRA's (:mod:`fk.lora.dora`) both take one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from fk.lora.quant import Int8Base, QuantizedWeight, dequantize
+
+
+class QuantizedBase:
+    """A 4-bit base weight (:class:`fk.lora.quant.QuantizedWeight`) in the weight slot of a
+    projection's parameters, with the compute dtype ``c`` it is dequantized to; or an int8 one with its
+    layer's ``product`` (:class:`fk.lora.quant.Int8Base`), which gives the forward's base output,
+    while ``W`` is dequantized for the backward's ``dx`` only.
+
+    It is not a tensor, so autograd passes it through ``apply`` untouched (no gradient: the base
+    is frozen) and the autograd functions keep it on ``ctx`` rather than saving a tensor
+    (:func:`weights_to_save`): only the packed data stays alive between forward and backward. The
+    forward dequantizes ``W`` for the base matmul (DoRA: and its norm) into a temporary it drops
+    before the next projection's; the backward dequantizes it again for ``dx = dy W`` (the MLP's
+    down projection: ``dh = dy Wd``), and drops it before the next projection's. So at most one
+    projection's ``W`` is dequantized at a time. (Dequantizing in the wrapper, before ``apply``,
+    would have autograd save the full-precision ``W``: what QLoRA exists to avoid.) ``shape`` and
+    ``dtype`` stand in for the tensor's where the launchers read them.
+
+    Each matmul with ``W`` is cuBLAS's, on the whole ``[N, K]`` matrix dequantized into a temporary
+    (:meth:`dense`), as bitsandbytes 0.50's ``MatMul4Bit`` does in its backward
+    (``dequantize_4bit(...).to(dtype)`` then a matmul). A GEMM dequantizing ``W`` tile by tile inside
+    its loop (no temporary) was slower than this at every size measured, and was removed
+    (``benchmarks/experiments/INDEX.md#tune_qlora_matmul``).
+    """
+
+    __slots__ = ("dtype", "product", "q", "shape")
+
+    def __init__(self, q: QuantizedWeight | Int8Base, dtype: torch.dtype) -> None:
+        self.product = q.product if isinstance(q, Int8Base) else None
+        self.q = q.weight if isinstance(q, Int8Base) else q
+        self.dtype, self.shape = dtype, torch.Size(self.q.shape)
+
+    def dense(self, own_dtype: bool = False) -> torch.Tensor:
+        """``W`` in ``c``. 4-bit: dequantized to bitsandbytes' own dtype (``QuantState.dtype``),
+        then cast, as bitsandbytes' 4-bit matmul does (``dequantize_4bit(...).to(A.dtype)``); with
+        ``own_dtype``, not cast (PEFT's ``dequantize_module_weight``, which DoRA's norm starts from).
+        int8: dequantized to ``c`` directly (one rounding), as bitsandbytes' int8 backward forms it."""
+        if self.product is not None:
+            return dequantize(self.q, dtype=self.dtype)
+        w = dequantize(self.q)
+        return w if own_dtype or w.dtype == self.dtype else w.to(self.dtype)
+
+
+def dense(weight: Any) -> torch.Tensor:
+    """The base weight as a tensor in ``c`` (a :class:`QuantizedBase` dequantized whole). Callers pass
+    the result straight on to the matmuls that need it, so a dequantized weight lives no longer than
+    those (and one projection's at a time)."""
+    return weight.dense() if isinstance(weight, QuantizedBase) else weight
+
+
+def weights_to_save(weights: Sequence[Any]) -> tuple[list[torch.Tensor | None], list[QuantizedBase | None]]:
+    """(the base weights an autograd function saves, None for a quantized one; the quantized ones,
+    which it keeps on ``ctx`` instead: their packed data only, never a dequantized ``W``)."""
+    quantized = [w if isinstance(w, QuantizedBase) else None for w in weights]
+    return [None if q is not None else w for q, w in zip(quantized, weights, strict=True)], quantized
+
+
+def saved_weights(saved: Sequence[torch.Tensor | None], quantized: Sequence[QuantizedBase | None]) -> list[Any]:
+    """:func:`weights_to_save` undone in the backward: each base weight, or its :class:`QuantizedBase`."""
+    return [w if q is None else q for w, q in zip(saved, quantized, strict=True)]
