@@ -24,6 +24,9 @@ twice (the forward's base matmul, and the backward's input gradient: QLoRA keeps
 weight), each reading the packed codes and the scales and writing the bf16 weight, at the copy
 bandwidth; both ceilings are measured in the same run (``fk.core.bench.floor_ms``).
 
+``--dora --qlora``: DoRA adapters on those 4-bit bases (record ``lora_dora_qlora.json``); the floor is
+DoRA's FLOPs with the two dequantizations of each weight (the norm reads the forward's).
+
 Run on a GPU:  python benchmarks/bench_lora.py --out benchmarks/results/lora.json
                python benchmarks/bench_lora.py --qlora          (benchmarks/results/lora_qlora.json)
 Try on a CPU:  python benchmarks/bench_lora.py --qlora --tiny --out /tmp/lora   (tiny shapes; fk in
@@ -198,13 +201,10 @@ def _against_ceilings(ceilings: bench.Ceilings | None, block: str, tokens: int, 
     ceilings (the CPU)."""
     if ceilings is None:
         return {}
-    if qlora:
-        floor = bench.floor_ms(
-            ceilings, nbytes=2 * dequantization_bytes(block, shape), flops=_flops(block, tokens, shape)
-        )
-        return {"floor_ms": floor, "floor_fraction": floor / ms}
-    if dora:
-        flops, nbytes = dora_floor_work(block, tokens, dropout, shape)
+    if qlora or dora:
+        flops, nbytes = dora_floor_work(block, tokens, dropout, shape) if dora else (_flops(block, tokens, shape), 0)
+        if qlora:  # each 4-bit weight dequantized twice (forward, dx); DoRA's norm reads the forward's
+            nbytes = 2 * dequantization_bytes(block, shape)
         floor = bench.floor_ms(ceilings, nbytes=nbytes, flops=flops)
         return {"floor_ms": floor, "floor_fraction": floor / ms}
     achieved = bench.tflops(_flops(block, tokens, shape), ms)
@@ -255,7 +255,7 @@ def measure(record: bench.BenchRecord, ceilings: bench.Ceilings | None, block: s
 
 def record_path(out: Path, dora: bool = False, qlora: bool = False) -> Path:
     """The JSON record ``out`` names: ``out`` itself, or inside a directory ``lora.json`` (with DoRA
-    adapters ``lora_dora.json``, on 4-bit bases ``lora_qlora.json``)."""
+    adapters ``lora_dora.json``, on 4-bit bases ``lora_qlora.json``, both ``lora_dora_qlora.json``)."""
     if out.is_dir() or not out.suffix:
         return out / f"{NAME}{'_dora' if dora else ''}{'_qlora' if qlora else ''}.json"
     return out
@@ -268,7 +268,9 @@ def run(tokens: list[int], dropouts: list[float], adapters: list[str], out: Path
              else "Llama-3.1-8B layer shapes")  # fmt: skip
     base = (f"4-bit base (bitsandbytes Linear4bit: {QUANT_TYPE}, nested absmax, blocksize {QUANT_BLOCKSIZE}, bf16 "
             "compute; PEFT's lora.bnb.Linear4bit)" if qlora else "bf16 base (frozen)")  # fmt: skip
-    accounting = ("floor: base matmul FLOPs of forward and input gradient at the matmul ceiling + two "
+    accounting = ("floor: base matmul FLOPs of forward and input gradient (DoRA with dropout: twice) at the matmul "
+                  "ceiling + two dequantizations of each weight at the copy bandwidth" if qlora and dora
+                  else "floor: base matmul FLOPs of forward and input gradient at the matmul ceiling + two "
                   "dequantizations of each weight at the copy bandwidth" if qlora
                   else DORA_FLOOR if dora else "FLOPs: base matmuls of forward and input gradient")  # fmt: skip
     record = bench.BenchRecord(
@@ -369,8 +371,6 @@ def main() -> None:
     else:
         if DEVICE == "cpu" and not args.tiny:
             parser.error("the benchmark needs a CUDA GPU; on a CPU run it with --tiny")
-        if args.dora and args.qlora:
-            parser.error("--qlora times plain LoRA adapters (fk.lora leaves DoRA on 4-bit bases to PEFT)")
         tokens = args.tokens or ([64] if args.tiny else [4096, 16384])
         rep = args.rep or (2 if args.tiny else 20)
         out = record_path(args.out or Path("benchmarks/results"), args.dora, args.qlora)
