@@ -209,7 +209,7 @@ def _static_reason(module: Any, lora_linear_cls: type) -> str | None:
     if others:
         return f"LoRA variant {', '.join(others)} (fk.lora fuses plain LoRA and DoRA)"
     if int8 and _has_dora(module):
-        return "DoRA on an int8 base (fk.lora fuses plain LoRA on int8 bases)"
+        return _INT8_DORA
     return None
 
 
@@ -264,13 +264,11 @@ def _call_parts(module: Any, x: Any) -> LoRAWeights | str:
         return "input is not a float tensor"
     if quantized or int8:
         return _quantized_parts(module, name, base, x, p, int8, dora)
-    magnitude = None
-    if dora:
-        if torch.is_autocast_enabled(x.device.type):
-            return "DoRA under autocast (fk.lora fuses DoRA outside autocast)"
-        magnitude = children["lora_magnitude_vector"]._modules[name]._parameters["weight"]
-        if magnitude is None or magnitude.dtype not in _FLOATS:
-            return "DoRA magnitude is not an fp32, fp16 or bf16 parameter"
+    if dora and torch.is_autocast_enabled(x.device.type):
+        return "DoRA under autocast (fk.lora fuses DoRA outside autocast)"
+    magnitude = _dora_magnitude(module, name) if dora else None
+    if isinstance(magnitude, str):
+        return magnitude
     lora_a, lora_b = lora_a_dict[name]._parameters, lora_b_dict[name]._parameters
     weight, lora_a_w, lora_b_w = base._parameters["weight"], lora_a["weight"], lora_b["weight"]
     assert weight is not None and lora_a_w is not None and lora_b_w is not None
@@ -288,6 +286,18 @@ def _call_parts(module: Any, x: Any) -> LoRAWeights | str:
         weight, base._parameters.get("bias"), lora_a_w, lora_b_w, float(module.scaling[name]), p, lora_b.get("bias"),
         magnitude,
     )  # fmt: skip
+
+
+_INT8_DORA = "DoRA on an int8 base (fk.lora fuses plain LoRA on int8 bases)"
+"""Why a DoRA layer on a bitsandbytes int8 base is left to PEFT (at patch time and at a call)."""
+
+
+def _dora_magnitude(module: Any, name: str) -> torch.Tensor | str:
+    """Adapter ``name``'s DoRA magnitude vector, or why fk cannot take it."""
+    magnitude = module._modules["lora_magnitude_vector"]._modules[name]._parameters["weight"]
+    if magnitude is None or magnitude.dtype not in _FLOATS:
+        return "DoRA magnitude is not an fp32, fp16 or bf16 parameter"
+    return magnitude
 
 
 def _quantized_parts(
@@ -312,12 +322,10 @@ def _quantized_parts(
     if torch.is_autocast_enabled(x.device.type):
         return f"{what} base under autocast (fk.lora fuses {what} bases outside autocast)"
     if int8 and dora:
-        return "DoRA on an int8 base (fk.lora fuses plain LoRA on int8 bases)"
-    magnitude = None
-    if dora:
-        magnitude = module._modules["lora_magnitude_vector"]._modules[name]._parameters["weight"]
-        if magnitude is None or magnitude.dtype not in _FLOATS:
-            return "DoRA magnitude is not an fp32, fp16 or bf16 parameter"
+        return _INT8_DORA
+    magnitude = _dora_magnitude(module, name) if dora else None
+    if isinstance(magnitude, str):
+        return magnitude
     compute = x.dtype if int8 else getattr(base, "compute_dtype", None) or x.dtype
     if compute != x.dtype:
         return f"input dtype {x.dtype} differs from the 4-bit base's compute_dtype {compute}"
