@@ -1,5 +1,6 @@
-"""fk.lora's DoRA elementwise kernels against float64: the forward's ``y`` and ``z`` with dropout, and
-the backward's ``dmag``, ``db``, ``dy_ms`` and ``dy_ms1`` from one pass over ``dy``."""
+"""fk.lora's DoRA elementwise kernels against float64: the forward's ``y = ms z + b`` without dropout,
+its ``y`` and ``z`` with dropout, and the backward's ``dmag``, ``db``, ``dy_ms`` and ``dy_ms1`` from
+one pass over ``dy``."""
 
 from __future__ import annotations
 
@@ -17,6 +18,9 @@ from fk.lora.dora_elementwise import (
     dora_grad_terms,
     dora_grad_terms_ref,
     dora_grad_terms_torch,
+    dora_scaled_output,
+    dora_scaled_output_ref,
+    dora_scaled_output_torch,
 )
 
 SHAPES = [(1, 1), (7, 130), (37, 257), (45, 600)]  # (M, N): odd rows, widths not a power of two
@@ -39,6 +43,31 @@ def _forward_inputs(
     xa = testing.random_tensor((m, r), dtype, device, seed=seed + 2)
     B = testing.random_tensor((n, r), dtype, device, seed=seed + 3, scale=r**-0.5)
     return base, zd, LowRank(xa, B, 2.0)
+
+
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no_bias", "bias"])
+@pytest.mark.parametrize(("m", "n"), SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
+def test_scaled_output_matches_reference(device: str, dtype: torch.dtype, m: int, n: int, with_bias: bool) -> None:
+    z = testing.random_tensor((m, n), dtype, device, seed=1)
+    ms, _ = _scale(n, device, seed=2)
+    bias = testing.random_tensor((n,), dtype, device, seed=3) if with_bias else None
+    y = dora_scaled_output(z, ms, bias)
+    baseline = dora_scaled_output_torch(z, ms, bias)
+    assert y.dtype == dtype and y.shape == z.shape and y.data_ptr() != z.data_ptr()
+    testing.assert_close(y, dora_scaled_output_ref(z, ms, bias), baseline, name="y")
+    if bias is None:  # one fp32 product rounded once to the dtype, as torch.mul rounds it: the same bits
+        assert torch.equal(y, baseline)
+
+
+def test_scaled_output_reads_rows_of_a_wider_buffer(device: str) -> None:
+    # z as a column slice of a wider buffer (row stride 300) and with a leading batch dimension
+    wide = testing.random_tensor((2, 19, 300), torch.bfloat16, device, seed=4)
+    z = wide[..., :257]
+    ms, _ = _scale(257, device, seed=5)
+    y = dora_scaled_output(z, ms, None)
+    assert y.shape == z.shape
+    assert torch.equal(y, dora_scaled_output_torch(z.contiguous(), ms, None))
 
 
 @pytest.mark.parametrize("with_bias", [False, True], ids=["no_bias", "bias"])

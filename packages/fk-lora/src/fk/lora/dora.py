@@ -9,8 +9,8 @@ built from (:mod:`fk.lora.projection`), and take a 4-bit (QLoRA) base as plain L
 (:mod:`fk.lora.quantized_base`: dequantized where needed, never saved).
 
 This file holds, in order: the reference (:func:`dora_ref`, the DoRA half of
-:func:`fk.lora.lora_linear_ref`), then the launchers, their equations first (the row norm
-:func:`dora_weight_norm` among them).
+:func:`fk.lora.lora_linear_ref`), then the launchers, their equations first (the row norm is
+:func:`fk.lora.dora_norm.dora_weight_norm`'s).
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ import torch.nn.functional as F
 
 from fk.core.matmul import scaled_mm
 from fk.glu import gated_act_backward, gated_act_forward
-from fk.lora.dora_elementwise import LowRank, dora_dropout_output, dora_grad_terms
+from fk.lora.dora_elementwise import LowRank, dora_dropout_output, dora_grad_terms, dora_scaled_output
+from fk.lora.dora_norm import dora_weight_norm
 from fk.lora.masked_low_rank import add_masked_low_rank_
 from fk.lora.projection import (
     Settings,
@@ -89,8 +90,8 @@ def dora_ref(
 # With dropout, y and z come from one pass over x2 W^T and zd (fk.lora.dora_elementwise), which
 # forms lr in registers from xa and B, and writes y over x2 W^T's buffer and z over zd's.
 #
-# The norm reads W once, in row chunks of DORA_NORM_CHUNK_ELEMENTS, forming each chunk of W + s B A
-# in fp32 (2 N K r FLOPs in all, as for B A itself; no [N, K] buffer). The cheaper-looking
+# The norm reads W once (fk.lora.dora_norm: each tile of W + s B A formed in fp32 registers, 2 N K r
+# FLOPs in all, as for B A itself; no [N, K] buffer). The cheaper-looking
 # expansion n^2 = ||W||^2 + 2 s <W A^T, B>_row + s^2 <B (A A^T), B>_row costs the same 2 N K r for
 # W A^T and cancels where s B A pulls a row of W towards zero: its relative error is
 # eps ||W||^2 / n^2 against eps for the direct sum, so the direct form is the one taken.
@@ -114,9 +115,6 @@ def dora_ref(
 # cast to c for x2 W^T and, with dropout, zd, and dropped before the next projection's. The backward
 # dequantizes it again to c where dx needs it (dy_ms W; with dropout dy W and dy_ms1 W from one
 # dequantized W), and drops it. Only the packed data is kept between forward and backward.
-
-DORA_NORM_CHUNK_ELEMENTS = 1 << 24
-"""Elements of ``W + s B A`` the DoRA norm forms at a time, in fp32 (64 MiB): never ``[N, K]`` whole."""
 
 
 class DoRAParams(NamedTuple):
@@ -169,22 +167,6 @@ class _DoRALowRank(NamedTuple):
     """``n`` ``[N]``, fp32 (holding the dropout dtype's rounding)."""
 
 
-def dora_weight_norm(
-    weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor, scaling: float, dtype: torch.dtype
-) -> torch.Tensor:
-    """DoRA's ``n = ||W + s B A||`` over each row of ``W`` ``[N, K]``, detached: formed in fp32 a
-    chunk of rows at a time (:data:`DORA_NORM_CHUNK_ELEMENTS`), rounded to ``dtype`` (PEFT's: the
-    LoRA branch's input dtype) and returned in fp32 ``[N]``."""
-    W, A32, B32 = weight.detach(), lora_A.detach().float(), lora_B.detach().float()
-    norm = torch.empty(W.shape[0], dtype=torch.float32, device=W.device)
-    n_rows = max(1, DORA_NORM_CHUNK_ELEMENTS // max(1, W.shape[1]))
-    for start in range(0, W.shape[0], n_rows):
-        rows = slice(start, start + n_rows)
-        merged = torch.addmm(W[rows].float(), B32[rows], A32, alpha=scaling)  # W + s B A, these rows
-        norm[rows] = torch.linalg.vector_norm(merged, dim=1)
-    return norm.to(dtype).float()
-
-
 def _dora_fwd(
     x2: torch.Tensor,
     xa: torch.Tensor,
@@ -208,10 +190,7 @@ def _dora_fwd(
     if mask is None:
         z = add_lora_out(base_out(x2, weight, None), xa, B_c, None, scaling)
         del weight  # (a dequantized W is dropped before the next projection's)
-        y = torch.empty_like(z)  # ms * z + b: one pass, computed in fp32 (ms's dtype), rounded once
-        if params.bias is None:
-            return torch.mul(z, ms, out=y), _DoRALowRank(xa, mask, A_c, B_c, z, ms, norm)
-        return torch.addcmul(params.bias, z, ms, out=y), _DoRALowRank(xa, mask, A_c, B_c, z, ms, norm)
+        return dora_scaled_output(z, ms, params.bias), _DoRALowRank(xa, mask, A_c, B_c, z, ms, norm)
     f = 1.0 / (1.0 - p)
     zd = scaled_mm(kept_input(x2, mask, dropout_dtype, c), weight.t(), f, c)
     base = base_out(x2, weight, None)
@@ -325,13 +304,6 @@ class DoRAProjections(torch.autograd.Function):
         return (dx, None, *to_flat(grads))
 
 
-def _dora_output(low: _DoRALowRank, bias: torch.Tensor | None) -> torch.Tensor:
-    """A DoRA projection's output without dropout, ``ms * z + b``, recomputed from what its forward
-    kept, as :func:`_dora_fwd` computed it (the same op on the same tensors: the same values)."""
-    y = torch.empty_like(low.z)
-    return torch.mul(low.z, low.ms, out=y) if bias is None else torch.addcmul(bias, low.z, low.ms, out=y)
-
-
 class DoRAMLP(torch.autograd.Function):
     """``down(act(gate(x)) * up(x))`` with DoRA on all three projections; ``act`` is fk.glu's kernel.
 
@@ -375,8 +347,9 @@ class DoRAMLP(torch.autograd.Function):
         need_dx = ctx.needs_input_grad[0]
         needs_g, needs_u, needs_d = from_flat(_DoRANeeds, ctx.needs_input_grad[3:])
         need_gu = need_dx or any(needs_g) or any(needs_u)
-        gate = kept_g if kept_g is not None else _dora_output(low_g, bias_g)
-        up = kept_u if kept_u is not None else _dora_output(low_u, bias_u)
+        # without dropout, recomputed as _dora_fwd computed them (the same op on the same tensors)
+        gate = kept_g if kept_g is not None else dora_scaled_output(low_g.z, low_g.ms, bias_g)
+        up = kept_u if kept_u is not None else dora_scaled_output(low_u.z, low_u.ms, bias_u)
         h = gated_act_forward(gate, up, ctx.act)
         dy2 = dy.reshape(-1, dy.shape[-1])
         grads_d, dh = _dora_bwd(dy2, h, wd, low_d, dtypes_d, settings_d, needs_d, None, need_gu)

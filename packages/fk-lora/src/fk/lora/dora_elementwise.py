@@ -4,8 +4,12 @@ A DoRA projection (:mod:`fk.lora.dora`, whose notation this file keeps: ``ms = m
 fp32, ``zd = d(x2) W^T``, ``lr = s xa B^T``, ``z`` what ``ms`` multiplies, ``c`` the compute dtype)
 scales its matmuls' ``[M, N]`` outputs column by column. With torch ops each scale or sum is a
 pass of its own, and the fp32 ones (the forward's sum, the magnitude's column sum) go through fp32
-copies of ``[M, N]``. The two kernels here do each group in one pass:
+copies of ``[M, N]``. The kernels here do each group in one pass:
 
+- :func:`dora_scaled_output` (forward without dropout, and the MLP backward's recomputation):
+  ``y = ms z + b`` in fp32, rounded once; reads ``z``, writes ``y``. (``torch.mul`` of a
+  ``[M, N]`` tensor in ``c`` by an fp32 ``[N]`` into ``c`` takes TensorIterator's slow path for
+  mixed dtypes, at about a quarter of the copy bandwidth.)
 - :func:`dora_dropout_output` (forward, with dropout): ``y = x2 W^T + (ms - 1) zd + ms lr + b``
   summed in fp32 and rounded once, and ``z = zd + lr``; reads two ``[M, N]`` tensors in ``c`` and
   writes two over them. ``lr`` is formed tile by tile in registers from its rank-sized factors
@@ -15,9 +19,10 @@ copies of ``[M, N]``. The two kernels here do each group in one pass:
   ``dy_ms = ms * dy`` and ``dy_ms1 = (ms - 1) * dy`` (each one fp32 product rounded to ``c``,
   as ``torch.mul`` rounds it); reads ``dy`` and ``z``, writes the two scaled gradients.
 
-Both have no backward of their own: they run inside fk.lora's DoRA autograd functions. Off
-Triton's path (a CPU tensor without the interpreter) and under ``torch.compile`` they are the torch
-expressions they replace (:func:`dora_dropout_output_torch`, :func:`dora_grad_terms_torch`).
+None has a backward of its own: they run inside fk.lora's DoRA autograd functions. Off Triton's
+path (a CPU tensor without the interpreter) and under ``torch.compile`` they are the torch
+expressions they replace (:func:`dora_scaled_output_torch`, :func:`dora_dropout_output_torch`,
+:func:`dora_grad_terms_torch`).
 
 This file holds, in order: the float64 references and the torch expressions, the kernels, their
 launch table, the launchers.
@@ -53,6 +58,19 @@ class LowRank(NamedTuple):
     def product(self) -> torch.Tensor:
         """``lr`` in ``c``: one matmul, scaled and rounded once (:func:`fk.core.matmul.scaled_mm`)."""
         return scaled_mm(self.xa, self.B.t(), self.scaling, self.xa.dtype)
+
+
+def dora_scaled_output_ref(z: torch.Tensor, ms: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``ms z + b`` in float64: what :func:`dora_scaled_output` rounds."""
+    y = z.double() * ms.double()
+    return y if bias is None else y + bias.double()
+
+
+def dora_scaled_output_torch(z: torch.Tensor, ms: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """:func:`dora_scaled_output` in torch ops: one mixed-dtype pass, computed in fp32 (``ms``'s
+    dtype) and rounded once to ``z``'s."""
+    y = torch.empty_like(z)
+    return torch.mul(z, ms, out=y) if bias is None else torch.addcmul(bias, z, ms, out=y)
 
 
 def dora_dropout_output_ref(
@@ -117,7 +135,9 @@ def dora_grad_terms_torch(
 
 # --- 2. Kernels -----------------------------------------------------------------------------------
 #
-# Forward, per element (i, j), all in fp32 from c, one rounding to c per output:
+# Forward without dropout, per element (i, j), in fp32 from c, one rounding to c:
+#   y[i, j] = ms_j z[i, j] + b_j
+# Forward with dropout, per element (i, j), all in fp32 from c, one rounding to c per output:
 #   lr[i, j] = c(s sum_k xa[i, k] B[j, k])                              (c(): rounded to c)
 #   y[i, j] = base[i, j] + (ms_j - 1) zd[i, j] + ms_j lr[i, j] + b_j    (added in that order)
 #   z[i, j] = zd[i, j] + lr[i, j]
@@ -127,6 +147,30 @@ def dora_grad_terms_torch(
 # A backward program owns a strip of columns and every P-th tile of rows; it adds its tiles' dy z
 # and dy in fp32 registers and writes one partial row of each (dmag's divided by n), which
 # sum_rows_pair then adds over the P programs and rounds to the parameters' dtypes.
+
+
+@triton.jit
+def _dora_scaled_output_kernel(
+    z_ptr,  # [M, N] in c
+    ms_ptr,  # [N] fp32
+    bias_ptr,  # [N] b (read only when HAS_BIAS)
+    y_ptr,  # [M, N] out, c, contiguous
+    n_rows,
+    n_cols,
+    z_row_stride,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_COLS: tl.constexpr,
+):
+    rows = (tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
+    col_ok = cols < n_cols
+    ok = (rows < n_rows)[:, None] & col_ok[None, :]
+    z = tl.load(z_ptr + rows[:, None] * z_row_stride + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+    y = z * tl.load(ms_ptr + cols, mask=col_ok, other=0.0)[None, :]
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + rows[:, None] * n_cols + cols[None, :], round_to(y, y_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -239,11 +283,12 @@ class LaunchParams(NamedTuple):
     programs_per_sm: int  # backward: programs (row groups x column strips) per multiprocessor
 
 
-# Both are streaming passes: a tile of 4096 elements, 32 a thread over 4 warps, keeps enough loads
+# All are streaming passes: a tile of 4096 elements, 32 a thread over 4 warps, keeps enough loads
 # in flight. The backward's row groups are sized so the grid is a few waves of programs, each
 # writing one fp32 partial row per sum (a few MiB in all, read back from L2 by sum_rows_pair).
 # xa and B are rank-sized and come from L2 for every forward tile. Not tuned on a GPU yet.
 LAUNCH = {
+    "scale": LaunchParams(block_rows=32, block_cols=128, block_rank=0, num_warps=4, programs_per_sm=0),
     "forward": LaunchParams(block_rows=32, block_cols=128, block_rank=16, num_warps=4, programs_per_sm=0),
     "backward": LaunchParams(block_rows=32, block_cols=128, block_rank=0, num_warps=4, programs_per_sm=4),
 }
@@ -254,6 +299,25 @@ LAUNCH = {
 
 def _on_kernel_path(t: torch.Tensor) -> bool:
     return uses_kernel(t) and not torch.compiler.is_compiling() and t.numel() > 0
+
+
+def dora_scaled_output(z: torch.Tensor, ms: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """A DoRA projection's output without dropout, ``y = ms z + b`` (in fp32, rounded once to
+    ``z``'s dtype ``c``), a new tensor: one pass over ``z`` ``[..., N]`` (any row stride), ``ms``
+    ``[N]`` fp32, ``bias`` ``[N]`` or None."""
+    if not _on_kernel_path(z):
+        return dora_scaled_output_torch(z, ms, bias)
+    z_rows = as_rows(z)
+    n_rows, n_cols = z_rows.shape
+    y = torch.empty((n_rows, n_cols), dtype=z.dtype, device=z.device)
+    params = LAUNCH["scale"]
+    grid = (cdiv(n_rows, params.block_rows), cdiv(n_cols, params.block_cols))
+    _dora_scaled_output_kernel[grid](
+        z_rows, ms, bias if bias is not None else ms, y, n_rows, n_cols, z_rows.stride(0),
+        HAS_BIAS=bias is not None, BLOCK_ROWS=params.block_rows, BLOCK_COLS=params.block_cols,
+        num_warps=params.num_warps,
+    )  # fmt: skip
+    return y.view(z.shape)
 
 
 def dora_dropout_output(
