@@ -8,6 +8,8 @@
 - :func:`gated_act_forward` / :func:`gated_act_backward`: the activation and its gradients with no
   autograd node, for use inside other autograd Functions (fk.lora's LoRA MLP);
   :func:`gated_act_backward_with_value` also recomputes the activation in the same pass.
+- :func:`activation_and_derivative` (a ``triton.jit`` function) and :func:`activation_code`: the
+  activation and its derivative in fp32 registers, for other packages' kernels that fuse them.
 - :class:`GatedMLP`: gate/up/down projections, state_dict-compatible with Hugging Face's LlamaMLP
   and GemmaMLP.
 """
@@ -16,6 +18,8 @@ from fk.glu.glu import (
     ACTIVATIONS,
     HF_ACTIVATIONS,
     GatedMLP,
+    activation_and_derivative,
+    activation_code,
     gated_act,
     gated_act_backward,
     gated_act_backward_ref,
@@ -39,6 +43,8 @@ __all__ = [
     "ACTIVATIONS",
     "HF_ACTIVATIONS",
     "GatedMLP",
+    "activation_and_derivative",
+    "activation_code",
     "gated_act",
     "gated_act_backward",
     "gated_act_backward_ref",

@@ -121,8 +121,10 @@ _INV_SQRT_2PI = tl.constexpr(0.3989422804014327)
 
 
 @triton.jit
-def _activation(a, ACTIVATION: tl.constexpr):
-    """(act(a), act'(a)) for fp32 ``a``; ACTIVATION 0 = silu, 1 = gelu_tanh, 2 = gelu (erf)."""
+def activation_and_derivative(a, ACTIVATION: tl.constexpr):
+    """(act(a), act'(a)) for fp32 ``a``; ACTIVATION 0 = silu, 1 = gelu_tanh, 2 = gelu (erf)
+    (:func:`activation_code`). Public: other packages' kernels that fuse a gated activation
+    (fk.lora's DoRA MLP) call it."""
     if ACTIVATION == 2:
         cdf = 0.5 + 0.5 * tl.math.erf(a * _INV_SQRT2)
         act = a * cdf
@@ -174,7 +176,7 @@ def _glu_fwd_kernel(
     row0, col0, r, c, mask = _tile(n_rows, n_cols, ROWS, BLOCK_COLS, OFFSETS_64)
     a = tl.load(a_ptr + (row0 * a_row_stride + col0) + (r * a_row_stride + c), mask=mask, other=0.0)
     b = tl.load(b_ptr + (row0 * b_row_stride + col0) + (r * b_row_stride + c), mask=mask, other=0.0)
-    act, _ = _activation(a.to(tl.float32), ACTIVATION)
+    act, _ = activation_and_derivative(a.to(tl.float32), ACTIVATION)
     y = act * b.to(tl.float32)
     tl.store(y_ptr + (row0 * y_row_stride + col0) + (r * y_row_stride + c), y.to(y_ptr.dtype.element_ty), mask=mask)
 
@@ -207,7 +209,7 @@ def _glu_bwd_kernel(
     dy = tl.load(dy_ptr + (row0 * dy_row_stride + col0) + (r * dy_row_stride + c), mask=mask, other=0.0)
     a = tl.load(a_ptr + (row0 * a_row_stride + col0) + (r * a_row_stride + c), mask=mask, other=0.0)
     dy = dy.to(tl.float32)
-    act, grad = _activation(a.to(tl.float32), ACTIVATION)
+    act, grad = activation_and_derivative(a.to(tl.float32), ACTIVATION)
     if COMPUTE_DA or STORE_H:
         b = tl.load(b_ptr + (row0 * b_row_stride + col0) + (r * b_row_stride + c), mask=mask, other=0.0)
         b = b.to(tl.float32)
@@ -231,6 +233,14 @@ BWD_TILE = 2048
 BWD_WARPS = 4
 _INT32_MAX = 2**31 - 1
 _CODES = {name: code for code, name in enumerate(ACTIVATIONS)}
+
+
+def activation_code(activation: str) -> int:
+    """The ``ACTIVATION`` constexpr of :func:`activation_and_derivative` for an activation's name
+    (any name :func:`resolve_activation` takes)."""
+    return _CODES[resolve_activation(activation)]
+
+
 _FLOAT_DTYPES = frozenset(validate.FLOAT_DTYPES)
 
 

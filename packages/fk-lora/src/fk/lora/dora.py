@@ -22,7 +22,14 @@ import torch.nn.functional as F
 
 from fk.core.matmul import scaled_mm
 from fk.glu import gated_act_backward, gated_act_forward
-from fk.lora.dora_elementwise import LowRank, dora_dropout_output, dora_grad_terms, dora_scaled_output
+from fk.lora.dora_elementwise import (
+    DoRAGradTerms,
+    LowRank,
+    dora_dropout_output,
+    dora_grad_terms,
+    dora_scaled_output,
+)
+from fk.lora.dora_glu import ScaledProjection, dora_gated_act, dora_gated_act_grad_terms
 from fk.lora.dora_norm import dora_weight_norm
 from fk.lora.masked_low_rank import add_masked_low_rank_
 from fk.lora.projection import (
@@ -174,9 +181,11 @@ def _dora_fwd(
     A_c: torch.Tensor,
     params: DoRAParams,
     settings: Settings,
-) -> tuple[torch.Tensor, _DoRALowRank]:
+    want_output: bool = True,
+) -> tuple[torch.Tensor | None, _DoRALowRank]:
     """One DoRA projection of ``x2`` ``[M, K]`` (in ``c``) given its LoRA input product ``xa`` and
-    mask: (y ``[M, N]`` in ``c``, what its backward keeps)."""
+    mask: (y ``[M, N]`` in ``c``, what its backward keeps). Without dropout and ``want_output``
+    False, y is not formed (None): the caller forms it from ``z`` (:mod:`fk.lora.dora_glu`)."""
     c = x2.dtype
     scaling, p, dropout_dtype = settings
     weight = params.weight
@@ -190,7 +199,8 @@ def _dora_fwd(
     if mask is None:
         z = add_lora_out(base_out(x2, weight, None), xa, B_c, None, scaling)
         del weight  # (a dequantized W is dropped before the next projection's)
-        return dora_scaled_output(z, ms, params.bias), _DoRALowRank(xa, mask, A_c, B_c, z, ms, norm)
+        y = dora_scaled_output(z, ms, params.bias) if want_output else None
+        return y, _DoRALowRank(xa, mask, A_c, B_c, z, ms, norm)
     f = 1.0 / (1.0 - p)
     zd = scaled_mm(kept_input(x2, mask, dropout_dtype, c), weight.t(), f, c)
     base = base_out(x2, weight, None)
@@ -199,8 +209,22 @@ def _dora_fwd(
     return y, _DoRALowRank(xa, mask, A_c, B_c, z, ms, norm)
 
 
+def _grad_dtypes(
+    weight: Any, dtypes: tuple[torch.dtype, torch.dtype], needs: _DoRANeeds
+) -> tuple[torch.dtype | None, torch.dtype | None]:
+    """The dtypes of the magnitude's and the bias's gradients, None where not needed."""
+    return (dtypes[1] if needs.magnitude else None, weight.dtype if needs.bias else None)
+
+
+def _wants(low: _DoRALowRank, needs: _DoRANeeds, need_dx: bool) -> tuple[bool, bool]:
+    """Whether the backward needs ``dy_ms`` and ``dy_ms1`` (see the equations above)."""
+    need_dy_ms = need_dx or needs.lora_A or needs.lora_B or (low.mask is None and needs.weight)
+    need_dy_ms1 = low.mask is not None and (needs.weight or need_dx)
+    return need_dy_ms, need_dy_ms1
+
+
 def _dora_bwd(
-    dy: torch.Tensor,
+    dy: torch.Tensor | None,
     x2: torch.Tensor,
     weight: Any,
     low: _DoRALowRank,
@@ -209,23 +233,22 @@ def _dora_bwd(
     needs: _DoRANeeds,
     dx: torch.Tensor | None,
     need_dx: bool,
+    terms: DoRAGradTerms | None = None,
 ) -> tuple[_DoRAGrads, torch.Tensor | None]:
     """The backward of :func:`_dora_fwd` (see the equations above): (the parameter gradients, dx
     with this projection's terms added, a new buffer when ``dx`` is None). ``dtypes``: the LoRA
     weights' and the magnitude's. ``weight`` is ``W`` or its :class:`QuantizedBase`, dequantized
-    here for ``dx`` only and dropped on return."""
-    lora_dtype, magnitude_dtype = dtypes
+    here for ``dx`` only and dropped on return. ``terms``: the terms formed from ``dy``, where the
+    caller formed them (:mod:`fk.lora.dora_glu`; then ``dy`` is None), else None."""
+    lora_dtype = dtypes[0]
     scaling, p, dropout_dtype = settings
-    c = dy.dtype
     f = 1.0 if low.mask is None else 1.0 / (1.0 - p)
-    # dmag, db, dy_ms and (dropout) dy_ms1 in one pass over dy, each formed only where needed
-    need_dy_ms = need_dx or needs.lora_A or needs.lora_B or (low.mask is None and needs.weight)
-    need_dy_ms1 = low.mask is not None and (needs.weight or need_dx)
-    terms = dora_grad_terms(
-        dy, low.z, low.ms, low.norm,
-        (magnitude_dtype if needs.magnitude else None, weight.dtype if needs.bias else None),
-        (need_dy_ms, need_dy_ms1),
-    )  # fmt: skip
+    if terms is None:  # dmag, db, dy_ms and (dropout) dy_ms1 in one pass over dy, each only where needed
+        assert dy is not None
+        terms = dora_grad_terms(
+            dy, low.z, low.ms, low.norm, _grad_dtypes(weight, dtypes, needs), _wants(low, needs, need_dx)
+        )
+    c = low.z.dtype
     grads = _DoRAGrads(bias=terms.bias, magnitude=terms.magnitude)
     dy_ms, dy_ms1 = terms.dy_ms, terms.dy_ms1
     if dy_ms is None and dy_ms1 is None:  # only mag or b needs a gradient
@@ -249,6 +272,7 @@ def _dora_bwd(
             dx = torch.mm(dy_ms, w) if dx is None else dx.addmm_(dy_ms, w)
             dx.addmm_(gs, low.A_c)
         return grads, dx
+    assert dy is not None  # (a caller forms the terms only without dropout)
     if needs.weight:
         assert kept is not None and dy_ms1 is not None
         dW = scaled_mm(dy.t(), x2, 1.0, torch.float32).add_(scaled_mm(dy_ms1.t(), kept, f, torch.float32))
@@ -275,6 +299,7 @@ class DoRAProjections(torch.autograd.Function):
         outs, lows = [], []
         for xa, mask, A_c, proj, setting in zip(xas, masks, A_cs, params, settings, strict=True):
             y, low = _dora_fwd(x2, xa, mask, A_c, proj, setting)
+            assert y is not None
             lows.append(low)
             outs.append(y.view(*x.shape[:-1], y.shape[-1]))
         kept_weights, ctx.quantized = weights_to_save([proj.weight for proj in params])
@@ -304,15 +329,30 @@ class DoRAProjections(torch.autograd.Function):
         return (dx, None, *to_flat(grads))
 
 
+def _gate_up(
+    lows: tuple[_DoRALowRank, _DoRALowRank],
+    kept: tuple[torch.Tensor | None, torch.Tensor | None],
+    biases: tuple[torch.Tensor | None, torch.Tensor | None],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gate's and up's outputs in the backward: kept (dropout), or recomputed from ``z`` as
+    :func:`_dora_fwd` computed them (the same op on the same tensors: the same values)."""
+    return tuple(  # type: ignore[return-value]
+        k if k is not None else dora_scaled_output(low.z, low.ms, b)
+        for low, k, b in zip(lows, kept, biases, strict=True)
+    )
+
+
 class DoRAMLP(torch.autograd.Function):
     """``down(act(gate(x)) * up(x))`` with DoRA on all three projections; ``act`` is fk.glu's kernel.
 
     ``settings``: the :class:`Settings` of gate, up and down; ``flat``: their :class:`DoRAParams`.
     Gate and up are projections of one input (their LoRA inputs stacked without dropout, one
     ``dx``). What is kept of ``[M, I]`` size: DoRA's ``z`` of gate and of up, and, for one with
-    dropout, its output too (which ``ms * z + b`` gives back only without dropout). The gate and up
-    outputs without dropout and ``h = act(gate) * up`` are recomputed in the backward, elementwise.
-    A 4-bit base is kept packed (:class:`QuantizedBase`) and dequantized as in :class:`DoRAProjections`.
+    dropout, its output too (which ``ms * z + b`` gives back only without dropout). Without dropout
+    on gate and up, their outputs are never written: ``h`` and, in the backward, their DoRA terms
+    are formed from the two ``z`` in one pass each (:mod:`fk.lora.dora_glu`). ``h`` is recomputed in
+    the backward. A 4-bit base is kept packed (:class:`QuantizedBase`) and dequantized as in
+    :class:`DoRAProjections`.
     """
 
     @staticmethod
@@ -320,11 +360,17 @@ class DoRAMLP(torch.autograd.Function):
         params_g, params_u, params_d = from_flat(DoRAParams, flat)
         x2 = x.reshape(-1, x.shape[-1])
         xas, masks, A_cs = lora_input_products(x2, x2, [params_g.lora_A, params_u.lora_A], settings[:2])
-        gate, low_g = _dora_fwd(x2, xas[0], masks[0], A_cs[0], params_g, settings[0])
-        up, low_u = _dora_fwd(x2, xas[1], masks[1], A_cs[1], params_u, settings[1])
-        h = gated_act_forward(gate, up, act)
+        fused = masks[0] is None and masks[1] is None  # h from gate's and up's z, neither written
+        gate, low_g = _dora_fwd(x2, xas[0], masks[0], A_cs[0], params_g, settings[0], want_output=not fused)
+        up, low_u = _dora_fwd(x2, xas[1], masks[1], A_cs[1], params_u, settings[1], want_output=not fused)
+        if fused:
+            h = dora_gated_act(_scaled(low_g, params_g.bias), _scaled(low_u, params_u.bias), act)
+        else:
+            assert gate is not None and up is not None
+            h = gated_act_forward(gate, up, act)
         (xa_d,), (mask_d,), (A_c_d,) = lora_input_products(h, h, [params_d.lora_A], settings[2:])
         y, low_d = _dora_fwd(h, xa_d, mask_d, A_c_d, params_d, settings[2])
+        assert y is not None
         del h  # recomputed in the backward
         kept_g = gate if low_g.mask is not None else None
         kept_u = up if low_u.mask is not None else None
@@ -347,23 +393,40 @@ class DoRAMLP(torch.autograd.Function):
         need_dx = ctx.needs_input_grad[0]
         needs_g, needs_u, needs_d = from_flat(_DoRANeeds, ctx.needs_input_grad[3:])
         need_gu = need_dx or any(needs_g) or any(needs_u)
-        # without dropout, recomputed as _dora_fwd computed them (the same op on the same tensors)
-        gate = kept_g if kept_g is not None else dora_scaled_output(low_g.z, low_g.ms, bias_g)
-        up = kept_u if kept_u is not None else dora_scaled_output(low_u.z, low_u.ms, bias_u)
-        h = gated_act_forward(gate, up, ctx.act)
+        fused = kept_g is None and kept_u is None  # as in the forward: no dropout on gate and up
+        scaled_g, scaled_u = _scaled(low_g, bias_g), _scaled(low_u, bias_u)
+        gate = up = None
+        if fused:
+            h = dora_gated_act(scaled_g, scaled_u, ctx.act)
+        else:
+            gate, up = _gate_up((low_g, low_u), (kept_g, kept_u), (bias_g, bias_u))
+            h = gated_act_forward(gate, up, ctx.act)
         dy2 = dy.reshape(-1, dy.shape[-1])
         grads_d, dh = _dora_bwd(dy2, h, wd, low_d, dtypes_d, settings_d, needs_d, None, need_gu)
         del h
         grads_g = grads_u = _DoRAGrads()
         dx = None
         if dh is not None:
-            # (dg, du) over the recomputed gate and up's buffers; a saved one is not written over
-            inplace = kept_g is None and kept_u is None
-            dg, du, _ = gated_act_backward(dh, gate, up, ctx.act, inplace=inplace)
-            del dh, gate, up
             x2 = x.reshape(-1, x.shape[-1])
-            grads_g, dx = _dora_bwd(dg, x2, wg, low_g, dtypes_g, settings_g, needs_g, None, need_dx)
-            grads_u, dx = _dora_bwd(du, x2, wu, low_u, dtypes_u, settings_u, needs_u, dx, need_dx)
+            if fused and _wants(low_g, needs_g, need_dx)[0] and _wants(low_u, needs_u, need_dx)[0]:
+                dtypes = (_grad_dtypes(wg, dtypes_g, needs_g), _grad_dtypes(wu, dtypes_u, needs_u))
+                terms_g, terms_u = dora_gated_act_grad_terms(dh, scaled_g, scaled_u, ctx.act, dtypes)
+                del dh
+                grads_g, dx = _dora_bwd(None, x2, wg, low_g, dtypes_g, settings_g, needs_g, None, need_dx, terms_g)
+                grads_u, dx = _dora_bwd(None, x2, wu, low_u, dtypes_u, settings_u, needs_u, dx, need_dx, terms_u)
+            else:
+                if gate is None or up is None:  # (fused, but dy_ms not needed: only mag or b train)
+                    gate, up = _gate_up((low_g, low_u), (kept_g, kept_u), (bias_g, bias_u))
+                # (dg, du) over the recomputed gate and up's buffers; a saved one is not written over
+                dg, du, _ = gated_act_backward(dh, gate, up, ctx.act, inplace=fused)
+                del dh, gate, up
+                grads_g, dx = _dora_bwd(dg, x2, wg, low_g, dtypes_g, settings_g, needs_g, None, need_dx)
+                grads_u, dx = _dora_bwd(du, x2, wu, low_u, dtypes_u, settings_u, needs_u, dx, need_dx)
         if dx is not None:
             dx = dx.view(x.shape)
         return (dx, None, None, *to_flat([grads_g, grads_u, grads_d]))
+
+
+def _scaled(low: _DoRALowRank, bias: torch.Tensor | None) -> ScaledProjection:
+    """Gate's or up's scaling, as :mod:`fk.lora.dora_glu` takes it."""
+    return ScaledProjection(low.z, low.ms, low.norm, bias)

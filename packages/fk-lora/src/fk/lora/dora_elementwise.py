@@ -297,7 +297,9 @@ LAUNCH = {
 # --- 4. Launchers ---------------------------------------------------------------------------------
 
 
-def _on_kernel_path(t: torch.Tensor) -> bool:
+def on_kernel_path(t: torch.Tensor) -> bool:
+    """Whether DoRA's kernels (here and in :mod:`fk.lora.dora_glu`) take ``t``: a Triton path, not
+    under ``torch.compile`` (which gets the torch expressions), and not empty."""
     return uses_kernel(t) and not torch.compiler.is_compiling() and t.numel() > 0
 
 
@@ -305,7 +307,7 @@ def dora_scaled_output(z: torch.Tensor, ms: torch.Tensor, bias: torch.Tensor | N
     """A DoRA projection's output without dropout, ``y = ms z + b`` (in fp32, rounded once to
     ``z``'s dtype ``c``), a new tensor: one pass over ``z`` ``[..., N]`` (any row stride), ``ms``
     ``[N]`` fp32, ``bias`` ``[N]`` or None."""
-    if not _on_kernel_path(z):
+    if not on_kernel_path(z):
         return dora_scaled_output_torch(z, ms, bias)
     z_rows = as_rows(z)
     n_rows, n_cols = z_rows.shape
@@ -333,7 +335,7 @@ def dora_dropout_output(
     elsewhere ``lr`` is a matmul's output and ``y`` a new tensor.
     """
     base_rows, zd_rows = writable_rows(base), writable_rows(zd)
-    if base_rows is None or zd_rows is None or not _on_kernel_path(base):
+    if base_rows is None or zd_rows is None or not on_kernel_path(base):
         return dora_dropout_output_torch(base, zd, low_rank, ms, bias)
     xa, B = as_rows(low_rank.xa), as_rows(low_rank.B)
     n_rows, n_cols = base_rows.shape
@@ -367,7 +369,7 @@ def dora_grad_terms(
     """
     magnitude_dtype, bias_dtype = dtypes
     compute_dmag, compute_db = magnitude_dtype is not None, bias_dtype is not None
-    if not _on_kernel_path(dy) or not (compute_dmag or compute_db or any(want)):
+    if not on_kernel_path(dy) or not (compute_dmag or compute_db or any(want)):
         return dora_grad_terms_torch(dy, z, ms, norm, dtypes, want)
     dy_rows = as_rows(dy)
     z_rows = as_rows(z) if compute_dmag else dy_rows
