@@ -117,9 +117,11 @@ def dora_gated_act_grad_terms_torch(
 # Backward, with dh [M, I] (fk.glu's derivation: dg = dh u act'(g), du = dh act(g)):
 #   dg_ms[i, j] = c(ms_g[j] dg) ;  du_ms[i, j] = c(ms_u[j] du)
 #   dmag_g[j] = (sum_i dg z_g[i, j]) / n_g[j] ;  db_g[j] = sum_i dg   (and up's alike)
-# A backward program owns a strip of columns and every P-th tile of rows, and adds each tile's
-# column sums to fp32 vectors; it writes one partial row per sum, which sum_rows_pair adds over the
-# P programs and rounds to the parameters' dtypes (fk.lora.dora_elementwise's scheme).
+# A backward program owns a strip of columns and every P-th tile of rows, and adds its tiles in
+# fp32 registers (a column sum per tile costs a reduction across warps each time: the first version
+# did that and ran at 29% of the copy bandwidth, dora_profile); it writes one partial row per sum,
+# which sum_rows_pair adds over the P programs and rounds to the parameters' dtypes
+# (fk.lora.dora_elementwise's scheme).
 
 
 @triton.jit
@@ -191,10 +193,10 @@ def _dora_gated_act_grad_terms_kernel(
     program, n_programs = tl.program_id(0), tl.num_programs(0)
     cols = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
     col_ok = cols < n_cols
-    dmag_g = tl.zeros((BLOCK_COLS,), dtype=tl.float32)
-    dmag_u = tl.zeros((BLOCK_COLS,), dtype=tl.float32)
-    db_g = tl.zeros((BLOCK_COLS,), dtype=tl.float32)
-    db_u = tl.zeros((BLOCK_COLS,), dtype=tl.float32)
+    dmag_g = tl.zeros((BLOCK_ROWS, BLOCK_COLS), dtype=tl.float32)
+    dmag_u = tl.zeros((BLOCK_ROWS, BLOCK_COLS), dtype=tl.float32)
+    db_g = tl.zeros((BLOCK_ROWS, BLOCK_COLS), dtype=tl.float32)
+    db_u = tl.zeros((BLOCK_ROWS, BLOCK_COLS), dtype=tl.float32)
     for tile in range(program, tl.cdiv(n_rows, BLOCK_ROWS), n_programs):
         rows = (tile * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
         ok = (rows < n_rows)[:, None] & col_ok[None, :]
@@ -209,21 +211,21 @@ def _dora_gated_act_grad_terms_kernel(
         tl.store(dg_ms_ptr + out, round_to(dg * msg, dg_ms_ptr.dtype.element_ty), mask=ok)
         tl.store(du_ms_ptr + out, round_to(du * msu, du_ms_ptr.dtype.element_ty), mask=ok)
         if COMPUTE_DMAG:
-            dmag_g += tl.sum(dg * zg, axis=0)
-            dmag_u += tl.sum(du * zu, axis=0)
+            dmag_g += dg * zg
+            dmag_u += du * zu
         if COMPUTE_DB:
-            db_g += tl.sum(dg, axis=0)
-            db_u += tl.sum(du, axis=0)
+            db_g += dg
+            db_u += du
     row = partials_ptr + program * n_cols + cols
     if COMPUTE_DMAG:
-        tl.store(row, dmag_g / tl.load(ng_ptr + cols, mask=col_ok, other=1.0), mask=col_ok)
+        tl.store(row, tl.sum(dmag_g, axis=0) / tl.load(ng_ptr + cols, mask=col_ok, other=1.0), mask=col_ok)
         row += n_programs * n_cols
-        tl.store(row, dmag_u / tl.load(nu_ptr + cols, mask=col_ok, other=1.0), mask=col_ok)
+        tl.store(row, tl.sum(dmag_u, axis=0) / tl.load(nu_ptr + cols, mask=col_ok, other=1.0), mask=col_ok)
         row += n_programs * n_cols
     if COMPUTE_DB:
-        tl.store(row, db_g, mask=col_ok)
+        tl.store(row, tl.sum(db_g, axis=0), mask=col_ok)
         row += n_programs * n_cols
-        tl.store(row, db_u, mask=col_ok)
+        tl.store(row, tl.sum(db_u, axis=0), mask=col_ok)
 
 
 # --- 3. Launch table ------------------------------------------------------------------------------
@@ -237,8 +239,9 @@ class LaunchParams(NamedTuple):
 
 
 # Streaming passes, as fk.lora.dora_elementwise's (tiles of 4096 elements over 4 warps); the
-# backward holds five tiles' worth of fp32 values (dh, z and the outputs of gate and up), so its
-# tiles are half as tall. Its row groups are sized as dora_grad_terms' (a few waves of programs).
+# backward holds a tile's dh, two z, gate's and up's outputs and up to four fp32 sums in
+# registers, so its tiles are half as tall. Its row groups are sized as dora_grad_terms' (a few
+# waves of programs). Not tuned on a GPU yet.
 LAUNCH = {
     "forward": LaunchParams(block_rows=32, block_cols=128, num_warps=4, programs_per_sm=0),
     "backward": LaunchParams(block_rows=16, block_cols=128, num_warps=4, programs_per_sm=4),
