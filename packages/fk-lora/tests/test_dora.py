@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from fk.core import testing
 from fk.core.testing import dtype_name
 from fk.lora import LoRAWeights, lora_linear, lora_linear_ref, lora_mlp, lora_mlp_ref, lora_qkv
-from fk.lora.dora_norm import dora_scale
+from fk.lora.dora_norm import dora_weight_norm
 
 K, N, R = 37, 29, 3  # awkward widths: hidden, projection width, rank
 SCALING = 1.5
@@ -164,7 +164,7 @@ def test_dora_mlp_matches_reference(device: str, dtype: torch.dtype, p: float) -
 def test_dora_at_its_initial_magnitude_is_lora(device: str) -> None:
     """PEFT starts m at the norm, so that m / n = 1: DoRA's output is then plain LoRA's."""
     x, w, b, a, bb, _ = _args(torch.float32, device)
-    m = dora_scale(w, a, bb, torch.ones(N, device=device), SCALING, torch.float32).norm
+    m = dora_weight_norm(w, a, bb, SCALING, torch.float32)
     got = lora_linear(x, w, b, a, bb, SCALING, 0.0, None, m)
     torch.testing.assert_close(got, lora_linear(x, w, b, a, bb, SCALING), rtol=1e-5, atol=1e-6)
 

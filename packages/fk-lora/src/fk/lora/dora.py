@@ -10,7 +10,7 @@ built from (:mod:`fk.lora.projection`), and take a 4-bit (QLoRA) base as plain L
 
 This file holds, in order: the reference (:func:`dora_ref`, the DoRA half of
 :func:`fk.lora.lora_linear_ref`), then the launchers, their equations first (the row norm is
-:func:`fk.lora.dora_norm.dora_scale`'s).
+:func:`fk.lora.dora_norm.dora_weight_norm`'s).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from fk.lora.dora_elementwise import (
     dora_scaled_output,
 )
 from fk.lora.dora_glu import ScaledProjection, dora_gated_act, dora_gated_act_grad_terms
-from fk.lora.dora_norm import dora_scale
+from fk.lora.dora_norm import dora_weight_norm
 from fk.lora.masked_low_rank import add_masked_low_rank_
 from fk.lora.projection import (
     Settings,
@@ -84,7 +84,6 @@ def dora_ref(
 #   n    = ||W + s B A|| over each row of W     [N], fp32, then rounded to the dropout dtype (PEFT
 #                                               computes it in the LoRA branch's input dtype) and
 #                                               detached (DoRA's paper, section 4.3: no gradient)
-#                                               (ms and n: fk.lora.dora_norm.dora_scale, one kernel)
 #   ms   = mag / n                              [N], fp32 (PEFT's mag_norm_scale)
 #   lr   = s xa B^T                             [M, N], the low-rank product
 # Without dropout (PEFT scales the base layer's result less its bias):
@@ -172,7 +171,7 @@ class _DoRALowRank(NamedTuple):
     ms: torch.Tensor
     """``mag / n`` ``[N]``, fp32."""
     norm: torch.Tensor
-    """``n`` ``[N]``, in the dropout dtype (PEFT's rounding)."""
+    """``n`` ``[N]``, fp32 (holding the dropout dtype's rounding)."""
 
 
 def _dora_fwd(
@@ -192,9 +191,10 @@ def _dora_fwd(
     weight = params.weight
     if isinstance(weight, QuantizedBase):  # W in bitsandbytes' dtype for the norm (PEFT's), then in c
         weight = weight.dense(own_dtype=True)
-    norm, ms = dora_scale(weight, params.lora_A, params.lora_B, params.magnitude, scaling, dropout_dtype)
+    norm = dora_weight_norm(weight, params.lora_A, params.lora_B, scaling, dropout_dtype)
     if weight.dtype != c:  # (a 4-bit W only: a dense one has c; the uncast W is dropped here)
         weight = weight.to(c)
+    ms = params.magnitude.detach().float() / norm
     B_c = params.lora_B.to(c)
     if mask is None:
         z = add_lora_out(base_out(x2, weight, None), xa, B_c, None, scaling)

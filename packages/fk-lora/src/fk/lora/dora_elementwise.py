@@ -228,7 +228,7 @@ def _dora_grad_terms_kernel(
     dy_ptr,  # [M, N] in c (row stride dy_row_stride, 0 for an expanded gradient)
     z_ptr,  # [M, N] in c (read only when COMPUTE_DMAG)
     ms_ptr,  # [N] fp32
-    norm_ptr,  # [N] n, any float dtype (read only when COMPUTE_DMAG)
+    norm_ptr,  # [N] fp32 n (read only when COMPUTE_DMAG)
     dy_ms_ptr,  # [M, N] out, c, contiguous (written only when WRITE_DY_MS)
     dy_ms1_ptr,  # [M, N] out, c, contiguous (written only when WRITE_DY_MS1)
     partials_ptr,  # [groups, P, N] fp32: dmag's partial rows (if COMPUTE_DMAG), then db's (if COMPUTE_DB)
@@ -363,8 +363,7 @@ def dora_grad_terms(
     """The terms of a DoRA projection's backward that are formed from ``dy`` alone (and ``z``), in
     one pass over ``dy`` on Triton's path: see :class:`DoRAGradTerms`.
 
-    ``dy`` and ``z`` ``[M, N]`` in ``c`` (``dy`` of any row stride); ``ms`` ``[N]`` fp32, ``norm`` ``[N]`` in
-    any float dtype.
+    ``dy`` and ``z`` ``[M, N]`` in ``c`` (``dy`` of any row stride); ``ms`` and ``norm`` ``[N]`` fp32.
     ``dtypes``: the magnitude's and the bias's dtype, None for a gradient not wanted (then neither
     computed nor allocated for); ``want``: whether ``dy_ms`` and ``dy_ms1`` are.
     """

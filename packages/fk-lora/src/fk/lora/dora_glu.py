@@ -59,7 +59,7 @@ class ScaledProjection(NamedTuple):
     ms: torch.Tensor
     """``mag / n`` ``[I]`` fp32."""
     norm: torch.Tensor
-    """``n`` ``[I]`` (``dmag``'s divisor), any float dtype."""
+    """``n`` ``[I]`` fp32 (``dmag``'s divisor)."""
     bias: torch.Tensor | None
     """``[I]`` or None."""
 
@@ -173,7 +173,7 @@ def _dora_gated_act_grad_terms_kernel(
     msu_ptr,  # [I] fp32
     bg_ptr,  # [I] gate's bias (read only when HAS_BIAS_G)
     bu_ptr,  # [I] up's bias (read only when HAS_BIAS_U)
-    ng_ptr,  # [I] n of gate, any float dtype (read only when COMPUTE_DMAG)
+    ng_ptr,  # [I] fp32 n of gate (read only when COMPUTE_DMAG)
     nu_ptr,  # [I] fp32 n of up
     dg_ms_ptr,  # [M, I] out, c, contiguous
     du_ms_ptr,  # [M, I] out, c, contiguous

@@ -1,16 +1,15 @@
 """DoRA's row norm ``n = ||W + s B A||`` of a base weight ``W`` ``[N, K]`` and its LoRA factors
-``A`` ``[r, K]``, ``B`` ``[N, r]``, and the scale ``ms = mag / n``, in one read of ``W``.
+``A`` ``[r, K]``, ``B`` ``[N, r]``, in one read of ``W``.
 
 PEFT forms ``W + s B A`` as a whole ``[N, K]`` matrix and takes its row norms. The torch expression
 here (:func:`dora_weight_norm_torch`) forms it in fp32 a chunk of rows at a time: an fp32 copy of
 the chunk, the addmm, the norm, a dozen launches and five passes over ``[N, K]`` fp32 for a gated
 MLP's weight. The kernel reads each tile of ``W`` once, adds ``s B A``'s tile formed in registers
-(``tl.dot`` over the rank, in fp32) and keeps the squares' row sums; a program owns whole rows, so
-it also takes the square root, rounds ``n`` to the dtype PEFT computes it in and divides the
-magnitude by it: one launch a projection, nothing of ``[N, K]`` size written.
+(``tl.dot`` over the rank, in fp32) and keeps the squares' row sums; ``W`` is read at the copy
+bandwidth's pace and nothing of ``[N, K]`` size is written.
 
 The norm is detached (DoRA's paper, section 4.3), so nothing here has a backward. Off Triton's path
-(a CPU tensor without the interpreter) and under ``torch.compile``, :func:`dora_scale` is the
+(a CPU tensor without the interpreter) and under ``torch.compile``, :func:`dora_weight_norm` is the
 torch expression.
 
 This file holds, in order: the float64 reference and the torch expression, the kernel, its launch
@@ -26,8 +25,8 @@ import triton
 import triton.language as tl
 
 from fk.core.backend import uses_kernel
-from fk.core.launch import as_rows, cdiv
-from fk.core.tiles import round_to
+from fk.core.launch import as_rows, cdiv, multiprocessor_count
+from fk.core.reduce import sum_rows
 
 # --- 1. Reference and the torch expression --------------------------------------------------------
 
@@ -61,27 +60,26 @@ def dora_weight_norm_torch(
 
 # --- 2. Kernel ------------------------------------------------------------------------------------
 #
-# Per row i (a program owns BLOCK_ROWS rows and loops over all K columns):
-#   m[i, j] = W[i, j] + s sum_k B[i, k] A[k, j]     fp32 (the product as tl.dot in IEEE fp32, as torch's
-#                                                   fp32 addmm forms it; r FMAs an element)
-#   n_i     = c(sqrt(sum_j m[i, j]^2))             c(): rounded to the norm's dtype (PEFT's)
-#   ms_i    = mag_i / n_i                          fp32
+# Per row i, with the columns split into S ranges (a program owns BLOCK_ROWS rows and one range):
+#   m[i, j]   = W[i, j] + s sum_k B[i, k] A[k, j]     fp32 (the product as tl.dot in IEEE fp32, as
+#                                                     torch's fp32 addmm forms it; r FMAs an element)
+#   part[t, i] = sum_{j in range t} m[i, j]^2        one fp32 partial row per range
+#   n_i       = sqrt(sum_t part[t, i])               fk.core.reduce.sum_rows, then a square root
 
 
 @triton.jit
-def _dora_scale_kernel(
+def _dora_norm_kernel(
     w_ptr,  # [N, K] W, any float dtype, unit column stride
     a_ptr,  # [r, K] A, unit column stride
     b_ptr,  # [N, r] B, unit column stride
-    mag_ptr,  # [N] the magnitude
-    norm_ptr,  # [N] out: n, in the dtype it is rounded to
-    ms_ptr,  # [N] out: ms, fp32
+    partials_ptr,  # [S, N] fp32 out: each range's row sums of squares
     n_rows,
     n_cols,
     rank,
     w_row_stride,
     a_row_stride,
     b_row_stride,
+    cols_per_range,  # a multiple of BLOCK_COLS
     scaling,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
@@ -89,10 +87,12 @@ def _dora_scale_kernel(
 ):
     rows = (tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
     row_ok = rows < n_rows
+    start = tl.program_id(1) * cols_per_range
+    end = tl.minimum(start + cols_per_range, n_cols)
     squares = tl.zeros((BLOCK_ROWS, BLOCK_COLS), dtype=tl.float32)
-    for c0 in range(0, n_cols, BLOCK_COLS):
+    for c0 in range(start, end, BLOCK_COLS):
         cols = c0 + tl.arange(0, BLOCK_COLS)
-        col_ok = cols < n_cols
+        col_ok = cols < end
         w = tl.load(w_ptr + rows[:, None] * w_row_stride + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0)  # fmt: skip
         product = tl.zeros((BLOCK_ROWS, BLOCK_COLS), dtype=tl.float32)
         for k0 in range(0, rank, BLOCK_RANK):  # the rank, padded to BLOCK_RANK with zeros
@@ -103,67 +103,53 @@ def _dora_scale_kernel(
             product += tl.dot(b.to(tl.float32), a.to(tl.float32), input_precision="ieee")
         merged = w.to(tl.float32) + product * scaling
         squares += merged * merged
-    norm = round_to(tl.sqrt(tl.sum(squares, axis=1)), norm_ptr.dtype.element_ty)
-    tl.store(norm_ptr + rows, norm, mask=row_ok)
-    magnitude = tl.load(mag_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
-    tl.store(ms_ptr + rows, magnitude / norm.to(tl.float32), mask=row_ok)
+    tl.store(partials_ptr + tl.program_id(1) * n_rows + rows, tl.sum(squares, axis=1), mask=row_ok)
 
 
 # --- 3. Launch table ------------------------------------------------------------------------------
 
 
 class LaunchParams(NamedTuple):
-    block_rows: int  # rows of W a program owns (tl.dot's smallest: 16)
+    block_rows: int  # rows of W a program owns
     block_cols: int  # columns of a tile
     block_rank: int  # the rank step of tl.dot (its smallest)
     num_warps: int
+    programs_per_sm: int  # column ranges are added until the grid has this many programs per multiprocessor
 
 
-# A streaming read of W in tiles of 2048 elements over 4 warps; programs own whole rows (one launch,
-# no partial sums), 16 rows each so that a 1024-row k/v weight still has 64 programs. Not tuned on
-# a GPU yet (the column-range version of 2026-11-27 ran 0.37 ms for the three MLP weights of
-# Llama-3.1-8B, dora_profile).
-LAUNCH = LaunchParams(block_rows=16, block_cols=128, block_rank=16, num_warps=4)
+# A streaming read of W: tiles of 4096 elements over 4 warps (32 an element a thread), and enough
+# programs that every multiprocessor has several reads in flight: a 1024-row k/v weight has 32 row
+# blocks, so its columns are split into ranges (each writes one fp32 partial row, a few KiB).
+LAUNCH = LaunchParams(block_rows=32, block_cols=128, block_rank=16, num_warps=4, programs_per_sm=4)
 
 
 # --- 4. Launcher ----------------------------------------------------------------------------------
 
 
-class DoRAScale(NamedTuple):
-    """What :func:`dora_scale` returns."""
+def dora_weight_norm(
+    weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor, scaling: float, dtype: torch.dtype
+) -> torch.Tensor:
+    """DoRA's ``n = ||W + s B A||`` over each row of ``W`` ``[N, K]``, detached: formed in fp32,
+    rounded to ``dtype`` (PEFT's: the LoRA branch's input dtype) and returned in fp32 ``[N]``.
 
-    norm: torch.Tensor
-    """``n = ||W + s B A||`` ``[N]``, formed in fp32 and rounded to (and held in) the dtype asked for."""
-    ms: torch.Tensor
-    """``mag / n`` ``[N]``, fp32."""
-
-
-def dora_scale(
-    weight: torch.Tensor,
-    lora_A: torch.Tensor,
-    lora_B: torch.Tensor,
-    magnitude: torch.Tensor,
-    scaling: float,
-    dtype: torch.dtype,
-) -> DoRAScale:
-    """DoRA's ``n = ||W + s B A||`` over each row of ``W`` ``[N, K]``, detached, formed in fp32 and
-    rounded to ``dtype`` (PEFT's: the LoRA branch's input dtype), and ``ms = mag / n`` in fp32.
-
-    ``A`` ``[r, K]``, ``B`` ``[N, r]`` and ``magnitude`` ``[N]`` in any float dtype (used in fp32).
-    On Triton's path one kernel reads ``W`` once; elsewhere :func:`dora_weight_norm_torch`.
+    ``A`` ``[r, K]`` and ``B`` ``[N, r]`` in any float dtype (used in fp32). On Triton's path one
+    kernel reads ``W`` once; elsewhere :func:`dora_weight_norm_torch`.
     """
-    W, A, B, mag = weight.detach(), lora_A.detach(), lora_B.detach(), magnitude.detach().contiguous()
+    W, A, B = weight.detach(), lora_A.detach(), lora_B.detach()
     if not uses_kernel(W) or torch.compiler.is_compiling() or W.numel() == 0:
-        norm = dora_weight_norm_torch(W, A, B, scaling).to(dtype)
-        return DoRAScale(norm, mag.float() / norm)
+        return dora_weight_norm_torch(W, A, B, scaling).to(dtype).float()
     W, A, B = as_rows(W), as_rows(A), as_rows(B)
     n_rows, n_cols = W.shape
     params = LAUNCH
-    norm = torch.empty(n_rows, dtype=dtype, device=W.device)
-    ms = torch.empty(n_rows, dtype=torch.float32, device=W.device)
-    _dora_scale_kernel[(cdiv(n_rows, params.block_rows),)](
-        W, A, B, mag, norm, ms, n_rows, n_cols, A.shape[0], W.stride(0), A.stride(0), B.stride(0), scaling,
+    row_blocks = cdiv(n_rows, params.block_rows)
+    col_tiles = cdiv(n_cols, params.block_cols)
+    ranges = max(1, min(col_tiles, cdiv(multiprocessor_count(W.device) * params.programs_per_sm, row_blocks)))
+    cols_per_range = cdiv(col_tiles, ranges) * params.block_cols
+    ranges = cdiv(n_cols, cols_per_range)
+    partials = torch.empty((ranges, n_rows), dtype=torch.float32, device=W.device)
+    _dora_norm_kernel[(row_blocks, ranges)](
+        W, A, B, partials, n_rows, n_cols, A.shape[0], W.stride(0), A.stride(0), B.stride(0), cols_per_range, scaling,
         BLOCK_ROWS=params.block_rows, BLOCK_COLS=params.block_cols, BLOCK_RANK=params.block_rank,
         num_warps=params.num_warps,
     )  # fmt: skip
-    return DoRAScale(norm, ms)
+    return sum_rows(partials, torch.float32).sqrt_().to(dtype).float()
