@@ -32,6 +32,16 @@ def load_row_tile(ptr, tile, n_rows, row_stride, cols, col_mask, ROWS: tl.conste
 
 
 @triton.jit
+def grid_tile(n_rows, n_cols, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr):
+    """This program's tile of a ``[n_rows, n_cols]`` matrix on a 2D grid (axis 0 over row blocks,
+    axis 1 over column blocks): (row indices in int64, so that offsets may pass 2**31, column
+    indices, the rows' mask, the columns' mask)."""
+    rows = (tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
+    return rows, cols, rows < n_rows, cols < n_cols
+
+
+@triton.jit
 def round_to(x, dtype: tl.constexpr):
     """The fp32 tensor ``x`` cast to ``dtype``, rounded to nearest even as torch rounds (the
     interpreter's fp16 cast already does; its bf16 cast is replaced by integer rounding of the bits,

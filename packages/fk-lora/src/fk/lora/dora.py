@@ -24,6 +24,7 @@ from fk.core.matmul import scaled_mm
 from fk.glu import gated_act_backward, gated_act_forward
 from fk.lora.dora_elementwise import (
     DoRAGradTerms,
+    GradDtypes,
     LowRank,
     dora_dropout_output,
     dora_grad_terms,
@@ -209,9 +210,7 @@ def _dora_fwd(
     return y, _DoRALowRank(xa, mask, A_c, B_c, z, ms, norm)
 
 
-def _grad_dtypes(
-    weight: Any, dtypes: tuple[torch.dtype, torch.dtype], needs: _DoRANeeds
-) -> tuple[torch.dtype | None, torch.dtype | None]:
+def _grad_dtypes(weight: Any, dtypes: tuple[torch.dtype, torch.dtype], needs: _DoRANeeds) -> GradDtypes:
     """The dtypes of the magnitude's and the bias's gradients, None where not needed."""
     return (dtypes[1] if needs.magnitude else None, weight.dtype if needs.bias else None)
 

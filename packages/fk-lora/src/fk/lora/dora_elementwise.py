@@ -40,7 +40,7 @@ from fk.core.backend import uses_kernel
 from fk.core.launch import as_rows, cdiv, multiprocessor_count, writable_rows
 from fk.core.matmul import column_sum, scaled_mm
 from fk.core.reduce import sum_rows, sum_rows_pair
-from fk.core.tiles import round_to
+from fk.core.tiles import grid_tile, round_to
 
 # --- 1. References and the torch expressions ------------------------------------------------------
 
@@ -95,6 +95,10 @@ def dora_dropout_output_torch(
     return y32.to(base.dtype), zd.add_(lr)
 
 
+GradDtypes = tuple[torch.dtype | None, torch.dtype | None]
+"""The dtypes of a projection's magnitude and bias gradients, None for one not wanted."""
+
+
 class DoRAGradTerms(NamedTuple):
     """What :func:`dora_grad_terms` forms from ``dy``; None where not asked for."""
 
@@ -121,7 +125,7 @@ def dora_grad_terms_torch(
     z: torch.Tensor,
     ms: torch.Tensor,
     norm: torch.Tensor,
-    dtypes: tuple[torch.dtype | None, torch.dtype | None],
+    dtypes: GradDtypes,
     want: tuple[bool, bool],
 ) -> DoRAGradTerms:
     """:func:`dora_grad_terms` in torch ops: four passes over ``dy``, the first through fp32 copies."""
@@ -162,10 +166,8 @@ def _dora_scaled_output_kernel(
     BLOCK_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
 ):
-    rows = (tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
-    col_ok = cols < n_cols
-    ok = (rows < n_rows)[:, None] & col_ok[None, :]
+    rows, cols, row_ok, col_ok = grid_tile(n_rows, n_cols, BLOCK_ROWS, BLOCK_COLS)
+    ok = row_ok[:, None] & col_ok[None, :]
     z = tl.load(z_ptr + rows[:, None] * z_row_stride + cols[None, :], mask=ok, other=0.0).to(tl.float32)
     y = z * tl.load(ms_ptr + cols, mask=col_ok, other=0.0)[None, :]
     if HAS_BIAS:
@@ -198,11 +200,8 @@ def _dora_dropout_output_kernel(
     BLOCK_COLS: tl.constexpr,
     BLOCK_RANK: tl.constexpr,
 ):
-    rows = (tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
-    col_ok = cols < n_cols
-    ok = (rows < n_rows)[:, None] & col_ok[None, :]
-    row_ok = rows < n_rows
+    rows, cols, row_ok, col_ok = grid_tile(n_rows, n_cols, BLOCK_ROWS, BLOCK_COLS)
+    ok = row_ok[:, None] & col_ok[None, :]
     product = tl.zeros((BLOCK_ROWS, BLOCK_COLS), dtype=tl.float32)
     for k0 in range(0, rank, BLOCK_RANK):  # the rank, padded to BLOCK_RANK with zeros
         ks = k0 + tl.arange(0, BLOCK_RANK)
@@ -357,7 +356,7 @@ def dora_grad_terms(
     z: torch.Tensor,
     ms: torch.Tensor,
     norm: torch.Tensor,
-    dtypes: tuple[torch.dtype | None, torch.dtype | None],
+    dtypes: GradDtypes,
     want: tuple[bool, bool],
 ) -> DoRAGradTerms:
     """The terms of a DoRA projection's backward that are formed from ``dy`` alone (and ``z``), in

@@ -37,11 +37,12 @@ import triton.language as tl
 
 from fk.core.launch import as_rows, cdiv, multiprocessor_count
 from fk.core.reduce import sum_rows_pair
-from fk.core.tiles import round_to
+from fk.core.tiles import grid_tile, round_to
 from fk.glu import activation_and_derivative, activation_code, gated_act_backward, gated_act_forward
 from fk.glu.glu import gated_act_backward_ref, gated_act_ref
 from fk.lora.dora_elementwise import (
     DoRAGradTerms,
+    GradDtypes,
     dora_grad_terms_torch,
     dora_scaled_output,
     dora_scaled_output_ref,
@@ -96,7 +97,7 @@ def dora_gated_act_grad_terms_torch(
     gate: ScaledProjection,
     up: ScaledProjection,
     activation: str,
-    dtypes: tuple[tuple[torch.dtype | None, torch.dtype | None], tuple[torch.dtype | None, torch.dtype | None]],
+    dtypes: tuple[GradDtypes, GradDtypes],
 ) -> tuple[DoRAGradTerms, DoRAGradTerms]:
     """:func:`dora_gated_act_grad_terms` composed: gate and up recomputed, ``dg`` and ``du`` written
     (in ``c``), then each one's terms."""
@@ -153,10 +154,8 @@ def _dora_gated_act_kernel(
     BLOCK_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
 ):
-    rows = (tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
-    col_ok = cols < n_cols
-    ok = (rows < n_rows)[:, None] & col_ok[None, :]
+    rows, cols, row_ok, col_ok = grid_tile(n_rows, n_cols, BLOCK_ROWS, BLOCK_COLS)
+    ok = row_ok[:, None] & col_ok[None, :]
     offsets = rows[:, None] * z_row_stride + cols[None, :]
     g, _, _ = _scaled(zg_ptr, msg_ptr, bg_ptr, offsets, cols, ok, col_ok, HAS_BIAS_G)
     u, _, _ = _scaled(zu_ptr, msu_ptr, bu_ptr, offsets, cols, ok, col_ok, HAS_BIAS_U)
@@ -281,7 +280,7 @@ def dora_gated_act_grad_terms(
     gate: ScaledProjection,
     up: ScaledProjection,
     activation: str,
-    dtypes: tuple[tuple[torch.dtype | None, torch.dtype | None], tuple[torch.dtype | None, torch.dtype | None]],
+    dtypes: tuple[GradDtypes, GradDtypes],
 ) -> tuple[DoRAGradTerms, DoRAGradTerms]:
     """Gate's and up's DoRA terms from the gradient ``dh`` of ``h`` (:func:`dora_gated_act`): for
     each, ``dmag = colsum(d * z) / n``, ``db = colsum(d)`` and ``ms * d`` (in ``c``) with ``d`` its
