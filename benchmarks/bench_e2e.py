@@ -4,6 +4,9 @@ The model: ``transformers.LlamaForCausalLM`` shaped like Llama-3.2-1B (hidden 20
 8192, 16 layers, 32 query / 8 key-value heads of 64, vocabulary 128256, tied embeddings), random
 init (one seed), bf16 weights, SDPA attention, trained on a synthetic Markov-chain corpus
 (``fk.hf.training``, shared with the demo) with AdamW (``fused=True``), 4 x 2048 tokens a step.
+``--shape`` builds another of ``fk.hf.training.SHAPES`` instead (``llama-3.1-8b``: Llama-3.1-8B's
+sizes, untied head) and ``--layers`` another layer count; each row records its shape as ``model``,
+and ``--merge`` keeps the rows of other shapes.
 Three modes: ``full`` (every weight trained), ``lora`` (``peft.get_peft_model``, r=16, alpha=32,
 no dropout, on q, k, v, o, gate, up and down projections; PEFT's default fp32 adapters; the base
 frozen) and ``qlora`` (the same on 4-bit bases: those seven projections of every layer made
@@ -46,6 +49,7 @@ Try on a CPU:  python benchmarks/bench_e2e.py --tiny --out /tmp/e2e       (tiny 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import os
 import sys
@@ -67,6 +71,8 @@ LOWMEM_LOSS_OPTIONS = {"memory_budget": 384 << 20, "accum_dtype": torch.bfloat16
 """fk-lowmem: fk with the fused loss in 384 MiB chunks of logits, the head's gradient summed in bf16."""
 MODES = ("full", "lora", "qlora")
 DEFAULT_MODES = ("full", "lora")
+DEFAULT_SHAPE = "llama-3.2-1b"
+"""The model's sizes unless ``--shape`` says otherwise (a row without ``model`` ran at it)."""
 BATCHES = (4, 6, 8, 12, 16, 20, 24, 32, 40, 48, 64, 80, 96)
 """Batch sizes (sequences of ``--seq`` tokens) the largest-batch search tries, in this order."""
 LOSS_TOLERANCE = 2e-2
@@ -147,7 +153,7 @@ def worker(job: dict[str, Any]) -> dict[str, Any]:
     """One (mode, provider): build, patch, then train ``warmup + steps`` steps (``job["phase"]`` is
     ``"timed"``) or search the largest batch (``"search"``)."""
     provider, lora, qlora = job["provider"], job["mode"] in ("lora", "qlora"), job["mode"] == "qlora"
-    shape = training.SHAPES[shape_for(job["shape"], job["mode"])]
+    shape = model_shape(job["shape"], job["mode"], job["layers"])
     device = "cuda" if torch.cuda.is_available() else "cpu"
     fallbacks = _fallback_log()
     patch_before_build(provider, job["family"])
@@ -189,10 +195,22 @@ def shape_for(shape_name: str, mode: str) -> str:
     return "tiny-qlora" if shape_name == "tiny" and mode == "qlora" else shape_name
 
 
+def model_shape(shape_name: str, mode: str, layers: int | None) -> training.ModelShape:
+    """The :class:`fk.hf.training.ModelShape` a ``mode`` runs at, with ``layers`` layers if given."""
+    shape = training.SHAPES[shape_for(shape_name, mode)]
+    return shape if layers is None else dataclasses.replace(shape, layers=layers)
+
+
+def model_label(shape_name: str, mode: str, layers: int | None) -> str:
+    """A row's ``model``: the shape's name, and its layer count where ``--layers`` changed it."""
+    name = shape_for(shape_name, mode)
+    return name if layers is None else f"{name} ({layers} layers)"
+
+
 def run(args: argparse.Namespace) -> bench.BenchRecord:
-    shape_name = "tiny" if args.tiny else "llama-3.2-1b"
-    shape = training.SHAPES[shape_name]
-    base = {"shape": shape_name, "batch": args.batch, "seq": args.seq, "steps": args.steps, "warmup": args.warmup,
+    shape_name = "tiny" if args.tiny else args.shape
+    shape = model_shape(shape_name, "full", args.layers)
+    base = {"shape": shape_name, "layers": args.layers, "batch": args.batch, "seq": args.seq, "steps": args.steps, "warmup": args.warmup,
             "lr": args.lr, "search_seconds": args.search_seconds}  # fmt: skip
     search = torch.cuda.is_available() and args.search_seconds > 0
     order = [provider for _, provider in bench.round_order(args.providers, args.rounds)]
@@ -238,7 +256,7 @@ def run(args: argparse.Namespace) -> bench.BenchRecord:
             "family": family,
             "mode": mode,
             "provider": provider,
-            "model": shape_for(shape_name, mode),
+            "model": model_label(shape_name, mode, args.layers),
             "seq": args.seq,
         }
         if "skipped" in out or "failed" in out:
@@ -262,16 +280,21 @@ def run(args: argparse.Namespace) -> bench.BenchRecord:
     return record
 
 
-def _case(row: dict[str, Any]) -> tuple[str, str]:
-    """A row's (family, mode); rows of records from before ``--family`` are Llama's."""
-    return row.get("family", "llama"), row["mode"]
+def _case(row: dict[str, Any]) -> tuple[str, ...]:
+    """A row's (family, mode), and ``at <model>`` for a model other than :data:`DEFAULT_SHAPE`; rows
+    of records from before ``--family`` are Llama's, from before ``--shape`` at the default shape."""
+    family, mode, model = row.get("family", "llama"), row["mode"], row.get("model", DEFAULT_SHAPE)
+    return (family, mode) if model == DEFAULT_SHAPE else (family, mode, f"at {model}")
 
 
 def merge_record(
-    new: bench.BenchRecord, old: bench.BenchRecord, modes: list[str], families: tuple[str, ...] = ("llama",)
-) -> bench.BenchRecord:
-    """``new`` with the rows of ``old`` whose (family, mode) it did not run (:func:`fk.core.bench.merge_records`)."""
-    ran = {" ".join((family, mode)) for family in families for mode in modes}
+    new: bench.BenchRecord, old: bench.BenchRecord, modes: list[str], families: tuple[str, ...] = ("llama",),
+    shape_name: str = DEFAULT_SHAPE, layers: int | None = None,
+) -> bench.BenchRecord:  # fmt: skip
+    """``new`` with the rows of ``old`` whose (family, mode, model) it did not run
+    (:func:`fk.core.bench.merge_records`)."""
+    ran = {" ".join(_case({"family": f, "mode": m, "model": model_label(shape_name, m, layers)}))
+           for f in families for m in modes}  # fmt: skip
     return bench.merge_records(new, old, lambda row: " ".join(_case(row)), ran)
 
 
@@ -281,17 +304,18 @@ def merge_record(
 def table(record: bench.BenchRecord) -> list[dict[str, Any]]:
     """One line per (family, mode, provider): speed and memory, against stock and Liger of the same
     family and mode."""
-    runs = {(*_case(r), r["provider"]): r for r in record.rows if r.get("kind") == "run"}
+    runs = {(_case(r), r["provider"]): r for r in record.rows if r.get("kind") == "run"}
     lines = []
-    for (family, mode, provider), r in runs.items():
-        line: dict[str, Any] = {"family": family, "mode": mode, "provider": provider}
+    for (case, provider), r in runs.items():
+        line: dict[str, Any] = {"family": case[0], "model": r.get("model", DEFAULT_SHAPE), "mode": case[1],
+                                "provider": provider}  # fmt: skip
         if r.get("status") != "ok":
             line["status"] = str(r.get("status", "")).splitlines()[0][:80]
             lines.append(line)
             continue
         line.update({"tokens/s": r["tokens_per_s"], "peak GiB": r["peak_gib"]})
         for peer in ("stock", "liger"):
-            p = runs.get((family, mode, peer))
+            p = runs.get((case, peer))
             if peer != provider and p is not None and p.get("status") == "ok":
                 line[f"x {peer}"] = r["tokens_per_s"] / p["tokens_per_s"]
                 if r["peak_gib"] and p["peak_gib"]:
@@ -307,7 +331,7 @@ def table(record: bench.BenchRecord) -> list[dict[str, Any]]:
     return lines
 
 
-COLUMNS = ["family", "mode", "provider", "tokens/s", "x stock", "x liger", "peak GiB", "memory / stock", "memory / liger",
+COLUMNS = ["family", "model", "mode", "provider", "tokens/s", "x stock", "x liger", "peak GiB", "memory / stock", "memory / liger",
            "max batch", "tokens/s at max batch", "loss vs stock", "status"]  # fmt: skip
 
 
@@ -321,7 +345,9 @@ def plots(record: bench.BenchRecord, out: Path) -> list[Path]:
     """Tokens/s and peak memory against the batch size, per provider, one panel per mode: each line
     ends at the largest batch that fitted."""
     batches = record.subset(kind="batch")
-    batches.rows = [r for r in batches.rows if r.get("family", "llama") == "llama"]
+    batches.rows = [
+        r for r in batches.rows if _case(r)[0] == "llama" and len(_case(r)) == 2
+    ]  # Llama at the default shape
     if not batches.rows:
         return []
     gpu = record.environment.get("gpu")
@@ -339,6 +365,9 @@ def main() -> int:
     parser.add_argument("--plot", type=Path, help="only redraw the plots (and print the table) from this JSON record")
     parser.add_argument("--plot-dir", type=Path, default=Path("docs/assets/benchmarks"))
     parser.add_argument("--tiny", action="store_true", help="the tiny model, 2 x 32 tokens, 2 steps (CPU allowed)")
+    parser.add_argument("--shape", choices=[n for n in training.SHAPES if not n.startswith("tiny")], default=DEFAULT_SHAPE,
+                        help=f"the model's sizes (fk.hf.training.SHAPES; default {DEFAULT_SHAPE})")  # fmt: skip
+    parser.add_argument("--layers", type=int, help="build the shape with this many layers (default: the shape's)")
     bench.add_round_options(parser, PROVIDERS)
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(DEFAULT_MODES))
     parser.add_argument("--batch", type=int, help="sequences per step (default 4; --tiny 2)")
@@ -362,7 +391,8 @@ def main() -> int:
     record = run(args)
     if args.merge and (args.out / f"{NAME}.json").exists():
         old = bench.BenchRecord.from_json(args.out / f"{NAME}.json")
-        record = merge_record(record, old, args.modes, tuple(args.family))
+        shape_name = "tiny" if args.tiny else args.shape
+        record = merge_record(record, old, args.modes, tuple(args.family), shape_name, args.layers)
     path = record.to_json(args.out / f"{NAME}.json")
     print(f"record: {path}")
     try:

@@ -17,11 +17,12 @@ pytestmark = pytest.mark.skipif(not SCRIPT.exists(), reason="needs a checkout wi
 
 @pytest.mark.serial
 def test_tiny_run_with_two_rounds(tmp_path: Path) -> None:
-    testing.run_python(str(SCRIPT), "--tiny", "--modes", "full", "--providers", "stock", "fk", "--rounds", "2",
-                       "--search-seconds", "0", "--out", str(tmp_path))  # fmt: skip
+    testing.run_python(str(SCRIPT), "--tiny", "--layers", "1", "--modes", "full", "--providers", "stock", "fk",
+                       "--rounds", "2", "--search-seconds", "0", "--out", str(tmp_path))  # fmt: skip
     record = bench.BenchRecord.from_json(tmp_path / "e2e.json")
     runs = {r["provider"]: r for r in record.rows if r["kind"] == "run"}
     assert set(runs) == {"stock", "fk"}
+    assert {r["model"] for r in runs.values()} == {"tiny (1 layers)"} and "1 layers" in record.notes
     for run in runs.values():
         assert run["status"] == "ok" and len(run["round_tokens_per_s"]) == 2
         assert min(run["round_tokens_per_s"]) <= run["tokens_per_s"] <= max(run["round_tokens_per_s"])
@@ -70,3 +71,25 @@ def test_merge_keeps_the_other_families_rows() -> None:
     again = testing.load_script(SCRIPT).merge_record(newer, merged, ["full"], ("glm4",))
     assert again.rows[0]["measured_utc"] == "before" and again.rows[1]["measured_utc"] == "now"
     assert again.notes == "newer; llama full: from the call of before; olmo3 full: from the call of now"
+
+
+def test_merge_keeps_the_other_shapes_rows() -> None:
+    """A run at another shape (``--shape``, ``--layers``) keeps the default shape's rows of the same
+    mode, and a later default-shape run keeps its rows."""
+    e2e = testing.load_script(SCRIPT)
+    old = bench.BenchRecord("e2e", rows=[{"mode": "qlora", "v": 1}], notes="old")
+    old.environment["date_utc"] = "then"
+    eight = {"mode": "qlora", "model": "llama-3.1-8b (8 layers)", "v": 2}
+    new = bench.BenchRecord("e2e", rows=[eight], notes="new")
+    merged = e2e.merge_record(new, old, ["qlora"], ("llama",), "llama-3.1-8b", 8)
+    assert merged.rows == [{"measured_utc": "then", "mode": "qlora", "v": 1}, eight]
+    assert merged.notes == "new; llama qlora: from the call of then"
+    merged.environment["date_utc"] = "now"
+    newer = bench.BenchRecord("e2e", rows=[{"mode": "qlora", "v": 3}], notes="newer")
+    again = e2e.merge_record(newer, merged, ["qlora"])
+    assert [r["v"] for r in again.rows] == [2, 3]
+    assert again.notes == "newer; llama qlora at llama-3.1-8b (8 layers): from the call of now"
+    table = e2e.table(
+        bench.BenchRecord("e2e", rows=[{**r, "kind": "run", "provider": "stock", "status": "x"} for r in again.rows])
+    )
+    assert [line["model"] for line in table] == ["llama-3.1-8b (8 layers)", "llama-3.2-1b"]

@@ -4,8 +4,8 @@ Shared by the training demo (``python -m fk.hf.demo``) and the end-to-end benchm
 (``benchmarks/bench_e2e.py``), so both build, feed and step the model the same way:
 
 - :class:`ModelShape` and :data:`SHAPES`: the model sizes used (``tiny`` for a CPU run through
-  Triton's interpreter, ``demo`` for the GPU demo, ``llama-3.2-1b`` and ``llama-3.2-3b`` for the
-  benchmarks);
+  Triton's interpreter, ``demo`` for the GPU demo, ``llama-3.2-1b``, ``llama-3.1-8b`` and
+  ``llama-3.2-3b`` for the benchmarks);
 - :func:`build_model`: a ``LlamaForCausalLM`` from random init (one seed, one set of weights),
   optionally wrapped as a PEFT LoRA model (r=16, alpha=32, all seven linear projections), on
   4-bit bases for QLoRA (:func:`quantize_4bit`);
@@ -115,6 +115,17 @@ SHAPES: dict[str, ModelShape] = {
     # Llama-3.2-1B (tied embeddings, as released).
     "llama-3.2-1b": ModelShape(
         hidden=2048, intermediate=8192, layers=16, heads=32, kv_heads=8, head_dim=64, vocab=128256
+    ),
+    # Llama-3.1-8B (untied embeddings, as released): bench_e2e's QLoRA at an 8B shape (--shape).
+    "llama-3.1-8b": ModelShape(
+        hidden=4096,
+        intermediate=14336,
+        layers=32,
+        heads=32,
+        kv_heads=8,
+        head_dim=128,
+        vocab=128256,
+        tie_word_embeddings=False,
     ),
     # Llama-3.2-3B (tied embeddings, as released): the memory benchmark's ZeRO-3 offload scenario.
     "llama-3.2-3b": ModelShape(
