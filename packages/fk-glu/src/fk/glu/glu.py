@@ -233,15 +233,13 @@ BWD_TILE = 2048
 BWD_WARPS = 4
 _INT32_MAX = 2**31 - 1
 _CODES = {name: code for code, name in enumerate(ACTIVATIONS)}
+_FLOAT_DTYPES = frozenset(validate.FLOAT_DTYPES)
 
 
 def activation_code(activation: str) -> int:
     """The ``ACTIVATION`` constexpr of :func:`activation_and_derivative` for an activation's name
     (any name :func:`resolve_activation` takes)."""
     return _CODES[resolve_activation(activation)]
-
-
-_FLOAT_DTYPES = frozenset(validate.FLOAT_DTYPES)
 
 
 @functools.lru_cache(maxsize=256)
