@@ -38,8 +38,14 @@ import triton.language as tl
 from fk.core.launch import as_rows, cdiv, multiprocessor_count
 from fk.core.reduce import sum_rows_pair
 from fk.core.tiles import grid_tile, round_to
-from fk.glu import activation_and_derivative, activation_code, gated_act_backward, gated_act_forward
-from fk.glu.glu import gated_act_backward_ref, gated_act_ref
+from fk.glu import (
+    activation_and_derivative,
+    activation_code,
+    gated_act_backward,
+    gated_act_backward_ref,
+    gated_act_forward,
+    gated_act_ref,
+)
 from fk.lora.dora_elementwise import (
     DoRAGradTerms,
     GradDtypes,
