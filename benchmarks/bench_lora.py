@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -193,22 +194,60 @@ def dora_floor_work(block: str, tokens: int, dropout: float, shape: Shape = LLAM
     return products * _flops(block, tokens, shape), sum(2 * k * n for k, n in _projections(block, shape))
 
 
+DROPOUT_FLOOR = (
+    "with dropout, + the bytes of PEFT's dropout masks (the issue's 'same masks': per adapter, "
+    "torch.native_dropout on the input in the adapter's dtype, after a cast of x where that differs, "
+    "writing the dropped input and its byte mask; the dropped input read for A's product; the mask "
+    "read in the backward) at the copy bandwidth"
+)
+
+
+def dropout_bytes(block: str, tokens: int, adapter: str, shape: Shape = LLAMA) -> int:
+    """Bytes PEFT-identical dropout masks cost a case at least: each adapter's input ``[tokens, in]``
+    cast to the adapter's dtype where it is not bf16 (2 bytes read, d written), torch's dropout on it
+    (d read, d and the 1-byte mask written: only torch's own kernel draws PEFT's masks), the dropped
+    input read again by ``A``'s product (d) and the mask by the backward (1)."""
+    d = ADAPTER_DTYPES[adapter].itemsize
+    per_element = (2 + d if d != 2 else 0) + 3 * d + 2
+    return sum(tokens * k * per_element for k, _ in _projections(block, shape))
+
+
 def _against_ceilings(ceilings: bench.Ceilings | None, block: str, tokens: int, shape: Shape, qlora: bool,
-                      ms: float, dora: bool = False, dropout: float = 0.0) -> dict[str, float]:  # fmt: skip
-    """A row's share of what the ceilings allow: 4-bit bases, ``floor_ms`` (the FLOPs at the matmul
-    ceiling and the dequantizations at the copy bandwidth) and ``floor_fraction``; DoRA, the same with
-    :func:`dora_floor_work`; dense LoRA, ``tflops`` and ``matmul_fraction``. Nothing without
-    ceilings (the CPU)."""
+                      ms: float, dora: bool = False, dropout: float = 0.0, adapter: str = "bf16") -> dict[str, float]:  # fmt: skip
+    """A row's share of what the ceilings allow: ``floor_ms`` and ``floor_fraction`` (the floor's time
+    over ``ms``): the base matmuls' FLOPs at the matmul ceiling (DoRA's, :func:`dora_floor_work`),
+    plus at the copy bandwidth the dequantizations of 4-bit weights and DoRA's read of each weight,
+    and with dropout :func:`dropout_bytes`; dense LoRA also ``tflops`` and ``matmul_fraction``.
+    Nothing without ceilings (the CPU)."""
     if ceilings is None:
         return {}
+    flops, nbytes = dora_floor_work(block, tokens, dropout, shape) if dora else (_flops(block, tokens, shape), 0)
+    if qlora:  # each 4-bit weight dequantized twice (forward, dx); DoRA's norm reads the forward's
+        nbytes = 2 * dequantization_bytes(block, shape)
+    if dropout > 0:
+        nbytes += dropout_bytes(block, tokens, adapter, shape)
+    floor = bench.floor_ms(ceilings, nbytes=nbytes, flops=flops)
+    shares = {"floor_ms": floor, "floor_fraction": floor / ms}
     if qlora or dora:
-        flops, nbytes = dora_floor_work(block, tokens, dropout, shape) if dora else (_flops(block, tokens, shape), 0)
-        if qlora:  # each 4-bit weight dequantized twice (forward, dx); DoRA's norm reads the forward's
-            nbytes = 2 * dequantization_bytes(block, shape)
-        floor = bench.floor_ms(ceilings, nbytes=nbytes, flops=flops)
-        return {"floor_ms": floor, "floor_fraction": floor / ms}
+        return shares
     achieved = bench.tflops(_flops(block, tokens, shape), ms)
-    return {"tflops": achieved, "matmul_fraction": bench.fraction(achieved, ceilings.matmul_tflops)}
+    return {"tflops": achieved, "matmul_fraction": bench.fraction(achieved, ceilings.matmul_tflops), **shares}
+
+
+def refloor(record: bench.BenchRecord) -> bench.BenchRecord:
+    """``record`` with every row's floor fields recomputed from the run's ceilings and times by
+    :func:`_against_ceilings` (the measurements untouched), and the floor's description in its notes:
+    for records from before a change to the floor's accounting (``--refloor``)."""
+    ceilings = bench.Ceilings(**record.ceilings)
+    for row in record.rows:
+        if "ms" in row and "block" in row:
+            row.update(_against_ceilings(ceilings, row["block"], row["tokens"], LLAMA, "qlora" in row, row["ms"],
+                                         row.get("dora", False), row["dropout"], row.get("adapter", "bf16")))  # fmt: skip
+    if DROPOUT_FLOOR not in record.notes:
+        record.notes += (
+            f"; {DROPOUT_FLOOR} (floors recomputed on {time.strftime('%Y-%m-%d')} from this run's ceilings and times)"
+        )
+    return record
 
 
 def measure(record: bench.BenchRecord, ceilings: bench.Ceilings | None, block: str, tokens: int, dropout: float,
@@ -247,7 +286,7 @@ def measure(record: bench.BenchRecord, ceilings: bench.Ceilings | None, block: s
         timing = _timing(forward_backward, leaves, rep)
         record.add(
             provider=provider, block=block, tokens=tokens, dropout=dropout, adapter=adapter, mode="fwd+bwd",
-            **timing, **_against_ceilings(ceilings, block, tokens, shape, qlora, timing["ms"], dora, dropout),
+            **timing, **_against_ceilings(ceilings, block, tokens, shape, qlora, timing["ms"], dora, dropout, adapter),
             **({"dora": True} if dora else {}), **({"qlora": QUANT_TYPE} if qlora else {}),
         )  # fmt: skip
     fk.lora.unpatch(model)
@@ -272,11 +311,12 @@ def run(tokens: list[int], dropouts: list[float], adapters: list[str], out: Path
                   "ceiling + two dequantizations of each weight at the copy bandwidth" if qlora and dora
                   else "floor: base matmul FLOPs of forward and input gradient at the matmul ceiling + two "
                   "dequantizations of each weight at the copy bandwidth" if qlora
-                  else DORA_FLOOR if dora else "FLOPs: base matmuls of forward and input gradient")  # fmt: skip
+                  else DORA_FLOOR if dora else "floor: base matmul FLOPs of forward and input gradient at the "
+                  "matmul ceiling")  # fmt: skip
     record = bench.BenchRecord(
         NAME,
         notes=(f"{layer}, {'DoRA, ' if dora else ''}r={rank}, alpha={alpha}, {base}, LoRA weights "
-               f"in {' and '.join(adapters)}; {accounting}"),
+               f"in {' and '.join(adapters)}; {accounting}; {DROPOUT_FLOOR}"),
     )  # fmt: skip
     ceilings = None
     if DEVICE == "cuda":
@@ -365,7 +405,14 @@ def main() -> None:
                         help=f"4-bit base weights (bitsandbytes {QUANT_TYPE}, nested, blocksize {QUANT_BLOCKSIZE})")  # fmt: skip
     parser.add_argument("--tiny", action="store_true", help="tiny layer shapes (runs on a CPU: checks the code paths)")
     parser.add_argument("--summary", type=Path, help="only print the table of this JSON record")
+    parser.add_argument("--refloor", type=Path, nargs="+",
+                        help="only recompute these records' floors from their ceilings and times (rewritten in place)")  # fmt: skip
     args = parser.parse_args()
+    if args.refloor:
+        for path in args.refloor:
+            refloor(bench.BenchRecord.from_json(path)).to_json(path)
+            print(f"floors recomputed: {path}")
+        return
     if args.summary:
         record = bench.BenchRecord.from_json(args.summary)
     else:

@@ -83,3 +83,32 @@ def test_tables_and_report_read_a_qlora_record() -> None:
     assert report.floor_share(fk_qlora) == pytest.approx(0.5 * 8.0 / 5.0)  # from the GPU-only time
     lines = report.shortfalls(record)
     assert len(lines) == 1 and "qlora=nf4" in lines[0] and "% of the floor" in lines[0]
+
+
+def test_dropout_bytes_count_peft_masks_traffic() -> None:
+    """bf16 adapters: dropout on x itself (read, write the dropped input and the byte mask), the
+    dropped input read by A's product, the mask by the backward: 8 bytes an element of each
+    adapter's input; fp32 adapters add the cast of x (2 read, 4 written) and read and write fp32: 20."""
+    module = _load(SCRIPT)
+    tokens, hidden, inter = 4096, module.LLAMA.hidden, module.LLAMA.inter
+    assert module.dropout_bytes("o", tokens, "bf16") == 8 * tokens * hidden
+    assert module.dropout_bytes("qkv", tokens, "fp32") == 3 * 20 * tokens * hidden
+    assert module.dropout_bytes("mlp", tokens, "bf16") == 8 * tokens * (2 * hidden + inter)
+
+
+def test_refloor_recomputes_floors_from_the_run_and_keeps_the_measurements() -> None:
+    module = _load(SCRIPT)
+    ceilings = {"copy_tbps": 4.0, "matmul_tflops": 600.0}
+    rows = [_row("fk", 8.0, dropout=0.05, gpu_ms=6.0, tflops=1.0, matmul_fraction=0.5),
+            _row("fk", 5.0, gpu_ms=4.0, tflops=1.0, matmul_fraction=0.5)]  # fmt: skip
+    record = module.refloor(bench.BenchRecord("lora", rows=[dict(r) for r in rows], ceilings=ceilings, notes="n"))
+    flops = module._flops("mlp", 4096)
+    with_dropout, without = record.rows
+    assert with_dropout["floor_ms"] == pytest.approx(
+        bench.floor_ms(bench.Ceilings(**ceilings), nbytes=module.dropout_bytes("mlp", 4096, "fp32"), flops=flops)
+    )
+    assert without["floor_ms"] == pytest.approx(flops / 600e12 * 1e3)
+    assert with_dropout["floor_fraction"] == pytest.approx(with_dropout["floor_ms"] / 8.0)
+    assert with_dropout["ms"] == 8.0 and with_dropout["gpu_ms"] == 6.0  # measurements untouched
+    assert module.DROPOUT_FLOOR in record.notes
+    assert module.refloor(record).notes.count(module.DROPOUT_FLOOR) == 1  # once, however often it runs
