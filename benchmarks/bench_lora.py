@@ -205,7 +205,8 @@ DROPOUT_FLOOR = (
 def dropout_bytes(block: str, tokens: int, adapter: str, shape: Shape = LLAMA) -> int:
     """Bytes PEFT-identical dropout masks cost a case at least: each adapter's input ``[tokens, in]``
     cast to the adapter's dtype where it is not bf16 (2 bytes read, d written), torch's dropout on it
-    (d read, d and the 1-byte mask written: only torch's own kernel draws PEFT's masks), the dropped
+    (d read, d and the 1-byte mask written: PEFT's masks are torch's dropout kernel's, whose
+    random-number layout follows PyTorch's launch configuration, so fk draws them with it), the dropped
     input read again by ``A``'s product (d) and the mask by the backward (1)."""
     d = ADAPTER_DTYPES[adapter].itemsize
     per_element = (2 + d if d != 2 else 0) + 3 * d + 2
