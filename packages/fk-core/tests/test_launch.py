@@ -8,6 +8,7 @@ from fk.core.launch import (
     RowTiling,
     as_rows,
     cdiv,
+    column_strip_grid,
     looped_rows_tiling,
     next_power_of_2,
     persistent_grid,
@@ -64,6 +65,14 @@ def test_persistent_grid_bounds() -> None:
     assert persistent_grid(1, cpu) == 1
     assert persistent_grid(0, cpu) == 1
     assert persistent_grid(10**6, cpu, 2) == 8
+
+
+def test_column_strip_grid_spreads_programs_over_strips_and_row_tiles() -> None:
+    cpu = torch.device("cpu")  # 4 multiprocessors off the GPU
+    assert column_strip_grid(1000, 300, 32, 128, cpu, 4) == (6, 3)  # 16 programs over 3 strips
+    assert column_strip_grid(40, 300, 32, 128, cpu, 4) == (2, 3)  # no more groups than row tiles
+    assert column_strip_grid(1000, 5000, 32, 128, cpu, 4) == (1, 40)  # at least one group
+    assert column_strip_grid(0, 1, 32, 128, cpu, 4) == (1, 1)
 
 
 def test_as_rows_keeps_row_strides_and_copies_only_when_needed() -> None:

@@ -120,6 +120,18 @@ def persistent_grid(n_work: int, device: torch.device, programs_per_multiprocess
     return max(1, min(n_work, multiprocessor_count(device) * programs_per_multiprocessor))
 
 
+def column_strip_grid(
+    n_rows: int, n_cols: int, block_rows: int, block_cols: int, device: torch.device, programs_per_sm: int
+) -> tuple[int, int]:
+    """(row groups P, column strips) of a reduction grid whose programs each own a strip of
+    ``block_cols`` columns and every P-th tile of ``block_rows`` rows, writing one partial row per
+    sum (P rows): about ``programs_per_sm`` programs per multiprocessor in all, never more row groups
+    than row tiles."""
+    strips = cdiv(n_cols, block_cols)
+    groups = cdiv(multiprocessor_count(device) * programs_per_sm, strips)
+    return max(1, min(groups, cdiv(n_rows, block_rows))), strips
+
+
 def row_reduction_grid(
     n_rows: int, tiling: RowTiling, device: torch.device, programs_per_sm: int, looped_programs_per_sm: int
 ) -> int:

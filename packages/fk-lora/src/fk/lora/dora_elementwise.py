@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from fk.core.backend import uses_kernel
-from fk.core.launch import as_rows, cdiv, multiprocessor_count, writable_rows
+from fk.core.launch import as_rows, cdiv, column_strip_grid, writable_rows
 from fk.core.matmul import column_sum, scaled_mm
 from fk.core.reduce import sum_rows, sum_rows_pair
 from fk.core.tiles import grid_tile, round_to
@@ -374,9 +374,9 @@ def dora_grad_terms(
     z_rows = as_rows(z) if compute_dmag else dy_rows
     n_rows, n_cols = dy_rows.shape
     params = LAUNCH["backward"]
-    strips = cdiv(n_cols, params.block_cols)
-    programs = cdiv(multiprocessor_count(dy.device) * params.programs_per_sm, strips)
-    programs = max(1, min(programs, cdiv(n_rows, params.block_rows)))
+    programs, strips = column_strip_grid(
+        n_rows, n_cols, params.block_rows, params.block_cols, dy.device, params.programs_per_sm
+    )
     groups = int(compute_dmag) + int(compute_db)
     partials = torch.empty((groups, programs, n_cols), dtype=torch.float32, device=dy.device) if groups else ms
     dy_ms = torch.empty((n_rows, n_cols), dtype=dy.dtype, device=dy.device) if want[0] else None

@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fk.core.launch import as_rows, cdiv, multiprocessor_count
+from fk.core.launch import as_rows, cdiv, column_strip_grid
 from fk.core.reduce import sum_rows_pair
 from fk.core.tiles import grid_tile, round_to
 from fk.glu import (
@@ -305,9 +305,9 @@ def dora_gated_act_grad_terms(
     compute_db = bias_g is not None or bias_u is not None
     n_rows, n_cols = zg.shape
     params = LAUNCH["backward"]
-    strips = cdiv(n_cols, params.block_cols)
-    programs = cdiv(multiprocessor_count(dh.device) * params.programs_per_sm, strips)
-    programs = max(1, min(programs, cdiv(n_rows, params.block_rows)))
+    programs, strips = column_strip_grid(
+        n_rows, n_cols, params.block_rows, params.block_cols, dh.device, params.programs_per_sm
+    )
     groups = 2 * (int(compute_dmag) + int(compute_db))
     partials = torch.empty((groups, programs, n_cols), dtype=torch.float32, device=dh.device) if groups else gate.ms
     dg_ms = torch.empty((n_rows, n_cols), dtype=dh.dtype, device=dh.device)
