@@ -7,7 +7,8 @@ import torch
 import triton
 import triton.language as tl
 
-from fk.core.tiles import load_row_tile
+from fk.core.testing import dtype_name
+from fk.core.tiles import dot_16bit, load_row_tile
 
 
 @triton.jit
@@ -34,3 +35,24 @@ def test_load_row_tile_reads_its_rows_and_zeros_past_the_end(device: str, tile_o
     shifted = tile_offset * tile_rows
     expected[: rows - shifted] = src[shifted:]  # tiles past the last row read as zeros
     torch.testing.assert_close(dst, expected, rtol=0, atol=0)
+
+
+@triton.jit
+def _dot_kernel(a_ptr, b_ptr, out_ptr, M: tl.constexpr, K: tl.constexpr, N: tl.constexpr):
+    m, k, n = tl.arange(0, M), tl.arange(0, K), tl.arange(0, N)
+    a = tl.load(a_ptr + m[:, None] * K + k[None, :])
+    b = tl.load(b_ptr + k[:, None] * N + n[None, :])
+    tl.store(out_ptr + m[:, None] * N + n[None, :], dot_16bit(a, b))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=dtype_name)
+def test_dot_16bit_sums_exact_products_in_fp32(device: str, dtype: torch.dtype) -> None:
+    # (Triton 3.6's interpreter gets a plain bf16 tl.dot wrong by orders of magnitude.)
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(32, 64, generator=gen).to(dtype).to(device)
+    b = torch.randn(64, 16, generator=gen).to(dtype).to(device)
+    out = torch.empty(32, 16, device=device)
+    _dot_kernel[(1,)](a, b, out, M=32, K=64, N=16)
+    want = a.double() @ b.double()
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), want, rtol=0, atol=1e-4 * want.abs().max().item())
