@@ -8,7 +8,14 @@ import torch
 
 from fk.core import testing
 from fk.core.testing import DTYPES, dtype_name
-from fk.lora.masked_low_rank import add_masked_low_rank_, add_masked_low_rank_ref, masked
+from fk.lora.masked_low_rank import (
+    MaskedLowRank,
+    add_masked_low_rank_,
+    add_masked_low_rank_ref,
+    add_masked_low_ranks_,
+    add_masked_low_ranks_ref,
+    masked,
+)
 
 SHAPES = [(1, 1, 1), (5, 130, 4), (37, 300, 16), (70, 1000, 33), (129, 257, 8)]  # (M, K, r)
 
@@ -88,3 +95,46 @@ def test_addend_is_masked_with_the_product(device: str, dtype: torch.dtype, m: i
     assert torch.equal(got[~mask], dx[~mask])
     without = add_masked_low_rank_ref(dx, g, a, mask, f)
     assert (got.double() - without).abs().max() > 1e-2
+
+
+def _terms(m: int, k: int, ranks: list[int], dtype: torch.dtype, device: str) -> list[MaskedLowRank]:
+    terms = []
+    for i, r in enumerate(ranks):
+        p = (0.05, 0.3, 0.5)[i % 3]
+        _, g, a, mask = _inputs(m, k, r, dtype, device, p, seed=10 * i + 20)
+        terms.append(MaskedLowRank(g, a, mask, 1.0 / (1.0 - p)))
+    return terms
+
+
+@pytest.mark.parametrize(("m", "k"), [(5, 130), (70, 1000), (129, 257)])
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
+def test_several_terms_in_one_pass(device: str, dtype: torch.dtype, m: int, k: int) -> None:
+    # q, k and v (ranks may differ): dx += sum_t f_t m_t (G_t A_t), dx read and written once.
+    dx = testing.random_tensor((m, k), dtype, device, seed=3)
+    terms = _terms(m, k, [16, 8, 33], dtype, device)
+    want = add_masked_low_ranks_ref(dx, terms)
+    baseline = dx.clone()
+    for g, a, mask, f in terms:
+        baseline += masked(torch.mm(g, a), mask, f)
+    got = add_masked_low_ranks_(dx.clone(), terms)
+    testing.assert_close(got, want, baseline, name="dx")
+    dropped_by_all = ~(terms[0].mask | terms[1].mask | terms[2].mask)
+    assert torch.equal(got[dropped_by_all], dx[dropped_by_all])
+    for left_out in range(3):  # each term counts, under its own mask and factor
+        fewer = add_masked_low_ranks_ref(dx, [t for i, t in enumerate(terms) if i != left_out])
+        assert (got.double() - fewer).abs().max() > 1e-2
+    swapped = [terms[0]._replace(mask=terms[1].mask), terms[1]._replace(mask=terms[0].mask), terms[2]]
+    assert (got.double() - add_masked_low_ranks_ref(dx, swapped)).abs().max() > 1e-2
+
+
+def test_several_terms_with_an_addend_on_the_first(device: str) -> None:
+    dx = testing.random_tensor((37, 300), torch.float32, device, seed=3)
+    terms = _terms(37, 300, [16, 16], torch.float32, device)
+    addend = testing.random_tensor((37, 300), torch.float32, device, seed=9)
+    got = add_masked_low_ranks_(dx.clone(), terms, addend)
+    baseline = dx + masked(addend, terms[0].mask, terms[0].factor)
+    for g, a, mask, f in terms:
+        baseline += masked(torch.mm(g, a), mask, f)
+    testing.assert_close(got, add_masked_low_ranks_ref(dx, terms, addend), baseline, name="dx")
+    on_second = add_masked_low_ranks_ref(dx, terms[::-1], addend)
+    assert (got.double() - on_second).abs().max() > 1e-2

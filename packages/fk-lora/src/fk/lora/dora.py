@@ -40,6 +40,7 @@ from fk.lora.projection import (
     base_out,
     from_flat,
     kept_input,
+    lora_a_grads,
     lora_input_products,
     scaled_lora_grad,
     to_flat,
@@ -91,7 +92,9 @@ def dora_ref(
 #   z    = x2 W^T + lr                          one buffer, plain LoRA's y without b
 #   y    = ms * z + b                           (ms scales each column)
 # With dropout (PEFT recomputes the base product on the dropped input):
-#   zd   = d(x2) W^T = f (x2 * m) W^T           the matmul's scale is f; x2 * m exact
+#   zd   = d(x2) W^T                            d(x2) the dropout's own output where it is in c
+#                                               (PEFT's operand; no pass to form it again), else
+#                                               f (x2 * m) W^T with f the matmul's scale, x2 * m exact
 #   z    = zd + lr
 #   y    = x2 W^T + b + (ms - 1) * zd + ms * lr   summed in fp32, rounded once
 # Kept for the backward: z, ms, n, and what plain LoRA keeps (xa, m, A and B in c).
@@ -109,7 +112,8 @@ def dora_ref(
 #   db     = colsum(dy)                         (b is added once, unscaled)
 #   dy_ms  = ms * dy                            the gradient reaching lr
 # (dmag, db, dy_ms and, with dropout, dy_ms1 below: one pass over dy, fk.lora.dora_elementwise)
-#   dB     = s dy_ms^T xa ;  s G = s dy_ms B ;  dA = f (s G)^T (x2 * m)
+#   dB     = s dy_ms^T xa ;  s G = s dy_ms B ;  dA = f (s G)^T (x2 * m)   (x2 * m never written:
+#                                                                         fk.lora.masked_a_grad)
 # Without dropout x2 W^T is scaled by ms as well:
 #   dW     = dy_ms^T x2 ;  dx = dy_ms W + s G A
 # With dropout x2 W^T is not, and zd is scaled by (ms - 1); with dy_ms1 = (ms - 1) * dy:
@@ -182,11 +186,13 @@ def _dora_fwd(
     A_c: torch.Tensor,
     params: DoRAParams,
     settings: Settings,
+    dropped: torch.Tensor | None = None,
     want_output: bool = True,
 ) -> tuple[torch.Tensor | None, _DoRALowRank]:
-    """One DoRA projection of ``x2`` ``[M, K]`` (in ``c``) given its LoRA input product ``xa`` and
-    mask: (y ``[M, N]`` in ``c``, what its backward keeps). Without dropout and ``want_output``
-    False, y is not formed (None): the caller forms it from ``z`` (:mod:`fk.lora.dora_glu`)."""
+    """One DoRA projection of ``x2`` ``[M, K]`` (in ``c``) given its LoRA input product ``xa``,
+    mask and dropped input ``d(x2)`` (None: formed again from ``x2`` and the mask): (y ``[M, N]`` in
+    ``c``, what its backward keeps). Without dropout and ``want_output`` False, y is not formed
+    (None): the caller forms it from ``z`` (:mod:`fk.lora.dora_glu`)."""
     c = x2.dtype
     scaling, p, dropout_dtype = settings
     weight = params.weight
@@ -203,7 +209,11 @@ def _dora_fwd(
         y = dora_scaled_output(z, ms, params.bias) if want_output else None
         return y, _DoRALowRank(xa, mask, A_c, B_c, z, ms, norm)
     f = 1.0 / (1.0 - p)
-    zd = scaled_mm(kept_input(x2, mask, dropout_dtype, c), weight.t(), f, c)
+    if dropped is not None and dropped.dtype == c:  # the dropout's own output, PEFT's operand
+        zd = base_out(dropped, weight, None)
+    else:
+        zd = scaled_mm(kept_input(x2, mask, dropout_dtype, c), weight.t(), f, c)
+    del dropped
     base = base_out(x2, weight, None)
     del weight
     y, z = dora_dropout_output(base, zd, LowRank(xa, B_c, scaling), ms, params.bias)
@@ -253,14 +263,13 @@ def _dora_bwd(
     if dy_ms is None and dy_ms1 is None:  # only mag or b needs a gradient
         return grads, dx
     gs = scaled_lora_grad(dy_ms, low.B_c, scaling) if dy_ms is not None and (need_dx or needs.lora_A) else None
-    need_kept = needs.lora_A or (needs.weight and low.mask is not None)  # x2 * m, for dA and (dropout) dW
-    kept = kept_input(x2, low.mask, dropout_dtype, c) if need_kept else None
     if needs.lora_B:
         assert dy_ms is not None
         grads = grads._replace(lora_B=scaled_mm(dy_ms.t(), low.xa, scaling, lora_dtype))
     if needs.lora_A:
-        assert gs is not None and kept is not None
-        grads = grads._replace(lora_A=scaled_mm(gs.t(), kept, f, lora_dtype))
+        assert gs is not None
+        (dA,) = lora_a_grads(x2, c, [gs], [low.mask], [settings], [lora_dtype])
+        grads = grads._replace(lora_A=dA)
     if low.mask is None:
         assert dy_ms is not None
         if needs.weight:
@@ -273,7 +282,8 @@ def _dora_bwd(
         return grads, dx
     assert dy is not None  # (a caller forms the terms only without dropout)
     if needs.weight:
-        assert kept is not None and dy_ms1 is not None
+        assert dy_ms1 is not None
+        kept = kept_input(x2, low.mask, dropout_dtype, c)
         dW = scaled_mm(dy.t(), x2, 1.0, torch.float32).add_(scaled_mm(dy_ms1.t(), kept, f, torch.float32))
         grads = grads._replace(weight=dW.to(weight.dtype))
     if need_dx:
@@ -294,10 +304,11 @@ class DoRAProjections(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, settings: tuple[Settings, ...], *flat: Any) -> Any:
         params = from_flat(DoRAParams, flat)
         x2 = x.reshape(-1, x.shape[-1])
-        xas, masks, A_cs = lora_input_products(x2, x2, [proj.lora_A for proj in params], settings)
+        xas, masks, A_cs, dropped = lora_input_products(x2, x2, [p.lora_A for p in params], settings, keep_dropped=True)
         outs, lows = [], []
-        for xa, mask, A_c, proj, setting in zip(xas, masks, A_cs, params, settings, strict=True):
-            y, low = _dora_fwd(x2, xa, mask, A_c, proj, setting)
+        for i, (xa, mask, A_c, proj, setting) in enumerate(zip(xas, masks, A_cs, params, settings, strict=True)):
+            y, low = _dora_fwd(x2, xa, mask, A_c, proj, setting, dropped[i])
+            dropped[i] = None  # (each dropped input freed once its zd is formed)
             assert y is not None
             lows.append(low)
             outs.append(y.view(*x.shape[:-1], y.shape[-1]))
@@ -358,17 +369,22 @@ class DoRAMLP(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, act: str, settings: tuple[Settings, ...], *flat: Any) -> Any:
         params_g, params_u, params_d = from_flat(DoRAParams, flat)
         x2 = x.reshape(-1, x.shape[-1])
-        xas, masks, A_cs = lora_input_products(x2, x2, [params_g.lora_A, params_u.lora_A], settings[:2])
+        xas, masks, A_cs, dropped = lora_input_products(
+            x2, x2, [params_g.lora_A, params_u.lora_A], settings[:2], keep_dropped=True
+        )
         fused = masks[0] is None and masks[1] is None  # h from gate's and up's z, neither written
-        gate, low_g = _dora_fwd(x2, xas[0], masks[0], A_cs[0], params_g, settings[0], want_output=not fused)
-        up, low_u = _dora_fwd(x2, xas[1], masks[1], A_cs[1], params_u, settings[1], want_output=not fused)
+        gate, low_g = _dora_fwd(x2, xas[0], masks[0], A_cs[0], params_g, settings[0], dropped.pop(0), not fused)
+        up, low_u = _dora_fwd(x2, xas[1], masks[1], A_cs[1], params_u, settings[1], dropped.pop(0), not fused)
         if fused:
             h = dora_gated_act(_scaled(low_g, params_g.bias), _scaled(low_u, params_u.bias), act)
         else:
             assert gate is not None and up is not None
             h = gated_act_forward(gate, up, act)
-        (xa_d,), (mask_d,), (A_c_d,) = lora_input_products(h, h, [params_d.lora_A], settings[2:])
-        y, low_d = _dora_fwd(h, xa_d, mask_d, A_c_d, params_d, settings[2])
+        (xa_d,), (mask_d,), (A_c_d,), (dropped_d,) = lora_input_products(
+            h, h, [params_d.lora_A], settings[2:], keep_dropped=True
+        )
+        y, low_d = _dora_fwd(h, xa_d, mask_d, A_c_d, params_d, settings[2], dropped_d)
+        del dropped_d
         assert y is not None
         del h  # recomputed in the backward
         kept_g = gate if low_g.mask is not None else None

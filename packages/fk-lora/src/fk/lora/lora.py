@@ -58,7 +58,7 @@ from fk.glu import (
     resolve_activation,
 )
 from fk.lora.dora import DoRAMLP, DoRAParams, DoRAProjections, dora_ref
-from fk.lora.masked_low_rank import add_masked_low_rank_
+from fk.lora.masked_low_rank import MaskedLowRank, add_masked_low_rank_, add_masked_low_ranks_
 from fk.lora.projection import (
     Settings,
     add_lora_out,
@@ -68,6 +68,7 @@ from fk.lora.projection import (
     cut_blocks,
     from_flat,
     kept_input,
+    lora_a_grads,
     lora_a_operands,
     lora_input_product,
     lora_input_products,
@@ -179,7 +180,9 @@ def lora_mlp_ref(
 #   dB      = s dy^T xa                          [N, r]
 #   db_B    = s sum_rows(dy)                     [N]
 #   dA      = s G^T d(x2)                        [r, K]   d(x2) = x2 * m / (1 - p), formed as
-#             (s G)^T (x2 * m) scaled by 1/(1-p): x2 * m exact in c, one pass
+#             (s G)^T (x2 * m) scaled by 1/(1-p): x2 * m exact in c, formed in registers by
+#             fk.lora.masked_a_grad (never written; one pass over x2 for all the projections
+#             that share it, each mask read once)
 #   dW      = dy^T x2                            [N, K]   only when W requires grad
 #   db      = sum_rows(dy)                       [N]      only when b requires grad
 #   dx      = dy W + s (G A) * m / (1 - p)       [M, K]
@@ -193,10 +196,10 @@ def lora_mlp_ref(
 # forward's xa's come from one matmul against [A_q; A_k; A_v] (each xa a column block of it), the
 # backward's dA's from one [s G_q | s G_k | s G_v]^T x2. dx is one buffer: the first dy W is an
 # mm, the other dy W terms are accumulated into it with addmm_, then the stacked s G A terms with
-# one addmm_ (one pass over dx); with dropout, a projection's masked s G A goes into dx by the
-# kernel of fk.lora.masked_low_rank, which forms G A tile by tile in registers (one pass over
-# dx). Projections with dropout that share x and the dropout dtype draw their masks on one cast
-# of x2 (in PEFT's order).
+# one addmm_ (one pass over dx); with dropout, the projections' masked s G A terms go into dx by
+# the kernel of fk.lora.masked_low_rank, which forms each G A tile by tile in registers (one more
+# pass over dx for all of them). Projections with dropout that share x and the dropout dtype draw
+# their masks on one cast of x2 (in PEFT's order).
 #
 # Gated MLP: g = proj_gate(x), u = proj_up(x), h = act(g) * u (fk.glu's kernel), y = proj_down(h).
 # Saved: x, g, u, the rank-sized xa's and the masks; h is not saved but recomputed from g and u in
@@ -326,7 +329,7 @@ def _base_outs_and_lora_inputs(
     first = _base_first(settings)
     # (a 4-bit W is dequantized for its own matmul, and dropped before the next one's)
     ys = [_base_product(xc, proj) for proj in params] if first else []
-    xas, masks, A_cs = lora_input_products(x2, xc, [proj.lora_A for proj in params], settings)
+    xas, masks, A_cs, _ = lora_input_products(x2, xc, [proj.lora_A for proj in params], settings)
     if not first:
         ys = [_base_product(xc, proj) for proj in params]
     return ys, xas, masks, A_cs
@@ -371,8 +374,7 @@ def _proj_bwd_params(
         dB = scaled_mm(dy.t(), low.xa, settings.scaling, lora_dtype)
     if needs.lora_A:
         assert gs is not None and x2 is not None
-        kept = 1.0 if low.mask is None else 1.0 / (1.0 - settings.dropout_p)
-        dA = scaled_mm(gs.t(), kept_input(x2, low.mask, settings.dropout_dtype, dy.dtype), kept, lora_dtype)
+        (dA,) = lora_a_grads(x2, dy.dtype, [gs], [low.mask], [settings], [lora_dtype])
     return _Grads(dW, db, dA, dB, db_B)
 
 
@@ -423,8 +425,14 @@ def _shared_input_bwd(
         assert dy is not None
         if need_dx or needs[i].lora_A:
             gss[i] = scaled_lora_grad(dy, lows[i].B_c, settings[i].scaling)
-        own_needs = needs[i]._replace(lora_A=needs[i].lora_A and i not in stacked_dA)
+        own_needs = needs[i]._replace(lora_A=needs[i].lora_A and i not in stacked_dA and lows[i].mask is None)
         grads[i] = _proj_bwd_params(dy, x2, xc, weights[i], lows[i], lora_dtypes[i], settings[i], own_needs, gss[i])
+    dropped = [i for i in live if needs[i].lora_A and lows[i].mask is not None]
+    if dropped:  # dA of projections with dropout: one read of x2 and of each mask, for all of them
+        dAs = lora_a_grads(x2, c, [gss[i] for i in dropped], [lows[i].mask for i in dropped],
+                           [settings[i] for i in dropped], [lora_dtypes[i] for i in dropped])  # fmt: skip
+        for i, dA_i in zip(dropped, dAs, strict=True):
+            grads[i] = grads[i]._replace(lora_A=dA_i)
     stacked_gs: dict[tuple[int, ...], torch.Tensor] = {}  # [s G_i | s G_j | ...], concatenated once
 
     def gs_of(indices: list[int]) -> torch.Tensor:
@@ -454,10 +462,13 @@ def _shared_input_bwd(
     if plain:  # s G A of the projections without dropout: one pass over dx
         A_c = torch.cat([lows[i].A_c for i in plain]) if len(plain) > 1 else lows[plain[0]].A_c
         dx.addmm_(gs_of(plain), A_c)
-    for i in live:
-        mask = lows[i].mask
-        if mask is not None:
-            add_masked_low_rank_(dx, gss[i], lows[i].A_c, mask, 1.0 / (1.0 - settings[i].dropout_p))
+    dropped_terms = [
+        MaskedLowRank(gss[i], lows[i].A_c, mask, 1.0 / (1.0 - settings[i].dropout_p))
+        for i in live
+        if (mask := lows[i].mask) is not None
+    ]
+    if dropped_terms:  # s G A of the projections with dropout, each under its mask: one more pass over dx
+        add_masked_low_ranks_(dx, dropped_terms)
     return dx, grads
 
 

@@ -10,7 +10,9 @@ Notation (:mod:`fk.lora.lora`'s): ``x2`` the input ``[M, K]``, ``c`` the compute
 - The forward's parts: :func:`lora_input_products` (``xa`` of projections that share ``x2``, stacked
   where they can be: one read of ``x2``), :func:`base_out` (``x2 W^T + b``), :func:`add_lora_out`
   (``y += s xa B^T + s b_B``).
-- The backward's parts: :func:`scaled_lora_grad` (``s G``), :func:`kept_input` (``x2 * m``, for ``dA``).
+- The backward's parts: :func:`scaled_lora_grad` (``s G``), :func:`kept_input` (``x2 * m``),
+  :func:`lora_a_grads` (``dA = f (s G)^T (x2 * m)`` of projections that share ``x2``; with dropout
+  and a 16-bit ``x2``, :mod:`fk.lora.masked_a_grad`'s one pass over ``x2`` and the masks).
 - :func:`autocast_off`, :func:`backward_without_autocast`: the launchers run with autocast disabled
   (their operands are cast already), forward and backward.
 """
@@ -25,6 +27,7 @@ from typing import Any, NamedTuple, TypeVar
 import torch
 
 from fk.core.matmul import bf16_parts, mm_bf16_fp32, scaled_mm
+from fk.lora.masked_a_grad import MaskedA, masked_a_grads
 from fk.lora.masked_low_rank import masked
 
 
@@ -66,11 +69,11 @@ def lora_input_product(
     dropout_dtype: torch.dtype,
     A_parts: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """``xa = d(x2 in dropout_dtype) A^T`` ``[M, r]``, computed in ``A``'s dtype and rounded to
-    ``xc``'s (the compute dtype ``c``, in which every later use of ``xa`` runs), and the dropout mask
-    (None without dropout). ``A`` may be several projections' ``A``\\ s stacked (no dropout): ``x2``
-    is read once.
+    ``xc``'s (the compute dtype ``c``, in which every later use of ``xa`` runs), the dropout mask and
+    the dropped input ``d(x2)`` in ``dropout_dtype`` (both None without dropout). ``A`` may be
+    several projections' ``A``\\ s stacked (no dropout): ``x2`` is read once.
 
     ``xc`` is ``x2`` in the weight's dtype (``x2`` itself outside autocast); ``dropout_dtype`` the
     dtype the dropout is drawn in (``lora_A``'s own, before any autocast cast); ``A_parts`` the
@@ -82,19 +85,20 @@ def lora_input_product(
         if out is None:
             out = torch.empty((x2.shape[0], lora_A.shape[0]), dtype=c, device=x2.device)
         # x2.float() @ A^T rounded to c; on a GPU one bf16 matmul and no fp32 copy of x2.
-        return mm_bf16_fp32(x2, lora_A, A_parts, out=out), None
-    mask = None
+        return mm_bf16_fp32(x2, lora_A, A_parts, out=out), None, None
+    mask = dropped = None
     xl = x2 if x2.dtype == dropout_dtype else x2.to(dropout_dtype)
     if p == 0 and xl is x2 and lora_A.dtype == c:
         xl = xc  # (autocast, no dropout: the base matmul's cast of x serves the LoRA branch too)
     if p > 0:
         xl, mask = torch.native_dropout(xl, p, True)
+        dropped = xl
     if xl.dtype != lora_A.dtype:
         xl = xl.to(lora_A.dtype)
     xa = torch.mm(xl, lora_A.t())
     if out is not None:
-        return out.copy_(xa), mask
-    return (xa if xa.dtype == c else xa.to(c)), mask
+        return out.copy_(xa), mask, dropped
+    return (xa if xa.dtype == c else xa.to(c)), mask, dropped
 
 
 _PerProjection = TypeVar("_PerProjection", bound=tuple[Any, ...])
@@ -114,23 +118,42 @@ def from_flat(kind: type[_PerProjection], flat: Sequence[Any]) -> list[_PerProje
     return [kind(*flat[start : start + size]) for start in range(0, len(flat), size)]
 
 
+class LoRAInputs(NamedTuple):
+    """What :func:`lora_input_products` returns, one entry a projection."""
+
+    xas: list[torch.Tensor]
+    """``xa = d(x2) A^T`` ``[M, r]`` in ``c``."""
+    masks: list[torch.Tensor | None]
+    """The dropout masks (None without dropout)."""
+    A_cs: list[torch.Tensor]
+    """``A`` in ``c``."""
+    dropped: list[torch.Tensor | None]
+    """The dropped inputs ``d(x2)`` in the dropout dtype, where asked for (``keep_dropped``), else None."""
+
+
 def lora_input_products(
-    x2: torch.Tensor, xc: torch.Tensor, lora_As: list[torch.Tensor], settings: Sequence[Settings]
-) -> tuple[list[torch.Tensor], list[torch.Tensor | None], list[torch.Tensor]]:
-    """(xa's, masks, A's in ``c``) of projections that share ``x2`` (with ``settings`` each). Those
-    without dropout whose ``A``\\ s share a dtype take one matmul against their stacked ``A``\\ s,
-    so ``x2`` is read once for all of them; each ``xa`` is then a column block of its result (and
-    each ``A`` in ``c`` a row block of the stack's). Dropout masks are drawn projection by
-    projection, in order, as PEFT draws them."""
+    x2: torch.Tensor,
+    xc: torch.Tensor,
+    lora_As: list[torch.Tensor],
+    settings: Sequence[Settings],
+    keep_dropped: bool = False,
+) -> LoRAInputs:
+    """(xa's, masks, A's in ``c``, dropped inputs) of projections that share ``x2`` (with
+    ``settings`` each). Those without dropout whose ``A``\\ s share a dtype take one matmul against
+    their stacked ``A``\\ s, so ``x2`` is read once for all of them; each ``xa`` is then a column
+    block of its result (and each ``A`` in ``c`` a row block of the stack's). Dropout masks are
+    drawn projection by projection, in order, as PEFT draws them; each dropped input ``d(x2)`` is
+    kept only with ``keep_dropped`` (DoRA's ``zd`` is its product)."""
     n = len(settings)
     xas: list[Any] = [None] * n
     masks: list[torch.Tensor | None] = [None] * n
     A_cs: list[Any] = [None] * n
+    dropped: list[torch.Tensor | None] = [None] * n
     for group in stackable(settings, [a.dtype for a in lora_As]):
         stacked = torch.cat([lora_As[i] for i in group]) if len(group) > 1 else lora_As[group[0]]
         dropout_dtype = settings[group[0]].dropout_dtype
         A_parts, A_c = lora_a_operands(x2.dtype, stacked, 0.0, dropout_dtype, xc.dtype)
-        xa, _ = lora_input_product(x2, xc, stacked, 0.0, dropout_dtype, A_parts)
+        xa, _, _ = lora_input_product(x2, xc, stacked, 0.0, dropout_dtype, A_parts)
         ranks = [lora_As[i].shape[0] for i in group]
         for i, xa_i, A_c_i in zip(group, cut_blocks(xa, ranks, 1), cut_blocks(A_c, ranks, 0), strict=True):
             xas[i], A_cs[i] = xa_i, A_c_i
@@ -139,9 +162,11 @@ def lora_input_products(
         if p > 0:
             if dropout_dtype not in x2_in:
                 x2_in[dropout_dtype] = x2 if x2.dtype == dropout_dtype else x2.to(dropout_dtype)
-            xas[i], masks[i] = lora_input_product(x2_in[dropout_dtype], xc, lora_As[i], p, dropout_dtype)
+            xas[i], masks[i], d_x2 = lora_input_product(x2_in[dropout_dtype], xc, lora_As[i], p, dropout_dtype)
+            dropped[i] = d_x2 if keep_dropped else None
+            del d_x2  # (not held past this projection unless kept)
             A_cs[i] = lora_As[i].to(xc.dtype)
-    return xas, masks, A_cs
+    return LoRAInputs(xas, masks, A_cs, dropped)
 
 
 def cut_blocks(t: torch.Tensor, sizes: list[int], dim: int) -> list[torch.Tensor]:
@@ -210,6 +235,33 @@ def kept_input(x2: torch.Tensor, mask: torch.Tensor | None, dropout_dtype: torch
     ``dropout_dtype``, which may be fp32 next to bf16 activations)."""
     xc = x2 if x2.dtype == c else (x2 if x2.dtype == dropout_dtype else x2.to(dropout_dtype)).to(c)
     return xc if mask is None else masked(xc, mask, 1.0)
+
+
+def lora_a_grads(
+    x2: torch.Tensor,
+    c: torch.dtype,
+    gss: Sequence[torch.Tensor],
+    masks: Sequence[torch.Tensor | None],
+    settings: Sequence[Settings],
+    lora_dtypes: Sequence[torch.dtype],
+) -> list[torch.Tensor]:
+    """``dA = f (s G)^T (x2 * m)`` (``f = 1 / (1 - p)``; ``x2`` itself and ``f = 1`` without a mask)
+    in its LoRA dtype, for projections that share ``x2`` (``s G`` in ``c``).
+
+    The ones with a mask, when ``x2`` is in ``c`` (no autocast cast between them), take
+    :func:`fk.lora.masked_a_grad.masked_a_grads`: ``x2`` and each mask read once, no ``x2 * m``
+    written (its kernel for 16-bit ``c``). The others: :func:`kept_input` and one scaled matmul each.
+    """
+    grads: list[Any] = [None] * len(gss)
+    fused = [i for i, mask in enumerate(masks) if mask is not None and x2.dtype == c]
+    terms = [MaskedA(gss[i], masks[i], 1.0 / (1.0 - settings[i].dropout_p), lora_dtypes[i]) for i in fused]  # type: ignore[arg-type]
+    for i, grad in zip(fused, masked_a_grads(x2, terms), strict=True):
+        grads[i] = grad
+    for i, (gs, mask, setting, lora_dtype) in enumerate(zip(gss, masks, settings, lora_dtypes, strict=True)):
+        if grads[i] is None:
+            f = 1.0 if mask is None else 1.0 / (1.0 - setting.dropout_p)
+            grads[i] = scaled_mm(gs.t(), kept_input(x2, mask, setting.dropout_dtype, c), f, lora_dtype)
+    return grads
 
 
 def autocast_off(device_type: str) -> Any:
