@@ -9,9 +9,10 @@ masked), so a loop may load the tile after its last one, as a prefetching loop d
 a GPU's fp32 -> bf16 cast does, Triton's interpreter's rounds toward zero, which biases every
 element the same way and shows in sums taken later over many of them (a LoRA weight gradient).
 
-:func:`dot_16bit` is ``tl.dot`` of fp16/bf16 tiles with fp32 sums on both paths: Triton 3.6's
-interpreter multiplies bf16 tiles wrongly (its results are off by orders of magnitude), so there
-the tiles are widened to fp32 first (exactly) and multiplied in IEEE fp32.
+:func:`exact_dot` is ``tl.dot`` with exact products summed in fp32, as torch's matmuls form them:
+the tensor cores for two fp16 or two bf16 tiles, IEEE fp32 FMAs (not TF32) for fp32 ones. Triton
+3.6's interpreter multiplies bf16 tiles wrongly (off by orders of magnitude), so there the tiles
+are widened to fp32 first (exactly) and multiplied in IEEE fp32.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from fk.core import backend
 ROUND_BF16_BY_BITS = tl.constexpr(backend.INTERPRETER_ON)
 """Whether :func:`round_to` rounds fp32 -> bf16 itself (in the interpreter; a GPU's cast is exact)."""
 DOT_IN_FP32 = tl.constexpr(backend.INTERPRETER_ON)
-"""Whether :func:`dot_16bit` widens its tiles to fp32 first (in the interpreter; a GPU's dot is right)."""
+"""Whether :func:`exact_dot` widens 16-bit tiles to fp32 first (in the interpreter; a GPU's dot is right)."""
 
 
 @triton.jit
@@ -61,10 +62,11 @@ def round_to(x, dtype: tl.constexpr):
 
 
 @triton.jit
-def dot_16bit(a, b):
-    """``a @ b`` for fp16/bf16 tiles ``a`` ``[M, K]`` and ``b`` ``[K, N]`` (M, K, N at least 16), as an
-    fp32 tile: exact products summed in fp32, as torch's 16-bit matmul sums them. On a GPU the
-    tensor cores' ``tl.dot``; in the interpreter the same products from tiles widened to fp32."""
-    if DOT_IN_FP32:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    return tl.dot(a, b)
+def exact_dot(a, b):
+    """``a @ b`` for tiles ``a`` ``[M, K]`` and ``b`` ``[K, N]`` (M, K, N at least 16), as an fp32 tile
+    of exact products summed in fp32. Two fp16 or two bf16 tiles: the tensor cores' ``tl.dot``
+    (in the interpreter, the same products from tiles widened to fp32); otherwise (fp32, or two
+    dtypes) both widened to fp32 and multiplied in IEEE fp32."""
+    if a.dtype == b.dtype and (a.dtype == tl.float16 or a.dtype == tl.bfloat16) and not DOT_IN_FP32:
+        return tl.dot(a, b)
+    return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")

@@ -40,7 +40,7 @@ from fk.core.backend import uses_kernel
 from fk.core.launch import as_rows, cdiv, column_strip_grid, writable_rows
 from fk.core.matmul import column_sum, scaled_mm
 from fk.core.reduce import sum_rows, sum_rows_pair
-from fk.core.tiles import grid_tile, round_to
+from fk.core.tiles import exact_dot, grid_tile, round_to
 
 # --- 1. References and the torch expressions ------------------------------------------------------
 
@@ -208,8 +208,8 @@ def _dora_dropout_output_kernel(
         k_ok = ks < rank
         xa = tl.load(xa_ptr + rows[:, None] * xa_row_stride + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
         bt = tl.load(b_ptr + cols[None, :].to(tl.int64) * b_row_stride + ks[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)  # fmt: skip
-        # In fp32 (IEEE, not TF32), as fk.lora.masked_low_rank: r FMAs an element, next to a pass over [M, N].
-        product += tl.dot(xa.to(tl.float32), bt.to(tl.float32), input_precision="ieee")
+        # Exact products summed in fp32, as fk.lora.masked_low_rank (16-bit operands on the tensor cores).
+        product += exact_dot(xa, bt)
     lr = round_to(product * scaling, y_ptr.dtype.element_ty).to(tl.float32)  # as the matmul rounded it
     ms = tl.load(ms_ptr + cols, mask=col_ok, other=0.0)[None, :]
     base = tl.load(base_ptr + rows[:, None] * base_row_stride + cols[None, :], mask=ok, other=0.0).to(tl.float32)

@@ -29,6 +29,7 @@ import triton.language as tl
 from fk.core.backend import uses_kernel
 from fk.core.launch import as_rows, cdiv, multiprocessor_count
 from fk.core.reduce import sum_rows
+from fk.core.tiles import exact_dot
 
 # --- 1. Reference and the torch expression --------------------------------------------------------
 
@@ -63,8 +64,8 @@ def dora_weight_norm_torch(
 # --- 2. Kernel ------------------------------------------------------------------------------------
 #
 # Per row i, with the columns split into S ranges (a program owns BLOCK_ROWS rows and one range):
-#   m[i, j]   = W[i, j] + s sum_k B[i, k] A[k, j]     fp32 (the product as tl.dot in IEEE fp32, as
-#                                                     torch's fp32 addmm forms it; r FMAs an element)
+#   m[i, j]   = W[i, j] + s sum_k B[i, k] A[k, j]     fp32 (the product as fk.core.tiles.exact_dot:
+#                                                     exact products summed in fp32; r an element)
 #   part[t, i] = sum_{j in range t} m[i, j]^2        one fp32 partial row per range
 #   n_i       = sqrt(sum_t part[t, i])               fk.core.reduce.sum_rows, then a square root
 
@@ -102,7 +103,7 @@ def _dora_norm_kernel(
             k_ok = ks < rank
             b = tl.load(b_ptr + rows[:, None] * b_row_stride + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
             a = tl.load(a_ptr + ks[:, None].to(tl.int64) * a_row_stride + cols[None, :], mask=k_ok[:, None] & col_ok[None, :], other=0.0)  # fmt: skip
-            product += tl.dot(b.to(tl.float32), a.to(tl.float32), input_precision="ieee")
+            product += exact_dot(b, a)
         merged = w.to(tl.float32) + product * scaling
         squares += merged * merged
     tl.store(partials_ptr + tl.program_id(1) * n_rows + rows, tl.sum(squares, axis=1), mask=row_ok)

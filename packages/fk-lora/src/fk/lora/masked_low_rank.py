@@ -6,7 +6,7 @@ product is ``[M, K]``, as large as ``dx``, and ``m`` (the dropout mask, bool) is
 element by element, so the product cannot be folded into ``dx`` by one ``addmm_``. With torch
 ops that is a matmul writing ``G A``, a masked copy, and an add: ``G A`` written once and read
 twice, ``dx`` read and written. This kernel forms each tile of ``G A`` in registers from the
-rank-sized operands (``tl.dot`` in fp32), and reads ``dx`` and the mask once and writes
+rank-sized operands (``tl.dot``, exact products summed in fp32), and reads ``dx`` and the mask once and writes
 ``dx`` once, rounding once. Here ``G`` arrives already scaled by ``s`` and ``f = 1 / (1 - p)``.
 
 Math, per element: ``dx[i, j] += f * m[i, j] * (t[i, j] + sum_k G[i, k] A[k, j])``, where ``t`` is an
@@ -33,7 +33,7 @@ import triton.language as tl
 
 from fk.core.backend import uses_kernel
 from fk.core.launch import as_rows, cdiv, writable_rows
-from fk.core.tiles import grid_tile, round_to
+from fk.core.tiles import exact_dot, grid_tile, round_to
 
 
 class MaskedLowRank(NamedTuple):
@@ -113,9 +113,9 @@ def _add_masked_low_rank_kernel(
             k_ok = ks < ranks[t]
             g = tl.load(g_ptrs[t] + rows[:, None] * g_row_strides[t] + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
             a = tl.load(a_ptrs[t] + ks[:, None].to(tl.int64) * a_row_strides[t] + cols[None, :], mask=k_ok[:, None] & col_ok[None, :], other=0.0)  # fmt: skip
-            # In fp32 (IEEE, not TF32): exact products of bf16/fp16 operands, fp32 ones as torch.mm forms
-            # them. The FMAs are few (r per element of dx) next to the pass over dx and the masks.
-            product += tl.dot(g.to(tl.float32), a.to(tl.float32), input_precision="ieee")
+            # Exact products summed in fp32, as torch.mm forms them (16-bit operands on the tensor cores:
+            # IEEE fp32 FMAs, r * terms an element, made this pass compute-bound on an H200).
+            product += exact_dot(g, a)
         if HAS_ADDEND and t == 0:
             addend = tl.load(addend_ptr + rows[:, None] * addend_row_stride + cols[None, :], mask=ok, other=0.0)
             product += addend.to(tl.float32)
