@@ -258,3 +258,37 @@ def test_dora_mlp_with_dora_on_the_down_projection_only(device: str) -> None:
         lambda *a: lora_mlp(a[0], *parts(list(a))), lambda *a: lora_mlp_ref(a[0], *parts(list(a))), flat
     )
     assert len(result.names) == 1 + 1 + 4 + 4 + 3
+
+
+@pytest.mark.parametrize("lora_dtype", [torch.bfloat16, torch.float32], ids=dtype_name)
+def test_dora_dropout_forms_no_masked_copy_of_x(device: str, lora_dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """With bf16 adapters the dropped-input product takes the dropout's own output and dA comes from
+    x and the mask: x * m is never written (kept_input is not called). With fp32 adapters the fp32
+    dropped input is not kept (the product takes x * m in bf16 instead: one call)."""
+    from fk.lora import dora, projection
+
+    calls: list[torch.dtype] = []
+
+    def counted(x2: torch.Tensor, mask: Any, dropout_dtype: torch.dtype, c: torch.dtype) -> torch.Tensor:
+        calls.append(dropout_dtype)
+        return projection.kept_input(x2, mask, dropout_dtype, c)
+
+    monkeypatch.setattr(dora, "kept_input", counted)
+    args = _args(torch.bfloat16, device, lora_dtype=lora_dtype, train_base=False)
+    fk_fn, _ = _seeded_fk_and_reference(0.3)
+    fk_fn(*args).sum().backward()
+    assert calls == ([] if lora_dtype == torch.bfloat16 else [torch.float32])
+    assert args[3].grad is not None and args[3].grad.abs().sum() > 0
+
+
+def test_dropped_inputs_are_kept_only_in_the_compute_dtype(device: str) -> None:
+    # A dropout drawn in fp32 next to bf16 activations is not held (DoRA forms its product from x * m).
+    from fk.lora.projection import Settings, lora_input_products
+
+    x2 = testing.random_tensor((14, K), torch.bfloat16, device, seed=0)
+    lora_As = [testing.random_tensor((R, K), dt, device, seed=1) for dt in (torch.bfloat16, torch.float32)]
+    settings = [Settings(SCALING, 0.3, a.dtype) for a in lora_As]
+    _, masks, _, dropped = lora_input_products(x2, x2, lora_As, settings, keep_dropped=True)
+    assert dropped[0] is not None and dropped[0].dtype == torch.bfloat16 and dropped[1] is None
+    assert masks[0] is not None and not dropped[0][~masks[0]].any()  # the dropout's own output
+    assert lora_input_products(x2, x2, lora_As, settings).dropped == [None, None]

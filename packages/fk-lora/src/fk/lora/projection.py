@@ -128,7 +128,8 @@ class LoRAInputs(NamedTuple):
     A_cs: list[torch.Tensor]
     """``A`` in ``c``."""
     dropped: list[torch.Tensor | None]
-    """The dropped inputs ``d(x2)`` in the dropout dtype, where asked for (``keep_dropped``), else None."""
+    """The dropped inputs ``d(x2)`` where asked for (``keep_dropped``) and drawn in ``c`` (a dropout
+    drawn in fp32 next to a 16-bit ``c`` is not kept: its product is formed from ``x2 * m``), else None."""
 
 
 def lora_input_products(
@@ -163,7 +164,7 @@ def lora_input_products(
             if dropout_dtype not in x2_in:
                 x2_in[dropout_dtype] = x2 if x2.dtype == dropout_dtype else x2.to(dropout_dtype)
             xas[i], masks[i], d_x2 = lora_input_product(x2_in[dropout_dtype], xc, lora_As[i], p, dropout_dtype)
-            dropped[i] = d_x2 if keep_dropped else None
+            dropped[i] = d_x2 if keep_dropped and d_x2 is not None and d_x2.dtype == xc.dtype else None
             del d_x2  # (not held past this projection unless kept)
             A_cs[i] = lora_As[i].to(xc.dtype)
     return LoRAInputs(xas, masks, A_cs, dropped)
