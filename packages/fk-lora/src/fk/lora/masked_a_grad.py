@@ -142,7 +142,8 @@ MAX_RANK = 64
 
 # By the projections' padded rank: the accumulators (3 x rank x block_cols fp32) stay at 12288
 # elements or fewer, 48 a thread over 8 warps, beside an x tile and a mask tile in flight. A few
-# programs per multiprocessor keep the reads of x and the masks going. Not tuned on a GPU yet.
+# programs per multiprocessor keep the reads of x and the masks going. First guesses: an H200 sweep
+# at rank 16 (benchmarks/experiments/INDEX.md#masked_dropout_tune) found 32 x 256 on 4 warps faster.
 LAUNCH = {
     16: LaunchParams(block_rows=64, block_cols=256, num_warps=8, programs_per_sm=4),
     32: LaunchParams(block_rows=64, block_cols=128, num_warps=8, programs_per_sm=4),

@@ -127,7 +127,8 @@ def _add_masked_low_rank_kernel(
 
 
 # Tile of dx per program, and the rank step (tl.dot's smallest). The work is a pass over dx and the
-# masks; the G's and A's are rank-sized and come from L2 for every tile.
+# masks; the G's and A's are rank-sized and come from L2 for every tile. First guesses: an H200 sweep
+# (benchmarks/experiments/INDEX.md#masked_dropout_tune) found 32 x 128 faster for q/k/v's three terms.
 BLOCK_ROWS = 64
 BLOCK_COLS = 128
 BLOCK_RANK = 16
