@@ -427,11 +427,11 @@ def _shared_input_bwd(
             gss[i] = scaled_lora_grad(dy, lows[i].B_c, settings[i].scaling)
         own_needs = needs[i]._replace(lora_A=needs[i].lora_A and i not in stacked_dA and lows[i].mask is None)
         grads[i] = _proj_bwd_params(dy, x2, xc, weights[i], lows[i], lora_dtypes[i], settings[i], own_needs, gss[i])
-    dropped = [i for i in live if needs[i].lora_A and lows[i].mask is not None]
-    if dropped:  # dA of projections with dropout: one read of x2 and of each mask, for all of them
-        dAs = lora_a_grads(x2, c, [gss[i] for i in dropped], [lows[i].mask for i in dropped],
-                           [settings[i] for i in dropped], [lora_dtypes[i] for i in dropped])  # fmt: skip
-        for i, dA_i in zip(dropped, dAs, strict=True):
+    with_dropout = [i for i in live if needs[i].lora_A and lows[i].mask is not None]
+    if with_dropout:  # dA of projections with dropout: one read of x2 and of each mask, for all of them
+        dAs = lora_a_grads(x2, c, [gss[i] for i in with_dropout], [lows[i].mask for i in with_dropout],
+                           [settings[i] for i in with_dropout], [lora_dtypes[i] for i in with_dropout])  # fmt: skip
+        for i, dA_i in zip(with_dropout, dAs, strict=True):
             grads[i] = grads[i]._replace(lora_A=dA_i)
     stacked_gs: dict[tuple[int, ...], torch.Tensor] = {}  # [s G_i | s G_j | ...], concatenated once
 
@@ -462,13 +462,13 @@ def _shared_input_bwd(
     if plain:  # s G A of the projections without dropout: one pass over dx
         A_c = torch.cat([lows[i].A_c for i in plain]) if len(plain) > 1 else lows[plain[0]].A_c
         dx.addmm_(gs_of(plain), A_c)
-    dropped_terms = [
+    masked_terms = [
         MaskedLowRank(gss[i], lows[i].A_c, mask, 1.0 / (1.0 - settings[i].dropout_p))
         for i in live
         if (mask := lows[i].mask) is not None
     ]
-    if dropped_terms:  # s G A of the projections with dropout, each under its mask: one more pass over dx
-        add_masked_low_ranks_(dx, dropped_terms)
+    if masked_terms:  # s G A of the projections with dropout, each under its mask: one more pass over dx
+        add_masked_low_ranks_(dx, masked_terms)
     return dx, grads
 
 

@@ -6,8 +6,9 @@ product is ``[M, K]``, as large as ``dx``, and ``m`` (the dropout mask, bool) is
 element by element, so the product cannot be folded into ``dx`` by one ``addmm_``. With torch
 ops that is a matmul writing ``G A``, a masked copy, and an add: ``G A`` written once and read
 twice, ``dx`` read and written. This kernel forms each tile of ``G A`` in registers from the
-rank-sized operands (``tl.dot``, exact products summed in fp32), and reads ``dx`` and the mask once and writes
-``dx`` once, rounding once. Here ``G`` arrives already scaled by ``s`` and ``f = 1 / (1 - p)``.
+rank-sized operands (``tl.dot``, exact products summed in fp32), reads ``dx`` and the mask once
+and writes ``dx`` once, rounding once. Here ``G`` arrives already scaled by ``s`` and
+``f = 1 / (1 - p)``.
 
 Math, per element: ``dx[i, j] += f * m[i, j] * (t[i, j] + sum_k G[i, k] A[k, j])``, where ``t`` is an
 optional ``[M, K]`` term that the same mask and factor apply to (DoRA's ``dy_ms1 W``, the gradient
