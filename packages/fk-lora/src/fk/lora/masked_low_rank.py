@@ -128,9 +128,9 @@ def _add_masked_low_rank_kernel(
 
 
 # Tile of dx per program, and the rank step (tl.dot's smallest). The work is a pass over dx and the
-# masks; the G's and A's are rank-sized and come from L2 for every tile. First guesses: an H200 sweep
-# (benchmarks/experiments/INDEX.md#masked_dropout_tune) found 32 x 128 faster for q/k/v's three terms.
-BLOCK_ROWS = 64
+# masks; the G's and A's are rank-sized and come from L2 for every tile. 32 x 128 on 4 warps: the
+# fastest of an H200 sweep (benchmarks/experiments/INDEX.md#masked_dropout_tune), one term or three.
+BLOCK_ROWS = 32
 BLOCK_COLS = 128
 BLOCK_RANK = 16
 NUM_WARPS = 4
