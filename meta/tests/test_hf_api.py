@@ -258,3 +258,35 @@ def test_loss_options_reach_the_fused_loss(device: str, monkeypatch: pytest.Monk
     assert "memory_budget" not in seen[-1]
     with pytest.raises(TypeError, match="unknown loss option"):
         fk.hf.loss_options(patched, budget=1)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_zero3_head_takes_the_low_memory_defaults(device: str, tied: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A head whose weight is a DeepSpeed ZeRO-3 parameter (it carries ZeRO-3's ``ds_id``; here set
+    by hand, DeepSpeed itself in test_deepspeed.py) gets fk.hf's ZeRO-3 loss defaults (small chunks,
+    the head's gradient summed in its dtype), tied or not, with stock's loss and gradients; options
+    set through fk.hf.loss_options replace them; without ds_id the defaults are fk-flce's."""
+    import fk.flce
+    from fk.hf.loss_head import ZERO3_MEMORY_BUDGET
+
+    stock = _model("llama", device, tie_word_embeddings=tied)
+    patched = copy.deepcopy(stock)
+    fk.hf.apply(patched)
+    seen: list[dict[str, Any]] = []
+    original = fk.flce.linear_cross_entropy
+
+    def spy(*args: Any, **kwargs: Any) -> torch.Tensor:
+        seen.append(kwargs)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(fk.flce, "linear_cross_entropy", spy)
+    ids, labels = _batch(device)
+    _loss_and_grads(patched, input_ids=ids, labels=labels)
+    assert "memory_budget" not in seen[-1] and "accum_dtype" not in seen[-1]
+    patched.lm_head.weight.ds_id = 0
+    _assert_same_loss_and_grads(stock, patched, input_ids=ids, labels=labels)
+    assert seen[-1]["memory_budget"] == ZERO3_MEMORY_BUDGET
+    assert seen[-1]["accum_dtype"] is patched.lm_head.weight.dtype
+    fk.hf.loss_options(patched, memory_budget=1 << 20)
+    _loss_and_grads(patched, input_ids=ids, labels=labels)
+    assert seen[-1]["memory_budget"] == 1 << 20 and "accum_dtype" not in seen[-1]

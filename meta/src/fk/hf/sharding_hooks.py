@@ -65,6 +65,12 @@ def is_dtensor(t: torch.Tensor) -> bool:
     return isinstance(t, DTensor)
 
 
+def is_zero3_parameter(t: Any) -> bool:
+    """Whether ``t`` is a DeepSpeed ZeRO-3 parameter, gathered now or not (it carries the ``ds_id``
+    ZeRO-3 gives its parameters)."""
+    return hasattr(t, "ds_id")
+
+
 def is_zero3_partitioned(t: Any) -> bool:
     """Whether ``t`` is a DeepSpeed ZeRO-3 parameter whose data is not gathered now (outside its
     module's hooks, or built under ``deepspeed.zero.Init``): its ``data`` is then an empty
