@@ -5,14 +5,21 @@ fk-lowmem's (384 MiB chunks, the head's gradient summed in bf16)?
 
 Variants: ``fk`` (defaults), ``fk-lowmem`` (both options), ``fk-budget`` (the 384 MiB budget alone),
 ``fk-bf16`` (the bf16 sum alone), ``liger``, ``stock``. Rank 0 prints the median of 6 timed steps
-(after 3), then the 15 CUDA kernels and the 15 host operators (self time) of one profiled step.
+(after 3), then the 15 CUDA kernels and the 15 host operators (self time) of one profiled step, then
+(added for ``zero3_step_floor``: why fk's and Liger's steps with next to no compute took 40-50 ms
+longer than stock's) the host's Python time of one more step by package (cProfile, own time) and
+its 20 functions with the most own time. An optional second argument sets the tokens a sequence
+and the sequences a GPU (``SEQxBATCH``, default 2048x4; ``64x1`` is zero3_step_floor's step).
 
-Run on 2 GPUs:  torchrun --standalone --nproc-per-node 2 benchmarks/experiments/zero3_step_probe.py fk
+Run on 2 GPUs:  torchrun --standalone --nproc-per-node 2 benchmarks/experiments/zero3_step_probe.py fk [64x1]
 """
 
 from __future__ import annotations
 
+import collections
+import cProfile
 import os
+import pstats
 import statistics
 import sys
 import time
@@ -34,6 +41,7 @@ def main() -> None:
     import torch.distributed as dist
 
     variant = sys.argv[1]
+    seq, batch = map(int, (sys.argv[2] if len(sys.argv) > 2 else "2048x4").split("x"))
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     deepspeed.init_distributed(dist_backend="nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -46,12 +54,12 @@ def main() -> None:
         import fk.hf
 
         fk.hf.loss_options(model, **OPTIONS[variant])
-    job = {"scenario": "throughput", "lr": 1e-4, "cpu_adam": False, "batch": 4}
+    job = {"scenario": "throughput", "lr": 1e-4, "cpu_adam": False, "batch": batch}
     engine, *_ = deepspeed.initialize(model=model, config=ds_config(job))
     corpus = training.MarkovCorpus(shape.vocab, active=1024, branching=4)
 
     def step(i: int) -> float:
-        rows = corpus.batch(i, 4 * world, 2048)[rank * 4 : (rank + 1) * 4].to(engine.device)
+        rows = corpus.batch(i, batch * world, seq)[rank * batch : (rank + 1) * batch].to(engine.device)
         torch.cuda.synchronize()
         start = time.perf_counter()
         out = engine(input_ids=rows, labels=rows)
@@ -62,7 +70,7 @@ def main() -> None:
 
     times = [step(i) for i in range(9)][3:]
     if rank == 0:
-        print(f"{variant} world {world}: median step {1e3 * statistics.median(times):.1f} ms "
+        print(f"{variant} world {world}, {batch} x {seq} tokens a GPU: median step {1e3 * statistics.median(times):.1f} ms "
               f"({[round(1e3 * t, 1) for t in times]}), peak {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB")  # fmt: skip
     with torch.profiler.profile(
         activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
@@ -72,7 +80,30 @@ def main() -> None:
         averages = prof.key_averages()
         print(averages.table(sort_by="self_device_time_total", row_limit=15, max_name_column_width=70))
         print(averages.table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=70))
+    profile = cProfile.Profile()
+    profile.enable()
+    step(10)
+    profile.disable()
+    if rank == 0:
+        print_host_time(pstats.Stats(profile))
     dist.barrier()
+
+
+PACKAGES = ("deepspeed", "liger_kernel", "fk", "transformers", "triton", "torch")
+
+
+def print_host_time(stats: pstats.Stats) -> None:
+    """Own time of the profiled step's Python functions summed by the package that defines them, and
+    the 20 functions with the most own time."""
+    by_package: collections.Counter = collections.Counter()
+    rows = []
+    for (filename, line, name), (_, calls, own, *_rest) in stats.stats.items():  # type: ignore[attr-defined]
+        package = next((p for p in PACKAGES if f"/{p}/" in filename), "other")
+        by_package[package] += own
+        rows.append((own, calls, f"{filename.split('site-packages/')[-1]}:{line}({name})"))
+    print("host own time by package (ms): " + ", ".join(f"{p} {1e3 * t:.1f}" for p, t in by_package.most_common()))
+    for own, calls, where in sorted(rows, reverse=True)[:20]:
+        print(f"{1e3 * own:8.2f} ms {calls:7d} calls  {where}")
 
 
 if __name__ == "__main__":
