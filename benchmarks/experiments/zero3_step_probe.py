@@ -93,12 +93,12 @@ PACKAGES = ("deepspeed", "liger_kernel", "fk", "transformers", "triton", "torch"
 
 
 def print_host_time(stats: pstats.Stats) -> None:
-    """Own time of the profiled step's Python functions summed by the package that defines them, and
-    the 20 functions with the most own time."""
+    """Own time of the profiled step's Python functions summed by the package that defines them (C
+    functions apart: torch's operators among them), and the 20 functions with the most own time."""
     by_package: collections.Counter = collections.Counter()
     rows = []
     for (filename, line, name), (_, calls, own, *_rest) in stats.stats.items():  # type: ignore[attr-defined]
-        package = next((p for p in PACKAGES if f"/{p}/" in filename), "other")
+        package = "C functions" if filename == "~" else next((p for p in PACKAGES if f"/{p}/" in filename), "other")
         by_package[package] += own
         rows.append((own, calls, f"{filename.split('site-packages/')[-1]}:{line}({name})"))
     print("host own time by package (ms): " + ", ".join(f"{p} {1e3 * t:.1f}" for p, t in by_package.most_common()))
