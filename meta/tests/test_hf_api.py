@@ -233,15 +233,11 @@ def test_auto_model_loads_a_peft_adapter_fused(device: str, tmp_path: Any) -> No
         torch.testing.assert_close(got_lora[name], grad, **TOL, msg=lambda m, n=name: f"{n}: {m}")
 
 
-def test_loss_options_reach_the_fused_loss(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """fk.hf.loss_options: the fused loss passes memory_budget and accum_dtype on, and computes
-    stock's loss and gradients with them (small chunks: several per batch)."""
+def _fused_loss_options_spy(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
+    """The keyword arguments of every fk.flce.linear_cross_entropy call from now on (fk.hf's fused
+    loss looks the function up at each call)."""
     import fk.flce
 
-    stock = _model("llama", device)
-    patched = copy.deepcopy(stock)
-    fk.hf.apply(patched)
-    assert fk.hf.loss_options(patched, memory_budget=4 * 1024 * 4, accum_dtype=torch.float32) == 1
     seen: list[dict[str, Any]] = []
     original = fk.flce.linear_cross_entropy
 
@@ -250,6 +246,17 @@ def test_loss_options_reach_the_fused_loss(device: str, monkeypatch: pytest.Monk
         return original(*args, **kwargs)
 
     monkeypatch.setattr(fk.flce, "linear_cross_entropy", spy)
+    return seen
+
+
+def test_loss_options_reach_the_fused_loss(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """fk.hf.loss_options: the fused loss passes memory_budget and accum_dtype on, and computes
+    stock's loss and gradients with them (small chunks: several per batch)."""
+    stock = _model("llama", device)
+    patched = copy.deepcopy(stock)
+    fk.hf.apply(patched)
+    assert fk.hf.loss_options(patched, memory_budget=4 * 1024 * 4, accum_dtype=torch.float32) == 1
+    seen = _fused_loss_options_spy(monkeypatch)
     ids, labels = _batch(device)
     _assert_same_loss_and_grads(stock, patched, input_ids=ids, labels=labels)
     assert seen and seen[-1]["memory_budget"] == 4 * 1024 * 4 and seen[-1]["accum_dtype"] is torch.float32
@@ -266,20 +273,12 @@ def test_zero3_head_takes_the_low_memory_defaults(device: str, tied: bool, monke
     by hand, DeepSpeed itself in test_deepspeed.py) gets fk.hf's ZeRO-3 loss defaults (small chunks,
     the head's gradient summed in its dtype), tied or not, with stock's loss and gradients; options
     set through fk.hf.loss_options replace them; without ds_id the defaults are fk-flce's."""
-    import fk.flce
     from fk.hf.loss_head import ZERO3_MEMORY_BUDGET
 
     stock = _model("llama", device, tie_word_embeddings=tied)
     patched = copy.deepcopy(stock)
     fk.hf.apply(patched)
-    seen: list[dict[str, Any]] = []
-    original = fk.flce.linear_cross_entropy
-
-    def spy(*args: Any, **kwargs: Any) -> torch.Tensor:
-        seen.append(kwargs)
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(fk.flce, "linear_cross_entropy", spy)
+    seen = _fused_loss_options_spy(monkeypatch)
     ids, labels = _batch(device)
     _loss_and_grads(patched, input_ids=ids, labels=labels)
     assert "memory_budget" not in seen[-1] and "accum_dtype" not in seen[-1]
