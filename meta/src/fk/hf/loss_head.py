@@ -33,8 +33,9 @@ weight's dtype (``accum_dtype``), as Liger Kernel sums it, not in an fp32 buffer
 weight. Under ZeRO-3 the optimizer states and gradients are sharded and no longer hide those
 buffers under a larger peak, and the step waits on the host and on the all-gathers, not on the
 loss. 2 x H200, Llama-3.2-1B shape, 4 x 2048 tokens a GPU: 23.9 GiB a GPU with fk-flce's
-defaults, 22.06 with 128 MiB chunks, Liger 22.03 (its chunks: 256 rows of logits, 66 MB); 64 MiB
-chunks are Liger's size. Options set through :func:`fk.hf.loss_options` replace these defaults."""
+defaults, 22.06 with 128 MiB chunks, 22.03 with 64 MiB, Liger's to the byte (Liger's chunks are
+256 rows of logits, 66 MB; ``benchmarks/experiments/INDEX.md#zero3_step_floor``). Options set
+through :func:`fk.hf.loss_options` replace these defaults."""
 
 
 def loss_defaults(head_weight: torch.Tensor) -> dict[str, Any]:
