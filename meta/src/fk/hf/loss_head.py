@@ -66,8 +66,9 @@ def fused_causal_lm_loss(
     first (``softcap * tanh(logits / softcap)``). Under autocast, the hidden states and head weight
     are cast to autocast's dtype first, as stock's ``lm_head`` would. ``options`` are more keyword
     arguments of :func:`fk.flce.linear_cross_entropy` (``memory_budget``, ``accum_dtype``; see
-    :func:`fk.hf.loss_options`; where none are set, :func:`loss_defaults`). ``weight``, when given, stands for ``lm_head.weight`` (an alias of
-    it whose gradient goes elsewhere: :class:`_TiedHeadWeight`).
+    :func:`fk.hf.loss_options`; where none are set, :func:`loss_defaults`). ``weight``, when given,
+    stands for ``lm_head.weight`` (an alias of it whose gradient goes elsewhere:
+    :class:`_TiedHeadWeight`).
     """
     from fk.flce import linear_cross_entropy
 
