@@ -77,7 +77,7 @@ def is_zero3_partitioned(t: Any) -> bool:
     placeholder. Read from the attributes ZeRO-3 sets on its parameters (``ds_id``, ``ds_status``),
     without importing DeepSpeed."""
     status = getattr(t, "ds_status", None)
-    return hasattr(t, "ds_id") and status is not None and status.name != "AVAILABLE"
+    return is_zero3_parameter(t) and status is not None and status.name != "AVAILABLE"
 
 
 def _unwrapped(hook: Any) -> list[Any]:
