@@ -41,10 +41,16 @@ def _args(
     return [x, w, b, a, bb, m]
 
 
+def _drawn_masks(shape: torch.Size, dtype: torch.dtype, device: torch.device, ps: list[float], seed: int) -> list[torch.Tensor]:  # fmt: skip
+    """The dropout masks fk draws, one per probability in turn, after ``torch.manual_seed(seed)`` on
+    an input of ``shape`` in ``dtype``."""
+    torch.manual_seed(seed)
+    return [torch.native_dropout(torch.ones(shape, dtype=dtype, device=device), p, True)[1] for p in ps]
+
+
 def _drawn_mask(shape: torch.Size, dtype: torch.dtype, device: torch.device, p: float, seed: int) -> torch.Tensor:
     """The dropout mask fk draws after ``torch.manual_seed(seed)`` on an input of ``shape`` in ``dtype``."""
-    torch.manual_seed(seed)
-    return torch.native_dropout(torch.ones(shape, dtype=dtype, device=device), p, True)[1]
+    return _drawn_masks(shape, dtype, device, [p], seed)[0]
 
 
 @contextlib.contextmanager
@@ -99,13 +105,11 @@ def test_dora_fp32_adapter_with_bf16_activations(device: str, p: float) -> None:
     testing.compare_with_reference(fk_fn, ref_fn, args, floors=floors, arg_names=NAMES)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_name)
-def test_dora_qkv_matches_three_references(device: str, dtype: torch.dtype) -> None:
-    """q and v without dropout (their LoRA inputs from one matmul), k with dropout between them:
-    each as PEFT's DoRA layer, and one dx."""
+def _compare_qkv(dtype: torch.dtype, device: str, drops: list[float]) -> testing.Comparison:
+    """fk's DoRA q/k/v (widths 40, 16, 16) against three PEFT DoRA layers of one ``x``, dropout
+    ``drops[i]`` on each (the masks fk draws after ``torch.manual_seed(7)``, replayed)."""
     q, k, v = (_args(dtype, device, n=n, seed=s) for n, s in ((40, 0), (16, 10), (16, 20)))
     flat = [q[0], *q[1:], *k[1:], *v[1:]]
-    drops = (0.0, 0.3, 0.0)
 
     def parts(a: list[Any]) -> list[LoRAWeights]:
         return [LoRAWeights(*a[1 + 5 * i : 5 + 5 * i], SCALING + i, drops[i], None, a[5 + 5 * i]) for i in range(3)]
@@ -116,14 +120,40 @@ def test_dora_qkv_matches_three_references(device: str, dtype: torch.dtype) -> N
 
     def ref_fn(*a: Any) -> tuple[torch.Tensor, ...]:
         x = a[0]
-        mask = _drawn_mask(x.shape, a[8].dtype, x.device, drops[1], 7)
-        with _replayed_dropout([mask]):
+        masks = _drawn_masks(x.shape, a[4].dtype, x.device, [p for p in drops if p > 0], 7)
+        with _replayed_dropout(masks):
             return tuple(lora_linear_ref(x, *part) for part in parts(list(a)))
 
     names = ["x"] + [f"{p}.{n}" for p in "qkv" for n in NAMES[1:]]
-    result = testing.compare_with_reference(fk_fn, ref_fn, flat, arg_names=names)
+    return testing.compare_with_reference(fk_fn, ref_fn, flat, arg_names=names)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_name)
+def test_dora_qkv_matches_three_references(device: str, dtype: torch.dtype) -> None:
+    """q and v without dropout (their LoRA inputs from one matmul), k with dropout between them:
+    each as PEFT's DoRA layer, and one dx."""
+    result = _compare_qkv(dtype, device, [0.0, 0.3, 0.0])
     assert result.names[:4] == ["output0", "output1", "output2", "grad of x"]
     assert "grad of k.magnitude" in result.names
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_name)
+def test_dora_qkv_with_dropout_forms_the_three_dA_in_one_pass(device: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """q, k and v all with dropout: as three PEFT DoRA layers under the same masks, with their dA from
+    one masked_a_grads call of three terms (x and the three masks read once)."""
+    from fk.lora import projection
+
+    launches: list[int] = []
+    original = projection.masked_a_grads
+
+    def counted(x: torch.Tensor, terms: list[Any]) -> list[torch.Tensor]:
+        launches.append(len(terms))
+        return original(x, terms)
+
+    monkeypatch.setattr(projection, "masked_a_grads", counted)
+    result = _compare_qkv(dtype, device, [0.3, 0.2, 0.1])
+    assert {"grad of q.lora_A", "grad of k.lora_A", "grad of v.lora_A"} <= set(result.names)
+    assert launches and set(launches) == {3}
 
 
 @pytest.mark.parametrize("p", [0.0, 0.3], ids=["no_dropout", "dropout"])

@@ -243,12 +243,17 @@ def _dora_bwd(
     dx: torch.Tensor | None,
     need_dx: bool,
     terms: DoRAGradTerms | None = None,
+    a_grad_terms: list[tuple[int, torch.Tensor]] | None = None,
+    index: int = 0,
 ) -> tuple[_DoRAGrads, torch.Tensor | None]:
     """The backward of :func:`_dora_fwd` (see the equations above): (the parameter gradients, dx
     with this projection's terms added, a new buffer when ``dx`` is None). ``dtypes``: the LoRA
     weights' and the magnitude's. ``weight`` is ``W`` or its :class:`QuantizedBase`, dequantized
     here for ``dx`` only and dropped on return. ``terms``: the terms formed from ``dy``, where the
-    caller formed them (:mod:`fk.lora.dora_glu`; then ``dy`` is None), else None."""
+    caller formed them (:mod:`fk.lora.dora_glu`; then ``dy`` is None), else None.
+    ``a_grad_terms``: where given, ``dA`` is left to the caller, who forms those of projections
+    sharing ``x2`` in one :func:`lora_a_grads` call (one pass over ``x2`` and the masks): ``(index,
+    s G)`` is appended to it instead."""
     lora_dtype = dtypes[0]
     scaling, p, dropout_dtype = settings
     f = 1.0 if low.mask is None else 1.0 / (1.0 - p)
@@ -268,8 +273,11 @@ def _dora_bwd(
         grads = grads._replace(lora_B=scaled_mm(dy_ms.t(), low.xa, scaling, lora_dtype))
     if needs.lora_A:
         assert gs is not None
-        (dA,) = lora_a_grads(x2, c, [gs], [low.mask], [settings], [lora_dtype])
-        grads = grads._replace(lora_A=dA)
+        if a_grad_terms is not None:
+            a_grad_terms.append((index, gs))
+        else:
+            (dA,) = lora_a_grads(x2, c, [gs], [low.mask], [settings], [lora_dtype])
+            grads = grads._replace(lora_A=dA)
     if low.mask is None:
         assert dy_ms is not None
         if needs.weight:
@@ -330,10 +338,18 @@ class DoRAProjections(torch.autograd.Function):
         need_dx = ctx.needs_input_grad[0]
         dx: torch.Tensor | None = None
         grads = [_DoRAGrads()] * n
+        a_grad_terms: list[tuple[int, torch.Tensor]] = []  # the projections' dA, formed together below
         for i, dy in enumerate(dys):
             if dy is not None:
                 dy2 = dy.reshape(-1, dy.shape[-1])
-                grads[i], dx = _dora_bwd(dy2, x2, weights[i], lows[i], ctx.dtypes[i], ctx.settings[i], needs[i], dx, need_dx)  # fmt: skip
+                grads[i], dx = _dora_bwd(dy2, x2, weights[i], lows[i], ctx.dtypes[i], ctx.settings[i], needs[i], dx, need_dx,
+                                         a_grad_terms=a_grad_terms, index=i)  # fmt: skip
+        if a_grad_terms:
+            idx = [i for i, _ in a_grad_terms]
+            dAs = lora_a_grads(x2, lows[idx[0]].z.dtype, [gs for _, gs in a_grad_terms], [lows[i].mask for i in idx],
+                               [ctx.settings[i] for i in idx], [ctx.dtypes[i][0] for i in idx])  # fmt: skip
+            for i, dA in zip(idx, dAs, strict=True):
+                grads[i] = grads[i]._replace(lora_A=dA)
         if dx is not None:
             dx = dx.view(x.shape)
         return (dx, None, *to_flat(grads))
