@@ -14,7 +14,7 @@ the time of another version of the module's file, e.g. the committed one, loaded
 every variant of SPACE relative to the best, sorted by its worst ratio over the shapes.
 
 Run:  python benchmarks/tune_norm_backward.py [--op rms_norm|layer_norm|poly_norm]
-      [--modes trainable frozen] [--top N] [--space looped] [--widths H ...] [--baseline path/to/old/rms_norm.py]
+      [--modes trainable frozen] [--top N] [--space looped|strips] [--widths H ...] [--baseline path/to/old/rms_norm.py]
 """
 
 from __future__ import annotations
@@ -47,6 +47,11 @@ LOOPED_SPACE = {
     # PolyNorm's rows wider than 16384, one at a time: its programs per SM and column tiles.
     "poly_norm": {"BACKWARD.looped_programs_per_sm": [1, 2, 4], "BACKWARD.looped_block_cols": [2048, 4096, 8192]},
 }  # fmt: skip
+# --space strips: RMSNorm's (and FusedAddRMSNorm's) two-pass backward with a weight gradient
+# (fk.norms.rms_norm_strips), applied at every one of --widths; pass --baseline with the one-kernel
+# version of rms_norm.py (e.g. from before the strips were added) to time the two side by side.
+STRIPS_SPACE = {"STRIPS.block_rows": [2, 4, 8], "STRIPS.block_cols": [512, 1024, 2048], "STRIPS.num_warps": [4, 8],
+                "STRIPS.programs_per_sm": [2, 4, 8], "STRIPS.dot_block_cols": [2048, 4096]}  # fmt: skip
 # PolyNorm's weight and bias gradients are four scalars per program (16-byte partial rows), so the
 # question there is how few programs keep memory busy.
 POLY_NORM_SPACE = {
@@ -90,9 +95,12 @@ def load_file(path: str, name: str) -> ModuleType:
 
 
 def sweep(
-    module: ModuleType, baseline: ModuleType | None, op: str, mode: str, top: int, looped: bool, widths: list[int]
+    module: ModuleType, baseline: ModuleType | None, op: str, mode: str, top: int, space_name: str, widths: list[int]
 ) -> None:
-    if looped:
+    if space_name == "strips":
+        space = {"BACKWARD.strips_min_cols": [min(widths)], "BACKWARD.strips_min_cols_residual": [min(widths)],
+                 **STRIPS_SPACE}  # fmt: skip
+    elif space_name == "looped":
         space = dict(LOOPED_SPACE[op])
         if op != "poly_norm":
             space = {"BACKWARD.widest_min_cols": [min(widths)], **space}
@@ -127,7 +135,8 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", choices=list(SPACE), default=["trainable", "frozen"])
     parser.add_argument("--baseline", help="another version of the op's module file, timed beside it")
     parser.add_argument("--top", type=int, default=10, help="variants to print per mode, best first")
-    parser.add_argument("--space", choices=["default", "looped"], default="default", help="see LOOPED_SPACE")
+    parser.add_argument("--space", choices=["default", "looped", "strips"], default="default",
+                        help="see LOOPED_SPACE and STRIPS_SPACE")  # fmt: skip
     parser.add_argument("--widths", type=int, nargs="+", default=WIDTHS)
     args = parser.parse_args()
     module = importlib.import_module(f"fk.norms.{args.op}")
@@ -139,7 +148,9 @@ def main() -> None:
             raise SystemExit(
                 "--space looped is for RMSNorm, LayerNorm and PolyNorm, with --modes trainable (and residual)"
             )
-        sweep(module, baseline, args.op, mode, args.top, args.space == "looped", args.widths)
+        if args.space == "strips" and (args.op != "rms_norm" or mode == "frozen"):
+            raise SystemExit("--space strips is for RMSNorm, with --modes trainable (and residual)")
+        sweep(module, baseline, args.op, mode, args.top, args.space, args.widths)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -12,6 +14,9 @@ from fk.core import testing
 from fk.core.testing import AWKWARD_ROWS, AWKWARD_WIDTHS, DTYPES, WIDE_WIDTHS, dtype_name
 from fk.norms import FusedAddRMSNorm, fused_add_rms_norm, fused_add_rms_norm_ref, rms_norm_ref
 from fk.norms.rms_norm import BACKWARD, _bwd_tiling, dw_partial_rows
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_rms_norm import RMS_NORM_MODULE, strips_from
 
 EPS = 1e-6
 NAMES = ["x", "residual", "weight"]
@@ -76,11 +81,22 @@ def test_wide_one_tile_rows_match_reference(device: str, dtype: torch.dtype) -> 
     testing.compare_with_reference(_fk(), _ref(), args, arg_names=NAMES)
 
 
-def test_widest_rows_several_at_a_time(device: str) -> None:
+def test_widest_rows_several_at_a_time(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
     # As RMSNorm's test of that name: several rows a tile, the residual's gradient added to each.
     width = BACKWARD.widest_min_cols
+    monkeypatch.setattr(RMS_NORM_MODULE, "BACKWARD", BACKWARD._replace(strips_min_cols_residual=width + 1))
     rows = (2 * dw_partial_rows(1 << 30, width, torch.device(device)) + 1) * _bwd_tiling(width).rows_per_tile - 1
     args = _inputs((rows, width), torch.bfloat16, device, seed=8)
+    testing.compare_with_reference(_fk(), _ref(), args, arg_names=NAMES)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
+def test_strips_backward_matches_reference(device: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    # As RMSNorm's test of that name (fk.norms.rms_norm_strips), the residual's gradient added to dx;
+    # RMSNorm's own threshold left where it is.
+    rows = strips_from(monkeypatch, 1100, device, residual=True)
+    assert RMS_NORM_MODULE.BACKWARD.strips_min_cols == BACKWARD.strips_min_cols
+    args = _inputs((rows, 1100), dtype, device, seed=1101)
     testing.compare_with_reference(_fk(), _ref(), args, arg_names=NAMES)
 
 

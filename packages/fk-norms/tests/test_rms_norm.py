@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from typing import Any
 
@@ -11,9 +12,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fk.core import testing
+from fk.core.launch import column_strip_grid
 from fk.core.testing import AWKWARD_ROWS, AWKWARD_WIDTHS, DTYPES, WIDE_WIDTHS, dtype_name
 from fk.norms import RMSNorm, rms_norm, rms_norm_and_input, rms_norm_ref
 from fk.norms.rms_norm import BACKWARD, _bwd_tiling, dw_partial_rows
+
+RMS_NORM_MODULE = importlib.import_module("fk.norms.rms_norm")  # (fk.norms.rms_norm is the function)
 
 MODES = ("llama", "gemma")
 EPS = 1e-6
@@ -69,15 +73,59 @@ def test_wide_one_tile_rows_match_reference(device: str, dtype: torch.dtype) -> 
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
-def test_widest_rows_several_at_a_time(device: str, dtype: torch.dtype) -> None:
-    # Rows of at least BACKWARD.widest_min_cols with a weight gradient: the looped backward takes
-    # several rows a tile (widest_rows), every program two tiles or more, the last one partial.
+def test_widest_rows_several_at_a_time(device: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Rows of at least BACKWARD.widest_min_cols with a weight gradient: the looped backward (not the
+    # two-pass one) takes several rows a tile (widest_rows), every program two tiles or more, the
+    # last one partial.
     width = BACKWARD.widest_min_cols
+    monkeypatch.setattr(RMS_NORM_MODULE, "BACKWARD", BACKWARD._replace(strips_min_cols=width + 1))
     tiling = _bwd_tiling(width)
     assert tiling.looped and tiling.rows_per_tile > 1 and width % tiling.block_cols != 0
     rows = (2 * dw_partial_rows(1 << 30, width, torch.device(device)) + 1) * tiling.rows_per_tile - 1
     args = _inputs((rows, width), dtype, device, seed=7)
     testing.compare_with_reference(_fk("llama"), _ref("llama"), args, arg_names=["x", "weight"])
+
+
+def strips_from(monkeypatch: pytest.MonkeyPatch, width: int, device: str, residual: bool = False) -> int:
+    """Make rows from ``width`` columns on take the two-pass backward (fk.norms.rms_norm_strips) with
+    small strips; returns a row count that gives every row group of pass 2 two row tiles and a
+    partial third. Shared with test_fused_add_rms_norm.py."""
+    field = "strips_min_cols_residual" if residual else "strips_min_cols"
+    monkeypatch.setattr(RMS_NORM_MODULE, "BACKWARD", BACKWARD._replace(**{field: width}))
+    params = RMS_NORM_MODULE.STRIPS._replace(block_cols=256, block_rows=4, dot_block_cols=512, dot_rows=2)
+    monkeypatch.setattr(RMS_NORM_MODULE, "STRIPS", params)
+    groups, _ = column_strip_grid(1 << 30, width, params.block_rows, params.block_cols, torch.device(device),
+                                  params.programs_per_sm)  # fmt: skip
+    return (2 * groups + 1) * params.block_rows - 1
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
+def test_strips_backward_matches_reference(
+    device: str, dtype: torch.dtype, mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The two-pass backward: 1100 columns are 5 strips of 256 (the last partial) and 3 column
+    # tiles of pass 1 (the last partial); rows in partial tiles of both passes.
+    rows = strips_from(monkeypatch, 1100, device)
+    calls = []
+    original = RMS_NORM_MODULE.launch_strips_backward
+    monkeypatch.setattr(RMS_NORM_MODULE, "launch_strips_backward", lambda *a: calls.append(1) or original(*a))
+    args = _inputs((rows, 1100), dtype, device, seed=1100)
+    testing.compare_with_reference(_fk(mode), _ref(mode), args, arg_names=["x", "weight"])
+    assert calls  # the path under test ran
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
+def test_strips_backward_in_place_and_frozen(device: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    # dx written over dy (each element read before it is written), and a frozen weight (the
+    # one-kernel backward: no weight gradient to sum in strips).
+    rows = strips_from(monkeypatch, 700, device)
+    fk_fn = lambda x, w: rms_norm(x, w, EPS, in_place_backward=True)  # noqa: E731
+    testing.compare_with_reference(
+        fk_fn, _ref("llama"), _inputs((rows, 700), dtype, device, seed=70), arg_names=["x", "weight"]
+    )
+    frozen = _inputs((rows, 700), dtype, device, seed=71, weight_grad=False)
+    testing.compare_with_reference(_fk("llama"), _ref("llama"), frozen, arg_names=["x", "weight"])
 
 
 @pytest.mark.parametrize("width", [100, 1500])  # 64 rows a tile (dw summed in 2-D), and 4

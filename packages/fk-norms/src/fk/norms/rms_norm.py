@@ -32,6 +32,7 @@ from fk.core.ops import define_autograd_op
 from fk.core.reduce import sum_rows
 from fk.core.tiles import load_row_tile
 from fk.norms.launch_params import ForwardParams, forward_tiling
+from fk.norms.rms_norm_strips import StripParams, launch_strips_backward
 
 CASTING_MODES = ("llama", "gemma")
 
@@ -350,6 +351,8 @@ class BackwardParams(NamedTuple):
     widest_rows: int  # this many rows a tile,
     widest_block_cols: int  # in column tiles this wide,
     widest_max_warps: int  # with one warp per elements_per_warp of the tile, at most this many
+    strips_min_cols: int  # rows at least this wide take the two-pass backward of fk.norms.rms_norm_strips,
+    strips_min_cols_residual: int  # and FusedAddRMSNorm's (dx += the residual's gradient) from this width
 
 
 BACKWARD = BackwardParams(
@@ -365,7 +368,21 @@ BACKWARD = BackwardParams(
     widest_rows=4,  # divides the L2 reads and writes of the program's partial row (norm_looped_rows)
     widest_block_cols=4096,  # norm_looped_rows
     widest_max_warps=16,
+    # Guesses, not measured yet: the two cases behind a peer in docs/benchmarks.md (RMSNorm at 32768
+    # columns 0.951x torch.compile, FusedAddRMSNorm at 16384 0.958x Liger), to be set by an A/B
+    # on a GPU (benchmarks/tune_norm_backward.py --space strips).
+    strips_min_cols=32768,
+    strips_min_cols_residual=16384,
 )
+
+
+# The two-pass backward of fk.norms.rms_norm_strips (from BACKWARD.strips_min_cols on). First guesses,
+# to be swept on a GPU (benchmarks/tune_norm_backward.py --space strips): each pass-2 tile holds x,
+# dy, dx and the dw sums in fp32, 16 elements a thread at 8 warps.
+STRIPS = StripParams(
+    dot_rows=1, dot_block_cols=4096, dot_num_warps=8,
+    block_rows=4, block_cols=1024, num_warps=8, programs_per_sm=4,
+)  # fmt: skip
 
 
 class FrozenBackwardParams(NamedTuple):
@@ -501,6 +518,10 @@ def launch_backward(
     if n_rows == 0:
         return torch.zeros_like(weight) if compute_dw and weight is not None else None
     dx_rows = dx.view(n_rows, n_cols)
+    if compute_dw and n_cols >= (BACKWARD.strips_min_cols_residual if dres is not None else BACKWARD.strips_min_cols):
+        assert weight is not None
+        dres_or_none = as_rows(dres) if dres is not None else None
+        return launch_strips_backward(dy_rows, x_rows, weight, rstd, offset, dx_rows, dres_or_none, STRIPS)
     dres_rows = as_rows(dres) if dres is not None else x_rows
     tiling = _bwd_tiling(n_cols, compute_dw)
     n_programs = dw_partial_rows(n_rows, n_cols, x.device, compute_dw)
