@@ -50,8 +50,9 @@ LOOPED_SPACE = {
 # --space strips: RMSNorm's (and FusedAddRMSNorm's) two-pass backward with a weight gradient
 # (fk.norms.rms_norm_strips), applied at every one of --widths; pass --baseline with the one-kernel
 # version of rms_norm.py (e.g. from before the strips were added) to time the two side by side.
-STRIPS_SPACE = {"STRIPS.block_rows": [2, 4, 8], "STRIPS.block_cols": [512, 1024, 2048], "STRIPS.num_warps": [4, 8],
-                "STRIPS.programs_per_sm": [2, 4, 8], "STRIPS.dot_block_cols": [2048, 4096]}  # fmt: skip
+# The fields of STRIPS (trainable) or STRIPS_RESIDUAL (residual).
+STRIPS_SPACE = {"block_rows": [2, 4, 8], "block_cols": [512, 1024, 2048], "num_warps": [4, 8],
+                "programs_per_sm": [2, 4, 8], "dot_block_cols": [2048, 4096]}  # fmt: skip
 # PolyNorm's weight and bias gradients are four scalars per program (16-byte partial rows), so the
 # question there is how few programs keep memory busy.
 POLY_NORM_SPACE = {
@@ -98,8 +99,9 @@ def sweep(
     module: ModuleType, baseline: ModuleType | None, op: str, mode: str, top: int, space_name: str, widths: list[int]
 ) -> None:
     if space_name == "strips":
+        table = "STRIPS_RESIDUAL" if mode == "residual" else "STRIPS"
         space = {"BACKWARD.strips_min_cols": [min(widths)], "BACKWARD.strips_min_cols_residual": [min(widths)],
-                 **STRIPS_SPACE}  # fmt: skip
+                 **{f"{table}.{field}": values for field, values in STRIPS_SPACE.items()}}  # fmt: skip
     elif space_name == "looped":
         space = dict(LOOPED_SPACE[op])
         if op != "poly_norm":

@@ -86,14 +86,26 @@ def test_widest_rows_several_at_a_time(device: str, dtype: torch.dtype, monkeypa
     testing.compare_with_reference(_fk("llama"), _ref("llama"), args, arg_names=["x", "weight"])
 
 
+def partial_buffer_bytes(rows: int, width: int, device: str) -> int:
+    """Bytes of the fp32 partial rows of dw that RMSNorm's backward allocates at this shape: one row
+    per program of the one-kernel grid, or per row group of the strips (fk.norms.rms_norm_strips)."""
+    if width >= BACKWARD.strips_min_cols:
+        strips = RMS_NORM_MODULE.STRIPS
+        groups, _ = column_strip_grid(rows, width, strips.block_rows, strips.block_cols, torch.device(device),
+                                      strips.programs_per_sm)  # fmt: skip
+        return groups * width * 4
+    return dw_partial_rows(rows, width, torch.device(device)) * width * 4
+
+
 def strips_from(monkeypatch: pytest.MonkeyPatch, width: int, device: str, residual: bool = False) -> int:
     """Make rows from ``width`` columns on take the two-pass backward (fk.norms.rms_norm_strips) with
     small strips; returns a row count that gives every row group of pass 2 two row tiles and a
     partial third. Shared with test_fused_add_rms_norm.py."""
     field = "strips_min_cols_residual" if residual else "strips_min_cols"
     monkeypatch.setattr(RMS_NORM_MODULE, "BACKWARD", BACKWARD._replace(**{field: width}))
-    params = RMS_NORM_MODULE.STRIPS._replace(block_cols=256, block_rows=4, dot_block_cols=512, dot_rows=2)
-    monkeypatch.setattr(RMS_NORM_MODULE, "STRIPS", params)
+    table = "STRIPS_RESIDUAL" if residual else "STRIPS"
+    params = getattr(RMS_NORM_MODULE, table)._replace(block_cols=256, block_rows=4, dot_block_cols=512, dot_rows=2)
+    monkeypatch.setattr(RMS_NORM_MODULE, table, params)
     groups, _ = column_strip_grid(1 << 30, width, params.block_rows, params.block_cols, torch.device(device),
                                   params.programs_per_sm)  # fmt: skip
     return (2 * groups + 1) * params.block_rows - 1
@@ -232,7 +244,7 @@ def test_upstream_gradient_with_zero_strides(device: str) -> None:
 def test_frozen_weight_allocates_no_partial_buffer(device: str, width: int) -> None:
     # Enough rows that the grid is capped by the device, not by the rows (fewer in the interpreter).
     rows = {("cuda", 1000): 8192, ("cuda", 20000): 600, ("cpu", 1000): 63, ("cpu", 20000): 40}[(device, width)]
-    partial_bytes = dw_partial_rows(rows, width, torch.device(device)) * width * 4
+    partial_bytes = partial_buffer_bytes(rows, width, device)
     dx_bytes = rows * width * 2
     assert testing.count_buffers([dx_bytes], partial_bytes, device) == 0  # the sizes are told apart
     for weight_grad in (True, False):
@@ -366,7 +378,7 @@ def test_in_place_backward_writes_over_dy_and_allocates_no_dx(device: str, width
     dx = grads[0]
     assert dx.data_ptr() == dy.data_ptr()  # dy now holds dx
     assert testing.count_buffers(sizes, rows * width * 2, device) == 0, sizes  # no dx-sized buffer
-    partial_bytes = dw_partial_rows(rows, width, torch.device(device)) * width * 4
+    partial_bytes = partial_buffer_bytes(rows, width, device)
     assert testing.count_buffers(sizes, partial_bytes, device) == weight_grad, sizes  # the profiler saw it
     # The same gradients as the out-of-place backward.
     x2, w2 = (t.detach().requires_grad_(t.requires_grad) for t in (x, w))

@@ -368,20 +368,26 @@ BACKWARD = BackwardParams(
     widest_rows=4,  # divides the L2 reads and writes of the program's partial row (norm_looped_rows)
     widest_block_cols=4096,  # norm_looped_rows
     widest_max_warps=16,
-    # Guesses, not measured yet: the two cases behind a peer in docs/benchmarks.md (RMSNorm at 32768
-    # columns 0.951x torch.compile, FusedAddRMSNorm at 16384 0.958x Liger), to be set by an A/B
-    # on a GPU (benchmarks/tune_norm_backward.py --space strips).
-    strips_min_cols=32768,
-    strips_min_cols_residual=16384,
+    # Rows wider than one tile (max_block_cols): at 16384 columns the one-kernel backward holds a row
+    # in one tile and wins (RMSNorm 505 against 619 us, FusedAddRMSNorm 674 against 735); from 20480
+    # on the strips win (RMSNorm 781 against 1171 us there, 1246 against 1481 at 32768; FusedAdd 943
+    # against 1297, 1510 against 1689). INDEX.md#rms_norm_strips
+    strips_min_cols=16385,
+    strips_min_cols_residual=16385,
 )
 
 
-# The two-pass backward of fk.norms.rms_norm_strips (from BACKWARD.strips_min_cols on). First guesses,
-# to be swept on a GPU (benchmarks/tune_norm_backward.py --space strips): each pass-2 tile holds x,
-# dy, dx and the dw sums in fp32, 16 elements a thread at 8 warps.
+# The two-pass backward of fk.norms.rms_norm_strips (from BACKWARD.strips_min_cols on), RMSNorm's
+# and FusedAddRMSNorm's: the best of 108 settings at 8192-32768 columns (INDEX.md#rms_norm_strips).
+# Narrow strips and many programs for RMSNorm; FusedAddRMSNorm also reads dres, and wide strips on
+# few programs were 1-3% faster there (the narrow ones are not in its best 12).
 STRIPS = StripParams(
-    dot_rows=1, dot_block_cols=4096, dot_num_warps=8,
-    block_rows=4, block_cols=1024, num_warps=8, programs_per_sm=4,
+    dot_rows=1, dot_block_cols=2048, dot_num_warps=8,
+    block_rows=2, block_cols=512, num_warps=4, programs_per_sm=8,
+)  # fmt: skip
+STRIPS_RESIDUAL = StripParams(
+    dot_rows=1, dot_block_cols=2048, dot_num_warps=8,
+    block_rows=2, block_cols=2048, num_warps=4, programs_per_sm=2,
 )  # fmt: skip
 
 
@@ -521,7 +527,8 @@ def launch_backward(
     if compute_dw and n_cols >= (BACKWARD.strips_min_cols_residual if dres is not None else BACKWARD.strips_min_cols):
         assert weight is not None
         dres_or_none = as_rows(dres) if dres is not None else None
-        return launch_strips_backward(dy_rows, x_rows, weight, rstd, offset, dx_rows, dres_or_none, STRIPS)
+        params = STRIPS_RESIDUAL if dres is not None else STRIPS
+        return launch_strips_backward(dy_rows, x_rows, weight, rstd, offset, dx_rows, dres_or_none, params)
     dres_rows = as_rows(dres) if dres is not None else x_rows
     tiling = _bwd_tiling(n_cols, compute_dw)
     n_programs = dw_partial_rows(n_rows, n_cols, x.device, compute_dw)
