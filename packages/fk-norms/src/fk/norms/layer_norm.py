@@ -177,7 +177,9 @@ def _layer_norm_bwd_kernel(
     LOOPED: tl.constexpr,  # the row is wider than BLOCK_COLS: two passes over column tiles
     ACC_2D: tl.constexpr,  # accumulate dw and db in [ROWS, BLOCK_COLS] tiles (tiles of many short rows)
     PREFETCH: tl.constexpr,  # load the next tile's dy and x before computing this one's
+    REVERSE_TILES: tl.constexpr,  # one-tile rows, last tile first (never with PREFETCH)
 ):
+    tl.static_assert(not (PREFETCH and REVERSE_TILES), "the prefetch walks the tiles forwards")
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_COLS)
@@ -201,7 +203,12 @@ def _layer_norm_bwd_kernel(
             dy_next = load_row_tile(dy_ptr, pid, n_rows, dy_row_stride, cols, col_mask, ROWS)
             if COMPUTE_DX or COMPUTE_DW:
                 x_next = load_row_tile(x_ptr, pid, n_rows, x_row_stride, cols, col_mask, ROWS)
-        for tile in range(pid, n_tiles, n_programs):
+        for step in range(pid, n_tiles, n_programs):
+            # Reversed, the first programs take the rows the forward wrote last, which the L2 may
+            # still hold when the backward follows the forward at once.
+            tile = step
+            if REVERSE_TILES:
+                tile = n_tiles - 1 - step
             if PREFETCH:
                 dy = dy_next
                 dy_next = load_row_tile(dy_ptr, tile + n_programs, n_rows, dy_row_stride, cols, col_mask, ROWS)
@@ -371,6 +378,7 @@ class FrozenBackwardParams(NamedTuple):
     max_block_cols: int  # the widest row held in one tile; wider rows loop,
     looped_block_cols: int  # over column tiles this wide,
     looped_programs_per_sm: int  # with this many programs per SM
+    narrow_reverse_tiles: bool  # rows up to narrow_cols wide are taken last tile first
 
 
 BACKWARD_FROZEN = FrozenBackwardParams(
@@ -383,6 +391,9 @@ BACKWARD_FROZEN = FrozenBackwardParams(
     max_block_cols=16384,  # as BACKWARD's
     looped_block_cols=8192,  # with 4 per SM, at H=32768 (tune_norms.py, docs/benchmarks.md)
     looped_programs_per_sm=4,
+    # The rows the forward wrote last may still be in L2: 2-4% less time at H=1024, none at 2048 and
+    # 4096, and at 8192 up to 37% more (INDEX.md#norm_reverse_tiles).
+    narrow_reverse_tiles=True,
 )
 
 
@@ -516,6 +527,8 @@ def _layer_norm_bwd(
         BLOCK_COLS=tiling.block_cols, ROWS=tiling.rows_per_tile, LOOPED=tiling.looped,
         ACC_2D=one_tile and keeps_partials and tiling.rows_per_tile >= BACKWARD.acc_2d_rows,
         PREFETCH=one_tile and keeps_partials and tiling.block_cols <= BACKWARD.prefetch_max_cols,
+        REVERSE_TILES=one_tile and not keeps_partials and n_cols <= BACKWARD_FROZEN.narrow_cols
+        and BACKWARD_FROZEN.narrow_reverse_tiles,
         num_warps=tiling.num_warps,
     )  # fmt: skip
     dw_sum, db_sum = sum_weight_and_bias_rows(partials, weight if compute_dw else None, bias if db_in_kernel else None)

@@ -206,7 +206,9 @@ def _rms_norm_bwd_kernel(
     WEIGHT_PER_TILE: tl.constexpr,  # load the weight for every tile (from L1/L2), not once per program
     ACC_2D: tl.constexpr,  # accumulate dw in a [ROWS, BLOCK_COLS] tile (tiles of many short rows)
     PREFETCH: tl.constexpr,  # load the next tile's x and dy before computing this one's
+    REVERSE_TILES: tl.constexpr,  # one-tile rows, last tile first (never with PREFETCH)
 ):
+    tl.static_assert(not (PREFETCH and REVERSE_TILES), "the prefetch walks the tiles forwards")
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
     n_tiles = tl.cdiv(n_rows, ROWS)
@@ -226,7 +228,12 @@ def _rms_norm_bwd_kernel(
         if PREFETCH:
             x_next = load_row_tile(x_ptr, pid, n_rows, x_row_stride, cols, col_mask, ROWS)
             dy_next = load_row_tile(dy_ptr, pid, n_rows, dy_row_stride, cols, col_mask, ROWS)
-        for tile in range(pid, n_tiles, n_programs):
+        for step in range(pid, n_tiles, n_programs):
+            # Reversed, the first programs take the rows the forward wrote last, which the L2 may
+            # still hold when the backward follows the forward at once.
+            tile = step
+            if REVERSE_TILES:
+                tile = n_tiles - 1 - step
             if PREFETCH:
                 x, dy = x_next, dy_next
                 x_next = load_row_tile(x_ptr, tile + n_programs, n_rows, x_row_stride, cols, col_mask, ROWS)
@@ -404,6 +411,7 @@ class FrozenBackwardParams(NamedTuple):
     narrow_cols: int  # or, rows up to this wide,
     narrow_min_tile: int  # of at least this many
     elements_per_warp: int  # one warp per this many elements of a tile
+    narrow_reverse_tiles: bool  # rows up to narrow_cols wide are taken last tile first
 
 
 BACKWARD_FROZEN = FrozenBackwardParams(
@@ -416,6 +424,9 @@ BACKWARD_FROZEN = FrozenBackwardParams(
     narrow_cols=1024,
     narrow_min_tile=2048,  # INDEX.md#norm_frozen_narrow_tune
     elements_per_warp=512,
+    # The rows the forward wrote last may still be in L2: 2-4% less time at H=1024, none at 2048 and
+    # 4096, and at 8192 up to 37% more (INDEX.md#norm_reverse_tiles).
+    narrow_reverse_tiles=True,
 )
 
 
@@ -546,6 +557,8 @@ def launch_backward(
         WEIGHT_PER_TILE=one_tile and compute_dw and tiling.block_cols >= BACKWARD.weight_per_tile_cols,
         ACC_2D=one_tile and compute_dw and tiling.rows_per_tile >= BACKWARD.acc_2d_rows,
         PREFETCH=one_tile and compute_dw and tiling.block_cols <= BACKWARD.prefetch_max_cols,
+        REVERSE_TILES=one_tile and not compute_dw and n_cols <= BACKWARD_FROZEN.narrow_cols
+        and BACKWARD_FROZEN.narrow_reverse_tiles,
         num_warps=tiling.num_warps,
     )  # fmt: skip
     if not compute_dw:
