@@ -53,6 +53,10 @@ LOOPED_SPACE = {
 # The fields of STRIPS (trainable) or STRIPS_RESIDUAL (residual).
 STRIPS_SPACE = {"block_rows": [2, 4, 8], "block_cols": [512, 1024, 2048], "num_warps": [4, 8],
                 "programs_per_sm": [2, 4, 8], "dot_block_cols": [2048, 4096]}  # fmt: skip
+# --space contiguous: RMSNorm's one-tile rows wider than the prefetch takes, each program a block of
+# consecutive row tiles (as Liger's backward) or every n-th tile, with the weight held or reloaded.
+CONTIGUOUS_SPACE = {"BACKWARD.contiguous_min_cols": [1024, 1 << 30], "BACKWARD.weight_per_tile_cols": [16384, 1 << 30],
+                    "BACKWARD.elements_per_warp": [512, 1024, 2048], "BACKWARD.programs_per_sm": [1, 2]}  # fmt: skip
 # PolyNorm's weight and bias gradients are four scalars per program (16-byte partial rows), so the
 # question there is how few programs keep memory busy.
 POLY_NORM_SPACE = {
@@ -102,6 +106,8 @@ def sweep(
         table = "STRIPS_RESIDUAL" if mode == "residual" else "STRIPS"
         space = {"BACKWARD.strips_min_cols": [min(widths)], "BACKWARD.strips_min_cols_residual": [min(widths)],
                  **{f"{table}.{field}": values for field, values in STRIPS_SPACE.items()}}  # fmt: skip
+    elif space_name == "contiguous":
+        space = dict(CONTIGUOUS_SPACE)
     elif space_name == "looped":
         space = dict(LOOPED_SPACE[op])
         if op != "poly_norm":
@@ -137,8 +143,8 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", choices=list(SPACE), default=["trainable", "frozen"])
     parser.add_argument("--baseline", help="another version of the op's module file, timed beside it")
     parser.add_argument("--top", type=int, default=10, help="variants to print per mode, best first")
-    parser.add_argument("--space", choices=["default", "looped", "strips"], default="default",
-                        help="see LOOPED_SPACE and STRIPS_SPACE")  # fmt: skip
+    parser.add_argument("--space", choices=["default", "looped", "strips", "contiguous"], default="default",
+                        help="see LOOPED_SPACE, STRIPS_SPACE and CONTIGUOUS_SPACE")  # fmt: skip
     parser.add_argument("--widths", type=int, nargs="+", default=WIDTHS)
     args = parser.parse_args()
     module = importlib.import_module(f"fk.norms.{args.op}")
@@ -150,8 +156,8 @@ def main() -> None:
             raise SystemExit(
                 "--space looped is for RMSNorm, LayerNorm and PolyNorm, with --modes trainable (and residual)"
             )
-        if args.space == "strips" and (args.op != "rms_norm" or mode == "frozen"):
-            raise SystemExit("--space strips is for RMSNorm, with --modes trainable (and residual)")
+        if args.space in ("strips", "contiguous") and (args.op != "rms_norm" or mode == "frozen"):
+            raise SystemExit(f"--space {args.space} is for RMSNorm, with --modes trainable (and residual)")
         sweep(module, baseline, args.op, mode, args.top, args.space, args.widths)
 
 

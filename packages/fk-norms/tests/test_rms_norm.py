@@ -151,6 +151,20 @@ def test_every_program_takes_several_tiles(device: str, dtype: torch.dtype, widt
     testing.compare_with_reference(_fk("llama"), _ref("llama"), args, arg_names=["x", "weight"])
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
+def test_backward_in_blocks_of_consecutive_tiles(
+    device: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Each program a block of consecutive row tiles (BACKWARD.contiguous_min_cols): three or more
+    # tiles a program, the last tile partial, and the last program's block short.
+    monkeypatch.setattr(RMS_NORM_MODULE, "BACKWARD", BACKWARD._replace(contiguous_min_cols=300))
+    width = 300
+    tiles = 3 * dw_partial_rows(1 << 30, width, torch.device(device)) + 2
+    rows = tiles * _bwd_tiling(width).rows_per_tile - 1
+    args = _inputs((rows, width), dtype, device, seed=19)
+    testing.compare_with_reference(_fk("llama"), _ref("llama"), args, arg_names=["x", "weight"])
+
+
 @pytest.mark.parametrize("reverse", [True, False], ids=["last_tile_first", "first_tile_first"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
 def test_frozen_backward_takes_the_tiles_in_either_order(

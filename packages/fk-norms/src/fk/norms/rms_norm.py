@@ -207,8 +207,9 @@ def _rms_norm_bwd_kernel(
     ACC_2D: tl.constexpr,  # accumulate dw in a [ROWS, BLOCK_COLS] tile (tiles of many short rows)
     PREFETCH: tl.constexpr,  # load the next tile's x and dy before computing this one's
     REVERSE_TILES: tl.constexpr,  # one-tile rows, last tile first (never with PREFETCH)
+    CONTIGUOUS_TILES: tl.constexpr,  # one-tile rows, each program a block of consecutive tiles (not with PREFETCH)
 ):
-    tl.static_assert(not (PREFETCH and REVERSE_TILES), "the prefetch walks the tiles forwards")
+    tl.static_assert(not (PREFETCH and (REVERSE_TILES or CONTIGUOUS_TILES)), "the prefetch takes every n-th tile")
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
     n_tiles = tl.cdiv(n_rows, ROWS)
@@ -228,7 +229,14 @@ def _rms_norm_bwd_kernel(
         if PREFETCH:
             x_next = load_row_tile(x_ptr, pid, n_rows, x_row_stride, cols, col_mask, ROWS)
             dy_next = load_row_tile(dy_ptr, pid, n_rows, dy_row_stride, cols, col_mask, ROWS)
-        for step in range(pid, n_tiles, n_programs):
+        # This program's steps: every n_programs-th tile from pid, or a block of consecutive tiles.
+        first, end, stride = pid, n_tiles, n_programs
+        if CONTIGUOUS_TILES:
+            per_program = tl.cdiv(n_tiles, n_programs)
+            first = pid * per_program
+            end = tl.minimum(first + per_program, n_tiles)
+            stride = 1
+        for step in range(first, end, stride):
             # Reversed, the first programs take the rows the forward wrote last, which the L2 may
             # still hold when the backward follows the forward at once.
             tile = step
@@ -360,6 +368,8 @@ class BackwardParams(NamedTuple):
     widest_max_warps: int  # with one warp per elements_per_warp of the tile, at most this many
     strips_min_cols: int  # rows at least this wide take the two-pass backward of fk.norms.rms_norm_strips,
     strips_min_cols_residual: int  # and FusedAddRMSNorm's (dx += the residual's gradient) from this width
+    contiguous_min_cols: int  # RMSNorm's one-tile rows at least this wide: consecutive tiles a program, no prefetch,
+    contiguous_elements_per_warp: int  # and one warp per this many elements of a tile
 
 
 BACKWARD = BackwardParams(
@@ -381,6 +391,10 @@ BACKWARD = BackwardParams(
     # against 1297, 1510 against 1689). INDEX.md#rms_norm_strips
     strips_min_cols=16385,
     strips_min_cols_residual=16385,
+    # The rows the prefetch does not take (their tile is 16384 columns): at 16384, 462 against 515 us
+    # (every n-th tile, 1024 elements a warp); FusedAddRMSNorm gained nothing (INDEX.md#norm_contiguous_tiles).
+    contiguous_min_cols=8193,
+    contiguous_elements_per_warp=2048,
 )
 
 
@@ -435,10 +449,19 @@ def _fwd_tiling(n_cols: int, has_residual: bool = False) -> RowTiling:
     return forward_tiling(n_cols, FORWARD_RESIDUAL if has_residual else FORWARD)
 
 
+def _contiguous(n_cols: int, compute_dw: bool, residual: bool) -> bool:
+    """Whether RMSNorm's backward (with a weight gradient, no residual) gives each program a block of
+    consecutive row tiles (BACKWARD.contiguous_*) for rows this wide held in one tile."""
+    return compute_dw and not residual and BACKWARD.contiguous_min_cols <= n_cols <= BACKWARD.max_block_cols
+
+
 @functools.lru_cache(maxsize=256)
-def _bwd_tiling(n_cols: int, compute_dw: bool = True) -> RowTiling:
+def _bwd_tiling(n_cols: int, compute_dw: bool = True, residual: bool = False) -> RowTiling:
     if compute_dw:
         params = BACKWARD
+        if _contiguous(n_cols, compute_dw, residual):
+            return row_tiling(n_cols, max_block_cols=params.max_block_cols, min_tile_elements=params.min_tile,
+                              elements_per_warp=params.contiguous_elements_per_warp, name="x")  # fmt: skip
         if n_cols >= params.widest_min_cols:
             return looped_rows_tiling(params.widest_block_cols, params.widest_rows,
                                       elements_per_warp=params.elements_per_warp,
@@ -541,7 +564,7 @@ def launch_backward(
         params = STRIPS_RESIDUAL if dres is not None else STRIPS
         return launch_strips_backward(dy_rows, x_rows, weight, rstd, offset, dx_rows, dres_or_none, params)
     dres_rows = as_rows(dres) if dres is not None else x_rows
-    tiling = _bwd_tiling(n_cols, compute_dw)
+    tiling = _bwd_tiling(n_cols, compute_dw, residual=dres is not None)
     n_programs = dw_partial_rows(n_rows, n_cols, x.device, compute_dw)
     if compute_dw:
         alloc = torch.zeros if tiling.looped else torch.empty
@@ -549,6 +572,8 @@ def launch_backward(
     else:
         partial = rstd  # never read or written: COMPUTE_DW is False
     one_tile = not tiling.looped
+    contiguous = one_tile and _contiguous(n_cols, compute_dw, dres is not None)
+
     _rms_norm_bwd_kernel[(n_programs,)](
         dy_rows, x_rows, dres_rows, weight if weight is not None else x_rows, rstd, dx_rows, partial,
         n_rows, n_cols, dy_rows.stride(0), x_rows.stride(0), dres_rows.stride(0), dx_rows.stride(0), offset,
@@ -556,9 +581,10 @@ def launch_backward(
         BLOCK_COLS=tiling.block_cols, ROWS=tiling.rows_per_tile, LOOPED=tiling.looped,
         WEIGHT_PER_TILE=one_tile and compute_dw and tiling.block_cols >= BACKWARD.weight_per_tile_cols,
         ACC_2D=one_tile and compute_dw and tiling.rows_per_tile >= BACKWARD.acc_2d_rows,
-        PREFETCH=one_tile and compute_dw and tiling.block_cols <= BACKWARD.prefetch_max_cols,
+        PREFETCH=one_tile and compute_dw and tiling.block_cols <= BACKWARD.prefetch_max_cols and not contiguous,
         REVERSE_TILES=one_tile and not compute_dw and n_cols <= BACKWARD_FROZEN.narrow_cols
         and BACKWARD_FROZEN.narrow_reverse_tiles,
+        CONTIGUOUS_TILES=contiguous,
         num_warps=tiling.num_warps,
     )  # fmt: skip
     if not compute_dw:
