@@ -305,12 +305,12 @@ def run(args: argparse.Namespace) -> bench.BenchRecord:
     record = bench.BenchRecord(NAME, notes=(
         "DeepSpeed ZeRO-3, bf16, random init, providers each in their own processes (one per GPU); "
         f"offload: {SHAPE['offload'] if not args.tiny else 'tiny'} shape, optimizer and parameters offloaded "
-        f"to the CPU, non-reentrant gradient checkpointing, the row's batch per GPU, lengths from {args.start} "
-        f"doubling up to {args.max_seq} then bisected to {args.granule} tokens, one timed step each, "
+        "to the CPU, non-reentrant gradient checkpointing, the row's batch per GPU, lengths from the row's start "
+        "doubling up to its max_seq then bisected to its granule tokens, one timed step each, "
         "the row's budget_s seconds a provider; "
         f"throughput: {SHAPE['throughput'] if not args.tiny else 'tiny'} shape, no offload, "
-        f"the row's batch x {args.seq} tokens per GPU, {args.steps} timed steps after 2 in each of {args.rounds} "
-        "round(s) in alternating order (median of all); "
+        "the row's batch x seq tokens per GPU, its steps timed steps after 2 in each of its rounds "
+        "(alternating order; median of all); "
         f"optimizer: {'DeepSpeedCPUAdam' if args.cpu_adam else 'torch AdamW (torch_adam)'}; "
         "peak: torch.cuda.max_memory_allocated, the largest over the ranks"))  # fmt: skip
     base = {"scenario": args.scenario, "world": args.world, "shape": "tiny" if args.tiny else SHAPE[args.scenario],
@@ -328,9 +328,14 @@ def run(args: argparse.Namespace) -> bench.BenchRecord:
     for provider in args.providers:
         out = _one_result(outs[provider])
         trials = out.pop("trials", [])
+        # Each row keeps the settings it ran with: a merged record holds rows of several calls.
+        settings = (
+            {"budget_s": args.budget_s, "start": args.start, "max_seq": args.max_seq, "granule": args.granule}
+            if args.scenario == "offload"
+            else {"seq": args.seq, "steps": args.steps, "rounds": args.rounds}
+        )
         row = record.add(kind=args.scenario, scenario=args.scenario, world=args.world, provider=provider,
-                         model=base["shape"], batch=args.batch,
-                         **({"budget_s": args.budget_s} if args.scenario == "offload" else {}), **out)  # fmt: skip
+                         model=base["shape"], batch=args.batch, **{**settings, **out})  # fmt: skip
         for trial in trials:
             record.add(kind="trial", scenario=args.scenario, world=args.world, provider=provider, **trial)
         print(f"{provider}: {row['status']}", file=sys.stderr)

@@ -45,6 +45,8 @@ def test_tiny_run_finds_the_longest_length_that_trains(tmp_path: Path) -> None:
     for provider in ("stock", "fk"):
         (run,) = record.subset(kind="offload", provider=provider).rows
         assert run["status"] == "ok" and (run["longest_seq"], run["bounded_by"]) == (40, 48)
+        # The row keeps its own search settings (a merged record holds rows of several calls).
+        assert (run["start"], run["max_seq"], run["granule"]) == (16, 256, 8)
         trials = record.subset(kind="trial", provider=provider).rows
         assert [(t["seq"], t["status"]) for t in trials] == [
             (16, "ok"), (32, "ok"), (64, "oom"), (48, "oom"), (40, "ok"),
