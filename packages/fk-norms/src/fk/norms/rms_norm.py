@@ -527,8 +527,9 @@ def _rms_norm_fwd_fake(
 
 
 def dw_partial_rows(n_rows: int, n_cols: int, device: torch.device, compute_dw: bool = True) -> int:
-    """Programs of the backward's grid, which is also the number of rows of the fp32 partial buffer
-    it allocates for the weight gradient (when ``compute_dw``)."""
+    """Programs of the one-kernel backward's grid, which is also the number of rows of the fp32
+    partial buffer it allocates for the weight gradient (when ``compute_dw``). Rows from
+    ``BACKWARD.strips_min_cols`` on take :mod:`fk.norms.rms_norm_strips`, whose grid is its own."""
     if compute_dw:
         per_sm, looped_per_sm = BACKWARD.programs_per_sm, BACKWARD.looped_programs_per_sm
     else:

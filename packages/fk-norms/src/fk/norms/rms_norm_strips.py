@@ -7,7 +7,7 @@ second time hoping to find it in L2, and its programs add into an fp32 partial r
 weight, read and written again for every row tile. Here ``x`` and ``dy`` are read twice from
 memory by design, and nothing row-wide is kept per program. Which of the two wins at which width is
 ``BACKWARD.strips_min_cols`` (and ``strips_min_cols_residual``) in :mod:`fk.norms.rms_norm`, whose
-``STRIPS`` table holds this launcher's parameters.
+``STRIPS`` (and, for FusedAddRMSNorm, ``STRIPS_RESIDUAL``) table holds this launcher's parameters.
 
 The reference is :func:`fk.norms.rms_norm.rms_norm_ref`; the tests compare both backwards with it.
 """
