@@ -1,8 +1,10 @@
 """Sweep fk RoPE's launch parameters on a GPU (a development tool; results pick the defaults).
 
 Each variant sets the module constants of ``fk.rope.rope`` and times fk alone, forward and
-forward+backward, at Llama-3-8B shapes (see bench_rope.py, whose byte counts the TB/s use). Also
-prints the host time of one call (small tensors: launch-bound). Run:  python benchmarks/tune_rope.py
+forward+backward, at Llama-3-8B shapes (see bench_rope.py, whose byte counts the TB/s use), by the
+GPU's time alone (``bench.time_ms(gpu_only=True)``, as bench_rope's GPU columns: at S=1024 the wall
+time of a forward+backward is the host's). The module's own settings are marked. Also prints the
+host time of one call (small tensors: launch-bound). Run:  python benchmarks/tune_rope.py
 """
 
 from __future__ import annotations
@@ -70,6 +72,7 @@ def main() -> None:
 
 def sweep(seqs: list[int], rep: int) -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
+    defaults = {name: getattr(module, name) for name in SPACE}
     rows = []
     for seq in seqs:
         q = bench_rope._tensor(seq, bench_rope.N_Q, gen).requires_grad_()
@@ -82,10 +85,12 @@ def sweep(seqs: list[int], rep: int) -> None:
             tiling = module.rope_tiling(bench_rope.N_Q, bench_rope.N_KV, bench_rope.HEAD_DIM)
 
             fwd, fwd_bwd = calls(q, k, dq, dk, cos, sin)
-            f = bench.time_ms(fwd, rep=rep, warmup=3)
-            fb = bench.time_ms(fwd_bwd, rep=rep, warmup=3, grad_to_none=[q, k])
-            rows.append({"S": seq, **values, "tiling": str(tiling.__dict__), "fwd ms": f, "fwd TB/s": bench.tbps(nbytes, f),
+            f = bench.time_ms(fwd, rep=rep, warmup=3, gpu_only=True)
+            fb = bench.time_ms(fwd_bwd, rep=rep, warmup=3, grad_to_none=[q, k], gpu_only=True)
+            rows.append({"S": seq, "module's": "yes" if values == defaults else "", **values,
+                         "tiling": str(tiling.__dict__), "fwd ms": f, "fwd TB/s": bench.tbps(nbytes, f),
                          "fwd+bwd ms": fb, "fwd+bwd TB/s": bench.tbps(2 * nbytes, fb)})  # fmt: skip
+    configure(defaults)  # (host_times below times the module's own settings)
     rows.sort(key=lambda r: (r["S"], r["fwd+bwd ms"]))
     print(bench.markdown_table(rows, list(rows[0])))
 
