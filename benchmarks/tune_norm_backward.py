@@ -14,7 +14,7 @@ the time of another version of the module's file, e.g. the committed one, loaded
 every variant of SPACE relative to the best, sorted by its worst ratio over the shapes.
 
 Run:  python benchmarks/tune_norm_backward.py [--op rms_norm|layer_norm|poly_norm]
-      [--modes trainable frozen] [--top N] [--space looped|strips] [--widths H ...] [--baseline path/to/old/rms_norm.py]
+      [--modes trainable frozen] [--top N] [--space looped|strips|contiguous] [--widths H ...] [--baseline path/to/old/rms_norm.py]
 """
 
 from __future__ import annotations
