@@ -14,7 +14,7 @@ the time of another version of the module's file, e.g. the committed one, loaded
 every variant of SPACE relative to the best, sorted by its worst ratio over the shapes.
 
 Run:  python benchmarks/tune_norm_backward.py [--op rms_norm|layer_norm|poly_norm]
-      [--modes trainable frozen] [--top N] [--space looped|strips|contiguous] [--widths H ...] [--baseline path/to/old/rms_norm.py]
+      [--modes trainable frozen] [--top N] [--space looped|strips|contiguous|order] [--widths H ...] [--baseline path/to/old/rms_norm.py]
 """
 
 from __future__ import annotations
@@ -57,6 +57,14 @@ STRIPS_SPACE = {"block_rows": [2, 4, 8], "block_cols": [512, 1024, 2048], "num_w
 # consecutive row tiles (as Liger's backward) or every n-th tile, with the weight held or reloaded.
 CONTIGUOUS_SPACE = {"BACKWARD.contiguous_min_cols": [1024, 1 << 30], "BACKWARD.weight_per_tile_cols": [16384, 1 << 30],
                     "BACKWARD.elements_per_warp": [512, 1024, 2048], "BACKWARD.programs_per_sm": [1, 2]}  # fmt: skip
+# --space order: the one-tile backward's order of work: FusedAddRMSNorm's dres loaded beside x and dy
+# or after computing dx, and the tile's dw added before dx is computed (as Liger's) or after, also in
+# prefetched one-row tiles or not.
+ORDER_SPACE = {
+    "residual": {"BACKWARD.early_dres_min_cols": [1, 1 << 30], "BACKWARD.dw_first_min_cols_residual": [1, 1 << 30],
+                 "BACKWARD.dw_first_prefetched_min_rows": [1, 2]},
+    "trainable": {"BACKWARD.dw_first_min_cols": [1, 1 << 30], "BACKWARD.dw_first_prefetched_min_rows": [1, 2]},
+}  # fmt: skip
 # PolyNorm's weight and bias gradients are four scalars per program (16-byte partial rows), so the
 # question there is how few programs keep memory busy.
 POLY_NORM_SPACE = {
@@ -108,6 +116,8 @@ def sweep(
                  **{f"{table}.{field}": values for field, values in STRIPS_SPACE.items()}}  # fmt: skip
     elif space_name == "contiguous":
         space = dict(CONTIGUOUS_SPACE)
+    elif space_name == "order":
+        space = dict(ORDER_SPACE[mode])
     elif space_name == "looped":
         space = dict(LOOPED_SPACE[op])
         if op != "poly_norm":
@@ -143,8 +153,8 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", choices=list(SPACE), default=["trainable", "frozen"])
     parser.add_argument("--baseline", help="another version of the op's module file, timed beside it")
     parser.add_argument("--top", type=int, default=10, help="variants to print per mode, best first")
-    parser.add_argument("--space", choices=["default", "looped", "strips", "contiguous"], default="default",
-                        help="see LOOPED_SPACE, STRIPS_SPACE and CONTIGUOUS_SPACE")  # fmt: skip
+    parser.add_argument("--space", choices=["default", "looped", "strips", "contiguous", "order"], default="default",
+                        help="see LOOPED_SPACE, STRIPS_SPACE, CONTIGUOUS_SPACE and DRES_SPACE")  # fmt: skip
     parser.add_argument("--widths", type=int, nargs="+", default=WIDTHS)
     args = parser.parse_args()
     module = importlib.import_module(f"fk.norms.{args.op}")
@@ -156,7 +166,7 @@ def main() -> None:
             raise SystemExit(
                 "--space looped is for RMSNorm, LayerNorm and PolyNorm, with --modes trainable (and residual)"
             )
-        if args.space in ("strips", "contiguous") and (args.op != "rms_norm" or mode == "frozen"):
+        if args.space in ("strips", "contiguous", "order") and (args.op != "rms_norm" or mode == "frozen"):
             raise SystemExit(f"--space {args.space} is for RMSNorm, with --modes trainable (and residual)")
         sweep(module, baseline, args.op, mode, args.top, args.space, args.widths)
 

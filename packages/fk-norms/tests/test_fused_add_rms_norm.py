@@ -58,10 +58,22 @@ def test_matches_reference(device: str, dtype: torch.dtype, mode: str, width: in
     assert result.names == ["output0", "output1", "grad of x", "grad of residual", "grad of weight"]
 
 
+@pytest.mark.parametrize(
+    ("early_dres", "dw_first"),
+    [(False, False), (True, False), (True, True)],
+    ids=["dres_after_dx", "dres_with_x", "dres_with_x_dw_first"],
+)
 @pytest.mark.parametrize("width", [100, 1500])
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
-def test_every_program_takes_several_tiles(device: str, dtype: torch.dtype, width: int) -> None:
-    # As RMSNorm's test of the same name, with the residual's gradient added to dx.
+def test_every_program_takes_several_tiles(
+    device: str, dtype: torch.dtype, width: int, early_dres: bool, dw_first: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # As RMSNorm's test of the same name, with the residual's gradient added to dx, loaded after dx
+    # is computed or beside x and dy (BACKWARD.early_dres_min_cols), the tile's dw added after dx
+    # or before it (BACKWARD.dw_first_*), in prefetched tiles of any number of rows.
+    order = {"early_dres_min_cols": 1 if early_dres else 1 << 30, "dw_first_prefetched_min_rows": 1,
+             "dw_first_min_cols_residual": 1 if dw_first else 1 << 30}  # fmt: skip
+    monkeypatch.setattr(RMS_NORM_MODULE, "BACKWARD", BACKWARD._replace(**order))
     rows = (3 * dw_partial_rows(1 << 30, width, torch.device(device)) + 1) * _bwd_tiling(width).rows_per_tile - 1
     args = _inputs((rows, width), dtype, device, seed=width)
     testing.compare_with_reference(_fk(), _ref(), args, arg_names=NAMES)

@@ -140,12 +140,18 @@ def test_strips_backward_in_place_and_frozen(device: str, dtype: torch.dtype, mo
     testing.compare_with_reference(_fk("llama"), _ref("llama"), frozen, arg_names=["x", "weight"])
 
 
+@pytest.mark.parametrize("dw_first", [False, True], ids=["dw_after_dx", "dw_before_dx"])
 @pytest.mark.parametrize("width", [100, 1500])  # 64 rows a tile (dw summed in 2-D), and 4
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
-def test_every_program_takes_several_tiles(device: str, dtype: torch.dtype, width: int) -> None:
+def test_every_program_takes_several_tiles(
+    device: str, dtype: torch.dtype, width: int, dw_first: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # With a weight gradient, every program of the backward's persistent grid gets three row tiles
     # or more, the last one partial: its loop computes tiles it prefetched, and prefetches one
-    # past the end.
+    # past the end. The tile's dw is added after dx or before it (BACKWARD.dw_first_*).
+    order = {"dw_first_min_cols": 1 if dw_first else 1 << 30, "dw_first_prefetched_min_rows": 1}
+    monkeypatch.setattr(RMS_NORM_MODULE, "BACKWARD", BACKWARD._replace(**order))
+
     rows = (3 * dw_partial_rows(1 << 30, width, torch.device(device)) + 1) * _bwd_tiling(width).rows_per_tile - 1
     args = _inputs((rows, width), dtype, device, seed=width)
     testing.compare_with_reference(_fk("llama"), _ref("llama"), args, arg_names=["x", "weight"])

@@ -208,6 +208,8 @@ def _rms_norm_bwd_kernel(
     PREFETCH: tl.constexpr,  # load the next tile's x and dy before computing this one's
     REVERSE_TILES: tl.constexpr,  # one-tile rows, last tile first (never with PREFETCH)
     CONTIGUOUS_TILES: tl.constexpr,  # one-tile rows, each program a block of consecutive tiles (not with PREFETCH)
+    EARLY_DRES: tl.constexpr,  # one-tile rows: load dres beside x and dy, not after computing dx
+    DW_FIRST: tl.constexpr,  # one-tile rows, dw in 1-D: add this tile's dw before computing dx (dy dies sooner)
 ):
     tl.static_assert(not (PREFETCH and (REVERSE_TILES or CONTIGUOUS_TILES)), "the prefetch takes every n-th tile")
     pid = tl.program_id(0)
@@ -257,18 +259,24 @@ def _rms_norm_bwd_kernel(
             row_mask = rows < n_rows
             rows64 = rows.to(tl.int64)[:, None]
             mask = row_mask[:, None] & col_mask[None, :]
+            if HAS_DRES and EARLY_DRES:  # in flight while dx is computed, one more tile held
+                dres = tl.load(dres_ptr + rows64 * dres_row_stride + cols[None, :], mask=mask, other=0.0)
             rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
             xhat = x * rstd[:, None]
+            if COMPUTE_DW and DW_FIRST and not ACC_2D:
+                dw_acc += tl.sum(dy * xhat, axis=0)
             g = dy * s[None, :]
             c = tl.sum(g * xhat, axis=1) / n_cols
             dx = (g - xhat * c[:, None]) * rstd[:, None]
             if HAS_DRES:
-                dx += tl.load(dres_ptr + rows64 * dres_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+                if not EARLY_DRES:
+                    dres = tl.load(dres_ptr + rows64 * dres_row_stride + cols[None, :], mask=mask, other=0.0)
+                dx += dres.to(tl.float32)
             tl.store(dx_ptr + rows64 * dx_row_stride + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
             if COMPUTE_DW:
                 if ACC_2D:
                     dw_acc_2d += dy * xhat
-                else:
+                elif not DW_FIRST:
                     dw_acc += tl.sum(dy * xhat, axis=0)
         if COMPUTE_DW:
             if ACC_2D:
@@ -370,6 +378,10 @@ class BackwardParams(NamedTuple):
     strips_min_cols_residual: int  # and FusedAddRMSNorm's (dx += the residual's gradient) from this width
     contiguous_min_cols: int  # RMSNorm's one-tile rows at least this wide: consecutive tiles a program, no prefetch,
     contiguous_elements_per_warp: int  # and one warp per this many elements of a tile
+    early_dres_min_cols: int  # FusedAddRMSNorm's one-tile rows at least this wide load dres beside x and dy (with dw)
+    dw_first_min_cols: int  # RMSNorm's one-tile rows at least this wide add their dw before computing dx,
+    dw_first_min_cols_residual: int  # and FusedAddRMSNorm's,
+    dw_first_prefetched_min_rows: int  # but prefetched tiles only with at least this many rows
 
 
 BACKWARD = BackwardParams(
@@ -395,6 +407,16 @@ BACKWARD = BackwardParams(
     # (every n-th tile, 1024 elements a warp); FusedAddRMSNorm gained nothing (INDEX.md#norm_contiguous_tiles).
     contiguous_min_cols=8193,
     contiguous_elements_per_warp=2048,
+    # The order of work in the one-tile backward (INDEX.md#norm_backward_order). FusedAddRMSNorm's
+    # dres in flight beside x and dy, and dw added before dx (as Liger's backward, so dy dies
+    # sooner): at 16384 columns 502 against 690 us, except that prefetched tiles of one row
+    # (4097-8192 columns, next tile's x and dy held) were 4-8% slower with dw first. Early dres
+    # cost 1.5% at 1024 columns and 6% in the frozen backward at 8192 (taken with dw only).
+    # RMSNorm's own gained 7% at 12288 and lost 3-5% at 4096 and 16384: not taken.
+    early_dres_min_cols=2048,
+    dw_first_min_cols=1 << 30,
+    dw_first_min_cols_residual=1,
+    dw_first_prefetched_min_rows=2,
 )
 
 
@@ -453,6 +475,12 @@ def _contiguous(n_cols: int, compute_dw: bool, residual: bool) -> bool:
     """Whether RMSNorm's backward (with a weight gradient, no residual) gives each program a block of
     consecutive row tiles (BACKWARD.contiguous_*) for rows this wide held in one tile."""
     return compute_dw and not residual and BACKWARD.contiguous_min_cols <= n_cols <= BACKWARD.max_block_cols
+
+
+def _dw_first(n_cols: int, residual: bool, prefetch: bool, rows_per_tile: int) -> bool:
+    """Whether the one-tile backward adds a tile's dw before computing its dx (BACKWARD.dw_first_*)."""
+    min_cols = BACKWARD.dw_first_min_cols_residual if residual else BACKWARD.dw_first_min_cols
+    return n_cols >= min_cols and not (prefetch and rows_per_tile < BACKWARD.dw_first_prefetched_min_rows)
 
 
 @functools.lru_cache(maxsize=256)
@@ -574,6 +602,7 @@ def launch_backward(
         partial = rstd  # never read or written: COMPUTE_DW is False
     one_tile = not tiling.looped
     contiguous = one_tile and _contiguous(n_cols, compute_dw, dres is not None)
+    prefetch = one_tile and compute_dw and tiling.block_cols <= BACKWARD.prefetch_max_cols and not contiguous
 
     _rms_norm_bwd_kernel[(n_programs,)](
         dy_rows, x_rows, dres_rows, weight if weight is not None else x_rows, rstd, dx_rows, partial,
@@ -582,10 +611,13 @@ def launch_backward(
         BLOCK_COLS=tiling.block_cols, ROWS=tiling.rows_per_tile, LOOPED=tiling.looped,
         WEIGHT_PER_TILE=one_tile and compute_dw and tiling.block_cols >= BACKWARD.weight_per_tile_cols,
         ACC_2D=one_tile and compute_dw and tiling.rows_per_tile >= BACKWARD.acc_2d_rows,
-        PREFETCH=one_tile and compute_dw and tiling.block_cols <= BACKWARD.prefetch_max_cols and not contiguous,
+        PREFETCH=prefetch,
         REVERSE_TILES=one_tile and not compute_dw and n_cols <= BACKWARD_FROZEN.narrow_cols
         and BACKWARD_FROZEN.narrow_reverse_tiles,
         CONTIGUOUS_TILES=contiguous,
+        EARLY_DRES=one_tile and compute_dw and dres is not None and n_cols >= BACKWARD.early_dres_min_cols,
+        DW_FIRST=one_tile and _dw_first(n_cols, dres is not None, prefetch, tiling.rows_per_tile),
+
         num_warps=tiling.num_warps,
     )  # fmt: skip
     if not compute_dw:
