@@ -28,6 +28,7 @@ SPACE = {
     "TOKEN_ELEMENTS": [4096, 16384],
     "TILE_ELEMENTS": [2048, 4096, 8192],
     "ELEMENTS_PER_WARP": [256, 512, 1024],
+    "LOADS_FIRST": [False, True],
 }
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 from collections.abc import Callable
 from typing import Any
@@ -18,6 +19,7 @@ from fk.rope import apply_rotary_pos_emb, rope, rope_ref
 from fk.rope.rope import rope_tiling
 
 LAYOUTS = ("bhsd", "bshd")
+ROPE_MODULE = importlib.import_module("fk.rope.rope")  # (fk.rope.rope is also the function's name)
 HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
 
 
@@ -392,6 +394,27 @@ def test_heads_in_several_tiles(device: str, interleaved: bool) -> None:
     q, k = qk(1, 3, n_q, n_k, d, torch.bfloat16, device, "bshd", seed=28)
     c, s = cos_sin(torch.arange(3)[None], 96, torch.bfloat16, device, interleaved)
     testing.compare_with_reference(_fk("bshd", interleaved), _ref("bshd", interleaved), [q, k, c, s], arg_names=NAMES)
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
+def test_loads_first(
+    device: str, dtype: torch.dtype, layout: str, interleaved: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # q and k each in one tile of heads, all their loads before the stores (LOADS_FIRST): against
+    # the reference, and in place equal to the result of q's tile stored before k's is loaded.
+    q, k = qk(2, 9, 6, 2, 64, dtype, device, layout, seed=29)
+    c, s = cos_sin(torch.arange(9)[None], 64, dtype, device, interleaved)
+    monkeypatch.setattr(ROPE_MODULE, "LOADS_FIRST", False)
+    want = rope(q.detach(), k.detach(), c, s, layout=layout, interleaved=interleaved)
+    monkeypatch.setattr(ROPE_MODULE, "LOADS_FIRST", True)
+    tiling = rope_tiling(6, 2, 64)
+    assert tiling.block_hq >= 6 and tiling.block_hk >= 2
+    testing.compare_with_reference(_fk(layout, interleaved), _ref(layout, interleaved), [q, k, c, s], arg_names=NAMES)
+    qd, kd = q.detach().clone(), k.detach().clone()
+    rope(qd, kd, c, s, layout=layout, interleaved=interleaved, inplace=True)
+    torch.testing.assert_close((qd, kd), want, rtol=0, atol=0)
 
 
 def test_tiling_covers_every_head() -> None:

@@ -123,7 +123,8 @@ def rope_ref(
 # Grid: (cdiv(S, BLOCK_S), B). A program takes BLOCK_S tokens of one sequence, loads their cos/sin
 # rows once (fp32, [BLOCK_S, HALF_PAD] per half) and applies them to every head of q, then of k,
 # in tiles of [BLOCK_S, BLOCK_H, HALF_PAD] per half. Head counts and dims are constexpr, so the
-# head loops unroll and their masks vanish when the block divides the count.
+# head loops unroll and their masks vanish when the block divides the count. Where q and k are one
+# tile each (LOADS_FIRST), the program loads both before it stores either, as Liger's kernel does.
 
 
 @triton.jit
@@ -163,6 +164,24 @@ def _store_pairs(ptrs, mask, y1, y2, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
 
 
 @triton.jit
+def _head_tile(x_ptr, o_ptr, x_tok, o_tok, tok_mask, x_sh, o_sh, h0, N_HEADS: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Pointers at feature 0 of heads h0 .. h0 + BLOCK_H of each token, in and out ([BLOCK_S, BLOCK_H, 1]), and their mask."""
+    h = h0 + tl.arange(0, BLOCK_H)
+    mask = (tok_mask[:, None] & (h < N_HEADS)[None, :])[:, :, None]
+    x_ptrs = (x_ptr + x_tok[:, None] + h[None, :] * x_sh)[:, :, None]
+    o_ptrs = (o_ptr + o_tok[:, None] + h[None, :] * o_sh)[:, :, None]
+    return x_ptrs, o_ptrs, mask
+
+
+@triton.jit
+def _store_rotated(o_ptrs, mask, x1, x2, c1, c2, s1, s2, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
+                   INTERLEAVED: tl.constexpr):  # fmt: skip
+    y1 = x1 * c1 - x2 * s1
+    y2 = x2 * c2 + x1 * s2
+    _store_pairs(o_ptrs, mask, y1, y2, HALF, HALF_PAD, INTERLEAVED)
+
+
+@triton.jit
 def _rotate_heads(
     x_ptr, o_ptr,  # one of q/k and its output, at the first feature of the first head
     x_tok, o_tok,  # [BLOCK_S] int64 offsets of each token (batch and sequence strides applied)
@@ -175,14 +194,9 @@ def _rotate_heads(
     INTERLEAVED: tl.constexpr,
 ):  # fmt: skip
     for h0 in tl.static_range(0, N_HEADS, BLOCK_H):
-        h = h0 + tl.arange(0, BLOCK_H)
-        mask = (tok_mask[:, None] & (h < N_HEADS)[None, :])[:, :, None]
-        x_ptrs = (x_ptr + x_tok[:, None] + h[None, :] * x_sh)[:, :, None]
-        o_ptrs = (o_ptr + o_tok[:, None] + h[None, :] * o_sh)[:, :, None]
+        x_ptrs, o_ptrs, mask = _head_tile(x_ptr, o_ptr, x_tok, o_tok, tok_mask, x_sh, o_sh, h0, N_HEADS, BLOCK_H)
         x1, x2 = _load_pairs(x_ptrs, mask, HALF, HALF_PAD, INTERLEAVED)
-        y1 = x1 * c1 - x2 * s1
-        y2 = x2 * c2 + x1 * s2
-        _store_pairs(o_ptrs, mask, y1, y2, HALF, HALF_PAD, INTERLEAVED)
+        _store_rotated(o_ptrs, mask, x1, x2, c1, c2, s1, s2, HALF, HALF_PAD, INTERLEAVED)
         if COPY_PASS:  # out of place with rotary_dim < head_dim: copy the features that pass through
             p = ROT_DIM + tl.arange(0, PASS_PAD)
             pm = mask & (p < HEAD_DIM)
@@ -206,6 +220,7 @@ def _rope_kernel(
     BLOCK_S: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
     INTERLEAVED: tl.constexpr, HAS_POS: tl.constexpr, BACKWARD: tl.constexpr,
     DO_Q: tl.constexpr, DO_K: tl.constexpr, COPY_PASS: tl.constexpr,
+    LOADS_FIRST: tl.constexpr,  # q and k each one tile of heads, no pass-through copy: load both before storing
 ):  # fmt: skip
     HALF: tl.constexpr = ROT_DIM // 2
     b = tl.program_id(1).to(tl.int64)
@@ -223,26 +238,40 @@ def _rope_kernel(
     if BACKWARD:
         s1, s2 = -s2, -s1
     c1, c2, s1, s2 = c1[:, None, :], c2[:, None, :], s1[:, None, :], s2[:, None, :]
-    if DO_Q:
-        _rotate_heads(
-            q_ptr, qo_ptr, b * q_sb + s * q_ss, b * qo_sb + s * qo_ss, tok_mask, q_sh, qo_sh,
-            c1, c2, s1, s2, N_QH, BLOCK_HQ, HALF, HALF_PAD, ROT_DIM, HEAD_DIM, PASS_PAD, COPY_PASS, INTERLEAVED,
-        )  # fmt: skip
-    if DO_K:
-        _rotate_heads(
-            k_ptr, ko_ptr, b * k_sb + s * k_ss, b * ko_sb + s * ko_ss, tok_mask, k_sh, ko_sh,
-            c1, c2, s1, s2, N_KH, BLOCK_HK, HALF, HALF_PAD, ROT_DIM, HEAD_DIM, PASS_PAD, COPY_PASS, INTERLEAVED,
-        )  # fmt: skip
+    q_tok, qo_tok = b * q_sb + s * q_ss, b * qo_sb + s * qo_ss
+    k_tok, ko_tok = b * k_sb + s * k_ss, b * ko_sb + s * ko_ss
+    if LOADS_FIRST:
+        # All four loads in flight before the first store (a store may alias a later load, in place,
+        # so the compiler keeps the source order).
+        qx, qo, qm = _head_tile(q_ptr, qo_ptr, q_tok, qo_tok, tok_mask, q_sh, qo_sh, 0, N_QH, BLOCK_HQ)
+        kx, ko, km = _head_tile(k_ptr, ko_ptr, k_tok, ko_tok, tok_mask, k_sh, ko_sh, 0, N_KH, BLOCK_HK)
+        q1, q2 = _load_pairs(qx, qm, HALF, HALF_PAD, INTERLEAVED)
+        k1, k2 = _load_pairs(kx, km, HALF, HALF_PAD, INTERLEAVED)
+        _store_rotated(qo, qm, q1, q2, c1, c2, s1, s2, HALF, HALF_PAD, INTERLEAVED)
+        _store_rotated(ko, km, k1, k2, c1, c2, s1, s2, HALF, HALF_PAD, INTERLEAVED)
+    else:
+        if DO_Q:
+            _rotate_heads(
+                q_ptr, qo_ptr, q_tok, qo_tok, tok_mask, q_sh, qo_sh,
+                c1, c2, s1, s2, N_QH, BLOCK_HQ, HALF, HALF_PAD, ROT_DIM, HEAD_DIM, PASS_PAD, COPY_PASS, INTERLEAVED,
+            )  # fmt: skip
+        if DO_K:
+            _rotate_heads(
+                k_ptr, ko_ptr, k_tok, ko_tok, tok_mask, k_sh, ko_sh,
+                c1, c2, s1, s2, N_KH, BLOCK_HK, HALF, HALF_PAD, ROT_DIM, HEAD_DIM, PASS_PAD, COPY_PASS, INTERLEAVED,
+            )  # fmt: skip
 
 
 # --- 3. Launchers, registered as custom ops -------------------------------------------------------
 
-# Launch parameters (benchmarks/tune_rope.py sweeps them on a GPU).
+# Launch parameters (benchmarks/tune_rope.py sweeps them on a GPU; INDEX.md#rope_loads_first for the
+# last two: Llama-3-8B heads, H200, 1-2.5% less forward+backward time at S = 1024, 4096 and 16384).
 TOKEN_ELEMENTS = 4096  # a program takes enough tokens to hold at least this many q+k elements
 MAX_BLOCK_S = 16  # ... but at most this many tokens
 TILE_ELEMENTS = 4096  # most elements (tokens x heads x padded head size) of one tile of q or k
-ELEMENTS_PER_WARP = 1024  # one warp per this many q+k elements of a program
+ELEMENTS_PER_WARP = 512  # one warp per this many q+k elements of a program
 MAX_WARPS = 8
+LOADS_FIRST = True  # q and k each one tile of heads: all their loads issued before the stores
 
 
 def _floor_power_of_2(n: int) -> int:
@@ -349,6 +378,8 @@ def _launch(
     tiling = rope_tiling(n_qh if q is not None else 0, n_kh if k is not None else 0, head_dim)
     copy_pass = rot_dim < head_dim and (q_out.data_ptr() != q_in.data_ptr() or k_out.data_ptr() != k_in.data_ptr())
     grid = (cdiv(seq_len, tiling.block_s), batch)
+    loads_first = (LOADS_FIRST and q is not None and k is not None and not copy_pass
+                   and tiling.block_hq >= n_qh and tiling.block_hk >= n_kh)  # fmt: skip
     _rope_kernel[grid](
         q_in, k_in, q_out, k_out, cos, sin, pos, seq_len,
         *_bsh_strides(q_in, bshd), *_bsh_strides(k_in, bshd), *_bsh_strides(q_out, bshd), *_bsh_strides(k_out, bshd),
@@ -357,7 +388,7 @@ def _launch(
         HALF_PAD=next_power_of_2(rot_dim // 2), PASS_PAD=next_power_of_2(max(1, head_dim - rot_dim)),
         BLOCK_S=tiling.block_s, BLOCK_HQ=tiling.block_hq, BLOCK_HK=tiling.block_hk,
         INTERLEAVED=interleaved, HAS_POS=position_ids is not None, BACKWARD=backward,
-        DO_Q=q is not None, DO_K=k is not None, COPY_PASS=copy_pass,
+        DO_Q=q is not None, DO_K=k is not None, COPY_PASS=copy_pass, LOADS_FIRST=loads_first,
         num_warps=tiling.num_warps,
     )  # fmt: skip
 
