@@ -23,7 +23,9 @@ import pstats
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -36,12 +38,12 @@ from fk.hf import training
 OPTIONS = {"fk-budget": {"memory_budget": 384 << 20}, "fk-bf16": {"accum_dtype": torch.bfloat16}}
 
 
-def main() -> None:
+def build(variant: str, batch: int) -> tuple[Any, Callable[[int, int, int], float], int]:
+    """The ZeRO-3 engine of ``variant`` (rank's GPU, NCCL), a function timing one training step of
+    (step index, tokens a sequence, sequences a GPU) in seconds, and this process's rank."""
     import deepspeed
     import torch.distributed as dist
 
-    variant = sys.argv[1]
-    seq, batch = map(int, (sys.argv[2] if len(sys.argv) > 2 else "2048x4").split("x"))
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     deepspeed.init_distributed(dist_backend="nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -58,7 +60,7 @@ def main() -> None:
     engine, *_ = deepspeed.initialize(model=model, config=ds_config(job))
     corpus = training.MarkovCorpus(shape.vocab, active=1024, branching=4)
 
-    def step(i: int) -> float:
+    def step(i: int, seq: int, batch: int) -> float:
         rows = corpus.batch(i, batch * world, seq)[rank * batch : (rank + 1) * batch].to(engine.device)
         torch.cuda.synchronize()
         start = time.perf_counter()
@@ -67,6 +69,20 @@ def main() -> None:
         engine.step()
         torch.cuda.synchronize()
         return time.perf_counter() - start
+
+    return engine, step, rank
+
+
+def main() -> None:
+    import torch.distributed as dist
+
+    variant = sys.argv[1]
+    seq, batch = map(int, (sys.argv[2] if len(sys.argv) > 2 else "2048x4").split("x"))
+    _, timed_step, rank = build(variant, batch)
+    world = dist.get_world_size()
+
+    def step(i: int) -> float:
+        return timed_step(i, seq, batch)
 
     times = [step(i) for i in range(9)][3:]
     if rank == 0:
