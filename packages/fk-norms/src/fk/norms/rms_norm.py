@@ -617,7 +617,6 @@ def launch_backward(
         CONTIGUOUS_TILES=contiguous,
         EARLY_DRES=one_tile and compute_dw and dres is not None and n_cols >= BACKWARD.early_dres_min_cols,
         DW_FIRST=one_tile and _dw_first(n_cols, dres is not None, prefetch, tiling.rows_per_tile),
-
         num_warps=tiling.num_warps,
     )  # fmt: skip
     if not compute_dw:
