@@ -603,6 +603,9 @@ def launch_backward(
     one_tile = not tiling.looped
     contiguous = one_tile and _contiguous(n_cols, compute_dw, dres is not None)
     prefetch = one_tile and compute_dw and tiling.block_cols <= BACKWARD.prefetch_max_cols and not contiguous
+    acc_2d = one_tile and compute_dw and tiling.rows_per_tile >= BACKWARD.acc_2d_rows
+    acc_1d = one_tile and compute_dw and not acc_2d  # dw summed over a tile's rows at once: dw or dx first
+    dw_first = acc_1d and _dw_first(n_cols, dres is not None, prefetch, tiling.rows_per_tile)
 
     _rms_norm_bwd_kernel[(n_programs,)](
         dy_rows, x_rows, dres_rows, weight if weight is not None else x_rows, rstd, dx_rows, partial,
@@ -610,13 +613,13 @@ def launch_backward(
         HAS_DRES=dres is not None, HAS_WEIGHT=weight is not None, COMPUTE_DW=compute_dw,
         BLOCK_COLS=tiling.block_cols, ROWS=tiling.rows_per_tile, LOOPED=tiling.looped,
         WEIGHT_PER_TILE=one_tile and compute_dw and tiling.block_cols >= BACKWARD.weight_per_tile_cols,
-        ACC_2D=one_tile and compute_dw and tiling.rows_per_tile >= BACKWARD.acc_2d_rows,
+        ACC_2D=acc_2d,
         PREFETCH=prefetch,
         REVERSE_TILES=one_tile and not compute_dw and n_cols <= BACKWARD_FROZEN.narrow_cols
         and BACKWARD_FROZEN.narrow_reverse_tiles,
         CONTIGUOUS_TILES=contiguous,
         EARLY_DRES=one_tile and compute_dw and dres is not None and n_cols >= BACKWARD.early_dres_min_cols,
-        DW_FIRST=one_tile and _dw_first(n_cols, dres is not None, prefetch, tiling.rows_per_tile),
+        DW_FIRST=dw_first,
         num_warps=tiling.num_warps,
     )  # fmt: skip
     if not compute_dw:
