@@ -154,7 +154,7 @@ def main() -> None:
     parser.add_argument("--baseline", help="another version of the op's module file, timed beside it")
     parser.add_argument("--top", type=int, default=10, help="variants to print per mode, best first")
     parser.add_argument("--space", choices=["default", "looped", "strips", "contiguous", "order"], default="default",
-                        help="see LOOPED_SPACE, STRIPS_SPACE, CONTIGUOUS_SPACE and DRES_SPACE")  # fmt: skip
+                        help="see LOOPED_SPACE, STRIPS_SPACE, CONTIGUOUS_SPACE and ORDER_SPACE")  # fmt: skip
     parser.add_argument("--widths", type=int, nargs="+", default=WIDTHS)
     args = parser.parse_args()
     module = importlib.import_module(f"fk.norms.{args.op}")
