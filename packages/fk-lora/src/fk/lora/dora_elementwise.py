@@ -285,11 +285,17 @@ class LaunchParams(NamedTuple):
 # All are streaming passes: a tile of 4096 elements, 32 a thread over 4 warps, keeps enough loads
 # in flight. The backward's row groups are sized so the grid is a few waves of programs, each
 # writing one fp32 partial row per sum (a few MiB in all, read back from L2 by sum_rows_pair).
-# xa and B are rank-sized and come from L2 for every forward tile. Not tuned on a GPU yet.
+# xa and B are rank-sized and come from L2 for every forward tile. Tuned on an H200 at
+# Llama-3.1-8B shapes (benchmarks/tune_dora.py, INDEX.md#dora_launch):
+# - scale: the first guess was best or within 1% everywhere;
+# - forward: tiles twice as tall over 8 warps, best at five of six shapes (the lr tl.dot's tile of
+#   64 rows keeps the tensor cores busier);
+# - backward: the same tiles, 8 programs a multiprocessor: within 1% of the best at q/o and
+#   gate/up (the shapes that take most of the time), 10-15% slower than the best at k/v.
 LAUNCH = {
     "scale": LaunchParams(block_rows=32, block_cols=128, block_rank=0, num_warps=4, programs_per_sm=0),
-    "forward": LaunchParams(block_rows=32, block_cols=128, block_rank=16, num_warps=4, programs_per_sm=0),
-    "backward": LaunchParams(block_rows=32, block_cols=128, block_rank=0, num_warps=4, programs_per_sm=4),
+    "forward": LaunchParams(block_rows=64, block_cols=128, block_rank=16, num_warps=8, programs_per_sm=0),
+    "backward": LaunchParams(block_rows=64, block_cols=128, block_rank=0, num_warps=8, programs_per_sm=8),
 }
 
 

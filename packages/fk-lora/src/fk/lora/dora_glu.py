@@ -246,10 +246,13 @@ class LaunchParams(NamedTuple):
 # Streaming passes, as fk.lora.dora_elementwise's (tiles of 4096 elements over 4 warps); the
 # backward holds a tile's dh, two z, gate's and up's outputs and up to four fp32 sums in
 # registers, so its tiles are half as tall. Its row groups are sized as dora_grad_terms' (a few
-# waves of programs). Not tuned on a GPU yet.
+# waves of programs). Tuned on an H200 at Llama-3.1-8B's gate/up (benchmarks/tune_dora.py,
+# INDEX.md#dora_launch): the forward's first guess was the best; the backward's best is 64-row
+# tiles over 8 warps, 8 programs a multiprocessor (within 1% of the best at 4096 and 16384 tokens,
+# 11% less time than 16 rows over 4 warps at 16384).
 LAUNCH = {
     "forward": LaunchParams(block_rows=32, block_cols=128, num_warps=4, programs_per_sm=0),
-    "backward": LaunchParams(block_rows=16, block_cols=128, num_warps=4, programs_per_sm=4),
+    "backward": LaunchParams(block_rows=64, block_cols=128, num_warps=8, programs_per_sm=8),
 }
 
 

@@ -123,9 +123,11 @@ class LaunchParams(NamedTuple):
 # A streaming read of W: tiles of 4096 elements over 4 warps (32 an element a thread), and enough
 # programs that every multiprocessor has several reads in flight: a 1024-row k/v weight has 32 row
 # blocks, so its columns are split into ranges (each writes one fp32 partial row, a few KiB).
-# Not tuned on a GPU; programs of 16 whole rows (one launch, no partial rows) were slower on an
-# H200 (INDEX.md#dora_profile).
-LAUNCH = LaunchParams(block_rows=32, block_cols=128, block_rank=16, num_warps=4, programs_per_sm=4)
+# Programs of 16 whole rows (one launch, no partial rows) were slower on an H200
+# (INDEX.md#dora_profile). Tuned on an H200 (benchmarks/tune_dora.py, INDEX.md#dora_launch): 64-row
+# blocks, 8 programs a multiprocessor, within 8% of the best at every projection of
+# Llama-3.1-8B (the first guess, 32 rows and 4 a multiprocessor, was 10-22% slower).
+LAUNCH = LaunchParams(block_rows=64, block_cols=128, block_rank=16, num_warps=4, programs_per_sm=8)
 
 
 # --- 4. Launcher ----------------------------------------------------------------------------------
