@@ -111,12 +111,12 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, alpha: float, dtype: torch.dtype
     out_dtype = dtype if fp32_out else a.dtype
     if alpha == 1.0:
         product = torch.mm(a, b, out_dtype=out_dtype) if fp32_out else torch.mm(a, b)
-    else:  # (beta=0: the uninitialized input is ignored, NaNs included)
-        unused = a.new_empty(shape, dtype=out_dtype)
+    else:  # into a new buffer, uninitialized: beta=0 ignores what it holds, NaNs included
+        product = a.new_empty(shape, dtype=out_dtype)
         if fp32_out:
-            product = torch.addmm(unused, a, b, beta=0, alpha=alpha, out_dtype=out_dtype)
+            torch.addmm(product, a, b, beta=0, alpha=alpha, out_dtype=out_dtype, out=product)
         else:
-            product = torch.addmm(unused, a, b, beta=0, alpha=alpha)
+            torch.addmm(product, a, b, beta=0, alpha=alpha, out=product)
     return product if product.dtype == dtype else product.to(dtype)
 
 

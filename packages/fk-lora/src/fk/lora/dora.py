@@ -35,12 +35,12 @@ from fk.lora.dora_norm import dora_weight_norm
 from fk.lora.masked_low_rank import add_masked_low_rank_
 from fk.lora.projection import (
     Settings,
-    add_lora_out,
     backward_without_autocast,
     base_out,
     from_flat,
     kept_input,
     lora_a_grads,
+    lora_and_base_out,
     lora_input_products,
     scaled_lora_grad,
     to_flat,
@@ -204,7 +204,7 @@ def _dora_fwd(
     ms = params.magnitude.detach().float() / norm
     B_c = params.lora_B.to(c)
     if mask is None:
-        z = add_lora_out(base_out(x2, weight, None), xa, B_c, None, scaling)
+        z = lora_and_base_out(x2, weight, None, xa, B_c, None, scaling)
         del weight  # (a dequantized W is dropped before the next projection's)
         y = dora_scaled_output(z, ms, params.bias) if want_output else None
         return y, _DoRALowRank(xa, mask, A_c, B_c, z, ms, norm)
@@ -285,8 +285,10 @@ def _dora_bwd(
         if need_dx:
             assert gs is not None
             w = dense(weight)
-            dx = torch.mm(dy_ms, w) if dx is None else dx.addmm_(dy_ms, w)
-            dx.addmm_(gs, low.A_c)
+            # (the rank-sized term first: a dx this call creates is then written by it, and the
+            # dy_ms W matmul adds into it; as fk.lora.projection.lora_and_base_out)
+            dx = torch.mm(gs, low.A_c) if dx is None else dx.addmm_(gs, low.A_c)
+            dx.addmm_(dy_ms, w)
         return grads, dx
     assert dy is not None  # (a caller forms the terms only without dropout)
     if needs.weight:

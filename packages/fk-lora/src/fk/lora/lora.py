@@ -70,6 +70,7 @@ from fk.lora.projection import (
     kept_input,
     lora_a_grads,
     lora_a_operands,
+    lora_and_base_out,
     lora_input_product,
     lora_input_products,
     scaled_lora_grad,
@@ -262,22 +263,6 @@ class _Params(NamedTuple):
     """``b_B`` ``[N]``."""
 
 
-def _base_product(xc: torch.Tensor, proj: _Params, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``xc W^T + b`` (:func:`base_out`; a 4-bit ``W`` dequantized for it), or, for an int8 base, its
-    layer's own product (bias included), checked for its shape and dtype, and copied into ``out``
-    when one is given."""
-    weight = proj.weight
-    product = weight.product if isinstance(weight, QuantizedBase) else None
-    if product is None:
-        return base_out(xc, dense(weight), proj.bias, out)
-    y = product(xc)
-    want = (xc.shape[0], weight.shape[0])
-    if not isinstance(y, torch.Tensor) or tuple(y.shape) != want or y.dtype != xc.dtype:
-        got = f"{tuple(y.shape)} {y.dtype}" if isinstance(y, torch.Tensor) else type(y).__name__
-        raise ValueError(f"the int8 base's product must return {want} in {xc.dtype}, got {got}")
-    return y if out is None else out.copy_(y)
-
-
 class _Needs(NamedTuple):
     """Which of one projection's :class:`_Params` need a gradient (its share of ``needs_input_grad``)."""
 
@@ -313,33 +298,43 @@ class _LowRank(NamedTuple):
     """``B`` ``[N, r]``."""
 
 
-def _base_first(settings: Sequence[Settings]) -> bool:
-    """Whether the forward launches the base matmuls of projections of one input (with ``settings``
-    each) before their LoRA inputs: without dropout, where those take rank-sized buffers only. With
-    dropout, the LoRA input's [M, K] buffers (``x`` cast, dropped) are formed and freed first, so
-    they never coexist with the base outputs."""
-    return all(setting.dropout_p == 0 for setting in settings)
+def _projection_out(xc: torch.Tensor, proj: _Params, low: _LowRank, scaling: float) -> torch.Tensor:
+    """``y = xc W^T + b + s xa B^T + s b_B`` of one projection: :func:`lora_and_base_out` (a 4-bit
+    ``W`` dequantized for it and dropped after), or, for an int8 base, its layer's own product (bias
+    included), checked for its shape and dtype, with the rank-sized product added after it."""
+    weight = proj.weight
+    product = weight.product if isinstance(weight, QuantizedBase) else None
+    if product is None:
+        return lora_and_base_out(xc, dense(weight), proj.bias, low.xa, low.B_c, proj.lora_bias, scaling)
+    y = product(xc)
+    want = (xc.shape[0], weight.shape[0])
+    if not isinstance(y, torch.Tensor) or tuple(y.shape) != want or y.dtype != xc.dtype:
+        got = f"{tuple(y.shape)} {y.dtype}" if isinstance(y, torch.Tensor) else type(y).__name__
+        raise ValueError(f"the int8 base's product must return {want} in {xc.dtype}, got {got}")
+    return add_lora_out(y, low.xa, low.B_c, proj.lora_bias, scaling)
 
 
-def _base_outs_and_lora_inputs(
+def _outputs_and_lows(
     x2: torch.Tensor, xc: torch.Tensor, params: Sequence[_Params], settings: Sequence[Settings]
-) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor | None], list[torch.Tensor]]:
-    """(base outputs ``xc W^T + b``, then :func:`lora_input_products`' xa's, masks and A's in
-    ``c``) of projections that share ``x2``, launched in the order :func:`_base_first` gives."""
-    first = _base_first(settings)
-    # (a 4-bit W is dequantized for its own matmul, and dropped before the next one's)
-    ys = [_base_product(xc, proj) for proj in params] if first else []
+) -> tuple[list[torch.Tensor], list[_LowRank]]:
+    """(the outputs, what each projection's backward keeps) of projections that share ``x2``: their
+    LoRA input products first (:func:`lora_input_products`: one read of ``x2`` where they stack; with
+    dropout, the ``[M, K]`` buffers it forms are freed before any output exists), then each output
+    (:func:`_projection_out`; a 4-bit ``W`` dequantized for its own matmul and dropped before the
+    next one's)."""
     xas, masks, A_cs, _ = lora_input_products(x2, xc, [proj.lora_A for proj in params], settings)
-    if not first:
-        ys = [_base_product(xc, proj) for proj in params]
-    return ys, xas, masks, A_cs
+    lows = [
+        _LowRank(xa, mask, A_c, proj.lora_B.to(xc.dtype))
+        for xa, mask, A_c, proj in zip(xas, masks, A_cs, params, strict=True)
+    ]
+    ys = [_projection_out(xc, proj, low, s.scaling) for proj, low, s in zip(params, lows, settings, strict=True)]
+    return ys, lows
 
 
 def _proj_fwd(x2: torch.Tensor, xc: torch.Tensor, params: _Params, settings: Settings) -> tuple[torch.Tensor, _LowRank]:
     """One projection of ``x2`` ``[M, K]``: (y ``[M, N]``, what its backward keeps)."""
-    (y,), (xa,), (mask,), (A_c,) = _base_outs_and_lora_inputs(x2, xc, [params], [settings])
-    B_c = params.lora_B.to(xc.dtype)
-    return add_lora_out(y, xa, B_c, params.lora_bias, settings.scaling), _LowRank(xa, mask, A_c, B_c)
+    (y,), (low,) = _outputs_and_lows(x2, xc, [params], [settings])
+    return y, low
 
 
 def _proj_bwd_params(
@@ -381,11 +376,12 @@ def _proj_bwd_params(
 def _proj_bwd_input(
     dy: torch.Tensor, weight: Any, A_c: torch.Tensor, gs: torch.Tensor, mask: torch.Tensor | None, p: float
 ) -> torch.Tensor:
-    """``dx = dy W + (s G A) * m / (1 - p)``, a new buffer (the order of :func:`add_lora_out`); a
-    :class:`QuantizedBase` ``W`` is dequantized for the ``dy W`` matmul only."""
-    dx = torch.mm(dy, dense(weight))
+    """``dx = dy W + (s G A) * m / (1 - p)``, a new buffer; a :class:`QuantizedBase` ``W`` is
+    dequantized for the ``dy W`` matmul only. Without dropout the rank-sized term is written first
+    and the ``dy W`` matmul adds into it (one pass over dx fewer, as :func:`lora_and_base_out`)."""
     if mask is None:
-        return dx.addmm_(gs, A_c)
+        return torch.mm(gs, A_c).addmm_(dy, dense(weight))
+    dx = torch.mm(dy, dense(weight))
     return add_masked_low_rank_(dx, gs, A_c, mask, 1.0 / (1.0 - p))
 
 
@@ -407,9 +403,11 @@ def _shared_input_bwd(
     (or a :class:`QuantizedBase`, dequantized for its ``dy W`` term only, then dropped),
     ``lows[i]`` what its forward kept, ``lora_dtypes[i]`` its LoRA weights' dtype; ``xc`` is ``x2``
     in the gradients' dtype (needed for dW only).
-    dx is one buffer: the ``dy W`` terms first, then the rank-sized ``s G A`` terms. For the
-    projections without dropout those are stacked, as in the forward: their ``dA``\\ s come from one
-    matmul that reads ``x2`` once, and their ``s G A`` terms go into dx with one ``addmm_``.
+    dx is one buffer: the rank-sized ``s G A`` terms of the projections without dropout first,
+    stacked as in the forward (one matmul writes them; their ``dA``\\ s, too, come from one matmul
+    that reads ``x2`` once), then the ``dy W`` terms added by their matmuls' epilogues (one pass over
+    dx fewer than the other order, as :func:`lora_and_base_out`), then the masked terms of the
+    projections with dropout in one more pass.
     """
     n = len(settings)
     live = [i for i in range(n) if dys[i] is not None]
@@ -451,17 +449,17 @@ def _shared_input_bwd(
     if not need_dx:
         return None, grads
     dx: torch.Tensor | None = None
-    for i in live:  # the base terms first (the order of add_lora_out); a 4-bit W dequantized for its term only
+    plain = [i for i in live if lows[i].mask is None]
+    if plain:  # s G A of the projections without dropout, written by one matmul
+        A_c = torch.cat([lows[i].A_c for i in plain]) if len(plain) > 1 else lows[plain[0]].A_c
+        dx = torch.mm(gs_of(plain), A_c)
+    for i in live:  # the base terms; a 4-bit W dequantized for its term only
         dy = dys[i]
         assert dy is not None
         weight = dense(weights[i])
         dx = torch.mm(dy, weight) if dx is None else dx.addmm_(dy, weight)
         del weight
     assert dx is not None
-    plain = [i for i in live if lows[i].mask is None]
-    if plain:  # s G A of the projections without dropout: one pass over dx
-        A_c = torch.cat([lows[i].A_c for i in plain]) if len(plain) > 1 else lows[plain[0]].A_c
-        dx.addmm_(gs_of(plain), A_c)
     masked_terms = [
         MaskedLowRank(gss[i], lows[i].A_c, mask, 1.0 / (1.0 - settings[i].dropout_p))
         for i in live
@@ -502,12 +500,8 @@ class _LoRAProjections(torch.autograd.Function):
         c = params[0].weight.dtype
         xc = x2 if x2.dtype == c else x2.to(c)
         # (a 4-bit base is dequantized for its base matmul only, one at a time: see QuantizedBase)
-        ys, xas, masks, A_cs = _base_outs_and_lora_inputs(x2, xc, params, settings)
-        outs, lows = [], []
-        for y, xa, mask, A_c, proj, setting in zip(ys, xas, masks, A_cs, params, settings, strict=True):
-            lows.append(_LowRank(xa, mask, A_c, proj.lora_B.to(c)))
-            y = add_lora_out(y, xa, lows[-1].B_c, proj.lora_bias, setting.scaling)
-            outs.append(y.view(*x.shape[:-1], y.shape[-1]))
+        ys, lows = _outputs_and_lows(x2, xc, params, settings)
+        outs = [y.view(*x.shape[:-1], y.shape[-1]) for y in ys]
         kept_weights, quantized = weights_to_save([proj.weight for proj in params])
         ctx.save_for_backward(x, *kept_weights, *to_flat(lows))
         ctx.quantized = quantized
@@ -685,17 +679,11 @@ class _LoRAMLP(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, act: str, settings: tuple[Settings, ...], *flat: Any) -> Any:
         params_g, params_u, params_d = from_flat(_Params, flat)
-        settings_g, settings_u, settings_d = settings
+        settings_d = settings[2]
         x2 = x.reshape(-1, x.shape[-1])
         c = params_g.weight.dtype
         xc = x2 if x2.dtype == c else x2.to(c)
-        (gate, up), (xa_g, xa_u), (m_g, m_u), (A_c_g, A_c_u) = _base_outs_and_lora_inputs(
-            x2, xc, [params_g, params_u], settings[:2]
-        )
-        low_g = _LowRank(xa_g, m_g, A_c_g, params_g.lora_B.to(c))
-        low_u = _LowRank(xa_u, m_u, A_c_u, params_u.lora_B.to(c))
-        add_lora_out(gate, xa_g, low_g.B_c, params_g.lora_bias, settings_g.scaling)
-        add_lora_out(up, xa_u, low_u.B_c, params_u.lora_bias, settings_u.scaling)
+        (gate, up), (low_g, low_u) = _outputs_and_lows(x2, xc, [params_g, params_u], settings[:2])
         del xc
         rows = _mlp_chunk_rows(gate, settings_d.dropout_p)
         int8_down = isinstance(params_d.weight, QuantizedBase) and params_d.weight.product is not None

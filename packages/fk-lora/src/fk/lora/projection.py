@@ -8,7 +8,8 @@ Notation (:mod:`fk.lora.lora`'s): ``x2`` the input ``[M, K]``, ``c`` the compute
 - :class:`Settings`: one projection's scalars; :func:`to_flat` / :func:`from_flat`: a list of
   per-projection ``NamedTuple``\\ s as the flat argument list an autograd function takes.
 - The forward's parts: :func:`lora_input_products` (``xa`` of projections that share ``x2``, stacked
-  where they can be: one read of ``x2``), :func:`base_out` (``x2 W^T + b``), :func:`add_lora_out`
+  where they can be: one read of ``x2``), :func:`lora_and_base_out` (``y = s xa B^T + s b_B + x2 W^T
+  + b``, the rank-sized product first), :func:`base_out` (``x2 W^T + b``) and :func:`add_lora_out`
   (``y += s xa B^T + s b_B``).
 - The backward's parts: :func:`scaled_lora_grad` (``s G``), :func:`kept_input` (``x2 * m``),
   :func:`lora_a_grads` (``dA = f (s G)^T (x2 * m)`` of projections that share ``x2``; with dropout
@@ -196,12 +197,7 @@ def stackable(settings: Sequence[Settings], lora_dtypes: list[torch.dtype | None
 def base_out(
     xc: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """``xc W^T + b`` in ``xc``'s dtype (into ``out`` when given).
-
-    The forwards launch these base matmuls before any of the LoRA branch's small kernels (without
-    dropout, :func:`_base_first`): the GPU then starts on the long matmuls while the host queues the
-    rest, instead of waiting for the host through a string of short kernels at the start of a call.
-    """
+    """``xc W^T + b`` in ``xc``'s dtype (into ``out`` when given)."""
     if bias is None:
         return torch.mm(xc, weight.t(), out=out)
     return torch.addmm(bias, xc, weight.t(), out=out)
@@ -210,17 +206,34 @@ def base_out(
 def add_lora_out(
     y: torch.Tensor, xa: torch.Tensor, B_c: torch.Tensor, lora_bias: torch.Tensor | None, scaling: float
 ) -> torch.Tensor:
-    """``y += s xa B^T + s b_B`` in ``y``'s dtype (``xa`` and ``B`` in it already), in place; returns ``y``.
-
-    (The base matmul writes ``y`` first and the rank-``r`` product is added into it. In the other
-    order, with the base GEMM reading ``y`` in its epilogue, ``torch.compile``'s bf16 outputs
-    under autocast came out a bf16 rounding away from eager's on CPU, which
-    ``test_compile_fullgraph_matches_eager`` does not allow.)
-    """
+    """``y += s xa B^T + s b_B`` in ``y``'s dtype (``xa`` and ``B`` in it already), in place; returns
+    ``y``: the rank-``r`` product added to a base product already in ``y``, where that product is not
+    a matmul of fk's (an int8 layer's own) or is written a chunk of rows at a time. Elsewhere
+    :func:`lora_and_base_out`, one pass over ``y`` fewer."""
     y.addmm_(xa, B_c.t(), alpha=scaling)
     if lora_bias is not None:
         y.add_(lora_bias.to(y.dtype), alpha=scaling)
     return y
+
+
+def lora_and_base_out(
+    xc: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    xa: torch.Tensor,
+    B_c: torch.Tensor,
+    lora_bias: torch.Tensor | None,
+    scaling: float,
+) -> torch.Tensor:
+    """``y = s xa B^T + s b_B + b + xc W^T`` in ``xc``'s dtype (``xa``, ``B`` and ``b`` in it
+    already), a new tensor: the rank-``r`` product (with ``b``) written first, then the base matmul
+    adding into it, which reads ``y`` in its epilogue. The other order (the base product first, then
+    the rank-``r`` product added) passes over ``y`` once more: q/k/v's forward at 16384 tokens took
+    5% longer that way on an H200 (``benchmarks/experiments/INDEX.md#lora_qkv_orders``)."""
+    y = scaled_mm(xa, B_c.t(), scaling, xc.dtype) if bias is None else torch.addmm(bias, xa, B_c.t(), alpha=scaling)
+    if lora_bias is not None:
+        y.add_(lora_bias.to(y.dtype), alpha=scaling)
+    return y.addmm_(xc, weight.t())
 
 
 def scaled_lora_grad(dy: torch.Tensor, B_c: torch.Tensor, scaling: float) -> torch.Tensor:
