@@ -31,8 +31,12 @@ from tune_norms import set_settings, setting  # benchmarks/tune_norms.py
 
 from fk.core import bench
 
+# Trainable: 4 and 8 programs an SM added on 2026-11-27 (1 and 2 before; not swept yet): the narrow
+# trainable backwards run 1.2-1.6x a bytes-only kernel's time (INDEX.md#norm_stream_floor_all), the
+# frozen RMSNorm and FusedAddRMSNorm ones, with 8-32 programs an SM, 1.03-1.10x; at H = 1024 a partial
+# row is 4 KiB (8 an SM: 4 MiB).
 SPACE = {
-    "trainable": {"BACKWARD.programs_per_sm": [1, 2], "BACKWARD.min_tile": [4096, 8192, 16384],
+    "trainable": {"BACKWARD.programs_per_sm": [1, 2, 4, 8], "BACKWARD.min_tile": [4096, 8192, 16384],
                   "BACKWARD.elements_per_warp": [512, 1024, 2048]},
     "frozen": {"BACKWARD_FROZEN.programs_per_sm": [2, 4, 8], "BACKWARD_FROZEN.min_tile": [2048, 4096, 8192]},
 }  # fmt: skip
