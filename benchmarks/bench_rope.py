@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -92,20 +93,28 @@ def forward_bytes(seq: int) -> int:
     return 2 * (2 * (q + k)) + 2 * (2 * seq * HEAD_DIM)
 
 
-def measure(record: bench.BenchRecord, copy_tbps: float, name: str, fn: Fn, seq: int, layout: str, rep: int) -> None:
-    """Time one provider at one shape and layout, forward and forward+backward; add the rows to ``record``."""
-    gen = torch.Generator(device="cuda").manual_seed(seq)
+class Inputs(NamedTuple):
+    """One case's tensors: q and k (leaves that require gradients), their upstream gradients, cos and sin."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    dq: torch.Tensor
+    dk: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+
+def inputs(seq: int, layout: str = "hf", gen: torch.Generator | None = None) -> Inputs:
+    """The tensors of the case at ``seq`` in ``layout``, drawn from ``gen`` (default: seeded with ``seq``)."""
+    gen = gen if gen is not None else torch.Generator(device="cuda").manual_seed(seq)
     q, k = _tensor(seq, N_Q, gen, layout).requires_grad_(), _tensor(seq, N_KV, gen, layout).requires_grad_()
     dq, dk = _tensor(seq, N_Q, gen, layout), _tensor(seq, N_KV, gen, layout)
-    cos, sin = _cos_sin(seq)
-    # Sanity: every provider computes the same function (bf16 rounding apart). Liger writes into
-    # its inputs, so it gets copies here.
-    with torch.no_grad():
-        want = _eager(q.float(), k.float(), cos.float(), sin.float())
-        got = fn(q.detach().clone(), k.detach().clone(), cos, sin)
-        err = max((a.float() - b).abs().max().item() for a, b in zip(got, want, strict=True))
-    if err > 0.1:
-        raise AssertionError(f"{name} disagrees with eager at S={seq}: max error {err}")
+    return Inputs(q, k, dq, dk, *_cos_sin(seq))
+
+
+def calls(fn: Fn, case: Inputs) -> tuple[Callable[[], None], Callable[[], None]]:
+    """(the forward without autograd, the forward+backward) of ``fn`` on ``case``, as timed."""
+    q, k, dq, dk, cos, sin = case
 
     def forward() -> None:
         with torch.no_grad():
@@ -116,6 +125,23 @@ def measure(record: bench.BenchRecord, copy_tbps: float, name: str, fn: Fn, seq:
         q_embed, k_embed = fn(q, k, cos, sin)
         torch.autograd.backward((q_embed, k_embed), (dq, dk))
 
+    return forward, forward_backward
+
+
+def measure(record: bench.BenchRecord, copy_tbps: float, name: str, fn: Fn, seq: int, layout: str, rep: int) -> None:
+    """Time one provider at one shape and layout, forward and forward+backward; add the rows to ``record``."""
+    case = inputs(seq, layout)
+    q, k, cos, sin = case.q, case.k, case.cos, case.sin
+    # Sanity: every provider computes the same function (bf16 rounding apart). Liger writes into
+    # its inputs, so it gets copies here.
+    with torch.no_grad():
+        want = _eager(q.float(), k.float(), cos.float(), sin.float())
+        got = fn(q.detach().clone(), k.detach().clone(), cos, sin)
+        err = max((a.float() - b).abs().max().item() for a, b in zip(got, want, strict=True))
+    if err > 0.1:
+        raise AssertionError(f"{name} disagrees with eager at S={seq}: max error {err}")
+
+    forward, forward_backward = calls(fn, case)
     nbytes = forward_bytes(seq)
     for mode, call, counted in (("fwd", forward, nbytes), ("fwd+bwd", forward_backward, 2 * nbytes)):
         if name == "fk inplace" and mode == "fwd+bwd":

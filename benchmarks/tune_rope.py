@@ -76,10 +76,7 @@ def sweep(seqs: list[int], rep: int) -> None:
     defaults = {name: getattr(module, name) for name in SPACE}
     rows = []
     for seq in seqs:
-        q = bench_rope._tensor(seq, bench_rope.N_Q, gen).requires_grad_()
-        k = bench_rope._tensor(seq, bench_rope.N_KV, gen).requires_grad_()
-        dq, dk = bench_rope._tensor(seq, bench_rope.N_Q, gen), bench_rope._tensor(seq, bench_rope.N_KV, gen)
-        cos, sin = bench_rope._cos_sin(seq)
+        q, k, dq, dk, cos, sin = bench_rope.inputs(seq, gen=gen)
         nbytes = bench_rope.forward_bytes(seq)
         for values in [dict(zip(SPACE, v, strict=True)) for v in itertools.product(*SPACE.values())]:
             configure(values)

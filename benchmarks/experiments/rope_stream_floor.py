@@ -59,21 +59,9 @@ def _floor_ms(seq: int) -> tuple[float, float, str]:
 
 
 def _provider_ms(fn: bench_rope.Fn, seq: int, layout: str) -> tuple[float, float]:
-    gen = torch.Generator(device="cuda").manual_seed(seq)
-    q = bench_rope._tensor(seq, bench_rope.N_Q, gen, layout).requires_grad_()
-    k = bench_rope._tensor(seq, bench_rope.N_KV, gen, layout).requires_grad_()
-    dq, dk = bench_rope._tensor(seq, bench_rope.N_Q, gen, layout), bench_rope._tensor(seq, bench_rope.N_KV, gen, layout)
-    cos, sin = bench_rope._cos_sin(seq)
-
-    def forward() -> None:
-        with torch.no_grad():
-            fn(q.detach(), k.detach(), cos, sin)
-
-    def forward_backward() -> None:
-        q_embed, k_embed = fn(q, k, cos, sin)
-        torch.autograd.backward((q_embed, k_embed), (dq, dk))
-
-    return _gpu_ms(forward, [q, k]), _gpu_ms(forward_backward, [q, k])
+    case = bench_rope.inputs(seq, layout)
+    forward, forward_backward = bench_rope.calls(fn, case)
+    return _gpu_ms(forward, [case.q, case.k]), _gpu_ms(forward_backward, [case.q, case.k])
 
 
 def main() -> None:
