@@ -31,13 +31,12 @@ from tune_norms import set_settings, setting  # benchmarks/tune_norms.py
 
 from fk.core import bench
 
-# Trainable: 4 and 8 programs an SM added on 2026-11-27 (1 and 2 before; not swept yet): the narrow
-# trainable backwards run 1.2-1.6x a bytes-only kernel's time (INDEX.md#norm_stream_floor_all), the
-# frozen RMSNorm and FusedAddRMSNorm ones, with 8-32 programs an SM, 1.03-1.10x; at H = 1024 a partial
-# row is 4 KiB (8 an SM: 4 MiB).
+# Trainable: 4 and 8 programs an SM lost to 1 and 2 at 1024-4096 columns (INDEX.md#norm_narrow_trainable);
+# 3 programs, 2048-element tiles and 256 elements a warp were added after that run, swept one width at
+# a time (--widths 1024, then 2048, ...) for the table of rows up to 4096 columns.
 SPACE = {
-    "trainable": {"BACKWARD.programs_per_sm": [1, 2, 4, 8], "BACKWARD.min_tile": [4096, 8192, 16384],
-                  "BACKWARD.elements_per_warp": [512, 1024, 2048]},
+    "trainable": {"BACKWARD.programs_per_sm": [1, 2, 3, 4], "BACKWARD.min_tile": [2048, 4096, 8192, 16384],
+                  "BACKWARD.elements_per_warp": [256, 512, 1024, 2048]},
     "frozen": {"BACKWARD_FROZEN.programs_per_sm": [2, 4, 8], "BACKWARD_FROZEN.min_tile": [2048, 4096, 8192]},
 }  # fmt: skip
 SPACE["residual"] = SPACE["trainable"]
@@ -129,14 +128,21 @@ def sweep(
     else:
         space = POLY_NORM_SPACE[mode] if op == "poly_norm" else SPACE[mode]
     saved = {k: setting(module, k) for k in space}
+    # The default space sweeps BACKWARD's own fields, which rows in the module's BACKWARD_NARROW
+    # table do not read: the table is emptied for the variants, and back for the module's settings.
+    narrow_table = getattr(module, "BACKWARD_NARROW", ()) if space_name == "default" and mode != "frozen" else ()
     variants = [dict(zip(space, values, strict=True)) for values in itertools.product(*space.values())]
     times: dict[tuple[int, ...], dict[int, float]] = {}
     print(f"--- {op} {mode}: {ROWS} rows, bf16, backward GPU time (us)")
     for width in widths:
         call = backward_call(module, op, mode, width)
+        if narrow_table:
+            module.BACKWARD_NARROW = ()
         for variant in variants:
             set_settings(module, variant)
             times.setdefault(tuple(variant.values()), {})[width] = bench.graph_time_us(call)
+        if narrow_table:
+            module.BACKWARD_NARROW = narrow_table
         set_settings(module, saved)
         us = bench.graph_time_us(call)
         line = f"H={width}: the module's settings {us:.1f} us"

@@ -24,7 +24,7 @@ from fk.core.matmul import column_sum
 from fk.core.ops import define_autograd_op
 from fk.core.reduce import sum_weight_and_bias_rows
 from fk.core.tiles import load_row_tile
-from fk.norms.launch_params import ForwardParams, forward_tiling
+from fk.norms.launch_params import ForwardParams, NarrowBackwardParams, forward_tiling, narrow_backward
 
 # --- 1. Reference ---------------------------------------------------------------------------------
 
@@ -364,6 +364,13 @@ BACKWARD = BackwardParams(
     widest_max_warps=16,
 )
 
+# Rows up to 4096 columns: as RMSNorm's (2-4 programs an SM, tiles of 4096 elements), 0.79-0.85x the
+# time of BACKWARD's own fields at 1024-4096 columns (INDEX.md#norm_narrow_trainable).
+BACKWARD_NARROW = (
+    NarrowBackwardParams(max_cols=1024, programs_per_sm=3, min_tile=4096, elements_per_warp=1024),
+    NarrowBackwardParams(max_cols=4096, programs_per_sm=2, min_tile=4096, elements_per_warp=512),
+)
+
 
 class FrozenBackwardParams(NamedTuple):
     """The backward that keeps no partial rows (no dw, and no db or a db left to a column sum): more
@@ -422,6 +429,10 @@ def _bwd_tiling(n_cols: int, keeps_partials: bool = True, compute_dw: bool = Tru
             return looped_rows_tiling(params.widest_block_cols, params.widest_rows,
                                       elements_per_warp=params.wide_elements_per_warp,
                                       max_warps=params.widest_max_warps)  # fmt: skip
+        by_width = narrow_backward(n_cols, BACKWARD_NARROW)
+        if by_width is not None:
+            return row_tiling(n_cols, max_block_cols=params.max_block_cols, min_tile_elements=by_width.min_tile,
+                              elements_per_warp=by_width.elements_per_warp, name="x")  # fmt: skip
         narrow = n_cols <= params.prefetch_max_cols
         return row_tiling(n_cols, max_block_cols=params.max_block_cols,
                           min_tile_elements=params.min_tile if narrow else params.wide_min_tile,
@@ -474,7 +485,9 @@ def partial_rows(
     dw, and no db or a db left to a column sum) runs the frozen settings."""
     keeps_partials = _keeps_partials(n_cols, compute_dw, compute_db)
     if keeps_partials:
-        per_sm, looped_per_sm = BACKWARD.programs_per_sm, BACKWARD.looped_programs_per_sm
+        narrow = narrow_backward(n_cols, BACKWARD_NARROW)
+        per_sm = narrow.programs_per_sm if narrow is not None else BACKWARD.programs_per_sm
+        looped_per_sm = BACKWARD.looped_programs_per_sm
     else:
         frozen = BACKWARD_FROZEN
         per_sm = frozen.narrow_programs_per_sm if n_cols <= frozen.narrow_cols else frozen.programs_per_sm

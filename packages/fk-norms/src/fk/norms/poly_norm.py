@@ -23,7 +23,7 @@ from fk.core import validate
 from fk.core.backend import uses_kernel
 from fk.core.launch import RowTiling, as_rows, cdiv, row_reduction_grid, row_tiling
 from fk.core.ops import define_autograd_op
-from fk.norms.launch_params import ForwardParams, forward_tiling
+from fk.norms.launch_params import ForwardParams, NarrowBackwardParams, forward_tiling, narrow_backward
 
 # --- 1. Reference ---------------------------------------------------------------------------------
 
@@ -284,6 +284,14 @@ BACKWARD = BackwardParams(
     elements_per_warp=512,
 )
 
+# Rows up to 8192 columns: one warp per 1024 elements, and fewer programs an SM as rows widen;
+# 0.85-0.99x the time of BACKWARD's own fields at 1024-8192 columns (INDEX.md#norm_narrow_trainable).
+BACKWARD_NARROW = (
+    NarrowBackwardParams(max_cols=2048, programs_per_sm=8, min_tile=2048, elements_per_warp=1024),
+    NarrowBackwardParams(max_cols=4096, programs_per_sm=4, min_tile=2048, elements_per_warp=1024),
+    NarrowBackwardParams(max_cols=8192, programs_per_sm=2, min_tile=4096, elements_per_warp=1024),
+)
+
 
 class FrozenBackwardParams(NamedTuple):
     """The backward without dw and db: no partial sums, one program per row tile."""
@@ -323,6 +331,10 @@ def _bwd_tiling(n_cols: int, sums: bool = True) -> RowTiling:
                           elements_per_warp=frozen.elements_per_warp, min_warps=frozen.min_warps,
                           name="x")  # fmt: skip
     params = BACKWARD
+    narrow = narrow_backward(n_cols, BACKWARD_NARROW)
+    if narrow is not None:
+        return row_tiling(n_cols, max_block_cols=params.max_block_cols, min_tile_elements=narrow.min_tile,
+                          elements_per_warp=narrow.elements_per_warp, name="x")  # fmt: skip
     max_block_cols = params.max_block_cols if n_cols <= params.max_block_cols else params.looped_block_cols
     return row_tiling(n_cols, max_block_cols=max_block_cols, min_tile_elements=params.min_tile,
                       elements_per_warp=params.elements_per_warp, name="x")  # fmt: skip
@@ -330,8 +342,9 @@ def _bwd_tiling(n_cols: int, sums: bool = True) -> RowTiling:
 
 def partial_rows(n_rows: int, n_cols: int, device: torch.device) -> int:
     """Programs of the backward, and rows of its [P, 4] fp32 partial buffer when it allocates one."""
-    return row_reduction_grid(n_rows, _bwd_tiling(n_cols), device, BACKWARD.programs_per_sm,
-                              BACKWARD.looped_programs_per_sm)  # fmt: skip
+    narrow = narrow_backward(n_cols, BACKWARD_NARROW)
+    per_sm = narrow.programs_per_sm if narrow is not None else BACKWARD.programs_per_sm
+    return row_reduction_grid(n_rows, _bwd_tiling(n_cols), device, per_sm, BACKWARD.looped_programs_per_sm)
 
 
 def _poly_norm_fwd(

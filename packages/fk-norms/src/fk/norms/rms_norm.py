@@ -31,7 +31,7 @@ from fk.core.launch import RowTiling, as_rows, cdiv, looped_rows_tiling, row_red
 from fk.core.ops import define_autograd_op
 from fk.core.reduce import sum_rows
 from fk.core.tiles import load_row_tile
-from fk.norms.launch_params import ForwardParams, forward_tiling
+from fk.norms.launch_params import ForwardParams, NarrowBackwardParams, forward_tiling, narrow_backward
 from fk.norms.rms_norm_strips import StripParams, launch_strips_backward
 
 CASTING_MODES = ("llama", "gemma")
@@ -419,6 +419,14 @@ BACKWARD = BackwardParams(
     dw_first_prefetched_min_rows=2,
 )
 
+# Rows up to 4096 columns: 2-4 programs an SM, tiles of 4096 elements (4 warps for four rows of
+# 1024, 8 for wider rows), 0.87-0.97x the time of BACKWARD's own fields (one program an SM, 8192
+# elements) at 1024-4096 columns, RMSNorm and FusedAddRMSNorm alike (INDEX.md#norm_narrow_trainable).
+BACKWARD_NARROW = (
+    NarrowBackwardParams(max_cols=1024, programs_per_sm=3, min_tile=4096, elements_per_warp=1024),
+    NarrowBackwardParams(max_cols=4096, programs_per_sm=2, min_tile=4096, elements_per_warp=512),
+)
+
 
 # The two-pass backward of fk.norms.rms_norm_strips (from BACKWARD.strips_min_cols on), RMSNorm's
 # and FusedAddRMSNorm's: the best of 108 settings at 8192-32768 columns (INDEX.md#rms_norm_strips).
@@ -487,6 +495,10 @@ def _dw_first(n_cols: int, residual: bool, prefetch: bool, rows_per_tile: int) -
 def _bwd_tiling(n_cols: int, compute_dw: bool = True, residual: bool = False) -> RowTiling:
     if compute_dw:
         params = BACKWARD
+        narrow = narrow_backward(n_cols, BACKWARD_NARROW)
+        if narrow is not None:
+            return row_tiling(n_cols, max_block_cols=params.max_block_cols, min_tile_elements=narrow.min_tile,
+                              elements_per_warp=narrow.elements_per_warp, name="x")  # fmt: skip
         if _contiguous(n_cols, compute_dw, residual):
             return row_tiling(n_cols, max_block_cols=params.max_block_cols, min_tile_elements=params.min_tile,
                               elements_per_warp=params.contiguous_elements_per_warp, name="x")  # fmt: skip
@@ -559,7 +571,9 @@ def dw_partial_rows(n_rows: int, n_cols: int, device: torch.device, compute_dw: 
     partial buffer it allocates for the weight gradient (when ``compute_dw``). Rows from
     ``BACKWARD.strips_min_cols`` on take :mod:`fk.norms.rms_norm_strips`, whose grid is its own."""
     if compute_dw:
-        per_sm, looped_per_sm = BACKWARD.programs_per_sm, BACKWARD.looped_programs_per_sm
+        narrow = narrow_backward(n_cols, BACKWARD_NARROW)
+        per_sm = narrow.programs_per_sm if narrow is not None else BACKWARD.programs_per_sm
+        looped_per_sm = BACKWARD.looped_programs_per_sm
     else:
         frozen = BACKWARD_FROZEN
         per_sm = frozen.programs_per_sm if n_cols < frozen.wide_cols else frozen.wide_programs_per_sm
