@@ -51,7 +51,7 @@ LOOPED_SPACE = {
     "poly_norm": {"BACKWARD.looped_programs_per_sm": [1, 2, 4], "BACKWARD.looped_block_cols": [2048, 4096, 8192]},
 }  # fmt: skip
 # --space strips: RMSNorm's (and FusedAddRMSNorm's) two-pass backward with a weight gradient
-# (fk.norms.rms_norm_strips), applied at every one of --widths; pass --baseline with the one-kernel
+# (fk.norms.norm_strips), applied at every one of --widths; pass --baseline with the one-kernel
 # version of rms_norm.py (e.g. from before the strips were added) to time the two side by side.
 # The fields of STRIPS (trainable) or STRIPS_RESIDUAL (residual).
 STRIPS_SPACE = {"block_rows": [2, 4, 8], "block_cols": [512, 1024, 2048], "num_warps": [4, 8],

@@ -104,7 +104,7 @@ def test_widest_rows_several_at_a_time(device: str, monkeypatch: pytest.MonkeyPa
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
 def test_strips_backward_matches_reference(device: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
-    # As RMSNorm's test of that name (fk.norms.rms_norm_strips), the residual's gradient added to dx;
+    # As RMSNorm's test of that name (fk.norms.norm_strips), the residual's gradient added to dx;
     # RMSNorm's own threshold left where it is.
     rows = strips_from(monkeypatch, 1100, device, residual=True)
     assert RMS_NORM_MODULE.BACKWARD.strips_min_cols == BACKWARD.strips_min_cols

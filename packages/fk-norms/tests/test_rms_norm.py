@@ -88,7 +88,7 @@ def test_widest_rows_several_at_a_time(device: str, dtype: torch.dtype, monkeypa
 
 def partial_buffer_bytes(rows: int, width: int, device: str) -> int:
     """Bytes of the fp32 partial rows of dw that RMSNorm's backward allocates at this shape: one row
-    per program of the one-kernel grid, or per row group of the strips (fk.norms.rms_norm_strips)."""
+    per program of the one-kernel grid, or per row group of the strips (fk.norms.norm_strips)."""
     if width >= BACKWARD.strips_min_cols:
         strips = RMS_NORM_MODULE.STRIPS
         groups, _ = column_strip_grid(rows, width, strips.block_rows, strips.block_cols, torch.device(device),
@@ -98,7 +98,7 @@ def partial_buffer_bytes(rows: int, width: int, device: str) -> int:
 
 
 def strips_from(monkeypatch: pytest.MonkeyPatch, width: int, device: str, residual: bool = False) -> int:
-    """Make rows from ``width`` columns on take the two-pass backward (fk.norms.rms_norm_strips) with
+    """Make rows from ``width`` columns on take the two-pass backward (fk.norms.norm_strips) with
     small strips; returns a row count that gives every row group of pass 2 two row tiles and a
     partial third. Shared with test_fused_add_rms_norm.py."""
     field = "strips_min_cols_residual" if residual else "strips_min_cols"

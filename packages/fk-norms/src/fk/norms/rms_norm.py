@@ -32,7 +32,7 @@ from fk.core.ops import define_autograd_op
 from fk.core.reduce import sum_rows
 from fk.core.tiles import load_row_tile
 from fk.norms.launch_params import ForwardParams, NarrowBackwardParams, forward_tiling, narrow_backward
-from fk.norms.rms_norm_strips import StripParams, launch_strips_backward
+from fk.norms.norm_strips import StripParams, launch_strips_backward
 
 CASTING_MODES = ("llama", "gemma")
 
@@ -374,7 +374,7 @@ class BackwardParams(NamedTuple):
     widest_rows: int  # this many rows a tile,
     widest_block_cols: int  # in column tiles this wide,
     widest_max_warps: int  # with one warp per elements_per_warp of the tile, at most this many
-    strips_min_cols: int  # rows at least this wide take the two-pass backward of fk.norms.rms_norm_strips,
+    strips_min_cols: int  # rows at least this wide take the two-pass backward of fk.norms.norm_strips,
     strips_min_cols_residual: int  # and FusedAddRMSNorm's (dx += the residual's gradient) from this width
     contiguous_min_cols: int  # RMSNorm's one-tile rows at least this wide: consecutive tiles a program, no prefetch,
     contiguous_elements_per_warp: int  # and one warp per this many elements of a tile
@@ -428,7 +428,7 @@ BACKWARD_NARROW = (
 )
 
 
-# The two-pass backward of fk.norms.rms_norm_strips (from BACKWARD.strips_min_cols on), RMSNorm's
+# The two-pass backward of fk.norms.norm_strips (from BACKWARD.strips_min_cols on), RMSNorm's
 # and FusedAddRMSNorm's: the best of 108 settings at 8192-32768 columns (INDEX.md#rms_norm_strips).
 # Narrow strips and many programs for RMSNorm; FusedAddRMSNorm also reads dres, and wide strips on
 # few programs were 1-3% faster there (the narrow ones are not in its best 12).
@@ -569,7 +569,7 @@ def _rms_norm_fwd_fake(
 def dw_partial_rows(n_rows: int, n_cols: int, device: torch.device, compute_dw: bool = True) -> int:
     """Programs of the one-kernel backward's grid, which is also the number of rows of the fp32
     partial buffer it allocates for the weight gradient (when ``compute_dw``). Rows from
-    ``BACKWARD.strips_min_cols`` on take :mod:`fk.norms.rms_norm_strips`, whose grid is its own."""
+    ``BACKWARD.strips_min_cols`` on take :mod:`fk.norms.norm_strips`, whose grid is its own."""
     if compute_dw:
         narrow = narrow_backward(n_cols, BACKWARD_NARROW)
         per_sm = narrow.programs_per_sm if narrow is not None else BACKWARD.programs_per_sm
