@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -12,9 +13,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fk.core import testing
-from fk.core.launch import column_strip_grid
 from fk.core.testing import AWKWARD_ROWS, AWKWARD_WIDTHS, DTYPES, WIDE_WIDTHS, dtype_name
 from fk.norms import RMSNorm, rms_norm, rms_norm_and_input, rms_norm_ref
+from fk.norms.norm_strips import strip_grid
 from fk.norms.rms_norm import BACKWARD, _bwd_tiling, dw_partial_rows
 
 RMS_NORM_MODULE = importlib.import_module("fk.norms.rms_norm")  # (fk.norms.rms_norm is the function)
@@ -90,24 +91,27 @@ def partial_buffer_bytes(rows: int, width: int, device: str) -> int:
     """Bytes of the fp32 partial rows of dw that RMSNorm's backward allocates at this shape: one row
     per program of the one-kernel grid, or per row group of the strips (fk.norms.norm_strips)."""
     if width >= BACKWARD.strips_min_cols:
-        strips = RMS_NORM_MODULE.STRIPS
-        groups, _ = column_strip_grid(rows, width, strips.block_rows, strips.block_cols, torch.device(device),
-                                      strips.programs_per_sm)  # fmt: skip
-        return groups * width * 4
+        return strip_grid(rows, width, torch.device(device), RMS_NORM_MODULE.STRIPS)[0] * width * 4
     return dw_partial_rows(rows, width, torch.device(device)) * width * 4
 
 
-def strips_from(monkeypatch: pytest.MonkeyPatch, width: int, device: str, residual: bool = False) -> int:
-    """Make rows from ``width`` columns on take the two-pass backward (fk.norms.norm_strips) with
-    small strips; returns a row count that gives every row group of pass 2 two row tiles and a
-    partial third. Shared with test_fused_add_rms_norm.py."""
+def strips_from(
+    monkeypatch: pytest.MonkeyPatch,
+    width: int,
+    device: str,
+    residual: bool = False,
+    module: ModuleType = RMS_NORM_MODULE,
+) -> int:
+    """Make rows from ``width`` columns on take the two-pass backward (fk.norms.norm_strips) of
+    ``module`` (fk.norms.rms_norm, or fk.norms.layer_norm: the same table names) with small strips;
+    returns a row count that gives every row group of pass 2 two row tiles and a partial third.
+    Shared with test_fused_add_rms_norm.py and test_layer_norm.py."""
     field = "strips_min_cols_residual" if residual else "strips_min_cols"
-    monkeypatch.setattr(RMS_NORM_MODULE, "BACKWARD", BACKWARD._replace(**{field: width}))
+    monkeypatch.setattr(module, "BACKWARD", module.BACKWARD._replace(**{field: width}))
     table = "STRIPS_RESIDUAL" if residual else "STRIPS"
-    params = getattr(RMS_NORM_MODULE, table)._replace(block_cols=256, block_rows=4, dot_block_cols=512, dot_rows=2)
-    monkeypatch.setattr(RMS_NORM_MODULE, table, params)
-    groups, _ = column_strip_grid(1 << 30, width, params.block_rows, params.block_cols, torch.device(device),
-                                  params.programs_per_sm)  # fmt: skip
+    params = getattr(module, table)._replace(block_cols=256, block_rows=4, dot_block_cols=512, dot_rows=2)
+    monkeypatch.setattr(module, table, params)
+    groups, _ = strip_grid(1 << 30, width, torch.device(device), params)
     return (2 * groups + 1) * params.block_rows - 1
 
 

@@ -605,7 +605,8 @@ def launch_backward(
         assert weight is not None
         dres_or_none = as_rows(dres) if dres is not None else None
         params = STRIPS_RESIDUAL if dres is not None else STRIPS
-        return launch_strips_backward(dy_rows, x_rows, weight, rstd, offset, dx_rows, dres_or_none, params)
+        dw, _ = launch_strips_backward(dy_rows, x_rows, weight, rstd, offset, dx_rows, dres_or_none, params)
+        return dw
     dres_rows = as_rows(dres) if dres is not None else x_rows
     tiling = _bwd_tiling(n_cols, compute_dw, residual=dres is not None)
     n_programs = dw_partial_rows(n_rows, n_cols, x.device, compute_dw)
