@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import importlib
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -14,6 +17,12 @@ from fk.core import testing
 from fk.core.testing import AWKWARD_ROWS, AWKWARD_WIDTHS, DTYPES, WIDE_WIDTHS, dtype_name
 from fk.norms import LayerNorm, layer_norm, layer_norm_ref
 from fk.norms.layer_norm import BACKWARD, _bwd_tiling, partial_rows
+from fk.norms.norm_strips import launch_strips_backward, strip_grid
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_rms_norm import strips_from
+
+LAYER_NORM_MODULE = importlib.import_module("fk.norms.layer_norm")  # (fk.norms.layer_norm is the function)
 
 EPS = 1e-5
 NAMES = ["x", "weight", "bias"]
@@ -86,15 +95,122 @@ def test_wide_one_tile_rows_match_reference(device: str, dtype: torch.dtype) -> 
 
 @pytest.mark.parametrize("bias_grad", [True, False], ids=["trainable", "bias-frozen"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
-def test_widest_rows_several_at_a_time(device: str, dtype: torch.dtype, bias_grad: bool) -> None:
-    # Rows of at least BACKWARD.widest_min_cols with a weight gradient: the looped backward takes
-    # several rows a tile (widest_rows), every program two tiles or more, the last one partial.
+def test_widest_rows_several_at_a_time(
+    device: str, dtype: torch.dtype, bias_grad: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Rows of at least BACKWARD.widest_min_cols with a weight gradient: the looped backward (not the
+    # two-pass one) takes several rows a tile (widest_rows), every program two tiles or more, the
+    # last one partial.
     width = BACKWARD.widest_min_cols + 1
+    monkeypatch.setattr(LAYER_NORM_MODULE, "BACKWARD", BACKWARD._replace(strips_min_cols=width + 1))
     tiling = _bwd_tiling(width)
     assert tiling.looped and tiling.rows_per_tile > 1 and width % tiling.block_cols != 0
     rows = (2 * partial_rows(1 << 30, width, torch.device(device)) + 1) * tiling.rows_per_tile - 1
     args = _inputs((rows, width), dtype, device, seed=17, bias_grad=bias_grad)
     testing.compare_with_reference(_fk(), _ref(), args, arg_names=NAMES)
+
+
+def _count_strips(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """A list that grows by one at each launch of the two-pass backward (fk.norms.norm_strips)."""
+    calls: list[int] = []
+    original = LAYER_NORM_MODULE.launch_strips_backward
+    monkeypatch.setattr(
+        LAYER_NORM_MODULE, "launch_strips_backward", lambda *a, **k: calls.append(1) or original(*a, **k)
+    )
+    return calls
+
+
+@pytest.mark.parametrize(
+    ("x_grad", "bias_grad", "with_bias"),
+    [(True, True, True), (True, False, True), (True, False, False), (False, True, True)],
+    ids=["trainable", "bias_frozen", "no_bias", "input_frozen"],
+)
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
+def test_strips_backward_matches_reference(
+    device: str, dtype: torch.dtype, x_grad: bool, bias_grad: bool, with_bias: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The two-pass backward with a weight gradient: 1100 columns are 5 strips of 256 (the last
+    # partial) and 3 column tiles of pass 1 (the last partial); rows in partial tiles of both
+    # passes. dx, dw and db (summed in pass 2), or dw without db, or dw and db without dx (no pass 1).
+    rows = strips_from(monkeypatch, 1100, device, module=LAYER_NORM_MODULE)
+    calls = _count_strips(monkeypatch)
+    x, w, b = _inputs((rows, 1100), dtype, device, seed=1100, bias_grad=bias_grad)
+    x.requires_grad_(x_grad)
+    args, names = ([x, w, b], NAMES) if with_bias else ([x, w], NAMES[:2])
+    result = testing.compare_with_reference(_fk(), _ref(), args, arg_names=names)
+    db = with_bias and bias_grad
+    assert result.names == ["output0"] + ["grad of x"] * x_grad + ["grad of weight"] + ["grad of bias"] * db
+    assert calls  # the path under test ran
+
+
+@pytest.mark.parametrize("weight", ["frozen", "none"])
+def test_strips_backward_only_with_a_weight_gradient(device: str, weight: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A frozen weight, or none: at the strips' widths the one-kernel backward runs (the frozen path).
+    rows = strips_from(monkeypatch, 1100, device, module=LAYER_NORM_MODULE)
+    calls = _count_strips(monkeypatch)
+    x, w, b = _inputs((rows, 1100), torch.bfloat16, device, seed=1101, weight_grad=False)
+    if weight == "frozen":
+        testing.compare_with_reference(_fk(), _ref(), [x, w, b], arg_names=NAMES)
+    else:
+        fk_fn = lambda x, b: layer_norm(x, None, b, EPS)  # noqa: E731
+        ref_fn = lambda x, b: layer_norm_ref(x, None, b, EPS)  # noqa: E731
+        testing.compare_with_reference(fk_fn, ref_fn, [x, b], arg_names=["x", "bias"])
+    assert not calls
+
+
+def test_strips_backward_large_mean_small_spread(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # |mean| >> std through the whole op, as test_large_mean_small_spread for the one-kernel backward.
+    rows = strips_from(monkeypatch, 1100, device, module=LAYER_NORM_MODULE)
+    _, w, b = _inputs((rows, 1100), torch.float32, device, seed=1102)
+    x = testing.random_tensor((rows, 1100), torch.float32, device, seed=1103, scale=0.01, offset=300.0)
+    x.requires_grad_(True)
+    testing.compare_with_reference(_fk(), _ref(), [x, w, b], arg_names=NAMES)
+
+
+def test_strips_backward_centres_each_element(device: str) -> None:
+    # |mean| >> std, with the mean and rstd given (fp32, taken as exact by the float64 formula): the
+    # passes form xhat from x - mean element by element (x - mean is exact here), so dx, dw and db
+    # keep fp32's precision. r (sum g x - mean sum g) in pass 1 would cancel: 600x the error in dx.
+    x = testing.random_tensor((19, 1100), torch.float32, device, seed=1105, scale=0.01, offset=300.0)
+    dy, w, b = _inputs((19, 1100), torch.float32, device, seed=1106)
+    w, b = w.detach(), b.detach()
+    x64 = x.double()
+    mean = x64.mean(1).float()
+    rstd = ((x64 - x64.mean(1, keepdim=True)).pow(2).mean(1) + EPS).rsqrt().float()
+    dx = torch.empty_like(x)
+    params = LAYER_NORM_MODULE.STRIPS._replace(block_cols=256, block_rows=4, dot_block_cols=512, dot_rows=2)
+    dw, db = launch_strips_backward(dy.detach(), x, w, rstd, 0.0, dx, None, params, mean=mean, bias=b)
+    xhat = (x64 - mean.double()[:, None]) * rstd.double()[:, None]
+    g = dy.double() * w.double()
+    r = rstd.double()[:, None]
+    want_dx = r * (g - g.mean(1, keepdim=True) - xhat * (g * xhat).mean(1, keepdim=True))
+    for name, got, want in (
+        ("dx", dx, want_dx),
+        ("dw", dw, (dy.double() * xhat).sum(0)),
+        ("db", db, dy.double().sum(0)),
+    ):
+        assert got is not None
+        error = float((got.double() - want).abs().max() / want.abs().max())
+        assert error < testing.FLOOR[torch.float32], f"{name}: error {error:.2e} of the largest value"
+
+
+def test_strips_backward_strided_rows_and_expanded_gradient(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # x rows sliced from a wider buffer, and the gradient of loss.sum() (every stride 0).
+    rows = strips_from(monkeypatch, 1100, device, module=LAYER_NORM_MODULE)
+    calls = _count_strips(monkeypatch)
+    x, w, b = _inputs((rows, 1100), torch.float32, device, seed=1104)
+    x = testing.with_layout(x, "row_strided")
+    testing.compare_with_reference(_fk(), _ref(), [x, w, b], arg_names=NAMES)
+    assert calls
+    leaves = [t.detach().requires_grad_() for t in (x, w, b)]
+    calls.clear()
+    layer_norm(*leaves).sum().backward()
+    ref_leaves = [t.detach().double().requires_grad_() for t in (x, w, b)]
+    layer_norm_ref(*ref_leaves, EPS).sum().backward()
+    for got, want in zip(leaves, ref_leaves, strict=True):
+        assert got.grad is not None and want.grad is not None
+        torch.testing.assert_close(got.grad.double(), want.grad, rtol=1e-4, atol=1e-5)
+    assert calls == [1]
 
 
 @pytest.mark.parametrize(("weight_grad", "bias_grad"), [(True, True), (False, True)], ids=["trainable", "bias-only"])
@@ -238,11 +354,28 @@ def _profiled_rows(device: str, width: int) -> int:
     return {("cuda", 1000): 8192, ("cuda", 20000): 600, ("cpu", 1000): 72, ("cpu", 20000): 40}[(device, width)]
 
 
+def partial_buffer_bytes(rows: int, width: int, device: str) -> int:
+    """Bytes of one gradient's fp32 partial rows (dw's or db's) in LayerNorm's backward with a weight
+    gradient at this shape: one row per program of the one-kernel grid, or per row group of the
+    strips (fk.norms.norm_strips)."""
+    if width >= BACKWARD.strips_min_cols:
+        return strip_grid(rows, width, torch.device(device), LAYER_NORM_MODULE.STRIPS)[0] * width * 4
+    return partial_rows(rows, width, torch.device(device)) * width * 4
+
+
+def partial_buffers(width: int, weight_grad: bool, bias_grad: bool) -> int:
+    """How many gradients' partial rows the backward keeps (in one fp32 buffer): the strips sum dw
+    and db in pass 2; the one-kernel backward leaves looped rows' db to a column sum of dy."""
+    if weight_grad and width >= BACKWARD.strips_min_cols:
+        return 1 + bias_grad
+    return weight_grad + (bias_grad and not _bwd_tiling(width).looped)
+
+
 @pytest.mark.parametrize(("weight_grad", "bias_grad"), [(True, True), *FROZEN])
 @pytest.mark.parametrize("width", [1000, 20000])
 def test_frozen_params_allocate_no_partial_buffer(device: str, width: int, weight_grad: bool, bias_grad: bool) -> None:
     rows = _profiled_rows(device, width)
-    partial_bytes = partial_rows(rows, width, torch.device(device)) * width * 4
+    partial_bytes = partial_buffer_bytes(rows, width, device)
     dx_bytes = rows * width * 2
     assert testing.count_buffers([dx_bytes], partial_bytes, device) == 0  # the sizes are told apart
     assert testing.count_buffers([dx_bytes], 2 * partial_bytes, device) == 0
@@ -251,9 +384,9 @@ def test_frozen_params_allocate_no_partial_buffer(device: str, width: int, weigh
     dy = torch.randn_like(y)
     sizes = testing.allocation_sizes(lambda: y.backward(dy))
     assert testing.count_buffers(sizes, dx_bytes, device) == 1, sizes  # the profiler sees the backward's buffers
-    # Partial rows for each trainable parameter, none for a frozen one (wide rows: db is a column
-    # sum of dy, no partial rows), in one fp32 buffer.
-    n_partials = weight_grad + (bias_grad and not _bwd_tiling(width).looped)
+    # Partial rows for each trainable parameter, none for a frozen one (wide rows without the strips:
+    # db is a column sum of dy, no partial rows), in one fp32 buffer.
+    n_partials = partial_buffers(width, weight_grad, bias_grad)
     assert testing.count_buffers([2 * partial_bytes], partial_bytes, device) == 0  # the sizes are told apart
     assert testing.count_buffers(sizes, max(n_partials, 1) * partial_bytes, device) == (n_partials > 0), sizes
     if n_partials == 2:
@@ -271,8 +404,8 @@ def test_frozen_input_allocates_no_dx(device: str, width: int) -> None:
     y = layer_norm(x, w, b)
     dy = torch.randn_like(y)
     sizes = testing.allocation_sizes(lambda: y.backward(dy))
-    partial_bytes = partial_rows(rows, width, torch.device(device)) * width * 4
-    n_partials = 1 if _bwd_tiling(width).looped else 2  # wide rows: db is a column sum of dy
+    partial_bytes = partial_buffer_bytes(rows, width, device)
+    n_partials = partial_buffers(width, weight_grad=True, bias_grad=True)
     assert testing.count_buffers([rows * width * 2], n_partials * partial_bytes, device) == 0  # told apart
     assert testing.count_buffers(sizes, n_partials * partial_bytes, device) == 1, sizes  # the profiler sees it
     assert testing.count_buffers(sizes, rows * width * 2, device) == 0, sizes  # but no dx-sized buffer

@@ -25,6 +25,7 @@ from fk.core.ops import define_autograd_op
 from fk.core.reduce import sum_weight_and_bias_rows
 from fk.core.tiles import load_row_tile
 from fk.norms.launch_params import ForwardParams, NarrowBackwardParams, forward_tiling, narrow_backward
+from fk.norms.norm_strips import StripParams, launch_strips_backward
 
 # --- 1. Reference ---------------------------------------------------------------------------------
 
@@ -68,7 +69,9 @@ def layer_norm_ref(
 # (or, for rows too wide for one tile, in its own row of the fp32 partial buffers), then writes one
 # row of each [P, H] partial buffer that a final sum reduces. No atomics, a bounded number of
 # partial rows, and no work or memory at all for a gradient that is not needed: COMPUTE_DX,
-# COMPUTE_DW and COMPUTE_DB are constexpr, so Triton drops the dead code.
+# COMPUTE_DW and COMPUTE_DB are constexpr, so Triton drops the dead code. Rows from
+# BACKWARD.strips_min_cols on, with a weight gradient, take the two-pass backward of
+# fk.norms.norm_strips instead (the same math, with a = mean(g) and c = mean(g * xhat) summed first).
 #
 # The forward's looped path (rows wider than one tile, B = BLOCK_COLS < H) reads the row twice:
 # pass 1 sums d = x - K and d^2 over the column tiles, with the shift K the mean of the first tile;
@@ -345,6 +348,7 @@ class BackwardParams(NamedTuple):
     widest_rows: int  # this many rows a tile,
     widest_block_cols: int  # in column tiles this wide,
     widest_max_warps: int  # with one warp per wide_elements_per_warp of the tile, at most this many
+    strips_min_cols: int  # rows at least this wide, with a weight gradient, take the backward of fk.norms.norm_strips
 
 
 BACKWARD = BackwardParams(
@@ -362,6 +366,7 @@ BACKWARD = BackwardParams(
     widest_rows=4,  # divides the L2 reads and writes of the program's partial rows (norm_looped_rows)
     widest_block_cols=4096,  # norm_looped_rows
     widest_max_warps=16,
+    strips_min_cols=16385,  # RMSNorm's (INDEX.md#rms_norm_strips): a first guess for LayerNorm until measured
 )
 
 # Rows up to 4096 columns: as RMSNorm's (2-4 programs an SM, tiles of 4096 elements), 0.79-0.85x the
@@ -370,6 +375,15 @@ BACKWARD_NARROW = (
     NarrowBackwardParams(max_cols=1024, programs_per_sm=3, min_tile=4096, elements_per_warp=1024),
     NarrowBackwardParams(max_cols=4096, programs_per_sm=2, min_tile=4096, elements_per_warp=512),
 )
+
+
+# The two-pass backward of fk.norms.norm_strips (from BACKWARD.strips_min_cols on, with a weight
+# gradient): RMSNorm's STRIPS values (INDEX.md#rms_norm_strips), not yet measured for LayerNorm, whose
+# pass 2 also reads the row's mean and a, and sums db in a second [block_rows, block_cols] fp32 tile.
+STRIPS = StripParams(
+    dot_rows=1, dot_block_cols=2048, dot_num_warps=8,
+    block_rows=2, block_cols=512, num_warps=4, programs_per_sm=8,
+)  # fmt: skip
 
 
 class FrozenBackwardParams(NamedTuple):
@@ -480,9 +494,10 @@ def _layer_norm_fwd_fake(
 def partial_rows(
     n_rows: int, n_cols: int, device: torch.device, compute_dw: bool = True, compute_db: bool = True
 ) -> int:
-    """Programs of the backward's grid, which is also the number of rows of each fp32 partial
-    buffer (dw, db) it allocates, when it allocates one. A backward that keeps no partial rows (no
-    dw, and no db or a db left to a column sum) runs the frozen settings."""
+    """Programs of the one-kernel backward's grid, which is also the number of rows of each fp32
+    partial buffer (dw, db) it allocates, when it allocates one. A backward that keeps no partial rows
+    (no dw, and no db or a db left to a column sum) runs the frozen settings. Rows from
+    ``BACKWARD.strips_min_cols`` on, with dw, take :mod:`fk.norms.norm_strips`, whose grid is its own."""
     keeps_partials = _keeps_partials(n_cols, compute_dw, compute_db)
     if keeps_partials:
         narrow = narrow_backward(n_cols, BACKWARD_NARROW)
@@ -520,6 +535,12 @@ def _layer_norm_bwd(
         dw = torch.zeros_like(weight) if compute_dw and weight is not None else x.new_empty(0)
         db = torch.zeros_like(bias) if compute_db and bias is not None else x.new_empty(0)
         return dx, dw, db
+    if compute_dw and n_cols >= BACKWARD.strips_min_cols:
+        assert weight is not None
+        dx_rows = dx.view(n_rows, n_cols) if compute_dx else None
+        dw, db_or_none = launch_strips_backward(dy_rows, x_rows, weight, rstd, 0.0, dx_rows, None, STRIPS, mean=mean,
+                                                bias=bias if compute_db else None)  # fmt: skip
+        return dx, dw, (db_or_none if db_or_none is not None else x.new_empty(0))
     keeps_partials = _keeps_partials(n_cols, compute_dw, compute_db)
     tiling = _bwd_tiling(n_cols, keeps_partials, compute_dw)
     n_programs = partial_rows(n_rows, n_cols, x.device, compute_dw, compute_db)
