@@ -1,6 +1,7 @@
 """Sweep the launch parameters of fk's RMSNorm, LayerNorm or PolyNorm backward alone, timed
 without host cost (a development tool; its results picked the BACKWARD and BACKWARD_FROZEN tables of
-fk.norms.rms_norm, layer_norm and poly_norm, whose fields ``TABLE.field`` it sets).
+fk.norms.rms_norm, layer_norm and poly_norm, and RMSNorm's STRIPS tables (LayerNorm's STRIPS holds
+RMSNorm's values, not swept yet), whose fields ``TABLE.field`` it sets).
 
 bench_norms.py times forward+backward calls, which at narrow rows measure the
 host (Python, the autograd engine, Triton's launch path) more than the kernel. Here 20 calls of
@@ -14,7 +15,7 @@ the time of another version of the module's file, e.g. the committed one, loaded
 every variant of SPACE relative to the best, sorted by its worst ratio over the shapes.
 
 Run:  python benchmarks/tune_norm_backward.py [--op rms_norm|layer_norm|poly_norm]
-      [--modes trainable frozen] [--top N] [--space looped|strips|contiguous|order] [--widths H ...] [--baseline path/to/old/rms_norm.py]
+      [--modes trainable frozen] [--top N] [--space looped|strips|contiguous|order] [--widths H ...] [--baseline path/to/old/<op>.py]
 """
 
 from __future__ import annotations
@@ -50,10 +51,11 @@ LOOPED_SPACE = {
     # PolyNorm's rows wider than 16384, one at a time: its programs per SM and column tiles.
     "poly_norm": {"BACKWARD.looped_programs_per_sm": [1, 2, 4], "BACKWARD.looped_block_cols": [2048, 4096, 8192]},
 }  # fmt: skip
-# --space strips: RMSNorm's (and FusedAddRMSNorm's) two-pass backward with a weight gradient
-# (fk.norms.norm_strips), applied at every one of --widths; pass --baseline with the one-kernel
-# version of rms_norm.py (e.g. from before the strips were added) to time the two side by side.
-# The fields of STRIPS (trainable) or STRIPS_RESIDUAL (residual).
+# --space strips: the two-pass backward with a weight gradient (fk.norms.norm_strips) of RMSNorm
+# (trainable; residual: FusedAddRMSNorm's) or LayerNorm (trainable: with db), applied at every one of
+# --widths; pass --baseline with a one-kernel version of the op's file (rms_norm.py from before the
+# strips were added, layer_norm.py from before it took them) to time the two side by side.
+# The fields of the op's STRIPS (trainable) or STRIPS_RESIDUAL (residual).
 STRIPS_SPACE = {"block_rows": [2, 4, 8], "block_cols": [512, 1024, 2048], "num_warps": [4, 8],
                 "programs_per_sm": [2, 4, 8], "dot_block_cols": [2048, 4096]}  # fmt: skip
 # --space contiguous: RMSNorm's one-tile rows wider than the prefetch takes, each program a block of
@@ -115,7 +117,8 @@ def sweep(
 ) -> None:
     if space_name == "strips":
         table = "STRIPS_RESIDUAL" if mode == "residual" else "STRIPS"
-        space = {"BACKWARD.strips_min_cols": [min(widths)], "BACKWARD.strips_min_cols_residual": [min(widths)],
+        thresholds = ["BACKWARD.strips_min_cols"] + (["BACKWARD.strips_min_cols_residual"] if op == "rms_norm" else [])
+        space = {**{key: [min(widths)] for key in thresholds},
                  **{f"{table}.{field}": values for field, values in STRIPS_SPACE.items()}}  # fmt: skip
     elif space_name == "contiguous":
         space = dict(CONTIGUOUS_SPACE)
@@ -176,7 +179,11 @@ def main() -> None:
             raise SystemExit(
                 "--space looped is for RMSNorm, LayerNorm and PolyNorm, with --modes trainable (and residual)"
             )
-        if args.space in ("strips", "contiguous", "order") and (args.op != "rms_norm" or mode == "frozen"):
+        if args.space == "strips" and (args.op not in ("rms_norm", "layer_norm") or mode == "frozen"):
+            raise SystemExit(
+                "--space strips is for RMSNorm and LayerNorm, with --modes trainable (and RMSNorm's residual)"
+            )
+        if args.space in ("contiguous", "order") and (args.op != "rms_norm" or mode == "frozen"):
             raise SystemExit(f"--space {args.space} is for RMSNorm, with --modes trainable (and residual)")
         sweep(module, baseline, args.op, mode, args.top, args.space, args.widths)
 
