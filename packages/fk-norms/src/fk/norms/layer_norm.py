@@ -366,7 +366,7 @@ BACKWARD = BackwardParams(
     widest_rows=4,  # divides the L2 reads and writes of the program's partial rows (norm_looped_rows)
     widest_block_cols=4096,  # norm_looped_rows
     widest_max_warps=16,
-    strips_min_cols=16385,  # RMSNorm's (INDEX.md#rms_norm_strips): a first guess for LayerNorm until measured
+    strips_min_cols=16384,  # 633 against 783 us at 16384 (one tile a row loses here, unlike RMSNorm's; INDEX.md#layer_norm_strips)
 )
 
 # Rows up to 4096 columns: as RMSNorm's (2-4 programs an SM, tiles of 4096 elements), 0.79-0.85x the
@@ -378,11 +378,12 @@ BACKWARD_NARROW = (
 
 
 # The two-pass backward of fk.norms.norm_strips (from BACKWARD.strips_min_cols on, with a weight
-# gradient): RMSNorm's STRIPS values (INDEX.md#rms_norm_strips), not yet measured for LayerNorm, whose
-# pass 2 also reads the row's mean and a, and sums db in a second [block_rows, block_cols] fp32 tile.
+# gradient): the best of 8 settings near RMSNorm's at 16384 and 32768 columns (1256 against 1756 us
+# for the one-kernel backward at 32768; INDEX.md#layer_norm_strips). Wider strips and fewer programs
+# than RMSNorm's: pass 2 also reads the row's mean and a, and sums db in a second fp32 tile.
 STRIPS = StripParams(
     dot_rows=1, dot_block_cols=2048, dot_num_warps=8,
-    block_rows=2, block_cols=512, num_warps=4, programs_per_sm=8,
+    block_rows=2, block_cols=1024, num_warps=4, programs_per_sm=4,
 )  # fmt: skip
 
 
