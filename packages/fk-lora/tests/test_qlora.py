@@ -302,47 +302,69 @@ def test_backward_does_not_keep_the_dequantized_weight(bnb_device: str, block: s
 
 
 @pytest.fixture
-def dequantized(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
-    """Each time fk.lora dequantizes a 4-bit base, how many weights it dequantized before are still
-    alive (a weak reference to each); after the test, none may be."""
-    base = importlib.import_module("fk.lora.quantized_base").QuantizedBase
-    original = base.dense
+def dequantized(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[int, int]]]:
+    """Each time fk.lora dequantizes 4-bit bases, (how many it dequantized, how many weights it
+    dequantized before are still alive): one by ``QuantizedBase.dense``, or several by one launch
+    (``dequantized_together``); a weak reference to each. After the test, none may be alive."""
+    module = importlib.import_module("fk.lora.quantized_base")
+    original_dense, original_together = module.QuantizedBase.dense, module.dequantize_together
     made: list[weakref.ref[torch.Tensor]] = []
-    alive: list[int] = []
+    events: list[tuple[int, int]] = []
 
     # (no gc.collect(): a weight freed only by the collector counts as alive)
     def dense(self: Any, **kwargs: Any) -> torch.Tensor:
-        alive.append(sum(ref() is not None for ref in made))
-        w = original(self, **kwargs)
+        events.append((1, sum(ref() is not None for ref in made)))
+        w = original_dense(self, **kwargs)
         made.append(weakref.ref(w))
         return w
 
-    monkeypatch.setattr(base, "dense", dense)
-    yield alive
+    def together(qs: Any, **kwargs: Any) -> list[torch.Tensor]:
+        events.append((len(qs), sum(ref() is not None for ref in made)))
+        ws = original_together(qs, **kwargs)
+        made.extend(weakref.ref(w) for w in ws)
+        return ws
+
+    monkeypatch.setattr(module.QuantizedBase, "dense", dense)
+    monkeypatch.setattr(module, "dequantize_together", together)
+    yield events
     gc.collect()
     assert all(ref() is None for ref in made), "a dequantized weight outlived the call"
 
 
+@pytest.mark.parametrize("together", [True, False], ids=["small_together", "one_at_a_time"])
 @pytest.mark.parametrize("dropout", [0.0, 0.25], ids=["no_dropout", "dropout"])
 @pytest.mark.parametrize("block", ["qkv", "mlp", "mlp_row_chunks", "dora_qkv", "dora_mlp"])
-def test_one_dequantized_weight_at_a_time_once_per_pass(
-    device: str, block: str, dropout: float, dequantized: list[int], monkeypatch: pytest.MonkeyPatch
+def test_each_weight_dequantized_once_per_pass(
+    device: str,
+    block: str,
+    dropout: float,
+    together: bool,
+    dequantized: list[tuple[int, int]],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Forward and backward dequantize each 4-bit base once (the forward for its base matmul, and
     DoRA's norm and dropped-input product; the backward for its dx term; the MLP's down projection
-    once for all its row chunks), and never while another dequantized weight is alive."""
+    once for all its row chunks), never while another dequantized weight is alive: plain LoRA's
+    small weights that share an input (q, k, v; gate, up) together by one launch, or, above
+    ``TOGETHER_MAX_ELEMENTS``, one at a time; DoRA's one at a time."""
+    cap = 1 << 25 if together else 0  # (the probe's choice; 0: never)
+    monkeypatch.setattr(importlib.import_module("fk.lora.quantized_base"), "TOGETHER_MAX_ELEMENTS", cap)
     x = testing.random_tensor((2, 5, IN), torch.float32, device, seed=9).requires_grad_(True)
     dora = block.startswith("dora_")
     if block.endswith("qkv"):
         parts = [_random_4bit_parts(n, IN, device, seed, dropout, dora) for n, seed in ((OUT, 1), (24, 4), (24, 7))]
         outs = fk.lora.lora_qkv(x, *parts)
+        forward, backward = ([(3, 0)], [(3, 0)]) if together and not dora else ([(1, 0)] * 3, [(1, 0)] * 3)
     else:
         if block == "mlp_row_chunks":
             monkeypatch.setattr(importlib.import_module("fk.lora.lora"), "MLP_CHUNK_BYTES", 4 * INTER * 4)
         outs = (fk.lora.lora_mlp(x, *_mlp_parts(device, dropout, dora)),)
-    assert dequantized == [0, 0, 0]
+        # gate and up (together or not), then down; the backward: down's, then gate and up's dx
+        forward, backward = ([(2, 0), (1, 0)], [(1, 0), (2, 0)]) if together and not dora else ([(1, 0)] * 3,) * 2
+    assert dequantized == forward
+    del dequantized[:]
     torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
-    assert dequantized == [0] * 6
+    assert dequantized == backward
     assert x.grad is not None
 
 

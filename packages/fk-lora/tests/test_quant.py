@@ -22,6 +22,7 @@ from fk.lora.quant import (
     dequantize,
     dequantize_ref,
     dequantize_rows,
+    dequantize_together,
     from_bnb,
     quantize_ref,
 )
@@ -139,6 +140,85 @@ def test_4bit_rows_across_programs_and_runs(
         got = dequantize_rows(q, start, stop, out=out[: stop - start])
         assert torch.equal(got, whole[start:stop])
         assert bool((out[-1] == 7.0).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=dtype_name)
+@pytest.mark.parametrize("launch", [(16, 8), (64, 64), (8, 2)], ids=str)
+def test_16bit_rows_as_pairs_and_not(
+    device: str, dtype: torch.dtype, launch: tuple[int, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A 16-bit output starting on an even element is written two values a word (PAIRS, with
+    # LAUNCH_4BIT_PAIRS), one starting on an odd element, or an odd count, value by value: both
+    # give the fp32 value rounded once, across many programs and runs (K = 34 and 33).
+    monkeypatch.setattr(quant, "LAUNCH_4BIT", quant.Launch4bit(*launch, num_warps=1))
+    monkeypatch.setattr(quant, "LAUNCH_4BIT_PAIRS", quant.Launch4bit(*launch, num_warps=2))
+    for k in (34, 33):
+        q = quantize_ref(_weight((13, k), device, seed=5), "nf4", 32, nested=True, nested_blocksize=3)
+        whole = _expected(dequantize_ref(q, dtype=torch.float32), dtype)
+        assert torch.equal(dequantize(q, dtype=dtype), whole)
+        for start, stop in [(0, 1), (1, 2), (3, 8), (7, 13), (12, 13)]:
+            out = torch.full((stop - start + 1, k), 7.0, device=device, dtype=dtype)  # one row more than written
+            got = dequantize_rows(q, start, stop, out=out[: stop - start])
+            assert torch.equal(got, whole[start:stop]), (k, start, stop)
+            assert bool((out[-1] == 7.0).all())
+
+
+def test_pairs_are_taken_only_where_words_line_up(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    out = torch.empty(4, 6, dtype=torch.bfloat16, device=device)
+    assert quant._as_words(out, 0, 24) is None or quant.LAUNCH_4BIT_PAIRS is not None  # None: not taken
+    monkeypatch.setattr(quant, "LAUNCH_4BIT_PAIRS", quant.Launch4bit(64, 32, num_warps=1))
+    assert quant._as_words(out, 0, 24) is not None
+    assert quant._as_words(out, 1, 24) is None  # odd first element
+    assert quant._as_words(out, 0, 23) is None  # odd count
+    assert quant._as_words(out.reshape(-1)[1:23], 0, 22) is None  # not word-aligned
+    assert quant._as_words(out.float(), 0, 24) is None  # fp32: value by value
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_name)
+def test_together_equals_each_alone(device: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Up to three 4-bit weights of one format in one launch (small tiles: every weight spans several
+    # programs); a fourth of that format, weights of other formats and an int8 one, alone; each result
+    # a new tensor equal to dequantize's.
+    monkeypatch.setattr(quant, "LAUNCH_4BIT", quant.Launch4bit(64, 32, num_warps=1))
+    monkeypatch.setattr(quant, "LAUNCH_4BIT_PAIRS", quant.Launch4bit(64, 32, num_warps=1))
+    launches = []
+    three = quant._dequantize_4bit_three_kernel
+    monkeypatch.setattr(quant, "_dequantize_4bit_three_kernel", _Recording(three, launches))
+    nf4 = [quantize_ref(_weight((n, 40), device, seed=n), "nf4", 32, nested=True, nested_blocksize=3)
+           for n in (13, 5, 7, 3)]  # fmt: skip
+    other = [
+        quantize_ref(_weight((6, 40), device, seed=8), "fp4", 32, nested=True, nested_blocksize=3),
+        quantize_ref(_weight((6, 40), device, seed=9), "nf4", 64, nested=True, nested_blocksize=3),
+        quantize_ref(_weight((6, 40), device, seed=10), "int8"),
+    ]
+    qs = [nf4[0], other[0], nf4[1], other[2], nf4[2], other[1], nf4[3]]
+    got = dequantize_together(qs, dtype=dtype)
+    assert len(got) == len(qs)
+    for q, w in zip(qs, got, strict=True):
+        assert torch.equal(w, dequantize(q, dtype=dtype))
+        assert w.is_contiguous() and w.shape == q.shape
+    assert len({w.data_ptr() for w in got}) == len(qs)
+    if quant.uses_kernel(nf4[0].data):  # nf4[0], nf4[1], nf4[2] in one launch (13, 5, 7 rows of 40: 9 + 4 + 5 tiles)
+        assert launches == [(18,)]
+    for pair in ([nf4[1], nf4[3]], [nf4[0]]):  # two together (no third), and one alone
+        assert all(
+            torch.equal(w, dequantize(q, dtype=dtype))
+            for q, w in zip(pair, dequantize_together(pair, dtype=dtype), strict=True)
+        )
+    assert dequantize_together([]) == []
+    with pytest.raises(TypeError, match=r"qs\[1\]"):
+        dequantize_together([nf4[0], torch.zeros(3)])  # type: ignore[list-item]
+
+
+class _Recording:
+    """A Triton kernel that records the grid of each launch."""
+
+    def __init__(self, kernel: object, grids: list[object]) -> None:
+        self.kernel, self.grids = kernel, grids
+
+    def __getitem__(self, grid: object) -> object:
+        self.grids.append(grid)
+        return self.kernel[grid]  # type: ignore[index]
 
 
 def test_nested_absmax_rounds_product_and_sum_apart(device: str) -> None:

@@ -78,7 +78,7 @@ from fk.lora.projection import (
     to_flat,
 )
 from fk.lora.quant import Int8Base, QuantizedWeight, dequantize
-from fk.lora.quantized_base import QuantizedBase, dense, saved_weights, weights_to_save
+from fk.lora.quantized_base import QuantizedBase, dense, dequantized_together, saved_weights, weights_to_save
 
 MLP_ACTIVATIONS: dict[str, str] = {"swiglu": "silu", "geglu": "gelu_tanh"}
 """Short names accepted by :func:`lora_mlp` (Hugging Face ``hidden_act`` names are accepted too)."""
@@ -321,13 +321,18 @@ def _outputs_and_lows(
     LoRA input products first (:func:`lora_input_products`: one read of ``x2`` where they stack; with
     dropout, the ``[M, K]`` buffers it forms are freed before any output exists), then each output
     (:func:`_projection_out`; a 4-bit ``W`` dequantized for its own matmul and dropped before the
-    next one's)."""
+    next one's, or, for small ones such as q, k and v's, all by one launch before the first matmul:
+    :func:`dequantized_together`)."""
     xas, masks, A_cs, _ = lora_input_products(x2, xc, [proj.lora_A for proj in params], settings)
     lows = [
         _LowRank(xa, mask, A_c, proj.lora_B.to(xc.dtype))
         for xa, mask, A_c, proj in zip(xas, masks, A_cs, params, strict=True)
     ]
-    ys = [_projection_out(xc, proj, low, s.scaling) for proj, low, s in zip(params, lows, settings, strict=True)]
+    weights = dequantized_together([proj.weight for proj in params])
+    ys = []
+    for i, (proj, low, s) in enumerate(zip(params, lows, settings, strict=True)):
+        ys.append(_projection_out(xc, proj._replace(weight=weights[i]), low, s.scaling))
+        weights[i] = None  # (a dequantized W dropped after its matmul)
     return ys, lows
 
 
@@ -453,10 +458,12 @@ def _shared_input_bwd(
     if plain:  # s G A of the projections without dropout, written by one matmul
         A_c = torch.cat([lows[i].A_c for i in plain]) if len(plain) > 1 else lows[plain[0]].A_c
         dx = torch.mm(gs_of(plain), A_c)
-    for i in live:  # the base terms; a 4-bit W dequantized for its term only
+    live_weights = dequantized_together([weights[i] for i in live])
+    for j, i in enumerate(live):  # the base terms; a 4-bit W dequantized for its term only (or q, k, v's together)
         dy = dys[i]
         assert dy is not None
-        weight = dense(weights[i])
+        weight = dense(live_weights[j])
+        live_weights[j] = None
         dx = torch.mm(dy, weight) if dx is None else dx.addmm_(dy, weight)
         del weight
     assert dx is not None

@@ -34,7 +34,7 @@ kernels, the launchers and the reading of bitsandbytes' objects.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -333,8 +333,8 @@ def _blockwise_absmax(flat: torch.Tensor, blocksize: int) -> torch.Tensor:
 
 
 @triton.jit
-def _dequantize_4bit_kernel(
-    out_ptr,  # [n_out] contiguous: W's flattened elements first:first + n_out
+def _dequantize_4bit_tile(
+    out_ptr,  # [n_out] contiguous: W's flattened elements first:first + n_out (PAIRS: as int32 words)
     data_ptr,  # [ceil(N * K / 2)] uint8: the code index of element i in byte i // 2, high nibble if i is even
     code_ptr,  # [16] fp32: the code book (NF4 or FP4)
     absmax_ptr,  # [n_blocks]: fp32 scale per block, or (NESTED) uint8 index into code2
@@ -343,18 +343,24 @@ def _dequantize_4bit_kernel(
     offset_ptr,  # [1] fp32 (NESTED): added to the dequantized absmax
     first,
     n_out,
+    tile,  # which tile of RUNS * RUN elements (from first's run on) this program writes
     BLOCKSIZE: tl.constexpr,
     BLOCKSIZE2: tl.constexpr,
     NESTED: tl.constexpr,
     RUNS: tl.constexpr,
     RUN: tl.constexpr,
+    PAIRS: tl.constexpr,  # write each byte's two values as one 32-bit word (first and n_out even)
+    HALF: tl.constexpr,  # (PAIRS) the 16-bit output dtype
 ):
     # A program writes RUNS runs of RUN consecutive elements of the flattened W. Runs are aligned to
     # RUN, a power of two that divides BLOCKSIZE: each starts on a byte and lies in one block, so a
-    # run has one scale, its bytes are loaded once (RUN // 2 of them, contiguous) and split into
-    # the high nibbles (even elements) and low ones (odd), interleaved back for one contiguous store.
+    # run has one scale and its bytes are loaded once (RUN // 2 of them, contiguous). Byte j of a run
+    # holds elements 2j (high nibble) and 2j + 1 (low). Without PAIRS the two halves are interleaved
+    # back for one contiguous store (tl.interleave: a shuffle between lanes); with PAIRS each byte's
+    # two 16-bit values are stored as one little-endian word (the even element in the low half), as
+    # contiguous as the bytes were and with no shuffle (INDEX.md#qlora_dequant_pairs).
     # Offsets inside the tile are int32; the tile's start is a scalar (int64 for large weights).
-    tile_start = (first // RUN + tl.program_id(0) * RUNS) * RUN  # flat index of the tile's first element
+    tile_start = (first // RUN + tile * RUNS) * RUN  # flat index of the tile's first element
     runs = tl.arange(0, RUNS)
     bytes_in_tile = runs[:, None] * (RUN // 2) + tl.arange(0, RUN // 2)[None, :]
     # The bytes of elements first:first + n_out, relative to the tile's first byte.
@@ -375,15 +381,60 @@ def _dequantize_4bit_kernel(
         scale = tl.load(absmax_ptr + block, mask=block_ok, other=0.0)
     even = tl.load(code_ptr + (byte >> 4)) * scale[:, None]  # 16 values: from L1
     odd = tl.load(code_ptr + (byte & 0xF)) * scale[:, None]
-    out = tl.interleave(even, odd)  # [RUNS, RUN]: element 2j from byte j's high nibble, 2j + 1 from its low
-    in_tile = runs[:, None] * RUN + tl.arange(0, RUN)[None, :]
-    lo = first - tile_start
-    hi = tl.minimum(first + n_out - tile_start, RUNS * RUN)
-    tl.store(
-        out_ptr + (tile_start - first) + in_tile,
-        out.to(out_ptr.dtype.element_ty),
-        mask=(in_tile >= lo) & (in_tile < hi),
-    )
+    if PAIRS:  # (tile_start and first are even: words start on elements 2j, as bytes do)
+        low = even.to(HALF, fp_downcast_rounding="rtne").to(tl.uint16, bitcast=True).to(tl.uint32)
+        high = odd.to(HALF, fp_downcast_rounding="rtne").to(tl.uint16, bitcast=True).to(tl.uint32)
+        word = (low | (high << 16)).to(tl.int32, bitcast=True)
+        tl.store(
+            out_ptr + (tile_start - first) // 2 + bytes_in_tile,
+            word,
+            mask=(bytes_in_tile >= byte_lo) & (bytes_in_tile < byte_hi),
+        )
+    else:
+        out = tl.interleave(even, odd)  # [RUNS, RUN]: element 2j from byte j's high nibble, 2j + 1 from its low
+        in_tile = runs[:, None] * RUN + tl.arange(0, RUN)[None, :]
+        lo = first - tile_start
+        hi = tl.minimum(first + n_out - tile_start, RUNS * RUN)
+        tl.store(
+            out_ptr + (tile_start - first) + in_tile,
+            out.to(out_ptr.dtype.element_ty),
+            mask=(in_tile >= lo) & (in_tile < hi),
+        )
+
+
+@triton.jit
+def _dequantize_4bit_kernel(
+    out_ptr, data_ptr, code_ptr, absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, first, n_out,
+    BLOCKSIZE: tl.constexpr, BLOCKSIZE2: tl.constexpr, NESTED: tl.constexpr, RUNS: tl.constexpr,
+    RUN: tl.constexpr, PAIRS: tl.constexpr, HALF: tl.constexpr,
+):  # fmt: skip
+    # Elements first:first + n_out of one weight (see _dequantize_4bit_tile), a tile a program.
+    _dequantize_4bit_tile(out_ptr, data_ptr, code_ptr, absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, first, n_out,
+                          tl.program_id(0), BLOCKSIZE, BLOCKSIZE2, NESTED, RUNS, RUN, PAIRS, HALF)  # fmt: skip
+
+
+@triton.jit
+def _dequantize_4bit_three_kernel(
+    out0, data0, absmax0, code2_0, absmax2_0, offset0, n_out0, tiles0,
+    out1, data1, absmax1, code2_1, absmax2_1, offset1, n_out1, tiles1,
+    out2, data2, absmax2, code2_2, absmax2_2, offset2, n_out2,
+    code_ptr,
+    BLOCKSIZE: tl.constexpr, BLOCKSIZE2: tl.constexpr, NESTED: tl.constexpr, RUNS: tl.constexpr,
+    RUN: tl.constexpr, PAIRS: tl.constexpr, HALF: tl.constexpr,
+):  # fmt: skip
+    # Three whole weights of one format in one launch (q, k and v: their small weights' launches
+    # are mostly ramp and tail, INDEX.md#qlora_dequant_pairs): programs 0:tiles0 write the first,
+    # the next tiles1 the second, the rest the third.
+    tile = tl.program_id(0)
+    if tile < tiles0:
+        _dequantize_4bit_tile(out0, data0, code_ptr, absmax0, code2_0, absmax2_0, offset0, 0, n_out0, tile,
+                              BLOCKSIZE, BLOCKSIZE2, NESTED, RUNS, RUN, PAIRS, HALF)  # fmt: skip
+    elif tile < tiles0 + tiles1:
+        _dequantize_4bit_tile(out1, data1, code_ptr, absmax1, code2_1, absmax2_1, offset1, 0, n_out1, tile - tiles0,
+                              BLOCKSIZE, BLOCKSIZE2, NESTED, RUNS, RUN, PAIRS, HALF)  # fmt: skip
+    else:
+        _dequantize_4bit_tile(out2, data2, code_ptr, absmax2, code2_2, absmax2_2, offset2, 0, n_out2,
+                              tile - tiles0 - tiles1, BLOCKSIZE, BLOCKSIZE2, NESTED, RUNS, RUN, PAIRS, HALF)  # fmt: skip
 
 
 @triton.jit
@@ -433,12 +484,27 @@ LAUNCH_INT8 = LaunchParams(block_rows=16, block_cols=256, num_warps=4)
 # row): within 1% of the fastest of 16 launches at every Llama-3.1-8B weight, blocksizes 64 and 256
 # (benchmarks/experiments/INDEX.md#qlora_dequant_probe).
 LAUNCH_4BIT = Launch4bit(elements=2048, max_run=256, num_warps=4)
+# 4-bit into a 16-bit output as 32-bit words (PAIRS), or None: not taken. The probe's best,
+# Launch4bit(elements=8192, max_run=256, num_warps=4), was the fastest of 6 launches at every
+# Llama-3.1-8B weight but k/v (within 7% there): gate/up 41.6 us against 50.1 without PAIRS
+# (INDEX.md#qlora_dequant_pairs). None until fk-lora's GPU tests and bench_lora have run with it.
+LAUNCH_4BIT_PAIRS: Launch4bit | None = None
+HALF_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+"""The output dtypes the 4-bit kernel can write as pairs (two values a 32-bit word)."""
 
 
 def _runs(blocksize: int, params: Launch4bit) -> tuple[int, int]:
     """(runs a program, elements a run) of the 4-bit kernel for ``blocksize`` (a power of two)."""
     run = max(2, min(blocksize, params.max_run, params.elements))
     return params.elements // run, run
+
+
+def _as_words(out: torch.Tensor, first: int, n_out: int) -> torch.Tensor | None:
+    """``out`` (a contiguous run of a 16-bit dtype) viewed as int32 words, where the 4-bit kernel can
+    write it as pairs: an even first element and count, word-aligned; else None."""
+    if LAUNCH_4BIT_PAIRS is None or out.dtype not in HALF_DTYPES or first % 2 or n_out % 2 or out.data_ptr() % 4:
+        return None
+    return out.reshape(-1).view(torch.int32)
 
 
 def _check_rows(q: QuantizedWeight, start: object, stop: object) -> tuple[int, int]:
@@ -503,18 +569,100 @@ def dequantize_rows(
         return result
     if n_rows > 1 and rows.stride(0) != n_cols:  # (the kernel writes the flattened rows: a contiguous run)
         return result.copy_(dequantize_rows(q, start, stop, dtype=result.dtype))
-    nested = q.nested
-    absmax2, code2, offset = (nested.absmax, nested.code, nested.offset) if nested else (q.absmax,) * 3
     first, n_out = start * n_cols, n_rows * n_cols
-    runs, run = _runs(q.blocksize, LAUNCH_4BIT)
+    words = _as_words(rows, first, n_out)
+    params = LAUNCH_4BIT_PAIRS if words is not None and LAUNCH_4BIT_PAIRS is not None else LAUNCH_4BIT
+    runs, run = _runs(q.blocksize, params)
     _dequantize_4bit_kernel[(cdiv(first % run + n_out, runs * run),)](
-        rows, q.data.reshape(-1), code_table(q.quant_type, q.device), q.absmax.reshape(-1),
-        code2.reshape(-1), absmax2.reshape(-1), offset.reshape(-1), first, n_out,
-        BLOCKSIZE=q.blocksize, BLOCKSIZE2=nested.blocksize if nested else 1, NESTED=nested is not None,
-        RUNS=runs, RUN=run, num_warps=LAUNCH_4BIT.num_warps,
+        words if words is not None else rows, q.data.reshape(-1), code_table(q.quant_type, q.device),
+        *_scale_args(q), first, n_out, **_format_args(q, words is not None, result.dtype, runs, run),
+        num_warps=params.num_warps,
         enable_fp_fusion=False,  # the nested absmax's product and sum round apart, as bitsandbytes rounds them
     )  # fmt: skip
     return result
+
+
+def _scale_args(q: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The 4-bit kernel's absmax, code2, absmax2 and offset arguments (the absmax thrice unread
+    without nesting)."""
+    nested = q.nested
+    absmax2, code2, offset = (nested.absmax, nested.code, nested.offset) if nested else (q.absmax,) * 3
+    return q.absmax.reshape(-1), code2.reshape(-1), absmax2.reshape(-1), offset.reshape(-1)
+
+
+def _format_args(q: QuantizedWeight, pairs: bool, dtype: torch.dtype, runs: int, run: int) -> dict[str, Any]:
+    """The 4-bit kernel's constexpr arguments for ``q``'s format."""
+    nested = q.nested
+    return {"BLOCKSIZE": q.blocksize, "BLOCKSIZE2": nested.blocksize if nested else 1, "NESTED": nested is not None,
+            "RUNS": runs, "RUN": run, "PAIRS": pairs, "HALF": HALF_DTYPES.get(dtype, tl.bfloat16)}  # fmt: skip
+
+
+def _same_format(a: QuantizedWeight, b: QuantizedWeight) -> bool:
+    """Whether one 4-bit launch can dequantize both (the kernel's constexprs and code book agree)."""
+    a_nested = a.nested.blocksize if a.nested else None
+    b_nested = b.nested.blocksize if b.nested else None
+    return (a.quant_type, a.blocksize, a_nested, a.dtype, a.device) == (
+        b.quant_type,
+        b.blocksize,
+        b_nested,
+        b.dtype,
+        b.device,
+    )
+
+
+def dequantize_together(qs: Sequence[QuantizedWeight], *, dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+    """Each weight of ``qs`` whole, as :func:`dequantize` gives it (a new tensor each, of ``dtype``,
+    default each weight's own), but up to three 4-bit weights of one format in one launch: q, k and
+    v's, whose separate launches are mostly ramp and tail (three at Llama-3.1-8B's shapes: 30.0 us,
+    one: 21.1; ``benchmarks/experiments/INDEX.md#qlora_dequant_pairs``)."""
+    qs = list(qs)
+    for i, q in enumerate(qs):
+        if not isinstance(q, QuantizedWeight):
+            raise TypeError(f"qs[{i}] must be a QuantizedWeight, got {type(q).__name__}")
+    outs = [_output(q, q.shape[0], None, dtype) for q in qs]
+    four_bit = [i for i, q in enumerate(qs) if q.quant_type != "int8"]
+    groups: list[list[int]] = []
+    for i in four_bit:
+        group = next((g for g in groups if len(g) < 3 and _same_format(qs[g[0]], qs[i])
+                      and outs[g[0]].dtype == outs[i].dtype), None)  # fmt: skip
+        if group is None:
+            groups.append([i])
+        else:
+            group.append(i)
+    together = {i for g in groups if len(g) > 1 for i in g}
+    for i, q in enumerate(qs):
+        if i not in together:
+            dequantize(q, out=outs[i])
+    for group in (g for g in groups if len(g) > 1):
+        _launch_together([qs[i] for i in group], [outs[i] for i in group])
+    return outs
+
+
+def _launch_together(qs: list[QuantizedWeight], outs: list[torch.Tensor]) -> None:
+    """Two or three whole 4-bit weights of one format into ``outs`` (new contiguous tensors) by one
+    launch of the three-weight kernel (a missing third: no programs)."""
+    if not uses_kernel(qs[0].data) or torch.compiler.is_compiling():
+        for q, out in zip(qs, outs, strict=True):
+            out.copy_(dequantize_ref(q, dtype=out.dtype))
+        return
+    n_outs = [q.shape[0] * q.shape[1] for q in qs]
+    words = [_as_words(out, 0, n) for out, n in zip(outs, n_outs, strict=True)]
+    pairs = all(w is not None for w in words)
+    params = LAUNCH_4BIT_PAIRS if pairs and LAUNCH_4BIT_PAIRS is not None else LAUNCH_4BIT
+    runs, run = _runs(qs[0].blocksize, params)
+    tiles = [cdiv(n, runs * run) for n in n_outs]
+    sources = [
+        (w if pairs else out, q.data.reshape(-1), *_scale_args(q), n, t)
+        for q, out, w, n, t in zip(qs, outs, words, n_outs, tiles, strict=True)
+    ]
+    if len(sources) == 2:
+        sources.append((*sources[1][:-1], 0))  # (the second again, with no programs)
+    (*first, _), (*second, _), (*third, _) = sources[0], sources[1], sources[2]
+    _dequantize_4bit_three_kernel[(sum(t for *_, t in sources),)](
+        *first, tiles[0], *second, tiles[1], *third, code_table(qs[0].quant_type, qs[0].device),
+        **_format_args(qs[0], pairs, outs[0].dtype, runs, run), num_warps=params.num_warps,
+        enable_fp_fusion=False,  # as dequantize_rows
+    )  # fmt: skip
 
 
 def dequantize(

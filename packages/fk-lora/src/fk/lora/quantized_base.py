@@ -1,6 +1,7 @@
 """A quantized base weight where the launchers take a base weight: :class:`QuantizedBase`, and the
-helpers that dequantize it where a matmul needs it (:func:`dense`) and keep only its packed data
-between forward and backward (:func:`weights_to_save`, :func:`saved_weights`).
+helpers that dequantize it where a matmul needs it (:func:`dense`; small ones that share an input
+together, :func:`dequantized_together`) and keep only its packed data between forward and backward
+(:func:`weights_to_save`, :func:`saved_weights`).
 
 Plain LoRA's launchers (:mod:`fk.lora.lora`) and DoRA's (:mod:`fk.lora.dora`) both take one.
 """
@@ -12,7 +13,14 @@ from typing import Any
 
 import torch
 
-from fk.lora.quant import Int8Base, QuantizedWeight, dequantize
+from fk.lora.quant import Int8Base, QuantizedWeight, dequantize, dequantize_together
+
+# The projections of one input whose 4-bit weights hold at most this many elements together are
+# dequantized by one launch, all before the first matmul; more, one at a time, so their transient
+# stays one weight. The probe's choice, 1 << 25: q, k and v of Llama-3.1-8B (25.2M) together, 21.1
+# us against 30.0 for three launches; gate and up (117M, long launches already) apart
+# (INDEX.md#qlora_dequant_pairs). 0 (never) until fk-lora's GPU tests and bench_lora have run with it.
+TOGETHER_MAX_ELEMENTS = 0
 
 
 class QuantizedBase:
@@ -28,7 +36,9 @@ class QuantizedBase:
     before the next projection's; the backward dequantizes it again for ``dx = dy W`` (the MLP's
     down projection: ``dh = dy Wd``), and drops it before the next projection's. So at most one
     projection's ``W`` is dequantized at a time. (Dequantizing in the wrapper, before ``apply``,
-    would have autograd save the full-precision ``W``: what QLoRA exists to avoid.) ``shape`` and
+    would have autograd save the full-precision ``W``: what QLoRA exists to avoid.) The exception:
+    small weights of projections that share an input (q, k and v) are dequantized together, by one
+    launch, before the first of their matmuls (:func:`dequantized_together`). ``shape`` and
     ``dtype`` stand in for the tensor's where the launchers read them.
 
     Each matmul with ``W`` is cuBLAS's, on the whole ``[N, K]`` matrix dequantized into a temporary
@@ -61,6 +71,22 @@ def dense(weight: Any) -> torch.Tensor:
     the result straight on to the matmuls that need it, so a dequantized weight lives no longer than
     those (and one projection's at a time)."""
     return weight.dense() if isinstance(weight, QuantizedBase) else weight
+
+
+def dequantized_together(weights: Sequence[Any]) -> list[Any]:
+    """``weights`` (the base weights of projections that share an input), with the 4-bit
+    :class:`QuantizedBase` ones replaced by their dense ``W`` (as :meth:`QuantizedBase.dense` gives
+    it) when there are two or more holding at most :data:`TOGETHER_MAX_ELEMENTS` elements together:
+    one launch (:func:`fk.lora.quant.dequantize_together`). Otherwise ``weights`` unchanged, each to
+    be dequantized by :func:`dense` at its matmul. Callers drop each dense ``W`` after its matmul."""
+    four_bit = [i for i, w in enumerate(weights) if isinstance(w, QuantizedBase) and w.product is None]
+    if len(four_bit) < 2 or sum(weights[i].shape.numel() for i in four_bit) > TOGETHER_MAX_ELEMENTS:
+        return list(weights)
+    out = list(weights)
+    dense_ws = dequantize_together([weights[i].q for i in four_bit])
+    for i, w in zip(four_bit, dense_ws, strict=True):
+        out[i] = w if w.dtype == weights[i].dtype else w.to(weights[i].dtype)
+    return out
 
 
 def weights_to_save(weights: Sequence[Any]) -> tuple[list[torch.Tensor | None], list[QuantizedBase | None]]:
