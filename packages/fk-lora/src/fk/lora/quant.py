@@ -350,7 +350,7 @@ def _dequantize_4bit_tile(
     RUNS: tl.constexpr,
     RUN: tl.constexpr,
     PAIRS: tl.constexpr,  # write each byte's two values as one 32-bit word (first and n_out even)
-    HALF: tl.constexpr,  # (PAIRS) the 16-bit output dtype
+    BF16: tl.constexpr,  # (PAIRS) the 16-bit output is bfloat16 (else float16)
 ):
     # A program writes RUNS runs of RUN consecutive elements of the flattened W. Runs are aligned to
     # RUN, a power of two that divides BLOCKSIZE: each starts on a byte and lies in one block, so a
@@ -382,8 +382,14 @@ def _dequantize_4bit_tile(
     even = tl.load(code_ptr + (byte >> 4)) * scale[:, None]  # 16 values: from L1
     odd = tl.load(code_ptr + (byte & 0xF)) * scale[:, None]
     if PAIRS:  # (tile_start and first are even: words start on elements 2j, as bytes do)
-        low = even.to(HALF, fp_downcast_rounding="rtne").to(tl.uint16, bitcast=True).to(tl.uint32)
-        high = odd.to(HALF, fp_downcast_rounding="rtne").to(tl.uint16, bitcast=True).to(tl.uint32)
+        if BF16:
+            even_half = even.to(tl.bfloat16, fp_downcast_rounding="rtne")
+            odd_half = odd.to(tl.bfloat16, fp_downcast_rounding="rtne")
+        else:
+            even_half = even.to(tl.float16, fp_downcast_rounding="rtne")
+            odd_half = odd.to(tl.float16, fp_downcast_rounding="rtne")
+        low = even_half.to(tl.uint16, bitcast=True).to(tl.uint32)
+        high = odd_half.to(tl.uint16, bitcast=True).to(tl.uint32)
         word = (low | (high << 16)).to(tl.int32, bitcast=True)
         tl.store(
             out_ptr + (tile_start - first) // 2 + bytes_in_tile,
@@ -406,11 +412,11 @@ def _dequantize_4bit_tile(
 def _dequantize_4bit_kernel(
     out_ptr, data_ptr, code_ptr, absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, first, n_out,
     BLOCKSIZE: tl.constexpr, BLOCKSIZE2: tl.constexpr, NESTED: tl.constexpr, RUNS: tl.constexpr,
-    RUN: tl.constexpr, PAIRS: tl.constexpr, HALF: tl.constexpr,
+    RUN: tl.constexpr, PAIRS: tl.constexpr, BF16: tl.constexpr,
 ):  # fmt: skip
     # Elements first:first + n_out of one weight (see _dequantize_4bit_tile), a tile a program.
     _dequantize_4bit_tile(out_ptr, data_ptr, code_ptr, absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, first, n_out,
-                          tl.program_id(0), BLOCKSIZE, BLOCKSIZE2, NESTED, RUNS, RUN, PAIRS, HALF)  # fmt: skip
+                          tl.program_id(0), BLOCKSIZE, BLOCKSIZE2, NESTED, RUNS, RUN, PAIRS, BF16)  # fmt: skip
 
 
 @triton.jit
@@ -420,7 +426,7 @@ def _dequantize_4bit_three_kernel(
     out2, data2, absmax2, code2_2, absmax2_2, offset2, n_out2,
     code_ptr,
     BLOCKSIZE: tl.constexpr, BLOCKSIZE2: tl.constexpr, NESTED: tl.constexpr, RUNS: tl.constexpr,
-    RUN: tl.constexpr, PAIRS: tl.constexpr, HALF: tl.constexpr,
+    RUN: tl.constexpr, PAIRS: tl.constexpr, BF16: tl.constexpr,
 ):  # fmt: skip
     # Three whole weights of one format in one launch (q, k and v: their small weights' launches
     # are mostly ramp and tail, INDEX.md#qlora_dequant_pairs): programs 0:tiles0 write the first,
@@ -428,13 +434,13 @@ def _dequantize_4bit_three_kernel(
     tile = tl.program_id(0)
     if tile < tiles0:
         _dequantize_4bit_tile(out0, data0, code_ptr, absmax0, code2_0, absmax2_0, offset0, 0, n_out0, tile,
-                              BLOCKSIZE, BLOCKSIZE2, NESTED, RUNS, RUN, PAIRS, HALF)  # fmt: skip
+                              BLOCKSIZE, BLOCKSIZE2, NESTED, RUNS, RUN, PAIRS, BF16)  # fmt: skip
     elif tile < tiles0 + tiles1:
         _dequantize_4bit_tile(out1, data1, code_ptr, absmax1, code2_1, absmax2_1, offset1, 0, n_out1, tile - tiles0,
-                              BLOCKSIZE, BLOCKSIZE2, NESTED, RUNS, RUN, PAIRS, HALF)  # fmt: skip
+                              BLOCKSIZE, BLOCKSIZE2, NESTED, RUNS, RUN, PAIRS, BF16)  # fmt: skip
     else:
         _dequantize_4bit_tile(out2, data2, code_ptr, absmax2, code2_2, absmax2_2, offset2, 0, n_out2,
-                              tile - tiles0 - tiles1, BLOCKSIZE, BLOCKSIZE2, NESTED, RUNS, RUN, PAIRS, HALF)  # fmt: skip
+                              tile - tiles0 - tiles1, BLOCKSIZE, BLOCKSIZE2, NESTED, RUNS, RUN, PAIRS, BF16)  # fmt: skip
 
 
 @triton.jit
@@ -489,7 +495,7 @@ LAUNCH_4BIT = Launch4bit(elements=2048, max_run=256, num_warps=4)
 # Llama-3.1-8B weight but k/v (within 7% there): gate/up 41.6 us against 50.1 without PAIRS
 # (INDEX.md#qlora_dequant_pairs). None until fk-lora's GPU tests and bench_lora have run with it.
 LAUNCH_4BIT_PAIRS: Launch4bit | None = None
-HALF_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+HALF_DTYPES = (torch.bfloat16, torch.float16)
 """The output dtypes the 4-bit kernel can write as pairs (two values a 32-bit word)."""
 
 
@@ -571,12 +577,12 @@ def dequantize_rows(
         return result.copy_(dequantize_rows(q, start, stop, dtype=result.dtype))
     first, n_out = start * n_cols, n_rows * n_cols
     words = _as_words(rows, first, n_out)
-    params = LAUNCH_4BIT_PAIRS if words is not None and LAUNCH_4BIT_PAIRS is not None else LAUNCH_4BIT
-    runs, run = _runs(q.blocksize, params)
+    launch = LAUNCH_4BIT_PAIRS if words is not None and LAUNCH_4BIT_PAIRS is not None else LAUNCH_4BIT
+    runs, run = _runs(q.blocksize, launch)
     _dequantize_4bit_kernel[(cdiv(first % run + n_out, runs * run),)](
         words if words is not None else rows, q.data.reshape(-1), code_table(q.quant_type, q.device),
         *_scale_args(q), first, n_out, **_format_args(q, words is not None, result.dtype, runs, run),
-        num_warps=params.num_warps,
+        num_warps=launch.num_warps,
         enable_fp_fusion=False,  # the nested absmax's product and sum round apart, as bitsandbytes rounds them
     )  # fmt: skip
     return result
@@ -594,7 +600,7 @@ def _format_args(q: QuantizedWeight, pairs: bool, dtype: torch.dtype, runs: int,
     """The 4-bit kernel's constexpr arguments for ``q``'s format."""
     nested = q.nested
     return {"BLOCKSIZE": q.blocksize, "BLOCKSIZE2": nested.blocksize if nested else 1, "NESTED": nested is not None,
-            "RUNS": runs, "RUN": run, "PAIRS": pairs, "HALF": HALF_DTYPES.get(dtype, tl.bfloat16)}  # fmt: skip
+            "RUNS": runs, "RUN": run, "PAIRS": pairs, "BF16": dtype == torch.bfloat16}  # fmt: skip
 
 
 def _same_format(a: QuantizedWeight, b: QuantizedWeight) -> bool:
