@@ -321,8 +321,8 @@ def _outputs_and_lows(
     LoRA input products first (:func:`lora_input_products`: one read of ``x2`` where they stack; with
     dropout, the ``[M, K]`` buffers it forms are freed before any output exists), then each output
     (:func:`_projection_out`; a 4-bit ``W`` dequantized for its own matmul and dropped before the
-    next one's, or, for small ones such as q, k and v's, all by one launch before the first matmul:
-    :func:`dequantized_together`)."""
+    next one's, or, for small ones such as q, k and v's where ``TOGETHER_MAX_ELEMENTS`` allows it,
+    all by one launch before the first matmul: :func:`dequantized_together`)."""
     xas, masks, A_cs, _ = lora_input_products(x2, xc, [proj.lora_A for proj in params], settings)
     lows = [
         _LowRank(xa, mask, A_c, proj.lora_B.to(xc.dtype))

@@ -36,9 +36,10 @@ class QuantizedBase:
     before the next projection's; the backward dequantizes it again for ``dx = dy W`` (the MLP's
     down projection: ``dh = dy Wd``), and drops it before the next projection's. So at most one
     projection's ``W`` is dequantized at a time. (Dequantizing in the wrapper, before ``apply``,
-    would have autograd save the full-precision ``W``: what QLoRA exists to avoid.) The exception:
-    small weights of projections that share an input (q, k and v) are dequantized together, by one
-    launch, before the first of their matmuls (:func:`dequantized_together`). ``shape`` and
+    would have autograd save the full-precision ``W``: what QLoRA exists to avoid.) The exception,
+    where :data:`TOGETHER_MAX_ELEMENTS` allows it (0 for now: never): small weights of projections
+    that share an input (q, k and v) dequantized together, by one launch, before the first of their
+    matmuls (:func:`dequantized_together`). ``shape`` and
     ``dtype`` stand in for the tensor's where the launchers read them.
 
     Each matmul with ``W`` is cuBLAS's, on the whole ``[N, K]`` matrix dequantized into a temporary
