@@ -505,6 +505,11 @@ def _runs(blocksize: int, params: Launch4bit) -> tuple[int, int]:
     return params.elements // run, run
 
 
+def _launch_4bit(pairs: bool) -> Launch4bit:
+    """The 4-bit kernel's launch: LAUNCH_4BIT_PAIRS for a pairs store (taken only where it is set)."""
+    return LAUNCH_4BIT_PAIRS if pairs and LAUNCH_4BIT_PAIRS is not None else LAUNCH_4BIT
+
+
 def _as_words(out: torch.Tensor, first: int, n_out: int) -> torch.Tensor | None:
     """``out`` (a contiguous run of a 16-bit dtype) viewed as int32 words, where the 4-bit kernel can
     write it as pairs: an even first element and count, word-aligned; else None."""
@@ -577,7 +582,7 @@ def dequantize_rows(
         return result.copy_(dequantize_rows(q, start, stop, dtype=result.dtype))
     first, n_out = start * n_cols, n_rows * n_cols
     words = _as_words(rows, first, n_out)
-    launch = LAUNCH_4BIT_PAIRS if words is not None and LAUNCH_4BIT_PAIRS is not None else LAUNCH_4BIT
+    launch = _launch_4bit(words is not None)
     runs, run = _runs(q.blocksize, launch)
     _dequantize_4bit_kernel[(cdiv(first % run + n_out, runs * run),)](
         words if words is not None else rows, q.data.reshape(-1), code_table(q.quant_type, q.device),
@@ -654,18 +659,18 @@ def _launch_together(qs: list[QuantizedWeight], outs: list[torch.Tensor]) -> Non
     n_outs = [q.shape[0] * q.shape[1] for q in qs]
     words = [_as_words(out, 0, n) for out, n in zip(outs, n_outs, strict=True)]
     pairs = all(w is not None for w in words)
-    params = LAUNCH_4BIT_PAIRS if pairs and LAUNCH_4BIT_PAIRS is not None else LAUNCH_4BIT
+    params = _launch_4bit(pairs)
     runs, run = _runs(qs[0].blocksize, params)
     tiles = [cdiv(n, runs * run) for n in n_outs]
     sources = [
-        (w if pairs else out, q.data.reshape(-1), *_scale_args(q), n, t)
-        for q, out, w, n, t in zip(qs, outs, words, n_outs, tiles, strict=True)
+        (w if pairs else out, q.data.reshape(-1), *_scale_args(q), n)
+        for q, out, w, n in zip(qs, outs, words, n_outs, strict=True)
     ]
-    if len(sources) == 2:
-        sources.append((*sources[1][:-1], 0))  # (the second again, with no programs)
-    (*first, _), (*second, _), (*third, _) = sources[0], sources[1], sources[2]
-    _dequantize_4bit_three_kernel[(sum(t for *_, t in sources),)](
-        *first, tiles[0], *second, tiles[1], *third, code_table(qs[0].quant_type, qs[0].device),
+    if len(sources) == 2:  # (the second again as the third, with no programs)
+        sources.append(sources[1])
+        tiles.append(0)
+    _dequantize_4bit_three_kernel[(sum(tiles),)](
+        *sources[0], tiles[0], *sources[1], tiles[1], *sources[2], code_table(qs[0].quant_type, qs[0].device),
         **_format_args(qs[0], pairs, outs[0].dtype, runs, run), num_warps=params.num_warps,
         enable_fp_fusion=False,  # as dequantize_rows
     )  # fmt: skip
