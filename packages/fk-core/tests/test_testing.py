@@ -143,6 +143,21 @@ def test_run_on_reference_path() -> None:
         testing.run_on_reference_path("print('not ok')")
 
 
+def test_global_memory_instructions_of_a_compiled_kernel() -> None:
+    # fk.core.reduce's column sums, compiled for Hopper without a GPU: the fp32 partials' tile read
+    # as vectors (ld.global.v4 here), the sums written.
+    signature = {"partials_ptr": "*fp32", "out0_ptr": "*bf16", "out1_ptr": "*bf16", "n_rows": "i32", "n_cols": "i32",
+                 "BLOCK_ROWS": "", "BLOCK_COLS": ""}  # fmt: skip
+    counts = testing.global_memory_instructions(
+        "fk.core.reduce", "_sum_rows_kernel", signature, {"BLOCK_ROWS": 8, "BLOCK_COLS": 256}, num_warps=4
+    )
+    assert counts and all(op.startswith(("ld.global", "st.global")) for op in counts), counts
+    assert any(op.startswith("ld.global.v") for op in counts), counts
+    assert any(op.startswith("st.global") for op in counts), counts
+    with pytest.raises(AssertionError, match=r"compiling fk\.core\.reduce\.no_such_kernel failed"):
+        testing.global_memory_instructions("fk.core.reduce", "no_such_kernel", {}, {}, num_warps=4)
+
+
 def test_assert_compile_matches_eager(device: str) -> None:
     x = testing.random_tensor((4, 6), torch.float32, device, seed=11, requires_grad=True)
     testing.assert_compile_matches_eager(lambda t: (softmax_ref(t) * t).sum(), [x])

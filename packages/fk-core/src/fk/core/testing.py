@@ -371,6 +371,55 @@ def run_on_reference_path(code: str) -> None:
         raise AssertionError(f"reference-path run failed:\nstdout:\n{out.stdout}\nstderr:\n{out.stderr}")
 
 
+_PTX_SCRIPT = """
+import collections, importlib, json, re, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+module, kernel, signature, constexprs, num_warps, capability = json.loads(sys.argv[1])
+fn = getattr(importlib.import_module(module), kernel)
+names = list(signature)
+source = ASTSource(
+    fn=fn,
+    signature={name: "constexpr" if name in constexprs else signature[name] for name in names},
+    constexprs={(names.index(name),): value for name, value in constexprs.items()},
+    attrs={(i,): [["tt.divisibility", 16]] for i, name in enumerate(names) if name not in constexprs},
+)
+ptx = triton.compile(source, target=GPUTarget("cuda", capability, 32), options={"num_warps": num_warps}).asm["ptx"]
+print(json.dumps(collections.Counter(re.findall(r"\\b(?:ld|st)\\.global(?:\\.[a-z0-9]+)*", ptx))))
+"""
+
+
+def global_memory_instructions(
+    module: str,
+    kernel: str,
+    signature: dict[str, str],
+    constexprs: dict[str, Any],
+    *,
+    num_warps: int,
+    capability: int = 90,
+) -> dict[str, int]:
+    """How often each global load and store instruction (``ld.global.v4.b32``, ``st.global.b16``,
+    ...) occurs in the PTX of the Triton kernel ``module.kernel`` compiled for an NVIDIA GPU of
+    compute ``capability`` (90: Hopper): for tests that a kernel's loads and stores stay vectorized,
+    which Triton decides from what it can prove about masks and offsets. No GPU is needed: Triton's
+    own compiler runs in a fresh interpreter with Triton's interpreter off. ``signature`` gives every
+    argument's Triton type (``"*bf16"``, ``"i32"``; anything for the names in ``constexprs``); pointers
+    are taken as 16-byte aligned and integers as multiples of 16, as Triton specializes them at launch."""
+    import json
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRITON_INTERPRET": "0", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": os.pathsep.join(sys.path)}
+    arguments = json.dumps([module, kernel, signature, constexprs, num_warps, capability])
+    out = subprocess.run([sys.executable, "-c", _PTX_SCRIPT, arguments], env=env, capture_output=True, text=True,
+                         timeout=300, check=False)  # fmt: skip
+    if out.returncode != 0:
+        raise AssertionError(f"compiling {module}.{kernel} failed:\n{out.stderr[-5000:]}")
+    counts: dict[str, int] = json.loads(out.stdout.strip().splitlines()[-1])
+    return counts
+
+
 # --- scripts -----------------------------------------------------------------------------------
 
 
