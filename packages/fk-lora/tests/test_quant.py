@@ -5,6 +5,7 @@ definitions and, where bitsandbytes is installed, against bitsandbytes' own dequ
 from __future__ import annotations
 
 import importlib.util
+import inspect
 
 import pytest
 import torch
@@ -172,6 +173,44 @@ def test_pairs_are_taken_only_where_words_line_up(device: str, monkeypatch: pyte
     assert quant._as_words(out, 0, 23) is None  # odd count
     assert quant._as_words(out.reshape(-1)[1:23], 0, 22) is None  # not word-aligned
     assert quant._as_words(out.float(), 0, 24) is None  # fp32: value by value
+
+
+def _4bit_kernel_types(names: list[str], pairs: bool) -> dict[str, str]:
+    """Triton types of a 4-bit kernel's arguments for NF4 with a nested absmax, bf16 out."""
+
+    def kind(name: str) -> str:
+        base = name.removesuffix("_ptr").rstrip("0123456789").rstrip("_")
+        if base == "out":
+            return "*i32" if pairs else "*bf16"
+        if base in ("data", "absmax"):
+            return "*u8"
+        if base in ("code", "code2", "absmax2", "offset"):
+            return "*fp32"
+        return "constexpr" if name.isupper() else "i32"  # first, n_out, n_bytes, tiles
+
+    return {name: kind(name) for name in names}
+
+
+@pytest.mark.parametrize("kernel", ["_dequantize_4bit_kernel", "_dequantize_4bit_three_kernel"])
+@pytest.mark.parametrize("pairs", [True, False], ids=["pairs", "interleaved"])
+def test_4bit_kernels_store_and_load_vectors(kernel: str, pairs: bool) -> None:
+    # Compiled for an H100/H200 (no GPU needed) at their launches for NF4, blocksize 64, nested, bf16
+    # out: every store of W is 16 bytes a thread (st.global.v4), and the code bytes load 8 or more
+    # at a time. Triton vectorizes a masked access only where it can prove the mask's bounds are
+    # multiples of the vector: a byte bound (first + n_out + 1) // 2 made the pairs kernel's stores
+    # 4 bytes a thread and its loads one byte (INDEX.md#qlora_dequant_fused).
+    fn = getattr(quant, kernel)
+    names = list(inspect.signature(getattr(fn, "fn", fn)).parameters)
+    runs, run = quant._runs(64, quant._launch_4bit(pairs))
+    constexprs = {"BLOCKSIZE": 64, "BLOCKSIZE2": 256, "NESTED": True, "RUNS": runs, "RUN": run, "PAIRS": pairs,
+                  "BF16": True}  # fmt: skip
+    counts = testing.global_memory_instructions(
+        "fk.lora.quant", kernel, _4bit_kernel_types(names, pairs), constexprs,
+        num_warps=quant._launch_4bit(pairs).num_warps,
+    )  # fmt: skip
+    stores = {op: n for op, n in counts.items() if op.startswith("st.")}
+    assert stores and all(op.startswith("st.global.v4") for op in stores), counts
+    assert any(op.startswith(("ld.global.v2", "ld.global.v4")) for op in counts), counts
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_name)

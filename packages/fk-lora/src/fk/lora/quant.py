@@ -343,6 +343,7 @@ def _dequantize_4bit_tile(
     offset_ptr,  # [1] fp32 (NESTED): added to the dequantized absmax
     first,
     n_out,
+    n_bytes,  # data_ptr's length: the loads' bound
     tile,  # which tile of RUNS * RUN elements (from first's run on) this program writes
     BLOCKSIZE: tl.constexpr,
     BLOCKSIZE2: tl.constexpr,
@@ -360,17 +361,15 @@ def _dequantize_4bit_tile(
     # two 16-bit values are stored as one little-endian word (the even element in the low half), as
     # contiguous as the bytes were and with no shuffle (INDEX.md#qlora_dequant_pairs).
     # Offsets inside the tile are int32; the tile's start is a scalar (int64 for large weights).
-    tile_start = (first // RUN + tile * RUNS) * RUN  # flat index of the tile's first element
+    # Every mask compares the offsets with bounds whose divisibility Triton can see (no "+ 1"
+    # rounding up), so loads and stores stay vectorized (a byte bound (first + n_out + 1) // 2 made
+    # both scalar: INDEX.md#qlora_dequant_pairs). The loads take the tile's bytes up to the end of
+    # data_ptr; bytes outside first:first + n_out are decoded and not stored.
+    tile_byte = (first // RUN + tile * RUNS) * (RUN // 2)  # the tile's first byte
+    tile_start = tile_byte * 2  # flat index of the tile's first element
     runs = tl.arange(0, RUNS)
     bytes_in_tile = runs[:, None] * (RUN // 2) + tl.arange(0, RUN // 2)[None, :]
-    # The bytes of elements first:first + n_out, relative to the tile's first byte.
-    byte_lo = first // 2 - tile_start // 2
-    byte_hi = tl.minimum((first + n_out + 1) // 2 - tile_start // 2, RUNS * RUN // 2)
-    byte = tl.load(
-        data_ptr + tile_start // 2 + bytes_in_tile,
-        mask=(bytes_in_tile >= byte_lo) & (bytes_in_tile < byte_hi),
-        other=0,
-    ).to(tl.int32)
+    byte = tl.load(data_ptr + tile_byte + bytes_in_tile, mask=bytes_in_tile < n_bytes - tile_byte, other=0).to(tl.int32)
     block = (tile_start + runs.to(tl.int64) * RUN) // BLOCKSIZE  # [RUNS]: each run's block
     block_ok = block * BLOCKSIZE < first + n_out
     if NESTED:
@@ -391,10 +390,12 @@ def _dequantize_4bit_tile(
         low = even_half.to(tl.uint16, bitcast=True).to(tl.uint32)
         high = odd_half.to(tl.uint16, bitcast=True).to(tl.uint32)
         word = (low | (high << 16)).to(tl.int32, bitcast=True)
+        word_lo = first // 2 - tile_byte  # the words of elements first:first + n_out, from the tile's first
+        word_hi = tl.minimum((first + n_out) // 2 - tile_byte, RUNS * RUN // 2)
         tl.store(
-            out_ptr + (tile_start - first) // 2 + bytes_in_tile,
+            out_ptr + tile_byte - first // 2 + bytes_in_tile,
             word,
-            mask=(bytes_in_tile >= byte_lo) & (bytes_in_tile < byte_hi),
+            mask=(bytes_in_tile >= word_lo) & (bytes_in_tile < word_hi),
         )
     else:
         out = tl.interleave(even, odd)  # [RUNS, RUN]: element 2j from byte j's high nibble, 2j + 1 from its low
@@ -410,20 +411,20 @@ def _dequantize_4bit_tile(
 
 @triton.jit
 def _dequantize_4bit_kernel(
-    out_ptr, data_ptr, code_ptr, absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, first, n_out,
+    out_ptr, data_ptr, code_ptr, absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, first, n_out, n_bytes,
     BLOCKSIZE: tl.constexpr, BLOCKSIZE2: tl.constexpr, NESTED: tl.constexpr, RUNS: tl.constexpr,
     RUN: tl.constexpr, PAIRS: tl.constexpr, BF16: tl.constexpr,
 ):  # fmt: skip
     # Elements first:first + n_out of one weight (see _dequantize_4bit_tile), a tile a program.
     _dequantize_4bit_tile(out_ptr, data_ptr, code_ptr, absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, first, n_out,
-                          tl.program_id(0), BLOCKSIZE, BLOCKSIZE2, NESTED, RUNS, RUN, PAIRS, BF16)  # fmt: skip
+                          n_bytes, tl.program_id(0), BLOCKSIZE, BLOCKSIZE2, NESTED, RUNS, RUN, PAIRS, BF16)  # fmt: skip
 
 
 @triton.jit
 def _dequantize_4bit_three_kernel(
-    out0, data0, absmax0, code2_0, absmax2_0, offset0, n_out0, tiles0,
-    out1, data1, absmax1, code2_1, absmax2_1, offset1, n_out1, tiles1,
-    out2, data2, absmax2, code2_2, absmax2_2, offset2, n_out2,
+    out0, data0, absmax0, code2_0, absmax2_0, offset0, n_out0, n_bytes0, tiles0,
+    out1, data1, absmax1, code2_1, absmax2_1, offset1, n_out1, n_bytes1, tiles1,
+    out2, data2, absmax2, code2_2, absmax2_2, offset2, n_out2, n_bytes2,
     code_ptr,
     BLOCKSIZE: tl.constexpr, BLOCKSIZE2: tl.constexpr, NESTED: tl.constexpr, RUNS: tl.constexpr,
     RUN: tl.constexpr, PAIRS: tl.constexpr, BF16: tl.constexpr,
@@ -433,13 +434,13 @@ def _dequantize_4bit_three_kernel(
     # the next tiles1 the second, the rest the third.
     tile = tl.program_id(0)
     if tile < tiles0:
-        _dequantize_4bit_tile(out0, data0, code_ptr, absmax0, code2_0, absmax2_0, offset0, 0, n_out0, tile,
+        _dequantize_4bit_tile(out0, data0, code_ptr, absmax0, code2_0, absmax2_0, offset0, 0, n_out0, n_bytes0, tile,
                               BLOCKSIZE, BLOCKSIZE2, NESTED, RUNS, RUN, PAIRS, BF16)  # fmt: skip
     elif tile < tiles0 + tiles1:
-        _dequantize_4bit_tile(out1, data1, code_ptr, absmax1, code2_1, absmax2_1, offset1, 0, n_out1, tile - tiles0,
+        _dequantize_4bit_tile(out1, data1, code_ptr, absmax1, code2_1, absmax2_1, offset1, 0, n_out1, n_bytes1, tile - tiles0,
                               BLOCKSIZE, BLOCKSIZE2, NESTED, RUNS, RUN, PAIRS, BF16)  # fmt: skip
     else:
-        _dequantize_4bit_tile(out2, data2, code_ptr, absmax2, code2_2, absmax2_2, offset2, 0, n_out2,
+        _dequantize_4bit_tile(out2, data2, code_ptr, absmax2, code2_2, absmax2_2, offset2, 0, n_out2, n_bytes2,
                               tile - tiles0 - tiles1, BLOCKSIZE, BLOCKSIZE2, NESTED, RUNS, RUN, PAIRS, BF16)  # fmt: skip
 
 
@@ -490,11 +491,11 @@ LAUNCH_INT8 = LaunchParams(block_rows=16, block_cols=256, num_warps=4)
 # row): within 1% of the fastest of 16 launches at every Llama-3.1-8B weight, blocksizes 64 and 256
 # (benchmarks/experiments/INDEX.md#qlora_dequant_probe).
 LAUNCH_4BIT = Launch4bit(elements=2048, max_run=256, num_warps=4)
-# 4-bit into a 16-bit output as 32-bit words (PAIRS), or None: not taken. The probe's best,
-# Launch4bit(elements=8192, max_run=256, num_warps=4), was the fastest of 6 launches at every
-# Llama-3.1-8B weight but k/v (within 7% there): gate/up 41.6 us against 50.1 without PAIRS
-# (INDEX.md#qlora_dequant_pairs). None until fk-lora's GPU tests and bench_lora have run with it.
-LAUNCH_4BIT_PAIRS: Launch4bit | None = None
+# 4-bit into a 16-bit output as 32-bit words (PAIRS), or None: not taken. The probe's best of 6
+# launches at every Llama-3.1-8B weight but k/v (within 7% there): gate/up 41.6 us against 50.1
+# without PAIRS (INDEX.md#qlora_dequant_pairs); in bench_lora --qlora, with q, k and v together,
+# QKV at 4096 tokens 0.745 against 0.766 ms (INDEX.md#qlora_dequant_fused).
+LAUNCH_4BIT_PAIRS: Launch4bit | None = Launch4bit(elements=8192, max_run=256, num_warps=4)
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 """The output dtypes the 4-bit kernel can write as pairs (two values a 32-bit word)."""
 
@@ -586,7 +587,7 @@ def dequantize_rows(
     runs, run = _runs(q.blocksize, launch)
     _dequantize_4bit_kernel[(cdiv(first % run + n_out, runs * run),)](
         words if words is not None else rows, q.data.reshape(-1), code_table(q.quant_type, q.device),
-        *_scale_args(q), first, n_out, **_format_args(q, words is not None, result.dtype, runs, run),
+        *_scale_args(q), first, n_out, q.data.numel(), **_format_args(q, words is not None, result.dtype, runs, run),
         num_warps=launch.num_warps,
         enable_fp_fusion=False,  # the nested absmax's product and sum round apart, as bitsandbytes rounds them
     )  # fmt: skip
@@ -663,7 +664,7 @@ def _launch_together(qs: list[QuantizedWeight], outs: list[torch.Tensor]) -> Non
     runs, run = _runs(qs[0].blocksize, params)
     tiles = [cdiv(n, runs * run) for n in n_outs]
     sources = [
-        (w if pairs else out, q.data.reshape(-1), *_scale_args(q), n)
+        (w if pairs else out, q.data.reshape(-1), *_scale_args(q), n, q.data.numel())
         for q, out, w, n in zip(qs, outs, words, n_outs, strict=True)
     ]
     if len(sources) == 2:  # (the second again as the third, with no programs)
