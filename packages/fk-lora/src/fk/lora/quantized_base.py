@@ -17,10 +17,10 @@ from fk.lora.quant import Int8Base, QuantizedWeight, dequantize, dequantize_toge
 
 # The projections of one input whose 4-bit weights hold at most this many elements together are
 # dequantized by one launch, all before the first matmul; more, one at a time, so their transient
-# stays one weight. The probe's choice, 1 << 25: q, k and v of Llama-3.1-8B (25.2M) together, 21.1
-# us against 30.0 for three launches; gate and up (117M, long launches already) apart
-# (INDEX.md#qlora_dequant_pairs). 0 (never) until fk-lora's GPU tests and bench_lora have run with it.
-TOGETHER_MAX_ELEMENTS = 0
+# stays one weight. 1 << 25: q, k and v of Llama-3.1-8B (25.2M) together, 21.1 us against 30.0 for
+# three launches; gate and up (117M, long launches already) apart (INDEX.md#qlora_dequant_pairs).
+# In bench_lora --qlora's QKV at 4096 tokens: 19.5 us a launch, 16 MB more peak (INDEX.md#qlora_dequant_fused).
+TOGETHER_MAX_ELEMENTS = 1 << 25
 
 
 class QuantizedBase:
@@ -37,7 +37,7 @@ class QuantizedBase:
     down projection: ``dh = dy Wd``), and drops it before the next projection's. So at most one
     projection's ``W`` is dequantized at a time. (Dequantizing in the wrapper, before ``apply``,
     would have autograd save the full-precision ``W``: what QLoRA exists to avoid.) The exception,
-    where :data:`TOGETHER_MAX_ELEMENTS` allows it (0 for now: never): small weights of projections
+    where :data:`TOGETHER_MAX_ELEMENTS` allows it: small weights of projections
     that share an input (q, k and v) dequantized together, by one launch, before the first of their
     matmuls (:func:`dequantized_together`). ``shape`` and
     ``dtype`` stand in for the tensor's where the launchers read them.
