@@ -8,7 +8,8 @@ The four products of one projection (``x`` ``[M, K]``, ``dy`` ``[M, N]``, ``A`` 
 ``[N, r]``, r = 16, bf16 in and out, fp32 sums):
 
 - ``xa = x A^T`` and ``gs = s dy B``: a tall matrix times a small one. ``rows``: each program owns
-  ``BM`` rows and walks the long dimension in ``BK`` columns, the ``[BM, r]`` sum in registers.
+  ``BM`` rows and walks the long dimension (or one of ``SPLIT`` ranges of it, writing an fp32
+  partial that torch sums, timed with it) in ``BK`` columns, the ``[BM, r]`` sum in registers.
 - ``dB = s dy^T xa`` and ``dA = gs^T x`` (as ``(x^T gs)^T``): a sum over the M rows into a small
   output. ``cols``: programs own ``BN`` columns of the tall matrix and a range of its rows
   (``SPLIT`` ranges), each writing an fp32 partial ``[BN, r]``; one torch sum over the ranges (timed
@@ -18,7 +19,10 @@ Each variant is checked against torch's product in fp32 (relative error under 1e
 fk.core.bench times (GPU time, median); ``floor`` is the tall matrix's bytes at the copy bandwidth
 measured in the same run.
 
-Run on a GPU:  python benchmarks/experiments/lora_rank_products.py   (output: lora_rank_products_h200.txt)
+Run on a GPU:  python benchmarks/experiments/lora_rank_products.py   (output: lora_rank_products_h200.txt,
+               run at 46426aa, before SPLIT and the stages were swept)
+               python benchmarks/experiments/lora_rank_products.py --products xa gs
+               (output: lora_rank_products_split_h200.txt)
 Check in Triton's interpreter (tiny shapes, no timing):  TRITON_INTERPRET=1 python ... --check
 """
 
@@ -37,7 +41,10 @@ from fk.core.tiles import exact_dot
 
 R = 16
 SHAPES = [(4096, 4096, 4096), (4096, 4096, 1024), (16384, 4096, 4096)]  # (M, K, N): O, k/v, O at 16384 tokens
-ROWS_SPACE = [(bm, bk, w) for bm in (16, 32, 64) for bk in (64, 128, 256) for w in (4, 8)]
+# (BM, BK, SPLIT, warps, stages): SPLIT > 1 splits K over that many programs a row block, each writing
+# an fp32 partial [M, R] summed by torch (timed with it); the first run had SPLIT 1 and 3 stages only.
+ROWS_SPACE = [(bm, bk, split, w, stages) for bm in (32, 64, 128) for bk in (128, 256) for split in (1, 4, 8, 16)
+              for w in (4, 8) for stages in (3, 4)]  # fmt: skip
 COLS_SPACE = [(bn, bm, split, w) for bn in (64, 128) for bm in (32, 64) for split in (4, 8, 16) for w in (4, 8)]
 
 
@@ -45,23 +52,26 @@ COLS_SPACE = [(bn, bm, split, w) for bn in (64, 128) for bm in (32, 64) for spli
 def _rows_kernel(
     x_ptr,  # [M, K], row stride stride_x, unit column stride
     y_ptr,  # [R, K] as strides (stride_yr, stride_yk): A, or B^T
-    out_ptr,  # [M, R] contiguous
+    out_ptr,  # [M, R] contiguous, or [SPLIT, M, R] fp32 partials
     M,
     K,
     stride_x,
     stride_yr,
     stride_yk,
     scale,
+    k_per_split,  # columns of K a program takes (a multiple of BK)
     R: tl.constexpr,
     BM: tl.constexpr,
     BK: tl.constexpr,
 ):
-    # out = scale * x y^T, BM rows a program, the [BM, R] sum in registers over K in BK columns.
+    # out = scale * x y^T, BM rows and one range of K a program, the [BM, R] sum in registers over its
+    # range in BK columns; program (i, s) writes partial s of rows block i.
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     row_ok = rows < M
     r = tl.arange(0, R)
     acc = tl.zeros([BM, R], dtype=tl.float32)
-    for k0 in range(0, K, BK):
+    k_first = tl.program_id(1) * k_per_split
+    for k0 in range(k_first, tl.minimum(k_first + k_per_split, K), BK):
         ks = k0 + tl.arange(0, BK)
         k_ok = ks < K
         xt = tl.load(
@@ -70,7 +80,8 @@ def _rows_kernel(
         yt = tl.load(y_ptr + ks[:, None] * stride_yk + r[None, :] * stride_yr, mask=k_ok[:, None], other=0.0)
         acc += exact_dot(xt, yt)  # yt: [BK, R], y^T's tile
     out = (acc * scale).to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + rows.to(tl.int64)[:, None] * R + r[None, :], out, mask=row_ok[:, None])
+    partial = tl.program_id(1).to(tl.int64) * M * R
+    tl.store(out_ptr + partial + rows.to(tl.int64)[:, None] * R + r[None, :], out, mask=row_ok[:, None])
 
 
 @triton.jit
@@ -106,13 +117,17 @@ def _cols_kernel(
     tl.store(out, acc, mask=col_ok[:, None])
 
 
-def rows_product(x: torch.Tensor, y: torch.Tensor, scale: float, bm: int, bk: int, warps: int) -> torch.Tensor:
+def rows_product(
+    x: torch.Tensor, y: torch.Tensor, scale: float, bm: int, bk: int, split: int, warps: int, stages: int
+) -> torch.Tensor:
     """``scale * x y^T`` for ``x`` ``[M, K]`` and ``y`` ``[R, K]`` (any strides), in x's dtype."""
     m, k = x.shape
-    out = torch.empty(m, R, dtype=x.dtype, device=x.device)
-    _rows_kernel[(cdiv(m, bm),)](x, y, out, m, k, x.stride(0), y.stride(0), y.stride(1), scale,
-                                 R=R, BM=bm, BK=bk, num_warps=warps)  # fmt: skip
-    return out
+    per_split = cdiv(cdiv(k, split), bk) * bk
+    out = torch.empty(m, R, dtype=x.dtype, device=x.device) if split == 1 else \
+        torch.empty(split, m, R, dtype=torch.float32, device=x.device)  # fmt: skip
+    _rows_kernel[(cdiv(m, bm), split)](x, y, out, m, k, x.stride(0), y.stride(0), y.stride(1), scale, per_split,
+                                       R=R, BM=bm, BK=bk, num_warps=warps, num_stages=stages)  # fmt: skip
+    return out if split == 1 else out.sum(0).to(x.dtype)
 
 
 def cols_product(
@@ -156,7 +171,7 @@ def _cases(m: int, k: int, n: int, device: str) -> dict[str, Case]:
 def check(device: str) -> None:
     for m, k, n in [(40, 96, 80), (33, 130, 70)]:
         for name, (want, fk_call, _) in _cases(m, k, n, device).items():
-            space = [(16, 32, 1)] if name.startswith(("xa", "gs")) else [(16, 16, 3, 1)]
+            space = [(16, 32, 1, 1, 1), (16, 32, 3, 1, 2)] if name.startswith(("xa", "gs")) else [(16, 16, 3, 1)]
             for config in space:
                 assert _close(fk_call(*config), want()), (name, m, k, n, config)
     print("rows and cols kernels: within 1e-2 of torch's products")
@@ -165,6 +180,7 @@ def check(device: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--check", action="store_true", help="tiny shapes, no timing (runs in the interpreter)")
+    parser.add_argument("--products", nargs="+", default=["xa", "gs", "dB", "dA"], choices=["xa", "gs", "dB", "dA"])
     args = parser.parse_args()
     if args.check:
         check("cuda" if torch.cuda.is_available() else "cpu")
@@ -176,6 +192,8 @@ def main() -> None:
     for m, k, n in SHAPES:
         print(f"-- M = {m}, K = {k}, N = {n}")
         for name, (want, fk_call, nbytes) in _cases(m, k, n, "cuda").items():
+            if name.split()[0] not in args.products:
+                continue
             space = ROWS_SPACE if name.startswith(("xa", "gs")) else COLS_SPACE
             expected = want()
             torch_us = bench.time_ms(want, gpu_only=True) * 1e3
