@@ -125,16 +125,11 @@ def check(device: str) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--check", action="store_true", help="tiny rows, no timing (runs in the interpreter)")
-    args = parser.parse_args()
-    if args.check:
-        check("cuda" if torch.cuda.is_available() else "cpu")
-        return
-    check("cuda")
-    print(bench.environment())
-    copy = bench.copy_bandwidth_tbps()
-    print(f"copy {copy:.2f} TB/s; {ROWS} rows, bf16, weight and bias; forward GPU time, median")
+    bench.run_probe(argparse.ArgumentParser(), check, timings)
+
+
+def timings(args: argparse.Namespace, copy: float) -> None:
+    print(f"{ROWS} rows, bf16, weight and bias; forward GPU time, median")
     compiled = torch.compile(lambda x, w, b: F.layer_norm(x, (x.shape[-1],), w, b, 1e-5))
     for n in WIDTHS:
         print(f"-- H = {n}")

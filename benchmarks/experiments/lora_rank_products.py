@@ -179,16 +179,12 @@ def check(device: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--check", action="store_true", help="tiny shapes, no timing (runs in the interpreter)")
     parser.add_argument("--products", nargs="+", default=["xa", "gs", "dB", "dA"], choices=["xa", "gs", "dB", "dA"])
-    args = parser.parse_args()
-    if args.check:
-        check("cuda" if torch.cuda.is_available() else "cpu")
-        return
-    check("cuda")
-    print(bench.environment())
-    copy = bench.copy_bandwidth_tbps()
-    print(f"copy {copy:.2f} TB/s; r = {R}, bf16; GPU time, median (us)")
+    bench.run_probe(parser, check, timings)
+
+
+def timings(args: argparse.Namespace, copy: float) -> None:
+    print(f"r = {R}, bf16; GPU time, median (us)")
     for m, k, n in SHAPES:
         print(f"-- M = {m}, K = {k}, N = {n}")
         for name, (want, fk_call, nbytes) in _cases(m, k, n, "cuda").items():

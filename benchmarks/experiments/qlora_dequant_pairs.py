@@ -111,16 +111,11 @@ def check(device: str) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--check", action="store_true", help="tiny weights, no timing (runs in the interpreter)")
-    args = parser.parse_args()
-    if args.check:
-        check("cuda" if torch.cuda.is_available() else "cpu")
-        return
-    check("cuda")
-    print(bench.environment())
-    copy = bench.copy_bandwidth_tbps()
-    print(f"copy {copy:.2f} TB/s; NF4, blocksize 64, nested absmax, bf16 out")
+    bench.run_probe(argparse.ArgumentParser(), check, timings)
+
+
+def timings(args: argparse.Namespace, copy: float) -> None:
+    print("NF4, blocksize 64, nested absmax, bf16 out")
     for name, (n, k) in WEIGHTS.items():
         q = _weight(n, k, "cuda")
         want = dequantize_ref(q, dtype=torch.bfloat16)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import io
 import json
 import math
@@ -90,6 +91,19 @@ def test_ceilings_need_cuda() -> None:
         bench.matmul_tflops(64)
     with pytest.raises(RuntimeError, match="CUDA"):
         bench.measure_ceilings()
+
+
+def test_run_probe_with_check_runs_the_check_alone() -> None:
+    calls: list[Any] = []
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--size", type=int, default=3)
+    bench.run_probe(parser, calls.append, lambda args, copy: calls.append(("body", args.size)), ["--check"])
+    assert calls == ["cuda" if torch.cuda.is_available() else "cpu"]
+    if not torch.cuda.is_available():  # without --check: the check on "cuda", then the copy bandwidth, which needs it
+        calls.clear()
+        with pytest.raises(RuntimeError, match="CUDA"):
+            bench.run_probe(argparse.ArgumentParser(), calls.append, lambda args, copy: calls.append("body"), [])
+        assert calls == ["cuda"]
 
 
 @pytest.mark.gpu

@@ -655,6 +655,28 @@ def plot(
     return out
 
 
+def run_probe(
+    parser: argparse.ArgumentParser,
+    check: Callable[[str], None],
+    body: Callable[[argparse.Namespace, float], None],
+    argv: Sequence[str] | None = None,
+) -> None:
+    """The main of a probe in ``benchmarks/experiments`` that checks its kernels before timing them:
+    ``--check`` (added to ``parser``) runs ``check(device)`` alone (on the CPU, in Triton's
+    interpreter, where there is no GPU); otherwise ``check("cuda")``, then the environment and the
+    copy bandwidth (TB/s) are printed and ``body(args, copy)`` runs."""
+    parser.add_argument("--check", action="store_true", help="tiny shapes, no timing (runs in the interpreter)")
+    args = parser.parse_args(argv)
+    if args.check:
+        check("cuda" if torch.cuda.is_available() else "cpu")
+        return
+    check("cuda")
+    print(environment())
+    copy = copy_bandwidth_tbps()
+    print(f"copy {copy:.2f} TB/s")
+    body(args, copy)
+
+
 # ------------------------------------------------------------------------ runs in fresh processes
 
 
