@@ -363,7 +363,7 @@ def _dequantize_4bit_tile(
     # Offsets inside the tile are int32; the tile's start is a scalar (int64 for large weights).
     # Every mask compares the offsets with bounds whose divisibility Triton can see (no "+ 1"
     # rounding up), so loads and stores stay vectorized (a byte bound (first + n_out + 1) // 2 made
-    # both scalar: INDEX.md#qlora_dequant_pairs). The loads take the tile's bytes up to the end of
+    # both scalar: INDEX.md#qlora_dequant_fused). The loads take the tile's bytes up to the end of
     # data_ptr; bytes outside first:first + n_out are decoded and not stored.
     tile_byte = (first // RUN + tile * RUNS) * (RUN // 2)  # the tile's first byte
     tile_start = tile_byte * 2  # flat index of the tile's first element
