@@ -143,19 +143,27 @@ def test_run_on_reference_path() -> None:
         testing.run_on_reference_path("print('not ok')")
 
 
-def test_global_memory_instructions_of_a_compiled_kernel() -> None:
+def test_compile_kernel_reads_memory_instructions_registers_and_spills() -> None:
     # fk.core.reduce's column sums, compiled for Hopper without a GPU: the fp32 partials' tile read
-    # as vectors (ld.global.v4 here), the sums written.
+    # as vectors (ld.global.v4 here), the sums written; its registers within what a thread may have,
+    # and no spills at this tile.
     signature = {"partials_ptr": "*fp32", "out0_ptr": "*bf16", "out1_ptr": "*bf16", "n_rows": "i32", "n_cols": "i32",
                  "BLOCK_ROWS": "", "BLOCK_COLS": ""}  # fmt: skip
-    counts = testing.global_memory_instructions(
+    compiled = testing.compile_kernel(
         "fk.core.reduce", "_sum_rows_kernel", signature, {"BLOCK_ROWS": 8, "BLOCK_COLS": 256}, num_warps=4
     )
+    counts = compiled.memory_instructions
     assert counts and all(op.startswith(("ld.global", "st.global")) for op in counts), counts
     assert any(op.startswith("ld.global.v") for op in counts), counts
     assert any(op.startswith("st.global") for op in counts), counts
+    assert 16 <= compiled.registers <= 255 and compiled.spill_bytes == 0, compiled
+    # A 16 x 1024 fp32 accumulator on one warp (512 values a thread) cannot stay in registers.
+    huge = testing.compile_kernel(
+        "fk.core.reduce", "_sum_rows_kernel", signature, {"BLOCK_ROWS": 16, "BLOCK_COLS": 1024}, num_warps=1
+    )
+    assert huge.spill_bytes > 1024, huge
     with pytest.raises(AssertionError, match=r"compiling fk\.core\.reduce\.no_such_kernel failed"):
-        testing.global_memory_instructions("fk.core.reduce", "no_such_kernel", {}, {}, num_warps=4)
+        testing.compile_kernel("fk.core.reduce", "no_such_kernel", {}, {}, num_warps=4)
 
 
 def test_assert_compile_matches_eager(device: str) -> None:

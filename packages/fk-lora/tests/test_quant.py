@@ -204,10 +204,10 @@ def test_4bit_kernels_store_and_load_vectors(kernel: str, pairs: bool) -> None:
     runs, run = quant._runs(64, quant._launch_4bit(pairs))
     constexprs = {"BLOCKSIZE": 64, "BLOCKSIZE2": 256, "NESTED": True, "RUNS": runs, "RUN": run, "PAIRS": pairs,
                   "BF16": True}  # fmt: skip
-    counts = testing.global_memory_instructions(
+    counts = testing.compile_kernel(
         "fk.lora.quant", kernel, _4bit_kernel_types(names, pairs), constexprs,
         num_warps=quant._launch_4bit(pairs).num_warps,
-    )  # fmt: skip
+    ).memory_instructions  # fmt: skip
     stores = {op: n for op, n in counts.items() if op.startswith("st.")}
     assert stores and all(op.startswith("st.global.v4") for op in stores), counts
     assert any(op.startswith(("ld.global.v2", "ld.global.v4")) for op in counts), counts

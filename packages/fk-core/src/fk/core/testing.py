@@ -372,9 +372,10 @@ def run_on_reference_path(code: str) -> None:
 
 
 _PTX_SCRIPT = """
-import collections, importlib, json, re, sys
+import collections, importlib, json, re, subprocess, sys, tempfile
 import triton
 from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
 module, kernel, signature, constexprs, num_warps, capability = json.loads(sys.argv[1])
 fn = getattr(importlib.import_module(module), kernel)
@@ -383,14 +384,38 @@ source = ASTSource(
     fn=fn,
     signature={name: "constexpr" if name in constexprs else signature[name] for name in names},
     constexprs={(names.index(name),): value for name, value in constexprs.items()},
-    attrs={(i,): [["tt.divisibility", 16]] for i, name in enumerate(names) if name not in constexprs},
+    attrs={(i,): [["tt.divisibility", 16]] for i, name in enumerate(names)
+           if name not in constexprs and signature[name][0] in "*iu"},
 )
 ptx = triton.compile(source, target=GPUTarget("cuda", capability, 32), options={"num_warps": num_warps}).asm["ptx"]
-print(json.dumps(collections.Counter(re.findall(r"\\b(?:ld|st)\\.global(?:\\.[a-z0-9]+)*", ptx))))
+with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+    f.write(ptx)
+    f.flush()
+    arch = f"sm_{capability}a" if capability == 90 else f"sm_{capability}"
+    usage = subprocess.run([get_ptxas(capability).path, f"-arch={arch}", "-v", f.name, "-o", "/dev/null"],
+                           capture_output=True, text=True, check=True).stderr
+print(json.dumps({
+    "memory_instructions": collections.Counter(re.findall(r"\\b(?:ld|st)\\.global(?:\\.[a-z0-9]+)*", ptx)),
+    "registers": int(re.search(r"Used (\\d+) registers", usage).group(1)),
+    "spill_bytes": int(re.search(r"(\\d+) bytes spill stores", usage).group(1)),
+}))
 """
 
 
-def global_memory_instructions(
+@dataclass(frozen=True)
+class CompiledKernel:
+    """What :func:`compile_kernel` reads off a Triton kernel compiled for an NVIDIA GPU."""
+
+    memory_instructions: dict[str, int]
+    """How often each global load and store instruction (``ld.global.v4.b32``, ``st.global.b16``,
+    ...) occurs in its PTX."""
+    registers: int
+    """Registers a thread (ptxas)."""
+    spill_bytes: int
+    """Bytes a thread spilled to local memory (ptxas' spill stores)."""
+
+
+def compile_kernel(
     module: str,
     kernel: str,
     signature: dict[str, str],
@@ -398,14 +423,15 @@ def global_memory_instructions(
     *,
     num_warps: int,
     capability: int = 90,
-) -> dict[str, int]:
-    """How often each global load and store instruction (``ld.global.v4.b32``, ``st.global.b16``,
-    ...) occurs in the PTX of the Triton kernel ``module.kernel`` compiled for an NVIDIA GPU of
-    compute ``capability`` (90: Hopper): for tests that a kernel's loads and stores stay vectorized,
-    which Triton decides from what it can prove about masks and offsets. No GPU is needed: Triton's
-    own compiler runs in a fresh interpreter with Triton's interpreter off. ``signature`` gives every
-    argument's Triton type (``"*bf16"``, ``"i32"``; anything for the names in ``constexprs``); pointers
-    are taken as 16-byte aligned and integers as multiples of 16, as Triton specializes them at launch."""
+) -> CompiledKernel:
+    """The Triton kernel ``module.kernel`` compiled for an NVIDIA GPU of compute ``capability`` (90:
+    Hopper), and what its code says: its global loads and stores (for tests that they stay
+    vectorized, which Triton decides from what it can prove about masks and offsets), its registers
+    and its spills. No GPU is needed: Triton's own compiler and ptxas run in a fresh interpreter with
+    Triton's interpreter off. ``signature`` gives every argument's Triton type (``"*bf16"``,
+    ``"i32"``; anything for the names in ``constexprs``); pointers are taken as 16-byte aligned and
+    integers as multiples of 16, as Triton specializes them at launch (a width of 32768: yes; of
+    1000: no, which can change the code)."""
     import json
     import subprocess
     import sys
@@ -416,8 +442,7 @@ def global_memory_instructions(
                          timeout=300, check=False)  # fmt: skip
     if out.returncode != 0:
         raise AssertionError(f"compiling {module}.{kernel} failed:\n{out.stderr[-5000:]}")
-    counts: dict[str, int] = json.loads(out.stdout.strip().splitlines()[-1])
-    return counts
+    return CompiledKernel(**json.loads(out.stdout.strip().splitlines()[-1]))
 
 
 # --- scripts -----------------------------------------------------------------------------------
