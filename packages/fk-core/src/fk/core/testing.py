@@ -433,16 +433,13 @@ def compile_kernel(
     integers as multiples of 16, as Triton specializes them at launch (a width of 32768: yes; of
     1000: no, which can change the code)."""
     import json
-    import subprocess
-    import sys
 
-    env = {**os.environ, "TRITON_INTERPRET": "0", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": os.pathsep.join(sys.path)}
     arguments = json.dumps([module, kernel, signature, constexprs, num_warps, capability])
-    out = subprocess.run([sys.executable, "-c", _PTX_SCRIPT, arguments], env=env, capture_output=True, text=True,
-                         timeout=300, check=False)  # fmt: skip
-    if out.returncode != 0:
-        raise AssertionError(f"compiling {module}.{kernel} failed:\n{out.stderr[-5000:]}")
-    return CompiledKernel(**json.loads(out.stdout.strip().splitlines()[-1]))
+    try:
+        out = run_python("-c", _PTX_SCRIPT, arguments, interpret=False)
+    except AssertionError as exc:
+        raise AssertionError(f"compiling {module}.{kernel} failed:\n{exc}") from None
+    return CompiledKernel(**json.loads(out.strip().splitlines()[-1]))
 
 
 # --- scripts -----------------------------------------------------------------------------------
@@ -466,15 +463,17 @@ def load_script(path: str | os.PathLike[str]) -> ModuleType:
     return module
 
 
-def run_python(*args: str, timeout_s: float = 300.0) -> str:
+def run_python(*args: str, timeout_s: float = 300.0, interpret: bool | None = None) -> str:
     """Run ``python *args`` (a script and its options, or ``-m module ...``) in a fresh interpreter
     that imports what this process imports (its ``sys.path``), with Triton's interpreter on where
-    there is no GPU; its standard output. An exit status other than 0 fails with the run's output."""
+    there is no GPU (or as ``interpret`` says); its standard output. An exit status other than 0
+    fails with the run's output."""
     import subprocess
     import sys
 
-    interpret = "0" if torch.cuda.is_available() else "1"
-    env = {**os.environ, "TRITON_INTERPRET": interpret, "PYTHONPATH": os.pathsep.join(sys.path)}
+    if interpret is None:
+        interpret = not torch.cuda.is_available()
+    env = {**os.environ, "TRITON_INTERPRET": "1" if interpret else "0", "PYTHONPATH": os.pathsep.join(sys.path)}
     out = subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=timeout_s,
                          check=False)  # fmt: skip
     if out.returncode != 0:
