@@ -395,7 +395,7 @@ with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
     usage = subprocess.run([get_ptxas(capability).path, f"-arch={arch}", "-v", f.name, "-o", "/dev/null"],
                            capture_output=True, text=True, check=True).stderr
 print(json.dumps({
-    "memory_instructions": collections.Counter(re.findall(r"\\b(?:ld|st)\\.global(?:\\.[a-z0-9]+)*", ptx)),
+    "memory_instructions": collections.Counter(re.findall(r"\\b(?:ld|st)\\.global(?:\\.[a-zA-Z0-9_:]+)*", ptx)),
     "registers": int(re.search(r"Used (\\d+) registers", usage).group(1)),
     "spill_bytes": int(re.search(r"(\\d+) bytes spill stores", usage).group(1)),
 }))
