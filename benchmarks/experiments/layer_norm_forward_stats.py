@@ -1,26 +1,28 @@
-"""#34: LayerNorm's forward at 32768 columns runs at 78.5% of its floor, 0.85x torch.compile's time,
-and no launch of fk's kernel does better (INDEX.md#norm_forward_wide). Its one-tile path reduces each
-row twice, block-wide, between the row's load and its store: the mean, then the variance about it.
-RMSNorm's reduces once and runs at 94%. Does one reduction of the pair (sum d, sum d^2), with d = x - K
-shifted by the row's first element K (as the looped path shifts by its first tile's mean), close the gap,
-at what cost in accuracy?
+"""#34: LayerNorm's forward at 32768 columns ran at 78.5% of its floor, 0.85x torch.compile's time,
+and no launch of fk's one-tile kernel did better (INDEX.md#norm_forward_wide). Why, and what closes it?
 
-Variants of the one-tile forward (one row a program, the whole row in one tile, 16 warps; weight and
-bias), bf16, 16384 rows:
+Section 1 (no flag): variants of a one-tile forward (one row a program, 16 warps; weight and bias),
+bf16, 16384 rows, at 8192-32768 columns:
 
-- ``fk``: ``fk.norms.layer_norm._layer_norm_fwd`` as committed (mean, then the variance about it);
-- ``one_reduce``: a 1-D kernel of the same math but the statistics, one ``tl.reduce`` over the pair
-  ``(d, d * d)``: ``mean = K + mean(d)``, ``var = mean(d^2) - mean(d)^2``;
-- ``two_reduce_1d``: that 1-D kernel with fk's two reductions (which of the two changes matters;
-  compiled for sm_90 on the CPU, all three use 127-128 registers a thread on 16 warps and spill
-  nothing; one reduction takes 2 barriers, two take 5);
-- ``torch.compile``: ``F.layer_norm`` compiled (Inductor's looped Welford reduction).
+- ``fk``: ``fk.norms.layer_norm._layer_norm_fwd`` as committed;
+- ``one_reduce``: a 1-D kernel whose statistics are one ``tl.reduce`` over the pair ``(d, d * d)``,
+  ``d = x - K`` shifted by the row's first element: ``mean = K + mean(d)``, ``var = mean(d^2) - mean(d)^2``;
+- ``two_reduce_1d``: that 1-D kernel with two reductions (the mean, then the variance about it);
+- ``torch.compile``: ``F.layer_norm`` compiled afresh for each width.
 
-Each is checked against the float64 reference (max error over the largest value, printed), also on
-rows with a large mean (1000 + N(0, 1)) where the shifted sums cancel most; then timed as bench_norms
-times the forward (GPU time, L2 flushed, median).
+Each is checked against the float64 reference (max error over the largest value), also on rows with a
+large mean (1000 + N(0, 1)); then timed as bench_norms times the forward (GPU time, L2 flushed, median).
 
-Run on a GPU:  python benchmarks/experiments/layer_norm_forward_stats.py   (output: layer_norm_forward_stats_h200.txt)
+Section 2 (``--wide-only``), at 32768 columns: ``three_pass``, torch.compile's generated kernel for
+``layer_norm_ref`` (bench_norms' peer; read from TORCH_LOGS=output_code): three loops over column tiles
+(the sum, the squares about the mean, y), by tile width and warps, with the width an argument and a
+compile-time constant (as Inductor's code has it); then fk against a fresh torch.compile of
+``layer_norm_ref`` at 8192-32768 columns with bf16 and with fp32 weight and bias.
+
+Section 3 (``--dtypes``): fp32 weight and bias with bf16 and fp32 x, 1024-32768 columns: fk, torch.compile
+and ``three_pass`` (width a constant) over tile widths and warps: the data behind ``WIDE_FORWARD``.
+
+Run on a GPU:  python benchmarks/experiments/layer_norm_forward_stats.py [--wide-only | --dtypes]
 Check in Triton's interpreter (tiny rows, no timing):  TRITON_INTERPRET=1 python ... --check
 """
 
@@ -114,36 +116,11 @@ def _three_pass_const_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N_COLS: tl.constexpr, e
     _three_pass_row(x_ptr, w_ptr, b_ptr, y_ptr, N_COLS, eps, BLOCK_COLS)
 
 
-@triton.jit
-def _fk_const_kernel(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, n_rows, N_COLS: tl.constexpr, eps,
-                     BLOCK_COLS: tl.constexpr, LOOPED: tl.constexpr):  # fmt: skip
-    # fk's kernel, the width a constant.
-    layer_norm._layer_norm_fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, n_rows, N_COLS, N_COLS, eps,
-                                      True, True, BLOCK_COLS, 1, LOOPED)  # fmt: skip
-
-
 def three_pass(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, eps: float, block: int = 2048,
                warps: int = 8, stages: int = 3, const: bool = False) -> torch.Tensor:  # fmt: skip
     y = torch.empty_like(x)
     kernel = _three_pass_const_kernel if const else _three_pass_kernel
     kernel[(x.shape[0],)](x, w, b, y, x.shape[1], eps, BLOCK_COLS=block, num_warps=warps, num_stages=stages)
-    return y
-
-
-def fk_looped(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, eps: float, block: int = 2048,
-              warps: int = 8, stages: int = 3, const: bool = False) -> torch.Tensor:  # fmt: skip
-    """fk's kernel on its looped path (two passes over column tiles ``block`` wide)."""
-    m, n = x.shape
-    y = torch.empty_like(x)
-    mean = torch.empty(m, dtype=torch.float32, device=x.device)
-    rstd = torch.empty(m, dtype=torch.float32, device=x.device)
-    if const:
-        _fk_const_kernel[(m,)](x, w, b, y, mean, rstd, m, n, eps, BLOCK_COLS=block, LOOPED=n > block,
-                               num_warps=warps, num_stages=stages)  # fmt: skip
-        return y
-    layer_norm._layer_norm_fwd_kernel[(m,)](x, w, b, y, mean, rstd, m, n, x.stride(0), eps, HAS_WEIGHT=True,
-                                            HAS_BIAS=True, BLOCK_COLS=block, ROWS=1, LOOPED=n > block,
-                                            num_warps=warps, num_stages=stages)  # fmt: skip
     return y
 
 
@@ -189,12 +166,12 @@ def check(device: str) -> None:
         for large_mean in (False, True):
             x, w, b = _inputs(5, n, device, large_mean)
             for name, fn in (("fk", fk_forward), ("one_reduce", one_reduce), ("two_reduce_1d", two_reduce_1d),
-                             ("three_pass", three_pass), ("fk_looped", fk_looped)):  # fmt: skip
-                args = () if name == "fk" else (32, 1, 3, n == 257) if name in ("three_pass", "fk_looped") else (1,)
+                             ("three_pass", three_pass)):  # fmt: skip
+                args = () if name == "fk" else (32, 1, 3, n == 257) if name == "three_pass" else (1,)
                 err = _error(fn(x, w, b, 1e-5, *args), x, w, b, 1e-5)
                 assert err < 2e-2, (name, n, large_mean, err)
     print(
-        "fk, one_reduce, two_reduce_1d, three_pass and fk_looped (width constant at 257): within 2e-2 of the float64 reference (bf16 out)"
+        "fk, one_reduce, two_reduce_1d and three_pass (width constant at 257): within 2e-2 of the float64 reference (bf16 out)"
     )
 
 
@@ -238,14 +215,14 @@ def timings(args: argparse.Namespace, copy: float) -> None:
 
 
 def wide_sweep(copy: float, n: int = 32768) -> None:
-    """At ``n`` columns: Inductor's three passes and fk's looped kernel over tile widths and warps,
+    """At ``n`` columns: Inductor's three passes over tile widths and warps,
     then fk against a fresh torch.compile at 8192-32768 columns, with bf16 parameters (bench_norms') and
     with fp32 ones."""
     x, w, b = _inputs(ROWS, n, "cuda", False)
     share = lambda ms: bench.tbps(4 * ROWS * n, ms) / copy  # noqa: E731
     print(f"-- H = {n}: column tiles (ms, share of copy), bf16 weight and bias; the width an argument, and a constant")
-    print("   (Triton's 3 stages against 1 changed no time by more than 0.6% in this probe's fourth run)")
-    for name, fn in (("three_pass", three_pass), ("fk_looped", fk_looped)):
+    print("   (Triton's 3 stages against 1 changed no time by more than 0.6%: layer_norm_forward_stages_h200.txt)")
+    for name, fn in (("three_pass", three_pass),):
         for block in (4096, 8192, 16384):
             for const in (False, True):
                 times = {warps: bench.time_ms(functools.partial(fn, x, w, b, 1e-5, block, warps, 3, const), rep=20,
@@ -272,7 +249,7 @@ def dtype_sweep(copy: float) -> None:
     and a fresh torch.compile, with fp32 parameters (bf16 and fp32 x) at 4096-32768 columns."""
     print("-- fp32 weight and bias: fk's forward as committed, three_pass (width a constant) by block and warps,")
     print("   torch.compile; ms and share of copy (x and y bytes only)")
-    for width in (4096, 8192, 16384, 32768):
+    for width in (1024, 2048, 4096, 8192, 16384, 32768):
         for x_dtype in (torch.bfloat16, torch.float32):
             x, w, b = _inputs(ROWS, width, "cuda", False)
             x, w, b = x.to(x_dtype), w.float(), b.float()
@@ -282,9 +259,9 @@ def dtype_sweep(copy: float) -> None:
             compiled(x, w, b)
             times = {"fk": bench.time_ms(functools.partial(fk_forward, x, w, b, 1e-5), rep=20, gpu_only=True),
                      "torch.compile": bench.time_ms(functools.partial(compiled, x, w, b), rep=20, gpu_only=True)}  # fmt: skip
-            for block in (2048, 4096, 8192):
-                for warps in (8, 16, 32):
-                    if block <= width:
+            for block in (1024, 2048, 4096, 8192):
+                for warps in (4, 8, 16, 32):
+                    if block <= width and block // (32 * warps) >= 2:
                         fn = functools.partial(three_pass, x, w, b, 1e-5, block, warps, 3, True)
                         times[f"{block}/{warps}"] = bench.time_ms(fn, rep=20, gpu_only=True)
             best = min((k for k in times if "/" in k), key=times.__getitem__)

@@ -17,7 +17,10 @@ from fk.core import testing
 WIDTHS = [1024, 2048, 4096, 8192, 16384, 32768]
 LN_FWD = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16", "mean_ptr": "*fp32",
           "rstd_ptr": "*fp32", "n_rows": "i32", "n_cols": "i32", "x_row_stride": "i32", "eps": "fp32",
-          "HAS_WEIGHT": "", "HAS_BIAS": "", "BLOCK_COLS": "", "ROWS": "", "LOOPED": ""}  # fmt: skip
+          "HAS_WEIGHT": "", "HAS_BIAS": "", "BLOCK_COLS": "", "ROWS": ""}  # fmt: skip
+LN_FWD_WIDE = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16", "mean_ptr": "*fp32",
+               "rstd_ptr": "*fp32", "x_row_stride": "i32", "eps": "fp32", "N_COLS": "", "HAS_WEIGHT": "",
+               "HAS_BIAS": "", "BLOCK_COLS": ""}  # fmt: skip
 RMS_FWD = {"x_ptr": "*bf16", "residual_ptr": "*bf16", "residual_out_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16",
            "rstd_ptr": "*fp32", "n_rows": "i32", "n_cols": "i32", "x_row_stride": "i32", "residual_row_stride": "i32",
            "residual_out_row_stride": "i32", "eps": "fp32", "offset": "fp32", "HAS_RESIDUAL": "", "HAS_WEIGHT": "",
@@ -35,16 +38,25 @@ def line(what: str, width: int, tiling: object, compiled: testing.CompiledKernel
 
 def main() -> None:
     print("bf16, weight (and bias); compiled for sm_90; registers and spill stores a thread (ptxas -v)")
-    for op, signature, flags in (("layer_norm", LN_FWD, {"HAS_WEIGHT": True, "HAS_BIAS": True}),
-                                 ("rms_norm", RMS_FWD, {"HAS_RESIDUAL": False, "HAS_WEIGHT": True, "GEMMA": False})):  # fmt: skip
-        module = importlib.import_module(f"fk.norms.{op}")
-        for width in WIDTHS:
-            t = module._fwd_tiling(width)
-            constexprs = {**flags, "BLOCK_COLS": t.block_cols, "ROWS": t.rows_per_tile, "LOOPED": t.looped}
-            compiled = testing.compile_kernel(f"fk.norms.{op}", f"_{op}_fwd_kernel", signature, constexprs,
-                                              num_warps=t.num_warps)  # fmt: skip
-            print(line(f"{op} forward", width, t, compiled), flush=True)
     ln = importlib.import_module("fk.norms.layer_norm")
+    for width in WIDTHS:  # LayerNorm's forward: one tile, or three passes (WIDE_FORWARD)
+        t = ln._fwd_tiling(width)
+        flags = {"HAS_WEIGHT": True, "HAS_BIAS": True, "BLOCK_COLS": t.block_cols}
+        if t.looped:
+            compiled = testing.compile_kernel("fk.norms.layer_norm", "_layer_norm_fwd_wide_kernel", LN_FWD_WIDE,
+                                              {**flags, "N_COLS": width}, num_warps=t.num_warps)  # fmt: skip
+        else:
+            compiled = testing.compile_kernel("fk.norms.layer_norm", "_layer_norm_fwd_kernel", LN_FWD,
+                                              {**flags, "ROWS": t.rows_per_tile}, num_warps=t.num_warps)  # fmt: skip
+        print(line("layer_norm forward", width, t, compiled), flush=True)
+    rms = importlib.import_module("fk.norms.rms_norm")
+    for width in WIDTHS:
+        t = rms._fwd_tiling(width)
+        constexprs = {"HAS_RESIDUAL": False, "HAS_WEIGHT": True, "GEMMA": False, "BLOCK_COLS": t.block_cols,
+                      "ROWS": t.rows_per_tile, "LOOPED": t.looped}  # fmt: skip
+        compiled = testing.compile_kernel("fk.norms.rms_norm", "_rms_norm_fwd_kernel", RMS_FWD, constexprs,
+                                          num_warps=t.num_warps)  # fmt: skip
+        print(line("rms_norm forward", width, t, compiled), flush=True)
     for trainable in (False, True):
         for width in WIDTHS:
             if trainable and width >= ln.BACKWARD.strips_min_cols:

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from fk.core import testing
 from fk.core.testing import AWKWARD_ROWS, AWKWARD_WIDTHS, DTYPES, WIDE_WIDTHS, dtype_name
 from fk.norms import LayerNorm, layer_norm, layer_norm_ref
-from fk.norms.layer_norm import BACKWARD, _bwd_tiling, partial_rows
+from fk.norms.layer_norm import BACKWARD, _bwd_tiling, _fwd_tiling, partial_rows
 from fk.norms.norm_strips import launch_strips_backward, strip_grid
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -78,12 +78,48 @@ def test_wide_rows_match_reference(device: str, dtype: torch.dtype, width: int) 
     testing.compare_with_reference(_fk(), _ref(), args, arg_names=NAMES)
 
 
-@pytest.mark.parametrize("width", [1000, 40000])  # one tile, and the forward's looped path
+@pytest.mark.parametrize("width", [1000, 40000])  # one tile, and the forward's three passes
 def test_large_mean_small_spread(device: str, width: int) -> None:
     # |mean| >> std: a variance taken as E[x^2] - E[x]^2 in fp32 would lose most of its digits.
     x = testing.random_tensor((4, width), torch.float32, device, seed=21, scale=0.01, offset=300.0)
     x.requires_grad_(True)
     testing.compare_with_reference(_fk(), _ref(), [x])
+
+
+# One tile; then the three passes over one column tile, over several with the last one partial, and
+# over tiles of 4096 (WIDE_FORWARD.fp32_params).
+@pytest.mark.parametrize("width", [1000, 2048, 5000, 20000])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=dtype_name)
+def test_fp32_parameters_with_16_bit_input(device: str, dtype: torch.dtype, width: int) -> None:
+    # Mixed precision: 16-bit activations, fp32 weight and bias (master weights).
+    x = _inputs((3, width), dtype, device, seed=width)[0]
+    _, w, b = _inputs((3, width), torch.float32, device, seed=width + 1)
+    testing.compare_with_reference(_fk(), _ref(), [x, w, b], arg_names=NAMES)
+
+
+def test_forward_takes_three_passes_where_its_table_says() -> None:
+    # (x's element size, the parameters'): the widest one-tile row, then the three passes.
+    for sizes, widest in (((2, 2), 16384), ((2, 4), 1024), ((4, 4), 512), ((4, 2), 512)):
+        assert not _fwd_tiling(widest, *sizes).looped, sizes
+        tiling = _fwd_tiling(widest + 1, *sizes)
+        assert tiling.looped and tiling.rows_per_tile == 1, sizes
+    assert _fwd_tiling(5000, 2, 4).block_cols == 1024 and _fwd_tiling(40000, 2, 4).block_cols == 4096
+
+
+def test_wide_forward_loads_and_stores_vectors() -> None:
+    # Compiled for sm_90 on the CPU: the three passes read x, the weight and the bias as 16-byte
+    # vectors (with cache hints) and write y so; only the row's mean and rstd are single words.
+    signature = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16", "mean_ptr": "*fp32",
+                 "rstd_ptr": "*fp32", "x_row_stride": "i32", "eps": "fp32", "N_COLS": "", "HAS_WEIGHT": "",
+                 "HAS_BIAS": "", "BLOCK_COLS": ""}  # fmt: skip
+    constexprs = {"N_COLS": 40000, "HAS_WEIGHT": True, "HAS_BIAS": True, "BLOCK_COLS": 8192}
+    compiled = testing.compile_kernel("fk.norms.layer_norm", "_layer_norm_fwd_wide_kernel", signature, constexprs,
+                                      num_warps=32)  # fmt: skip
+    counts = compiled.memory_instructions
+    loads = [op for op in counts if op.startswith("ld.global")]
+    assert loads and all(op.endswith(".v4.b32") for op in loads), counts
+    assert counts.get("st.global.b32") == 2 and counts.get("st.global.v4.b32", 0) > 0, counts
+    assert compiled.spill_bytes == 0, compiled
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)

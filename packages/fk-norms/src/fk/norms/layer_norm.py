@@ -73,12 +73,13 @@ def layer_norm_ref(
 # BACKWARD.strips_min_cols on, with a weight gradient, take the two-pass backward of
 # fk.norms.norm_strips instead (the same math, with a = mean(g) and c = mean(g * xhat) summed first).
 #
-# The forward's looped path (rows wider than one tile, B = BLOCK_COLS < H) reads the row twice:
-# pass 1 sums d = x - K and d^2 over the column tiles, with the shift K the mean of the first tile;
-# then mean = K + mean(d) and var = mean(d^2) - mean(d)^2; pass 2 writes y. The shift keeps the
-# sums small (no E[x^2] - E[x]^2 cancellation when |mean| >> std), and it cannot be far off: by the
-# law of total variance var >= (B/H) (K - mean)^2, so mean(d)^2 <= (H/B) var and the subtraction
-# loses at most log2(H/B) bits (3 bits at H = 8B).
+# Rows too wide for one tile (WIDE_FORWARD says which) take _layer_norm_fwd_wide_kernel: three passes
+# over column tiles, as torch.compile's generated code does: the mean, the variance about it, then y.
+# The same two-pass statistics as the one-tile kernel's, so no E[x^2] - E[x]^2 cancellation when
+# |mean| >> std. The first two passes ask L2 to keep the row (evict_last), so that only the first
+# reads it from memory. The width is a compile-time constant there: its loops' trip counts and masks
+# known, Triton unrolls them, and the passes ran 0.52 against 0.63 ms at 32768 columns with the width
+# an argument (benchmarks/experiments/INDEX.md#layer_norm_forward_stats). One compilation per width.
 
 
 @triton.jit
@@ -95,66 +96,73 @@ def _layer_norm_fwd_kernel(
     eps,
     HAS_WEIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
-    BLOCK_COLS: tl.constexpr,
-    ROWS: tl.constexpr,  # rows per program (1 when LOOPED)
-    LOOPED: tl.constexpr,  # the row is wider than BLOCK_COLS: two passes over column tiles
+    BLOCK_COLS: tl.constexpr,  # >= n_cols: the whole row in one tile
+    ROWS: tl.constexpr,  # rows per program
 ):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_mask = rows < n_rows
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * x_row_stride
     y_rows = y_ptr + rows.to(tl.int64)[:, None] * n_cols
     cols = tl.arange(0, BLOCK_COLS)
-    if not LOOPED:
-        col_mask = cols < n_cols
-        mask = row_mask[:, None] & col_mask[None, :]
-        x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        mean = tl.sum(x, axis=1) / n_cols
-        centered = tl.where(mask, x - mean[:, None], 0.0)
-        rstd = tl.rsqrt(tl.sum(centered * centered, axis=1) / n_cols + eps)
-        tl.store(mean_ptr + rows, mean, mask=row_mask)
-        tl.store(rstd_ptr + rows, rstd, mask=row_mask)
-        y = centered * rstd[:, None]
+    col_mask = cols < n_cols
+    mask = row_mask[:, None] & col_mask[None, :]
+    x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    mean = tl.sum(x, axis=1) / n_cols
+    centered = tl.where(mask, x - mean[:, None], 0.0)
+    rstd = tl.rsqrt(tl.sum(centered * centered, axis=1) / n_cols + eps)
+    tl.store(mean_ptr + rows, mean, mask=row_mask)
+    tl.store(rstd_ptr + rows, rstd, mask=row_mask)
+    y = centered * rstd[:, None]
+    if HAS_WEIGHT:
+        y = y * tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    if HAS_BIAS:
+        y = y + tl.load(b_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_rows + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _layer_norm_fwd_wide_kernel(
+    x_ptr,  # [M, H] input, row stride x_row_stride, unit column stride
+    w_ptr,  # [H] weight (unused when HAS_WEIGHT is False)
+    b_ptr,  # [H] bias (unused when HAS_BIAS is False)
+    y_ptr,  # [M, H] output, contiguous
+    mean_ptr,  # [M] fp32 output
+    rstd_ptr,  # [M] fp32 output
+    x_row_stride,
+    eps,
+    N_COLS: tl.constexpr,  # H, a constant (see above)
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_COLS: tl.constexpr,  # the column tile each pass walks
+):
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * x_row_stride
+    y_row = y_ptr + row * N_COLS
+    cols = tl.arange(0, BLOCK_COLS)
+    total = tl.zeros([BLOCK_COLS], dtype=tl.float32)
+    for start in range(0, N_COLS, BLOCK_COLS):
+        c = start + cols
+        total += tl.load(x_row + c, mask=c < N_COLS, other=0.0, eviction_policy="evict_last").to(tl.float32)
+    mean = tl.sum(total, axis=0) / N_COLS
+    squares = tl.zeros([BLOCK_COLS], dtype=tl.float32)
+    for start in range(0, N_COLS, BLOCK_COLS):
+        c = start + cols
+        x = tl.load(x_row + c, mask=c < N_COLS, other=0.0, eviction_policy="evict_last").to(tl.float32)
+        centered = tl.where(c < N_COLS, x - mean, 0.0)
+        squares += centered * centered
+    rstd = tl.rsqrt(tl.sum(squares, axis=0) / N_COLS + eps)
+    tl.store(mean_ptr + row, mean)
+    tl.store(rstd_ptr + row, rstd)
+    for start in range(0, N_COLS, BLOCK_COLS):
+        c = start + cols
+        col_mask = c < N_COLS
+        x = tl.load(x_row + c, mask=col_mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        y = (x - mean) * rstd
         if HAS_WEIGHT:
-            y = y * tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+            y = y * tl.load(w_ptr + c, mask=col_mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
         if HAS_BIAS:
-            y = y + tl.load(b_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-        tl.store(y_rows + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
-    else:
-        # Pass 1: sums of d = x - K and d^2, with K the mean of the first tile (see above).
-        x = tl.load(x_rows + cols[None, :], mask=row_mask[:, None], other=0.0, eviction_policy="evict_last")
-        x = x.to(tl.float32)  # the first tile is full: n_cols > BLOCK_COLS
-        shift = tl.sum(x, axis=1) / BLOCK_COLS
-        d = tl.where(row_mask[:, None], x - shift[:, None], 0.0)
-        sum_d = d
-        sum_d2 = d * d
-        for start in range(BLOCK_COLS, n_cols, BLOCK_COLS):
-            c = start + cols
-            mask = row_mask[:, None] & (c < n_cols)[None, :]
-            # evict_last: keep the row in L2 for pass 2.
-            x = tl.load(x_rows + c[None, :], mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
-            d = tl.where(mask, x - shift[:, None], 0.0)
-            sum_d += d
-            sum_d2 += d * d
-        mean_d = tl.sum(sum_d, axis=1) / n_cols
-        var = tl.maximum(tl.sum(sum_d2, axis=1) / n_cols - mean_d * mean_d, 0.0)
-        mean = shift + mean_d
-        rstd = tl.rsqrt(var + eps)
-        tl.store(mean_ptr + rows, mean, mask=row_mask)
-        tl.store(rstd_ptr + rows, rstd, mask=row_mask)
-        # Pass 2 walks the tiles backwards: the ones pass 1 read last are likeliest in L2.
-        n_col_tiles = tl.cdiv(n_cols, BLOCK_COLS)
-        for back in range(0, n_col_tiles):
-            c = (n_col_tiles - 1 - back) * BLOCK_COLS + cols
-            col_mask = c < n_cols
-            mask = row_mask[:, None] & col_mask[None, :]
-            x = tl.load(x_rows + c[None, :], mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
-            # (x - K) - mean(d), not x - mean: the fp32 rounding of mean = K + mean(d) stays out of y.
-            y = ((x - shift[:, None]) - mean_d[:, None]) * rstd[:, None]
-            if HAS_WEIGHT:
-                y = y * tl.load(w_ptr + c, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-            if HAS_BIAS:
-                y = y + tl.load(b_ptr + c, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-            tl.store(y_rows + c[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+            y = y + tl.load(b_ptr + c, mask=col_mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+        tl.store(y_row + c, y.to(y_ptr.dtype.element_ty), mask=col_mask)
 
 
 @triton.jit
@@ -322,11 +330,68 @@ def _layer_norm_bwd_kernel(
 # (the norms section); benchmarks/tune_norms.py and tune_norm_backward.py sweep them on a GPU.
 
 FORWARD = ForwardParams(
-    max_block_cols=32768,  # at H=32768 one tile beat column tiles, unlike RMSNorm's (tune_norms.py)
+    max_block_cols=32768,  # the one-tile kernel's widest tile; WIDE_FORWARD says which rows take it
     min_tile=2048,  # against 4096 (INDEX.md#layer_norm_narrow_and_frozen_tune)
     elements_per_warp=512,
     max_warps=8,  # against 16 (INDEX.md#norm_forward_warps)
     few_warps_max_cols=16384,  # at H=32768, 16 warps stay faster (norm_forward_warps)
+)
+
+
+class WideLaunch(NamedTuple):
+    """The three-pass forward's launch for rows up to ``max_cols`` wide (and wider than the entry before)."""
+
+    max_cols: int
+    block_cols: int  # the column tile each pass walks
+    num_warps: int
+
+
+class WideForward(NamedTuple):
+    """Which rows the forward takes in three passes over column tiles (_layer_norm_fwd_wide_kernel)."""
+
+    one_tile_max_cols: int  # rows up to this wide take the one-tile kernel (FORWARD's tiling)
+    launches: tuple[WideLaunch, ...]  # wider rows: the first entry they fit (the last fits any)
+
+
+class WideForwardTables(NamedTuple):
+    """WideForward by the dtypes of x and of the parameters (one tile's registers grow with both)."""
+
+    half: WideForward  # 16-bit x; 16-bit parameters, or none
+    fp32_params: WideForward  # 16-bit x; an fp32 weight or bias (mixed precision's master weights)
+    fp32_x: WideForward  # fp32 (or fp64) x
+
+
+ANY_WIDTH = 1 << 62
+# GPU times at 16384 rows, each against torch.compile's in the same run
+# (benchmarks/experiments/INDEX.md#layer_norm_forward_stats).
+WIDE_FORWARD = WideForwardTables(
+    # One tile up to 16384 (93-95% of copy). At 32768 one tile holds one row an SM (128 registers a
+    # thread on 16 warps): 0.644 ms against the passes' 0.522, torch.compile's 0.544.
+    half=WideForward(one_tile_max_cols=16384, launches=(WideLaunch(ANY_WIDTH, 8192, 32),)),
+    # fp32 weight and bias double one tile's registers (122 a thread at 8192 columns) and took 1.2x
+    # the passes' time at 2048, 1.6x at 8192, 2.1x at 16384, 2.5x at 32768 (where it spilled).
+    fp32_params=WideForward(
+        one_tile_max_cols=1024,  # 0.0231 ms against the passes' best 0.0249
+        launches=(
+            WideLaunch(2048, 2048, 4),  # 0.0396 ms, one tile 0.0487
+            WideLaunch(8192, 1024, 8),  # 0.0688 and 0.1355 ms at 4096 and 8192
+            WideLaunch(16384, 2048, 16),  # 0.2699 ms
+            WideLaunch(ANY_WIDTH, 4096, 32),  # 0.5934 ms at 32768
+        ),
+    ),
+    # fp32 x (any parameters): the passes beat one tile from 1024 columns (0.0357 against 0.0374 ms)
+    # to 16384 (0.509 against 0.587); at 32768 both trail torch.compile (1.186 and 1.150 against 1.107).
+    fp32_x=WideForward(
+        one_tile_max_cols=512,
+        launches=(
+            WideLaunch(1024, 1024, 4),
+            WideLaunch(2048, 1024, 8),
+            WideLaunch(4096, 4096, 16),
+            WideLaunch(8192, 8192, 16),
+            WideLaunch(16384, 4096, 32),
+            WideLaunch(ANY_WIDTH, 8192, 32),
+        ),
+    ),
 )
 
 
@@ -420,8 +485,16 @@ BACKWARD_FROZEN = FrozenBackwardParams(
 
 
 @functools.lru_cache(maxsize=256)
-def _fwd_tiling(n_cols: int) -> RowTiling:
-    return forward_tiling(n_cols, FORWARD)
+def _fwd_tiling(n_cols: int, x_size: int = 2, param_size: int = 2) -> RowTiling:
+    """The forward's tiling for rows of ``n_cols`` elements of ``x_size`` bytes with parameters of
+    ``param_size`` bytes (2 without any): one tile, or ``looped`` for the three-pass kernel."""
+    table = WIDE_FORWARD.fp32_x if x_size >= 4 else WIDE_FORWARD.fp32_params if param_size >= 4 else WIDE_FORWARD.half
+    if n_cols <= table.one_tile_max_cols:
+        tiling = forward_tiling(n_cols, FORWARD)
+        if not tiling.looped:
+            return tiling
+    launch = next(entry for entry in table.launches if n_cols <= entry.max_cols)
+    return RowTiling(block_cols=launch.block_cols, looped=True, rows_per_tile=1, num_warps=launch.num_warps)
 
 
 def _widest(n_cols: int, compute_dw: bool) -> bool:
@@ -472,14 +545,21 @@ def _layer_norm_fwd(
     n_rows = x_rows.shape[0]
     if n_rows == 0:
         return y, mean, rstd
-    tiling = _fwd_tiling(n_cols)
-    grid = (cdiv(n_rows, tiling.rows_per_tile),)
-    _layer_norm_fwd_kernel[grid](
-        x_rows, weight if weight is not None else x_rows, bias if bias is not None else x_rows,
-        y, mean, rstd, n_rows, n_cols, x_rows.stride(0), eps,
+    param_size = max((p.element_size() for p in (weight, bias) if p is not None), default=2)
+    tiling = _fwd_tiling(n_cols, x.element_size(), param_size)
+    w_arg = weight if weight is not None else x_rows
+    b_arg = bias if bias is not None else x_rows
+    if tiling.looped:
+        _layer_norm_fwd_wide_kernel[(n_rows,)](
+            x_rows, w_arg, b_arg, y, mean, rstd, x_rows.stride(0), eps, N_COLS=n_cols,
+            HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, BLOCK_COLS=tiling.block_cols,
+            num_warps=tiling.num_warps,
+        )  # fmt: skip
+        return y, mean, rstd
+    _layer_norm_fwd_kernel[(cdiv(n_rows, tiling.rows_per_tile),)](
+        x_rows, w_arg, b_arg, y, mean, rstd, n_rows, n_cols, x_rows.stride(0), eps,
         HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
-        BLOCK_COLS=tiling.block_cols, ROWS=tiling.rows_per_tile, LOOPED=tiling.looped,
-        num_warps=tiling.num_warps,
+        BLOCK_COLS=tiling.block_cols, ROWS=tiling.rows_per_tile, num_warps=tiling.num_warps,
     )  # fmt: skip
     return y, mean, rstd
 
