@@ -78,7 +78,7 @@ def layer_norm_ref(
 # The same two-pass statistics as the one-tile kernel's, so no E[x^2] - E[x]^2 cancellation when
 # |mean| >> std. The first two passes ask L2 to keep the row (evict_last), so that only the first
 # reads it from memory. The width is a compile-time constant there: its loops' trip counts and masks
-# known, Triton unrolls them, and the passes ran 0.52 against 0.63 ms at 32768 columns with the width
+# known, Triton unrolls them, and the passes ran 0.52 against 0.61 ms at 32768 columns with the width
 # an argument (benchmarks/experiments/INDEX.md#layer_norm_forward_stats). One compilation per width.
 
 
