@@ -138,3 +138,24 @@ def test_several_terms_with_an_addend_on_the_first(device: str) -> None:
     testing.assert_close(got, add_masked_low_ranks_ref(dx, terms, addend), baseline, name="dx")
     on_second = add_masked_low_ranks_ref(dx, terms[::-1], addend)
     assert (got.double() - on_second).abs().max() > 1e-2
+
+
+def test_kernel_loads_and_stores_vectors() -> None:
+    # Compiled for sm_90 on the CPU at its launch for q, k and v (three terms, r = 16): dx, the masks,
+    # G and A read as 16-byte vectors, dx written so, nothing spilled.
+    from fk.lora import masked_low_rank
+
+    signature = {
+        "dx_ptr": "*bf16", "g_ptrs": ("*bf16",) * 3, "a_ptrs": ("*bf16",) * 3, "mask_ptrs": ("*i1",) * 3,
+        "ranks": ("i32",) * 3, "g_row_strides": ("i32",) * 3, "a_row_strides": ("i32",) * 3,
+        "mask_row_strides": ("i32",) * 3, "factors": ("fp32",) * 3, "addend_ptr": "*i1", "n_rows": "i32",
+        "n_cols": "i32", "dx_row_stride": "i32", "addend_row_stride": "i32", "N_TERMS": "", "HAS_ADDEND": "",
+        "BLOCK_ROWS": "", "BLOCK_COLS": "", "BLOCK_RANK": "",
+    }  # fmt: skip
+    constexprs = {"N_TERMS": 3, "HAS_ADDEND": False, "BLOCK_ROWS": masked_low_rank.BLOCK_ROWS,
+                  "BLOCK_COLS": masked_low_rank.BLOCK_COLS, "BLOCK_RANK": masked_low_rank.BLOCK_RANK}  # fmt: skip
+    compiled = testing.compile_kernel("fk.lora.masked_low_rank", "_add_masked_low_rank_kernel", signature, constexprs,
+                                      num_warps=masked_low_rank.NUM_WARPS)  # fmt: skip
+    counts = compiled.memory_instructions
+    assert counts and all(".v4." in op or ".v2." in op for op in counts), counts
+    assert compiled.spill_bytes == 0, compiled

@@ -380,12 +380,22 @@ from triton.compiler import ASTSource
 module, kernel, signature, constexprs, num_warps, capability = json.loads(sys.argv[1])
 fn = getattr(importlib.import_module(module), kernel)
 names = list(signature)
+types, attrs = {}, {}
+for i, name in enumerate(names):
+    if name in constexprs:
+        types[name] = "constexpr"
+        continue
+    # A tuple argument's type is a list of its elements' types (JSON has no tuples).
+    elements = signature[name] if isinstance(signature[name], list) else None
+    types[name] = tuple(elements) if elements is not None else signature[name]
+    for path, ty in ([((i, j), t) for j, t in enumerate(elements)] if elements is not None else [((i,), types[name])]):
+        if ty[0] in "*iu":
+            attrs[path] = [["tt.divisibility", 16]]
 source = ASTSource(
     fn=fn,
-    signature={name: "constexpr" if name in constexprs else signature[name] for name in names},
+    signature=types,
     constexprs={(names.index(name),): value for name, value in constexprs.items()},
-    attrs={(i,): [["tt.divisibility", 16]] for i, name in enumerate(names)
-           if name not in constexprs and signature[name][0] in "*iu"},
+    attrs=attrs,
 )
 ptx = triton.compile(source, target=GPUTarget("cuda", capability, 32), options={"num_warps": num_warps}).asm["ptx"]
 with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
@@ -418,7 +428,7 @@ class CompiledKernel:
 def compile_kernel(
     module: str,
     kernel: str,
-    signature: dict[str, str],
+    signature: dict[str, str | tuple[str, ...]],
     constexprs: dict[str, Any],
     *,
     num_warps: int,
@@ -429,9 +439,9 @@ def compile_kernel(
     vectorized, which Triton decides from what it can prove about masks and offsets), its registers
     and its spills. No GPU is needed: Triton's own compiler and ptxas run in a fresh interpreter with
     Triton's interpreter off. ``signature`` gives every argument's Triton type (``"*bf16"``,
-    ``"i32"``; anything for the names in ``constexprs``); pointers are taken as 16-byte aligned and
-    integers as multiples of 16, as Triton specializes them at launch (a width of 32768: yes; of
-    1000: no, which can change the code)."""
+    ``"i32"``, a tuple of them for a tuple argument; anything for the names in ``constexprs``);
+    pointers are taken as 16-byte aligned and integers as multiples of 16, as Triton specializes
+    them at launch (a width of 32768: yes; of 1000: no, which can change the code)."""
     import json
 
     arguments = json.dumps([module, kernel, signature, constexprs, num_warps, capability])
