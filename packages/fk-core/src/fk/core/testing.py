@@ -385,12 +385,14 @@ for i, name in enumerate(names):
     if name in constexprs:
         types[name] = "constexpr"
         continue
-    # A tuple argument's type is a list of its elements' types (JSON has no tuples).
-    elements = signature[name] if isinstance(signature[name], list) else None
-    types[name] = tuple(elements) if elements is not None else signature[name]
-    for path, ty in ([((i, j), t) for j, t in enumerate(elements)] if elements is not None else [((i,), types[name])]):
-        if ty[0] in "*iu":
-            attrs[path] = [["tt.divisibility", 16]]
+    ty = signature[name]
+    if isinstance(ty, list):  # a tuple argument: its elements' types (JSON has no tuples)
+        types[name] = tuple(ty)
+        paths = {(i, j): t for j, t in enumerate(ty)}
+    else:
+        types[name] = ty
+        paths = {(i,): ty}
+    attrs.update({path: [["tt.divisibility", 16]] for path, t in paths.items() if t[0] in "*iu"})
 source = ASTSource(
     fn=fn,
     signature=types,
