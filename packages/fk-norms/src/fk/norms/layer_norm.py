@@ -147,8 +147,9 @@ def _layer_norm_fwd_wide_kernel(
     squares = tl.zeros([BLOCK_COLS], dtype=tl.float32)
     for start in range(0, N_COLS, BLOCK_COLS):
         c = start + cols
-        x = tl.load(x_row + c, mask=c < N_COLS, other=0.0, eviction_policy="evict_last").to(tl.float32)
-        centered = tl.where(c < N_COLS, x - mean, 0.0)
+        col_mask = c < N_COLS
+        x = tl.load(x_row + c, mask=col_mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+        centered = tl.where(col_mask, x - mean, 0.0)
         squares += centered * centered
     rstd = tl.rsqrt(tl.sum(squares, axis=0) / N_COLS + eps)
     tl.store(mean_ptr + row, mean)
