@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from fk.core import testing
 from fk.core.testing import AWKWARD_ROWS, AWKWARD_WIDTHS, DTYPES, WIDE_WIDTHS, dtype_name
 from fk.norms import LayerNorm, layer_norm, layer_norm_ref
-from fk.norms.layer_norm import BACKWARD, _bwd_tiling, _fwd_tiling, partial_rows
+from fk.norms.layer_norm import BACKWARD, BACKWARD_FROZEN, _bwd_tiling, _fwd_tiling, partial_rows
 from fk.norms.norm_strips import launch_strips_backward, strip_grid
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -143,6 +143,18 @@ def test_widest_rows_several_at_a_time(
     assert tiling.looped and tiling.rows_per_tile > 1 and width % tiling.block_cols != 0
     rows = (2 * partial_rows(1 << 30, width, torch.device(device)) + 1) * tiling.rows_per_tile - 1
     args = _inputs((rows, width), dtype, device, seed=17, bias_grad=bias_grad)
+    testing.compare_with_reference(_fk(), _ref(), args, arg_names=NAMES)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
+def test_frozen_narrow_rows_several_tiles_a_program(device: str, dtype: torch.dtype) -> None:
+    # Weight and bias frozen, rows up to BACKWARD_FROZEN.narrow_cols: the backward's programs walk
+    # the tiles last first; here every program takes two tiles or more, the first of them partial.
+    width = BACKWARD_FROZEN.narrow_cols - 24
+    tiling = _bwd_tiling(width, False, False)
+    assert not tiling.looped and tiling.rows_per_tile > 1
+    rows = (2 * partial_rows(1 << 30, width, torch.device(device), False, False) + 1) * tiling.rows_per_tile - 1
+    args = _inputs((rows, width), dtype, device, seed=23, weight_grad=False, bias_grad=False)
     testing.compare_with_reference(_fk(), _ref(), args, arg_names=NAMES)
 
 

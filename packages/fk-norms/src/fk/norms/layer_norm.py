@@ -472,7 +472,10 @@ class FrozenBackwardParams(NamedTuple):
 BACKWARD_FROZEN = FrozenBackwardParams(
     programs_per_sm=8,  # against 2 (INDEX.md#layer_norm_narrow_and_frozen_tune)
     narrow_cols=1024,
-    narrow_programs_per_sm=32,  # against 4 (INDEX.md#norm_frozen_narrow_tune)
+    # One tile a program at 16384 rows of 1024 (8448 programs, 8192 tiles): 29.1 against 29.7 us for
+    # 32 an SM's persistent loop (INDEX.md#layer_norm_narrow_backward); 32 against 4 before
+    # (INDEX.md#norm_frozen_narrow_tune).
+    narrow_programs_per_sm=64,
     narrow_min_tile=2048,  # norm_frozen_narrow_tune
     min_tile=4096,
     elements_per_warp=512,
