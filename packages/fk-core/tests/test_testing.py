@@ -157,6 +157,8 @@ def test_compile_kernel_reads_memory_instructions_registers_and_spills() -> None
     assert any(op.startswith("ld.global.v") for op in counts), counts
     assert any(op.startswith("st.global") for op in counts), counts
     assert 16 <= compiled.registers <= 255 and compiled.spill_bytes == 0, compiled
+    # No tl.dot there: no matrix multiply-accumulate among its barriers and shared-memory accesses.
+    assert not any("mma" in op for op in compiled.sync_and_mma), compiled.sync_and_mma
     # A 16 x 1024 fp32 accumulator on one warp (512 values a thread) cannot stay in registers.
     huge = testing.compile_kernel(
         "fk.core.reduce", "_sum_rows_kernel", signature, {"BLOCK_ROWS": 16, "BLOCK_COLS": 1024}, num_warps=1

@@ -140,6 +140,27 @@ def test_several_terms_with_an_addend_on_the_first(device: str) -> None:
     assert (got.double() - on_second).abs().max() > 1e-2
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
+def test_more_terms_than_one_launch_takes(device: str, dtype: torch.dtype) -> None:
+    # Five terms (TERMS_PER_LAUNCH is 3: two launches), the addend on the first only.
+    from fk.lora.masked_low_rank import TERMS_PER_LAUNCH
+
+    n_terms = TERMS_PER_LAUNCH + 2
+    dx = testing.random_tensor((45, 200), dtype, device, seed=3)
+    terms = _terms(45, 200, [16, 8, 16, 33, 16][:n_terms], dtype, device)
+    addend = testing.random_tensor((45, 200), dtype, device, seed=9)
+    got = add_masked_low_ranks_(dx.clone(), terms, addend)
+    baseline = dx + masked(addend, terms[0].mask, terms[0].factor)
+    for g, a, mask, f in terms:
+        baseline += masked(torch.mm(g, a), mask, f)
+    testing.assert_close(got, add_masked_low_ranks_ref(dx, terms, addend), baseline, name="dx")
+    for left_out in (0, TERMS_PER_LAUNCH, n_terms - 1):  # a term of each launch counts
+        fewer = add_masked_low_ranks_ref(dx, [t for i, t in enumerate(terms) if i != left_out], addend)
+        assert (got.double() - fewer).abs().max() > 1e-2
+    moved = add_masked_low_ranks_ref(dx, terms[1:] + terms[:1], addend)  # the addend on another term
+    assert (got.double() - moved).abs().max() > 1e-2
+
+
 def test_kernel_loads_and_stores_vectors() -> None:
     # Compiled for sm_90 on the CPU at its launch for q, k and v (three terms, r = 16): dx, the masks,
     # G and A read as 16-byte vectors, dx written so, nothing spilled.
@@ -150,10 +171,10 @@ def test_kernel_loads_and_stores_vectors() -> None:
         "ranks": ("i32",) * 3, "g_row_strides": ("i32",) * 3, "a_row_strides": ("i32",) * 3,
         "mask_row_strides": ("i32",) * 3, "factors": ("fp32",) * 3, "addend_ptr": "*i1", "n_rows": "i32",
         "n_cols": "i32", "dx_row_stride": "i32", "addend_row_stride": "i32", "N_TERMS": "", "HAS_ADDEND": "",
-        "BLOCK_ROWS": "", "BLOCK_COLS": "", "BLOCK_RANK": "",
+        "BLOCK_ROWS": "", "BLOCK_COLS": "", "BLOCK_RANK": "", "RANK_STEPS": "",
     }  # fmt: skip
     constexprs = {"N_TERMS": 3, "HAS_ADDEND": False, "BLOCK_ROWS": masked_low_rank.BLOCK_ROWS,
-                  "BLOCK_COLS": masked_low_rank.BLOCK_COLS, "BLOCK_RANK": masked_low_rank.BLOCK_RANK}  # fmt: skip
+                  "BLOCK_COLS": masked_low_rank.BLOCK_COLS, "BLOCK_RANK": masked_low_rank.BLOCK_RANK, "RANK_STEPS": 1}  # fmt: skip
     compiled = testing.compile_kernel("fk.lora.masked_low_rank", "_add_masked_low_rank_kernel", signature, constexprs,
                                       num_warps=masked_low_rank.NUM_WARPS)  # fmt: skip
     counts = compiled.memory_instructions

@@ -408,6 +408,8 @@ with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
                            capture_output=True, text=True, check=True).stderr
 print(json.dumps({
     "memory_instructions": collections.Counter(re.findall(r"\\b(?:ld|st)\\.global(?:\\.[a-zA-Z0-9_:]+)*", ptx)),
+    "sync_and_mma": collections.Counter(
+        re.findall(r"\\b(?:bar\\.sync|ld\\.shared|st\\.shared|ldmatrix|stmatrix|mma\\.sync|wgmma\\.mma_async)\\b", ptx)),
     "registers": int(re.search(r"Used (\\d+) registers", usage).group(1)),
     "spill_bytes": int(re.search(r"(\\d+) bytes spill stores", usage).group(1)),
 }))
@@ -421,6 +423,10 @@ class CompiledKernel:
     memory_instructions: dict[str, int]
     """How often each global load and store instruction (``ld.global.v4.b32``, ``st.global.b16``,
     ...) occurs in its PTX."""
+    sync_and_mma: dict[str, int]
+    """How often each barrier (``bar.sync``), shared-memory access (``ld.shared``, ``st.shared``,
+    ``ldmatrix``, ``stmatrix``) and matrix multiply-accumulate (``mma.sync``, ``wgmma.mma_async``)
+    occurs in its PTX: the layout conversions and tensor-core work of a kernel with ``tl.dot``."""
     registers: int
     """Registers a thread (ptxas)."""
     spill_bytes: int

@@ -142,10 +142,11 @@ MAX_RANK = 64
 
 # By the projections' padded rank: the accumulators (3 x rank x block_cols fp32) stay at 12288
 # elements or fewer, beside an x tile and a mask tile in flight. A few programs per multiprocessor
-# keep the reads of x and the masks going. Rank 16: the fastest of an H200 sweep
-# (benchmarks/experiments/INDEX.md#masked_dropout_tune); 32 and 64 are first guesses.
+# keep the reads of x and the masks going. Rank 16: the fastest of an H200 sweep of 72 launches at
+# q/k/v's three terms and at one (0.128 and 0.071 ms against 0.136 and 0.084 for 32 x 256 on 4
+# warps, 4 an SM; benchmarks/experiments/INDEX.md#masked_dropout_kernels); 32 and 64 are first guesses.
 LAUNCH = {
-    16: LaunchParams(block_rows=32, block_cols=256, num_warps=4, programs_per_sm=4),
+    16: LaunchParams(block_rows=16, block_cols=128, num_warps=2, programs_per_sm=8),
     32: LaunchParams(block_rows=64, block_cols=128, num_warps=8, programs_per_sm=4),
     64: LaunchParams(block_rows=64, block_cols=64, num_warps=8, programs_per_sm=4),
 }

@@ -14,8 +14,8 @@ Math, per element: ``dx[i, j] += f * m[i, j] * (t[i, j] + sum_k G[i, k] A[k, j])
 optional ``[M, K]`` term that the same mask and factor apply to (DoRA's ``dy_ms1 W``, the gradient
 that reaches the dropped input through ``zd``), read in the same pass; summed in fp32, rounded once.
 Projections that share an input (q, k and v; gate and up) each add such a term, with their own
-mask, to the same ``dx``: one launch takes them all (``dx += sum_t f_t m_t (G_t A_t)``), so ``dx``
-is read and written once, not once per projection.
+mask, to the same ``dx``: one launch takes up to three of them (``dx += sum_t f_t m_t (G_t A_t)``),
+so ``dx`` is read and written once, not once per projection.
 There is no backward: this runs inside fk.lora's backward.
 
 This file holds the reference, the kernel, and :func:`add_masked_low_ranks_` (any number of terms)
@@ -83,6 +83,24 @@ def masked(t: torch.Tensor, mask: torch.Tensor, factor: float) -> torch.Tensor:
 
 
 @triton.jit
+def _low_rank_tile(g_ptr, a_ptr, rank, g_row_stride, a_row_stride, rows, cols, row_ok, col_ok,
+                   BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr, BLOCK_RANK: tl.constexpr,
+                   RANK_STEPS: tl.constexpr):  # fmt: skip
+    """``G A`` over one tile of dx, fp32: the rank in ``RANK_STEPS`` steps of ``BLOCK_RANK``, padded
+    with zeros. (Unrolled: a loop over the rank took a third more registers, and spilled on 2 warps.)"""
+    product = tl.zeros((BLOCK_ROWS, BLOCK_COLS), dtype=tl.float32)
+    for step in tl.static_range(RANK_STEPS):
+        ks = step * BLOCK_RANK + tl.arange(0, BLOCK_RANK)
+        k_ok = ks < rank
+        g = tl.load(g_ptr + rows[:, None] * g_row_stride + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
+        a = tl.load(a_ptr + ks[:, None].to(tl.int64) * a_row_stride + cols[None, :], mask=k_ok[:, None] & col_ok[None, :], other=0.0)  # fmt: skip
+        # Exact products summed in fp32, as torch.mm forms them (16-bit operands on the tensor cores:
+        # IEEE fp32 FMAs, r * terms an element, made this pass compute-bound on an H200).
+        product += exact_dot(g, a)
+    return product
+
+
+@triton.jit
 def _add_masked_low_rank_kernel(
     dx_ptr,  # [M, K], updated in place
     g_ptrs,  # a tuple, one [M, r_t] per term
@@ -98,42 +116,54 @@ def _add_masked_low_rank_kernel(
     n_cols,
     dx_row_stride,
     addend_row_stride,
-    N_TERMS: tl.constexpr,
+    N_TERMS: tl.constexpr,  # 1 to TERMS_PER_LAUNCH
     HAS_ADDEND: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
     BLOCK_RANK: tl.constexpr,
+    RANK_STEPS: tl.constexpr,  # the widest rank of the launch, in steps of BLOCK_RANK
 ):
     rows, cols, row_ok, col_ok = grid_tile(n_rows, n_cols, BLOCK_ROWS, BLOCK_COLS)
     ok = row_ok[:, None] & col_ok[None, :]
-    total = tl.zeros((BLOCK_ROWS, BLOCK_COLS), dtype=tl.float32)
-    for t in tl.static_range(N_TERMS):
-        product = tl.zeros((BLOCK_ROWS, BLOCK_COLS), dtype=tl.float32)
-        for k0 in range(0, ranks[t], BLOCK_RANK):  # the rank, padded to BLOCK_RANK with zeros
-            ks = k0 + tl.arange(0, BLOCK_RANK)
-            k_ok = ks < ranks[t]
-            g = tl.load(g_ptrs[t] + rows[:, None] * g_row_strides[t] + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
-            a = tl.load(a_ptrs[t] + ks[:, None].to(tl.int64) * a_row_strides[t] + cols[None, :], mask=k_ok[:, None] & col_ok[None, :], other=0.0)  # fmt: skip
-            # Exact products summed in fp32, as torch.mm forms them (16-bit operands on the tensor cores:
-            # IEEE fp32 FMAs, r * terms an element, made this pass compute-bound on an H200).
-            product += exact_dot(g, a)
-        if HAS_ADDEND and t == 0:
-            addend = tl.load(addend_ptr + rows[:, None] * addend_row_stride + cols[None, :], mask=ok, other=0.0)
-            product += addend.to(tl.float32)
-        keep = tl.load(mask_ptrs[t] + rows[:, None] * mask_row_strides[t] + cols[None, :], mask=ok, other=0)
-        total += tl.where(keep != 0, product * factors[t], 0.0)
+    # Every [M, K] tile is loaded before any product is formed, so that all of its reads are in
+    # flight at once (loaded term by term, after each product, the pass ran at 45% of copy for
+    # q/k/v, 68% so: INDEX.md#masked_dropout_kernels).
     dx_at = dx_ptr + rows[:, None] * dx_row_stride + cols[None, :]
-    dx = tl.load(dx_at, mask=ok, other=0.0).to(tl.float32) + total
-    tl.store(dx_at, round_to(dx, dx_ptr.dtype.element_ty), mask=ok)
+    total = tl.load(dx_at, mask=ok, other=0.0).to(tl.float32)
+    keep0 = tl.load(mask_ptrs[0] + rows[:, None] * mask_row_strides[0] + cols[None, :], mask=ok, other=0)
+    keep1 = keep0
+    keep2 = keep0
+    if N_TERMS > 1:
+        keep1 = tl.load(mask_ptrs[1] + rows[:, None] * mask_row_strides[1] + cols[None, :], mask=ok, other=0)
+    if N_TERMS > 2:
+        keep2 = tl.load(mask_ptrs[2] + rows[:, None] * mask_row_strides[2] + cols[None, :], mask=ok, other=0)
+    addend = keep0
+    if HAS_ADDEND:
+        addend = tl.load(addend_ptr + rows[:, None] * addend_row_stride + cols[None, :], mask=ok, other=0.0)
+    product0 = _low_rank_tile(g_ptrs[0], a_ptrs[0], ranks[0], g_row_strides[0], a_row_strides[0], rows, cols, row_ok, col_ok, BLOCK_ROWS, BLOCK_COLS, BLOCK_RANK, RANK_STEPS)  # fmt: skip
+    if HAS_ADDEND:
+        product0 += addend.to(tl.float32)
+    total += tl.where(keep0 != 0, product0 * factors[0], 0.0)
+    if N_TERMS > 1:
+        product1 = _low_rank_tile(g_ptrs[1], a_ptrs[1], ranks[1], g_row_strides[1], a_row_strides[1], rows, cols, row_ok, col_ok, BLOCK_ROWS, BLOCK_COLS, BLOCK_RANK, RANK_STEPS)  # fmt: skip
+        total += tl.where(keep1 != 0, product1 * factors[1], 0.0)
+    if N_TERMS > 2:
+        product2 = _low_rank_tile(g_ptrs[2], a_ptrs[2], ranks[2], g_row_strides[2], a_row_strides[2], rows, cols, row_ok, col_ok, BLOCK_ROWS, BLOCK_COLS, BLOCK_RANK, RANK_STEPS)  # fmt: skip
+        total += tl.where(keep2 != 0, product2 * factors[2], 0.0)
+    tl.store(dx_at, round_to(total, dx_ptr.dtype.element_ty), mask=ok)
 
+
+TERMS_PER_LAUNCH = 3
+"""Terms one launch takes (q, k and v): their masks are all loaded first; more are split into launches."""
 
 # Tile of dx per program, and the rank step (tl.dot's smallest). The work is a pass over dx and the
-# masks; the G's and A's are rank-sized and come from L2 for every tile. 32 x 128 on 4 warps: the
-# fastest of an H200 sweep (benchmarks/experiments/INDEX.md#masked_dropout_tune), one term or three.
+# masks; the G's and A's are rank-sized and come from L2 for every tile. 32 x 128 on 2 warps: the
+# fastest of an H200 sweep at q/k/v's three terms (0.175 ms against 0.266 for the kernel before on
+# 4 warps), and within 3% of the fastest with one (benchmarks/experiments/INDEX.md#masked_dropout_kernels).
 BLOCK_ROWS = 32
 BLOCK_COLS = 128
 BLOCK_RANK = 16
-NUM_WARPS = 4
+NUM_WARPS = 2
 
 
 def add_masked_low_ranks_(
@@ -144,7 +174,8 @@ def add_masked_low_ranks_(
 
     ``dx`` and ``addend`` ``[M, K]``, each term's ``g`` ``[M, r]`` and ``a`` ``[r, K]`` in ``dx``'s
     dtype, its ``mask`` ``[M, K]`` bool. On Triton's path (outside ``torch.compile``) one kernel for
-    all the terms: ``dx`` read and written once, the sum in fp32, rounded once. Elsewhere, and
+    every :data:`TERMS_PER_LAUNCH` terms: ``dx`` read and written once a launch, the sum in fp32,
+    rounded once a launch. Elsewhere, and
     where ``dx`` cannot be written as rows in place, per term a matmul, :func:`masked` and an add
     (each term rounded to the dtype).
     """
@@ -155,17 +186,20 @@ def add_masked_low_ranks_(
                 dx.add_(masked(addend, mask, factor))
             dx.add_(masked(torch.mm(g, a), mask, factor))
         return dx
-    gs, as_, masks = (tuple(as_rows(getattr(t, name)) for t in terms) for name in ("g", "a", "mask"))
-    addend_rows = as_rows(addend) if addend is not None else masks[0]
     n_rows, n_cols = dx_rows.shape
     grid = (cdiv(n_rows, BLOCK_ROWS), cdiv(n_cols, BLOCK_COLS))
-    _add_masked_low_rank_kernel[grid](
-        dx_rows, gs, as_, masks, tuple(g.shape[1] for g in gs), tuple(g.stride(0) for g in gs),
-        tuple(a.stride(0) for a in as_), tuple(m.stride(0) for m in masks), tuple(float(t.factor) for t in terms),
-        addend_rows, n_rows, n_cols, dx_rows.stride(0), addend_rows.stride(0),
-        N_TERMS=len(terms), HAS_ADDEND=addend is not None, BLOCK_ROWS=BLOCK_ROWS, BLOCK_COLS=BLOCK_COLS,
-        BLOCK_RANK=BLOCK_RANK, num_warps=NUM_WARPS,
-    )  # fmt: skip
+    for first in range(0, len(terms), TERMS_PER_LAUNCH):
+        launch = terms[first : first + TERMS_PER_LAUNCH]
+        gs, as_, masks = (tuple(as_rows(getattr(t, name)) for t in launch) for name in ("g", "a", "mask"))
+        has_addend = addend is not None and first == 0
+        addend_rows = as_rows(addend) if has_addend else masks[0]
+        _add_masked_low_rank_kernel[grid](
+            dx_rows, gs, as_, masks, tuple(g.shape[1] for g in gs), tuple(g.stride(0) for g in gs),
+            tuple(a.stride(0) for a in as_), tuple(m.stride(0) for m in masks), tuple(float(t.factor) for t in launch),
+            addend_rows, n_rows, n_cols, dx_rows.stride(0), addend_rows.stride(0),
+            N_TERMS=len(launch), HAS_ADDEND=has_addend, BLOCK_ROWS=BLOCK_ROWS, BLOCK_COLS=BLOCK_COLS,
+            BLOCK_RANK=BLOCK_RANK, RANK_STEPS=cdiv(max(g.shape[1] for g in gs), BLOCK_RANK), num_warps=NUM_WARPS,
+        )  # fmt: skip
     return dx
 
 
