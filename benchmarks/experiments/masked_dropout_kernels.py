@@ -21,17 +21,17 @@ Registers and barriers, compiled for sm_90 on the CPU:  python ... --ptx
 from __future__ import annotations
 
 import argparse
-import collections
 import itertools
-import re
-import subprocess
-import tempfile
+import os
+import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
 
+from fk.core import testing
 from fk.core.launch import cdiv, column_strip_grid
 from fk.core.reduce import sum_rows
 from fk.core.tiles import exact_dot, grid_tile, round_to
@@ -44,17 +44,6 @@ RANK = 16  # BLOCK_RANK: the variants take r <= 16 (one rank step)
 
 
 # --- dx: loads first -------------------------------------------------------------------------------
-
-
-@triton.jit
-def _low_rank_tile(g_ptr, a_ptr, rank, g_row_stride, a_row_stride, rows, cols, row_ok, col_ok,
-                   BLOCK_RANK: tl.constexpr):  # fmt: skip
-    ks = tl.arange(0, BLOCK_RANK)
-    k_ok = ks < rank
-    g = tl.load(g_ptr + rows[:, None] * g_row_stride + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-    a = tl.load(a_ptr + ks[:, None].to(tl.int64) * a_row_stride + cols[None, :], mask=k_ok[:, None] & col_ok[None, :],
-                other=0.0)  # fmt: skip
-    return exact_dot(g, a)
 
 
 @triton.jit
@@ -73,13 +62,13 @@ def _dx_loads_first_kernel(dx_ptr, g_ptrs, a_ptrs, mask_ptrs, ranks, g_row_strid
     if N_TERMS > 2:
         keep2 = tl.load(mask_ptrs[2] + rows[:, None] * mask_row_strides[2] + cols[None, :], mask=ok, other=0)
     total = dx.to(tl.float32)
-    p0 = _low_rank_tile(g_ptrs[0], a_ptrs[0], ranks[0], g_row_strides[0], a_row_strides[0], rows, cols, row_ok, col_ok, BLOCK_RANK)  # fmt: skip
+    p0 = masked_low_rank._low_rank_tile(g_ptrs[0], a_ptrs[0], ranks[0], g_row_strides[0], a_row_strides[0], rows, cols, row_ok, col_ok, BLOCK_ROWS, BLOCK_COLS, BLOCK_RANK, 1)  # fmt: skip
     total += tl.where(keep0 != 0, p0 * factors[0], 0.0)
     if N_TERMS > 1:
-        p1 = _low_rank_tile(g_ptrs[1], a_ptrs[1], ranks[1], g_row_strides[1], a_row_strides[1], rows, cols, row_ok, col_ok, BLOCK_RANK)  # fmt: skip
+        p1 = masked_low_rank._low_rank_tile(g_ptrs[1], a_ptrs[1], ranks[1], g_row_strides[1], a_row_strides[1], rows, cols, row_ok, col_ok, BLOCK_ROWS, BLOCK_COLS, BLOCK_RANK, 1)  # fmt: skip
         total += tl.where(keep1 != 0, p1 * factors[1], 0.0)
     if N_TERMS > 2:
-        p2 = _low_rank_tile(g_ptrs[2], a_ptrs[2], ranks[2], g_row_strides[2], a_row_strides[2], rows, cols, row_ok, col_ok, BLOCK_RANK)  # fmt: skip
+        p2 = masked_low_rank._low_rank_tile(g_ptrs[2], a_ptrs[2], ranks[2], g_row_strides[2], a_row_strides[2], rows, cols, row_ok, col_ok, BLOCK_ROWS, BLOCK_COLS, BLOCK_RANK, 1)  # fmt: skip
         total += tl.where(keep2 != 0, p2 * factors[2], 0.0)
     tl.store(dx_at, round_to(total, dx_ptr.dtype.element_ty), mask=ok)
 
@@ -247,63 +236,53 @@ def timings() -> None:
 # --- compiled for sm_90 on the CPU -----------------------------------------------------------------
 
 
-def _ptx_counts(fn: object, signature: dict, constexprs: dict, num_warps: int) -> str:  # type: ignore[type-arg]
-    from triton.backends.compiler import GPUTarget
-    from triton.backends.nvidia.compiler import get_ptxas
-    from triton.compiler import ASTSource
-
-    names = list(signature)
-    types, attrs = {}, {}
-    for i, name in enumerate(names):
-        if name in constexprs:
-            types[name] = "constexpr"
-            continue
-        ty = signature[name]
-        types[name] = ty
-        paths = {(i, j): t for j, t in enumerate(ty)} if isinstance(ty, tuple) else {(i,): ty}
-        attrs.update({path: [["tt.divisibility", 16]] for path, t in paths.items() if t[0] in "*iu"})
-    constants = {(names.index(n),): v for n, v in constexprs.items()}
-    source = ASTSource(fn=fn, signature=types, constexprs=constants, attrs=attrs)
-    ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}).asm["ptx"]
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
-        f.write(ptx)
-        f.flush()
-        usage = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", f.name, "-o", "/dev/null"],
-                               capture_output=True, text=True, check=True).stderr  # fmt: skip
-    ops = collections.Counter(re.findall(r"\b(?:bar\.sync|mma\.sync|wgmma\.mma_async|ld\.shared|st\.shared)\b", ptx))
-    regs = re.search(r"Used (\d+) registers", usage).group(1)  # type: ignore[union-attr]
-    spills = re.search(r"(\d+) bytes spill stores", usage).group(1)  # type: ignore[union-attr]
-    return f"{regs} registers, {spills} bytes spilled, {dict(sorted(ops.items()))}"
+def _ptx_counts(kernel: str, signature: dict, constexprs: dict, num_warps: int) -> str:  # type: ignore[type-arg]
+    module = "masked_dropout_kernels" if not kernel.startswith("fk.") else kernel.rsplit(".", 1)[0]
+    compiled = testing.compile_kernel(module, kernel.rsplit(".", 1)[-1], signature, constexprs, num_warps=num_warps)
+    ops = {
+        op: n
+        for op, n in compiled.sync_and_mma.items()
+        if op in ("bar.sync", "mma.sync", "wgmma.mma_async", "ld.shared", "st.shared")
+    }
+    return f"{compiled.registers} registers, {compiled.spill_bytes} bytes spilled, {dict(sorted(ops.items()))}"
 
 
 def ptx() -> None:
+    # compile_kernel imports the kernels in a fresh interpreter: this folder on its path.
+    here = str(Path(__file__).resolve().parent)
+    os.environ["PYTHONPATH"] = os.pathsep.join([here, *sys.path])
     three = lambda t: (t,) * 3  # noqa: E731
     dx_sig = {"dx_ptr": "*bf16", "g_ptrs": three("*bf16"), "a_ptrs": three("*bf16"), "mask_ptrs": three("*i1"),
               "ranks": three("i32"), "g_row_strides": three("i32"), "a_row_strides": three("i32"),
               "mask_row_strides": three("i32"), "factors": three("fp32")}  # fmt: skip
     module_sig = {**dx_sig, "addend_ptr": "*i1", "n_rows": "i32", "n_cols": "i32", "dx_row_stride": "i32",
                   "addend_row_stride": "i32", "N_TERMS": "", "HAS_ADDEND": "", "BLOCK_ROWS": "", "BLOCK_COLS": "",
-                  "BLOCK_RANK": ""}  # fmt: skip
+                  "BLOCK_RANK": "", "RANK_STEPS": ""}  # fmt: skip
     first_sig = {**dx_sig, "n_rows": "i32", "n_cols": "i32", "dx_row_stride": "i32", "N_TERMS": "", "BLOCK_ROWS": "",
                  "BLOCK_COLS": "", "BLOCK_RANK": ""}  # fmt: skip
-    for br, bc, nw in ((32, 128, 4), (16, 128, 2), (32, 64, 2), (16, 64, 1)):
+    for br, bc, nw in ((32, 128, 2), (32, 128, 4), (16, 128, 2), (32, 64, 2), (16, 64, 1)):
         tile = {"N_TERMS": 3, "BLOCK_ROWS": br, "BLOCK_COLS": bc, "BLOCK_RANK": RANK}
         print(
             f"dx 3 terms ({br}, {bc}, {nw}) module:     ",
-            _ptx_counts(masked_low_rank._add_masked_low_rank_kernel, module_sig, {**tile, "HAS_ADDEND": False}, nw),
+            _ptx_counts(
+                "fk.lora.masked_low_rank._add_masked_low_rank_kernel",
+                module_sig,
+                {**tile, "HAS_ADDEND": False, "RANK_STEPS": 1},
+                nw,
+            ),
         )
-        print(f"dx 3 terms ({br}, {bc}, {nw}) loads_first:", _ptx_counts(_dx_loads_first_kernel, first_sig, tile, nw))
+        print(f"dx 3 terms ({br}, {bc}, {nw}) loads_first:", _ptx_counts("_dx_loads_first_kernel", first_sig, tile, nw))
     a_sig = {"x_ptr": "*bf16", "gs_ptrs": three("*bf16"), "gs_row_strides": three("i32"), "mask_ptrs": three("*i1"),
              "mask_row_strides": three("i32"), "ranks": three("i32"), "rank_starts": three("i32"),
              "factors": three("fp32"), "partials_ptr": "*fp32", "n_rows": "i32", "n_cols": "i32", "n_ranks": "i32",
              "x_row_stride": "i32", "N_TERMS": "", "BLOCK_ROWS": "", "BLOCK_COLS": "", "BLOCK_RANK": ""}  # fmt: skip
-    for br, bc, nw in ((32, 256, 4), (32, 128, 4), (64, 128, 4), (32, 64, 2)):
+    for br, bc, nw in ((16, 128, 2), (32, 256, 4), (32, 128, 4), (64, 128, 4), (32, 64, 2)):
         tile = {"N_TERMS": 3, "BLOCK_ROWS": br, "BLOCK_COLS": bc, "BLOCK_RANK": RANK}
         print(
             f"dA 3 terms ({br}, {bc}, {nw}) module:    ",
-            _ptx_counts(masked_a_grad._masked_a_grads_kernel, a_sig, tile, nw),
+            _ptx_counts("fk.lora.masked_a_grad._masked_a_grads_kernel", a_sig, tile, nw),
         )
-        print(f"dA 3 terms ({br}, {bc}, {nw}) transposed:", _ptx_counts(_a_grads_transposed_kernel, a_sig, tile, nw))
+        print(f"dA 3 terms ({br}, {bc}, {nw}) transposed:", _ptx_counts("_a_grads_transposed_kernel", a_sig, tile, nw))
 
 
 def main() -> None:

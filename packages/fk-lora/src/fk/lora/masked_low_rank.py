@@ -191,14 +191,14 @@ def add_masked_low_ranks_(
     for first in range(0, len(terms), TERMS_PER_LAUNCH):
         launch = terms[first : first + TERMS_PER_LAUNCH]
         gs, as_, masks = (tuple(as_rows(getattr(t, name)) for t in launch) for name in ("g", "a", "mask"))
-        has_addend = addend is not None and first == 0
-        addend_rows = as_rows(addend) if has_addend else masks[0]
+        addend_rows = as_rows(addend) if addend is not None and first == 0 else None
         _add_masked_low_rank_kernel[grid](
             dx_rows, gs, as_, masks, tuple(g.shape[1] for g in gs), tuple(g.stride(0) for g in gs),
             tuple(a.stride(0) for a in as_), tuple(m.stride(0) for m in masks), tuple(float(t.factor) for t in launch),
-            addend_rows, n_rows, n_cols, dx_rows.stride(0), addend_rows.stride(0),
-            N_TERMS=len(launch), HAS_ADDEND=has_addend, BLOCK_ROWS=BLOCK_ROWS, BLOCK_COLS=BLOCK_COLS,
-            BLOCK_RANK=BLOCK_RANK, RANK_STEPS=cdiv(max(g.shape[1] for g in gs), BLOCK_RANK), num_warps=NUM_WARPS,
+            masks[0] if addend_rows is None else addend_rows, n_rows, n_cols, dx_rows.stride(0),
+            0 if addend_rows is None else addend_rows.stride(0), N_TERMS=len(launch),
+            HAS_ADDEND=addend_rows is not None, BLOCK_ROWS=BLOCK_ROWS, BLOCK_COLS=BLOCK_COLS, BLOCK_RANK=BLOCK_RANK,
+            RANK_STEPS=cdiv(max(g.shape[1] for g in gs), BLOCK_RANK), num_warps=NUM_WARPS,
         )  # fmt: skip
     return dx
 
