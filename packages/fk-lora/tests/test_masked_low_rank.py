@@ -183,3 +183,8 @@ def test_kernel_loads_and_stores_vectors() -> None:
     assert compiled.spill_bytes == 0, compiled
     # The rank products on the tensor cores (16-bit tl.dot), not as FMAs.
     assert compiled.sync_and_mma.get("mma.sync", 0) > 0, compiled.sync_and_mma
+    # A rank of 64 (four rank steps, unrolled) on the warps the launcher gives it: no spills either.
+    several = testing.compile_kernel("fk.lora.masked_low_rank", "_add_masked_low_rank_kernel", signature,
+                                     {**constexprs, "RANK_STEPS": 4},
+                                     num_warps=masked_low_rank.NUM_WARPS_SEVERAL_RANK_STEPS)  # fmt: skip
+    assert several.spill_bytes == 0, several

@@ -164,6 +164,9 @@ BLOCK_ROWS = 32
 BLOCK_COLS = 128
 BLOCK_RANK = 16
 NUM_WARPS = 2
+# Ranks above BLOCK_RANK take several unrolled rank steps, which spill on 2 warps (compiled for
+# sm_90 at three terms: 12 bytes a thread at two steps, 504 at sixteen) and nothing on 4.
+NUM_WARPS_SEVERAL_RANK_STEPS = 4
 
 
 def add_masked_low_ranks_(
@@ -192,13 +195,14 @@ def add_masked_low_ranks_(
         launch = terms[first : first + TERMS_PER_LAUNCH]
         gs, as_, masks = (tuple(as_rows(getattr(t, name)) for t in launch) for name in ("g", "a", "mask"))
         addend_rows = as_rows(addend) if addend is not None and first == 0 else None
+        rank_steps = cdiv(max(g.shape[1] for g in gs), BLOCK_RANK)
         _add_masked_low_rank_kernel[grid](
             dx_rows, gs, as_, masks, tuple(g.shape[1] for g in gs), tuple(g.stride(0) for g in gs),
             tuple(a.stride(0) for a in as_), tuple(m.stride(0) for m in masks), tuple(float(t.factor) for t in launch),
             masks[0] if addend_rows is None else addend_rows, n_rows, n_cols, dx_rows.stride(0),
             0 if addend_rows is None else addend_rows.stride(0), N_TERMS=len(launch),
             HAS_ADDEND=addend_rows is not None, BLOCK_ROWS=BLOCK_ROWS, BLOCK_COLS=BLOCK_COLS, BLOCK_RANK=BLOCK_RANK,
-            RANK_STEPS=cdiv(max(g.shape[1] for g in gs), BLOCK_RANK), num_warps=NUM_WARPS,
+            RANK_STEPS=rank_steps, num_warps=NUM_WARPS if rank_steps == 1 else NUM_WARPS_SEVERAL_RANK_STEPS,
         )  # fmt: skip
     return dx
 
