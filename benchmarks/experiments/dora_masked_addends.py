@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fk.core import bench
 from fk.core.launch import cdiv
 from fk.core.tiles import grid_tile, round_to
 from fk.lora import masked_low_rank
@@ -140,14 +141,7 @@ def timings() -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--check", action="store_true", help="tiny shapes, no timing (runs in the interpreter)")
-    args = parser.parse_args()
-    if args.check:
-        check("cuda" if torch.cuda.is_available() else "cpu")
-    else:
-        check("cuda")
-        timings()
+    bench.run_probe(argparse.ArgumentParser(), check, lambda args, copy: timings())
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fk.core import testing
+from fk.core import bench, testing
 from fk.core.launch import cdiv, column_strip_grid
 from fk.core.reduce import sum_rows
 from fk.core.tiles import exact_dot, grid_tile, round_to
@@ -287,16 +287,11 @@ def ptx() -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--check", action="store_true", help="tiny shapes, no timing (runs in the interpreter)")
-    parser.add_argument("--ptx", action="store_true", help="registers and barriers, compiled for sm_90")
-    args = parser.parse_args()
-    if args.ptx:
+    parser.add_argument("--ptx", action="store_true", help="registers and barriers, compiled for sm_90 (no GPU)")
+    if "--ptx" in sys.argv[1:]:
         ptx()
-    elif args.check:
-        check("cuda" if torch.cuda.is_available() else "cpu")
     else:
-        check("cuda")
-        timings()
+        bench.run_probe(parser, check, lambda args, copy: timings())
 
 
 if __name__ == "__main__":

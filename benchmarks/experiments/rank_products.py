@@ -32,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fk.core import bench
 from fk.core.launch import cdiv, column_strip_grid, multiprocessor_count
 from fk.core.reduce import sum_rows
 from fk.core.tiles import exact_dot, round_to
@@ -168,14 +169,7 @@ def timings() -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--check", action="store_true", help="tiny shapes, no timing (runs in the interpreter)")
-    args = parser.parse_args()
-    if args.check:
-        check("cuda" if torch.cuda.is_available() else "cpu")
-    else:
-        check("cuda")
-        timings()
+    bench.run_probe(argparse.ArgumentParser(), check, lambda args, copy: timings())
 
 
 if __name__ == "__main__":

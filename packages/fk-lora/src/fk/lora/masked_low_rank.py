@@ -131,7 +131,7 @@ def _add_masked_low_rank_kernel(
     dx_at = dx_ptr + rows[:, None] * dx_row_stride + cols[None, :]
     total = tl.load(dx_at, mask=ok, other=0.0).to(tl.float32)
     keep0 = tl.load(mask_ptrs[0] + rows[:, None] * mask_row_strides[0] + cols[None, :], mask=ok, other=0)
-    keep1 = keep0
+    keep1 = keep0  # (placeholders where there are fewer terms; read only under the same conditions)
     keep2 = keep0
     if N_TERMS > 1:
         keep1 = tl.load(mask_ptrs[1] + rows[:, None] * mask_row_strides[1] + cols[None, :], mask=ok, other=0)
