@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 
 from fk.core.testing import dtype_name
-from fk.core.tiles import exact_dot, load_row_tile
+from fk.core.tiles import exact_dot, exact_dot_add, load_row_tile
 
 
 @triton.jit
@@ -38,22 +38,34 @@ def test_load_row_tile_reads_its_rows_and_zeros_past_the_end(device: str, tile_o
 
 
 @triton.jit
-def _dot_kernel(a_ptr, b_ptr, out_ptr, M: tl.constexpr, K: tl.constexpr, N: tl.constexpr):
-    m, k, n = tl.arange(0, M), tl.arange(0, K), tl.arange(0, N)
-    a = tl.load(a_ptr + m[:, None] * K + k[None, :])
-    b = tl.load(b_ptr + k[:, None] * N + n[None, :])
-    tl.store(out_ptr + m[:, None] * N + n[None, :], exact_dot(a, b))
+def _dot_kernel(a_ptr, b_ptr, out_ptr, M: tl.constexpr, K: tl.constexpr, N: tl.constexpr, ADD: tl.constexpr):
+    # ADD: exact_dot_add onto out's values, the product in two halves of K (a K loop's steps)
+    m, k, n = tl.arange(0, M), tl.arange(0, K // 2), tl.arange(0, N)
+    out_at = out_ptr + m[:, None] * N + n[None, :]
+    a0 = tl.load(a_ptr + m[:, None] * K + k[None, :])
+    b0 = tl.load(b_ptr + k[:, None] * N + n[None, :])
+    a1 = tl.load(a_ptr + m[:, None] * K + K // 2 + k[None, :])
+    b1 = tl.load(b_ptr + (K // 2 + k[:, None]) * N + n[None, :])
+    if ADD:
+        tl.store(out_at, exact_dot_add(a1, b1, exact_dot_add(a0, b0, tl.load(out_at))))
+    else:
+        tl.store(out_at, exact_dot(a0, b0) + exact_dot(a1, b1))
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=dtype_name)
-def test_exact_dot_sums_exact_products_in_fp32(device: str, dtype: torch.dtype) -> None:
+def test_exact_dot_and_exact_dot_add_sum_exact_products_in_fp32(device: str, dtype: torch.dtype) -> None:
     # (Triton 3.6's interpreter gets a plain bf16 tl.dot wrong by orders of magnitude; fp32 tiles
     # must not take TF32, whose 10-bit mantissa errs by about 1e-3.)
     gen = torch.Generator().manual_seed(0)
     a = torch.randn(32, 64, generator=gen).to(dtype).to(device)
     b = torch.randn(64, 16, generator=gen).to(dtype).to(device)
     out = torch.empty(32, 16, device=device)
-    _dot_kernel[(1,)](a, b, out, M=32, K=64, N=16)
+    _dot_kernel[(1,)](a, b, out, M=32, K=64, N=16, ADD=False)
     want = a.double() @ b.double()
     assert out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), want, rtol=0, atol=1e-5 * want.abs().max().item())
+    start = torch.randn(32, 16, generator=gen).to(device)
+    out = start.clone()
+    _dot_kernel[(1,)](a, b, out, M=32, K=64, N=16, ADD=True)
+    want = want + start.double()
     torch.testing.assert_close(out.double(), want, rtol=0, atol=1e-5 * want.abs().max().item())

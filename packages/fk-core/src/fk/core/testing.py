@@ -399,7 +399,8 @@ source = ASTSource(
     constexprs={(names.index(name),): value for name, value in constexprs.items()},
     attrs=attrs,
 )
-ptx = triton.compile(source, target=GPUTarget("cuda", capability, 32), options={"num_warps": num_warps}).asm["ptx"]
+compiled = triton.compile(source, target=GPUTarget("cuda", capability, 32), options={"num_warps": num_warps})
+ptx = compiled.asm["ptx"]
 with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
     f.write(ptx)
     f.flush()
@@ -412,6 +413,7 @@ print(json.dumps({
         re.findall(r"\\b(?:bar\\.sync|ld\\.shared|st\\.shared|ldmatrix|stmatrix|mma\\.sync|wgmma\\.mma_async)\\b", ptx)),
     "registers": int(re.search(r"Used (\\d+) registers", usage).group(1)),
     "spill_bytes": int(re.search(r"(\\d+) bytes spill stores", usage).group(1)),
+    "shared_bytes": compiled.metadata.shared,
 }))
 """
 
@@ -431,6 +433,9 @@ class CompiledKernel:
     """Registers a thread (ptxas)."""
     spill_bytes: int
     """Bytes a thread spilled to local memory (ptxas' spill stores)."""
+    shared_bytes: int
+    """Shared memory a program takes (Triton's pipeline buffers and layout conversions; a launch
+    needing more than the device's, 227 KB on Hopper, fails with ``OutOfResources``)."""
 
 
 def compile_kernel(

@@ -70,3 +70,12 @@ def exact_dot(a, b):
     if a.dtype == b.dtype and (a.dtype == tl.float16 or a.dtype == tl.bfloat16) and not DOT_IN_FP32:
         return tl.dot(a, b)
     return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+
+
+@triton.jit
+def exact_dot_add(a, b, acc):
+    """``acc + a @ b`` as :func:`exact_dot` forms ``a @ b``, with the products summed into the fp32
+    tile ``acc`` by the MMA itself (a GEMM's K loop: no second ``[M, N]`` tile in registers)."""
+    if a.dtype == b.dtype and (a.dtype == tl.float16 or a.dtype == tl.bfloat16) and not DOT_IN_FP32:
+        return tl.dot(a, b, acc)
+    return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
