@@ -32,6 +32,7 @@ from fk.lora.dora_elementwise import (
 )
 from fk.lora.dora_glu import ScaledProjection, dora_gated_act, dora_gated_act_grad_terms
 from fk.lora.dora_norm import dora_weight_norm
+from fk.lora.lora_matmul import base_and_lora_grad, fused_grad_applies
 from fk.lora.masked_low_rank import add_masked_low_rank_
 from fk.lora.projection import (
     Settings,
@@ -285,10 +286,13 @@ def _dora_bwd(
         if need_dx:
             assert gs is not None
             w = dense(weight)
-            # (the rank-sized term first: a dx this call creates is then written by it, and the
-            # dy_ms W matmul adds into it; as fk.lora.projection.lora_and_base_out)
-            dx = torch.mm(gs, low.A_c) if dx is None else dx.addmm_(gs, low.A_c)
-            dx.addmm_(dy_ms, w)
+            if dx is None and fused_grad_applies(dy_ms, w, gs, low.A_c):  # one GEMM (fk.lora.lora_matmul)
+                dx = base_and_lora_grad(dy_ms, w, gs, low.A_c)
+            else:
+                # (the rank-sized term first: a dx this call creates is then written by it, and the
+                # dy_ms W matmul adds into it; as fk.lora.projection.lora_and_base_out)
+                dx = torch.mm(gs, low.A_c) if dx is None else dx.addmm_(gs, low.A_c)
+                dx.addmm_(dy_ms, w)
         return grads, dx
     assert dy is not None  # (a caller forms the terms only without dropout)
     if needs.weight:

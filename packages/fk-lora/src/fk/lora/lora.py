@@ -58,6 +58,7 @@ from fk.glu import (
     resolve_activation,
 )
 from fk.lora.dora import DoRAMLP, DoRAParams, DoRAProjections, dora_ref
+from fk.lora.lora_matmul import base_and_lora_grad, fused_grad_applies
 from fk.lora.masked_low_rank import MaskedLowRank, add_masked_low_rank_, add_masked_low_ranks_
 from fk.lora.projection import (
     Settings,
@@ -195,9 +196,10 @@ def lora_mlp_ref(
 # For projections that share x (q, k, v; gate, up), the rank-sized work of the ones without
 # dropout is stacked, so that x2 is read once for all of them, not once per projection: the
 # forward's xa's come from one matmul against [A_q; A_k; A_v] (each xa a column block of it), the
-# backward's dA's from one [s G_q | s G_k | s G_v]^T x2. dx is one buffer: the first dy W is an
-# mm, the other dy W terms are accumulated into it with addmm_, then the stacked s G A terms with
-# one addmm_ (one pass over dx); with dropout, the projections' masked s G A terms go into dx by
+# backward's dA's from one [s G_q | s G_k | s G_v]^T x2. dx is one buffer: the first dy W and the
+# stacked s G A terms come from one GEMM of fk.lora.lora_matmul where it applies (else the s G A
+# terms are written first and the dy W matmul adds into them), the other dy W terms are accumulated
+# into it with addmm_; with dropout, the projections' masked s G A terms go into dx by
 # the kernel of fk.lora.masked_low_rank, which forms each G A tile by tile in registers (one more
 # pass over dx for all of them). Projections with dropout that share x and the dropout dtype draw
 # their masks on one cast of x2 (in PEFT's order).
@@ -382,10 +384,14 @@ def _proj_bwd_input(
     dy: torch.Tensor, weight: Any, A_c: torch.Tensor, gs: torch.Tensor, mask: torch.Tensor | None, p: float
 ) -> torch.Tensor:
     """``dx = dy W + (s G A) * m / (1 - p)``, a new buffer; a :class:`QuantizedBase` ``W`` is
-    dequantized for the ``dy W`` matmul only. Without dropout the rank-sized term is written first
-    and the ``dy W`` matmul adds into it (one pass over dx fewer, as :func:`lora_and_base_out`)."""
+    dequantized for the ``dy W`` matmul only. Without dropout: one GEMM of
+    :mod:`fk.lora.lora_matmul` where it applies, else the rank-sized term written first and the
+    ``dy W`` matmul adding into it (one pass over dx fewer, as :func:`lora_and_base_out`)."""
     if mask is None:
-        return torch.mm(gs, A_c).addmm_(dy, dense(weight))
+        w = dense(weight)
+        if fused_grad_applies(dy, w, gs, A_c):
+            return base_and_lora_grad(dy, w, gs, A_c)
+        return torch.mm(gs, A_c).addmm_(dy, w)
     dx = torch.mm(dy, dense(weight))
     return add_masked_low_rank_(dx, gs, A_c, mask, 1.0 / (1.0 - p))
 
@@ -408,11 +414,12 @@ def _shared_input_bwd(
     (or a :class:`QuantizedBase`, dequantized for its ``dy W`` term only, then dropped),
     ``lows[i]`` what its forward kept, ``lora_dtypes[i]`` its LoRA weights' dtype; ``xc`` is ``x2``
     in the gradients' dtype (needed for dW only).
-    dx is one buffer: the rank-sized ``s G A`` terms of the projections without dropout first,
-    stacked as in the forward (one matmul writes them; their ``dA``\\ s, too, come from one matmul
-    that reads ``x2`` once), then the ``dy W`` terms added by their matmuls' epilogues (one pass over
-    dx fewer than the other order, as :func:`lora_and_base_out`), then the masked terms of the
-    projections with dropout in one more pass.
+    dx is one buffer: the first projection's ``dy W`` and the rank-sized ``s G A`` terms of the
+    projections without dropout, stacked as in the forward, by one GEMM of :mod:`fk.lora.lora_matmul`
+    where it applies (else the ``s G A`` terms written by one matmul first; their ``dA``\\ s, too,
+    come from one matmul that reads ``x2`` once), then the other ``dy W`` terms added by their
+    matmuls' epilogues (one pass over dx fewer than the other order, as :func:`lora_and_base_out`),
+    then the masked terms of the projections with dropout in one more pass.
     """
     n = len(settings)
     live = [i for i in range(n) if dys[i] is not None]
@@ -455,16 +462,22 @@ def _shared_input_bwd(
         return None, grads
     dx: torch.Tensor | None = None
     plain = [i for i in live if lows[i].mask is None]
-    if plain:  # s G A of the projections without dropout, written by one matmul
-        A_c = torch.cat([lows[i].A_c for i in plain]) if len(plain) > 1 else lows[plain[0]].A_c
-        dx = torch.mm(gs_of(plain), A_c)
+    # s G A of the projections without dropout, stacked: one rank-sized product
+    A_plain = (torch.cat([lows[i].A_c for i in plain]) if len(plain) > 1 else lows[plain[0]].A_c) if plain else None
     live_weights = dequantized_together([weights[i] for i in live])
     for j, i in enumerate(live):  # the base terms; a 4-bit W dequantized for its term only (or q, k, v's together)
         dy = dys[i]
         assert dy is not None
         weight = dense(live_weights[j])
         live_weights[j] = None
-        dx = torch.mm(dy, weight) if dx is None else dx.addmm_(dy, weight)
+        if dx is not None:
+            dx.addmm_(dy, weight)
+        elif A_plain is None:
+            dx = torch.mm(dy, weight)
+        elif fused_grad_applies(dy, weight, gs_of(plain), A_plain):  # the first base term and s G A in one GEMM
+            dx = base_and_lora_grad(dy, weight, gs_of(plain), A_plain)
+        else:  # s G A written first, the dy W matmul adding into it
+            dx = torch.mm(gs_of(plain), A_plain).addmm_(dy, weight)
         del weight
     assert dx is not None
     masked_terms = [

@@ -9,7 +9,7 @@ Notation (:mod:`fk.lora.lora`'s): ``x2`` the input ``[M, K]``, ``c`` the compute
   per-projection ``NamedTuple``\\ s as the flat argument list an autograd function takes.
 - The forward's parts: :func:`lora_input_products` (``xa`` of projections that share ``x2``, stacked
   where they can be: one read of ``x2``), :func:`lora_and_base_out` (``y = s xa B^T + s b_B + x2 W^T
-  + b``, the rank-sized product first), :func:`base_out` (``x2 W^T + b``) and :func:`add_lora_out`
+  + b``: one GEMM of :mod:`fk.lora.lora_matmul` where it applies, else the rank-sized product first), :func:`base_out` (``x2 W^T + b``) and :func:`add_lora_out`
   (``y += s xa B^T + s b_B``).
 - The backward's parts: :func:`scaled_lora_grad` (``s G``), :func:`kept_input` (``x2 * m``),
   :func:`lora_a_grads` (``dA = f (s G)^T (x2 * m)`` of projections that share ``x2``; with dropout
@@ -28,6 +28,7 @@ from typing import Any, NamedTuple, TypeVar
 import torch
 
 from fk.core.matmul import bf16_parts, mm_bf16_fp32, scaled_mm
+from fk.lora.lora_matmul import base_and_lora_out, fused_applies
 from fk.lora.masked_a_grad import MaskedA, masked_a_grads
 from fk.lora.masked_low_rank import masked
 
@@ -226,10 +227,14 @@ def lora_and_base_out(
     scaling: float,
 ) -> torch.Tensor:
     """``y = s xa B^T + s b_B + b + xc W^T`` in ``xc``'s dtype (``xa``, ``B`` and ``b`` in it
-    already), a new tensor: the rank-``r`` product (with ``b``) written first, then the base matmul
-    adding into it, which reads ``y`` in its epilogue. The other order (the base product first, then
-    the rank-``r`` product added) passes over ``y`` once more: q/k/v's forward at 16384 tokens took
-    5% longer that way on an H200 (``benchmarks/experiments/INDEX.md#lora_qkv_orders``)."""
+    already), a new tensor. Where :func:`fk.lora.lora_matmul.fused_applies` (16-bit operands on a
+    Hopper GPU or in Triton's interpreter) and there is no ``b_B``: one Triton GEMM that adds the
+    rank-``r`` product in its epilogue. Elsewhere cuBLAS: the rank-``r`` product (with ``b``) written
+    first, then the base matmul adding into it, which reads ``y`` in its epilogue. (The other order,
+    the base product first, passes over ``y`` once more: q/k/v's forward at 16384 tokens took 5%
+    longer that way on an H200, ``benchmarks/experiments/INDEX.md#lora_qkv_orders``.)"""
+    if lora_bias is None and fused_applies(xc, weight, bias, xa, B_c, scaling):
+        return base_and_lora_out(xc, weight, bias, xa, B_c, scaling)
     y = scaled_mm(xa, B_c.t(), scaling, xc.dtype) if bias is None else torch.addmm(bias, xa, B_c.t(), alpha=scaling)
     if lora_bias is not None:
         y.add_(lora_bias.to(y.dtype), alpha=scaling)

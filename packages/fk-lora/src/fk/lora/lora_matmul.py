@@ -1,0 +1,225 @@
+"""A projection's LoRA output, and its input gradient, in one GEMM each: ``y = x W^T + b + s xa B^T``
+and ``dx = dy W + (s G) A``, the rank-sized product added by the base matmul's own MMAs.
+
+cuBLAS cannot take ``s xa B^T`` (``xa = d(x) A^T`` ``[M, r]``, ``B`` ``[N, r]``) into its GEMM, so
+fk's other path writes it as an ``[M, N]`` tensor first and the base GEMM reads it back
+(``addmm``, beta = 1): the output passes through memory twice more; the same holds for the input
+gradient without dropout, ``s G A`` (``G = dy B``) written first and ``dy W`` added. Here a
+persistent Triton GEMM with TMA descriptors (the activation, ``W`` and the output) walks its output
+tiles in groups of ``GROUP_M`` row blocks and, after each tile's K loop, adds the rank-sized product
+as one more MMA into the same fp32 accumulator (``[BLOCK_M, r] x [r, BLOCK_N]``), then the bias,
+and rounds once. ``W`` ``[N, K]`` is read as stored in both: transposed by the MMA in the forward
+(``y``'s columns are its rows), as it is in the backward (``dx``'s columns are its columns). At
+Llama-3.1-8B's q/k/v/O shapes on an H200 the forward took 5-18% less GPU time than ``mm`` +
+``addmm`` (``benchmarks/experiments/INDEX.md#gemm_lora_epilogues``); where it loses,
+and the sizes it is taken at, are in ``INDEX.md#lora_matmul_shapes``.
+
+Math, per element: ``y[i, j] = sum_k x[i, k] W[j, k] + b[j] + s sum_q xa[i, q] B[j, q]`` and
+``dx[i, k] = sum_j dy[i, j] W[j, k] + sum_q sG[i, q] A[q, k]``, exact products summed in fp32,
+rounded once to the activation's dtype. The scale enters as ``acc = (acc / s + xa B^T) s`` so that
+``xa`` and ``B`` go to the MMA as they are (two fp32 roundings of the sum, against the other path's
+rounding of ``s xa B^T`` to 16 bits before it is added). There is no backward of its own: this
+runs inside fk.lora's forward and backward.
+
+:func:`fused_applies` and :func:`fused_grad_applies` say where the kernel runs (16-bit operands laid
+out as TMA needs them, ``r`` at most :data:`MAX_RANK`; on a GPU, Hopper only, where it was measured,
+with enough output tiles to fill it; and Triton's interpreter); fk.lora.projection's
+:func:`~fk.lora.projection.lora_and_base_out` and fk.lora.lora's input gradients take it there.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fk.core.backend import KernelPath, kernel_path
+from fk.core.launch import multiprocessor_count, next_power_of_2
+from fk.core.tiles import exact_dot_add, round_to
+
+MAX_RANK = 128
+"""The largest ``r`` the kernel takes: ``xa``'s tile ``[BLOCK_M, r]`` stays in registers beside the
+accumulator (compiled for sm_90 at 128 x 256 tiles on 8 warps: no spills at r = 16 to 128, 213 KB of
+shared memory at each, under the 227 KB an H100 or H200 gives a program)."""
+
+TILE = (128, 256, 64)
+"""(BLOCK_M, BLOCK_N, BLOCK_K): the fastest of ``gemm_lora_epilogues``' tiles at three of Llama-3.1-8B's
+four q/k/v/O shapes, within 2% at the fourth (k/v at 4096 tokens)."""
+NUM_STAGES, NUM_WARPS = 3, 8
+"""Three stages of ``x`` and ``W`` tiles in shared memory (the fastest there); 8 warps hold the
+128 x 256 fp32 accumulator (4 spill it)."""
+GROUP_M = 8
+"""Row blocks walked together, so that consecutive programs share ``W``'s tiles in L2."""
+MIN_TILES_PER_SM = 0.75
+"""On a GPU, the kernel is taken only where its output has at least this many tiles an SM: it does
+not split K, so with fewer tiles SMs idle where cuBLAS splits (``lora_matmul_shapes``: Llama-3.2-1B's
+k/v at 4096 tokens, 64 tiles on 132 SMs, took 2.6x the cuBLAS path's time; Llama-3.1-8B's k/v at
+4096, 128 tiles, 0.85x)."""
+GRAD_MIN_ROWS = GRAD_MIN_INNER = 4096
+"""On a GPU, the input gradient's kernel (``W`` read as stored, in ``[BLOCK_K, BLOCK_N]`` tiles) is
+taken only for at least this many rows (tokens) and this inner dimension (``W``'s rows): below
+them it lost to the cuBLAS path at shapes with tiles enough for the SMs, by a cause not yet found
+(``lora_matmul_shapes --grad``: Llama-3.2-1B's q/O at 4096 tokens 2.0x, k/v 2.7x; Llama-3.1-8B's
+k/v at 1024 tokens 2.0x); at and above them it took 0.91-0.99x, except Llama-3.1-8B's down at
+16384 tokens (1.05x)."""
+
+
+def base_and_lora_out_ref(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    xa: torch.Tensor,
+    lora_b: torch.Tensor,
+    scaling: float,
+) -> torch.Tensor:
+    """``x W^T + b + s xa B^T`` in float64: what the kernel computes, before its one rounding."""
+    y = x.double() @ weight.double().t() + scaling * (xa.double() @ lora_b.double().t())
+    return y if bias is None else y + bias.double()
+
+
+def base_and_lora_grad_ref(
+    dy: torch.Tensor, weight: torch.Tensor, scaled_g: torch.Tensor, lora_a: torch.Tensor
+) -> torch.Tensor:
+    """``dy W + (s G) A`` in float64: what the kernel computes for the input gradient."""
+    return dy.double() @ weight.double() + scaled_g.double() @ lora_a.double()
+
+
+@triton.jit
+def _base_and_lora_kernel(a_desc, w_desc, out_desc, u_ptr, v_ptr, bias_ptr, scaling, inv_scaling, n_rows, n_cols,
+                          n_inner, rank, u_row_stride, v_col_stride, v_rank_stride, W_TRANSPOSED: tl.constexpr,
+                          HAS_BIAS: tl.constexpr, BLOCK_RANK: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                          N_PROGRAMS: tl.constexpr):  # fmt: skip
+    # out = a op(W) + b + s u v: op(W) = W^T (W_TRANSPOSED, the forward) or W; v[q, j] at
+    # v_ptr + j v_col_stride + q v_rank_stride (B^T in the forward, A in the backward).
+    tiles_m, tiles_n = tl.cdiv(n_rows, BLOCK_M), tl.cdiv(n_cols, BLOCK_N)
+    in_group = GROUP_M * tiles_n
+    ks = tl.arange(0, BLOCK_RANK)
+    # A plain loop over the tiles: flattened into the K loop (tl.range(flatten=True), as Triton's
+    # persistent tutorials do) the epilogue's loads took the kernel from 186 to 279 us (O, 4096 tokens).
+    for tile in range(tl.program_id(0), tiles_m * tiles_n, N_PROGRAMS):
+        first_m = (tile // in_group) * GROUP_M
+        group_m = min(tiles_m - first_m, GROUP_M)
+        off_m = (first_m + (tile % in_group) % group_m) * BLOCK_M
+        off_n = ((tile % in_group) // group_m) * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for off_k in range(0, n_inner, BLOCK_K):  # TMA reads past the edges as zeros
+            if W_TRANSPOSED:  # noqa: SIM108 (the descriptor of the branch not taken has the other block shape)
+                w = w_desc.load([off_n, off_k]).T
+            else:
+                w = w_desc.load([off_k, off_n])
+            acc = exact_dot_add(a_desc.load([off_m, off_k]), w, acc)
+        rows = off_m + tl.arange(0, BLOCK_M)
+        cols = off_n + tl.arange(0, BLOCK_N)
+        u = tl.load(u_ptr + rows[:, None].to(tl.int64) * u_row_stride + ks[None, :],
+                    mask=(rows[:, None] < n_rows) & (ks[None, :] < rank), other=0.0)  # fmt: skip
+        v = tl.load(v_ptr + cols[None, :] * v_col_stride + ks[:, None] * v_rank_stride,
+                    mask=(cols[None, :] < n_cols) & (ks[:, None] < rank), other=0.0)  # fmt: skip
+        acc = exact_dot_add(u, v, acc * inv_scaling) * scaling
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)[None, :]
+        out_desc.store([off_m, off_n], round_to(acc, out_desc.dtype))  # TMA clips the edges
+
+
+def _tma_ready(t: torch.Tensor) -> bool:
+    """A 2-D tensor TMA can describe: rows of contiguous elements, 16-byte aligned start and rows."""
+    alignment = 16 // t.element_size()
+    return t.stride(1) == 1 and t.stride(0) % alignment == 0 and t.data_ptr() % 16 == 0
+
+
+def _applies(a: torch.Tensor, weight: torch.Tensor, n_cols: int, u: torch.Tensor, small: tuple[torch.Tensor, ...],
+             scaling: float) -> bool:  # fmt: skip
+    """The checks of :func:`fused_applies` and :func:`fused_grad_applies`: ``a`` the activation
+    ``[M, inner]``, ``n_cols`` the output's columns, ``u`` ``[M, r]``, ``small`` the rank-sized
+    operands and the bias."""
+    path = kernel_path(a)
+    if path is KernelPath.REFERENCE or torch.compiler.is_compiling():
+        return False
+    if path is KernelPath.TRITON:
+        if torch.cuda.get_device_capability(a.device)[0] != 9:
+            return False
+        tiles = triton.cdiv(a.shape[0], TILE[0]) * triton.cdiv(n_cols, TILE[1])
+        if tiles < MIN_TILES_PER_SM * multiprocessor_count(a.device):
+            return False
+    if a.dtype not in (torch.float16, torch.bfloat16) or weight.dtype != a.dtype or a.dim() != 2:
+        return False
+    if a.shape[0] == 0 or n_cols % 8 != 0 or not 0 < u.shape[1] <= MAX_RANK or scaling == 0:
+        return False
+    if any(t.dtype != a.dtype for t in small) or u.stride(-1) != 1:
+        return False
+    return _tma_ready(a) and _tma_ready(weight)
+
+
+def fused_applies(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    xa: torch.Tensor,
+    lora_b: torch.Tensor,
+    scaling: float,
+) -> bool:
+    """Whether :func:`base_and_lora_out` runs for these operands (else the caller's cuBLAS path):
+    ``x`` ``[M, K]`` and ``W`` ``[N, K]`` both fp16 or both bf16, each TMA-ready (contiguous rows,
+    row strides and starts 16-byte aligned), ``N`` a multiple of 8 (``y``'s rows), ``xa`` (with
+    contiguous rows), ``B`` (any strides) and ``b`` (contiguous) in that dtype, ``r`` at most
+    :data:`MAX_RANK`, ``s`` not 0; on a CUDA device of compute capability 9 (Hopper, where the
+    kernel was measured; the tile table is Hopper's) with at least :data:`MIN_TILES_PER_SM` output
+    tiles an SM, or in Triton's interpreter (any size); not while ``torch.compile`` traces."""
+    if bias is not None and bias.stride(0) != 1:
+        return False
+    small = (xa, lora_b) if bias is None else (xa, lora_b, bias)
+    return _applies(x, weight, weight.shape[0], xa, small, scaling)
+
+
+def fused_grad_applies(dy: torch.Tensor, weight: torch.Tensor, scaled_g: torch.Tensor, lora_a: torch.Tensor) -> bool:
+    """Whether :func:`base_and_lora_grad` runs: :func:`fused_applies`' conditions with ``dy``
+    ``[M, N]`` as the activation and ``dx`` ``[M, K]`` as the output (``K`` a multiple of 8), and on
+    a GPU ``M`` and ``N`` at least :data:`GRAD_MIN_ROWS` and :data:`GRAD_MIN_INNER`."""
+    if kernel_path(dy) is KernelPath.TRITON and (dy.shape[0] < GRAD_MIN_ROWS or weight.shape[0] < GRAD_MIN_INNER):
+        return False
+    return _applies(dy, weight, weight.shape[1], scaled_g, (scaled_g, lora_a), 1.0)
+
+
+def _launch(a: torch.Tensor, weight: torch.Tensor, w_transposed: bool, bias: torch.Tensor | None, u: torch.Tensor,
+            v: torch.Tensor, v_col_stride: int, v_rank_stride: int, scaling: float) -> torch.Tensor:  # fmt: skip
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    n_rows, n_inner = a.shape
+    n_cols = weight.shape[0] if w_transposed else weight.shape[1]
+    out = torch.empty((n_rows, n_cols), dtype=a.dtype, device=a.device)
+    block_m, block_n, block_k = TILE
+    w_block = [block_n, block_k] if w_transposed else [block_k, block_n]
+    rank = u.shape[1]
+    programs = min(multiprocessor_count(a.device), triton.cdiv(n_rows, block_m) * triton.cdiv(n_cols, block_n))
+    _base_and_lora_kernel[(programs,)](
+        TensorDescriptor.from_tensor(a, [block_m, block_k]), TensorDescriptor.from_tensor(weight, w_block),
+        TensorDescriptor.from_tensor(out, [block_m, block_n]), u, v, out if bias is None else bias, float(scaling),
+        1.0 / scaling, n_rows, n_cols, n_inner, rank, u.stride(0), v_col_stride, v_rank_stride,
+        W_TRANSPOSED=w_transposed, HAS_BIAS=bias is not None, BLOCK_RANK=max(16, next_power_of_2(rank)),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=GROUP_M, N_PROGRAMS=programs,
+        num_stages=NUM_STAGES, num_warps=NUM_WARPS,
+    )  # fmt: skip
+    return out
+
+
+def base_and_lora_out(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    xa: torch.Tensor,
+    lora_b: torch.Tensor,
+    scaling: float,
+) -> torch.Tensor:
+    """``y = x W^T + b + s xa B^T``, a new ``[M, N]`` tensor in ``x``'s dtype, by the kernel (where
+    :func:`fused_applies`; the caller checks). ``x`` ``[M, K]``, ``W`` ``[N, K]``, ``b`` ``[N]``,
+    ``xa`` ``[M, r]`` and ``B`` ``[N, r]``."""
+    return _launch(x, weight, True, bias, xa, lora_b, lora_b.stride(0), lora_b.stride(1), scaling)
+
+
+def base_and_lora_grad(
+    dy: torch.Tensor, weight: torch.Tensor, scaled_g: torch.Tensor, lora_a: torch.Tensor
+) -> torch.Tensor:
+    """``dx = dy W + (s G) A``, a new ``[M, K]`` tensor in ``dy``'s dtype, by the kernel (where
+    :func:`fused_grad_applies`; the caller checks). ``dy`` ``[M, N]``, ``W`` ``[N, K]``, ``s G``
+    ``[M, r]`` (already scaled), ``A`` ``[r, K]``."""
+    return _launch(dy, weight, False, None, scaled_g, lora_a, lora_a.stride(1), lora_a.stride(0), 1.0)

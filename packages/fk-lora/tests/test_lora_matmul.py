@@ -1,0 +1,255 @@
+"""fk.lora.lora_matmul's one-GEMM LoRA output ``x W^T + b + s xa B^T`` and input gradient
+``dy W + (s G) A`` against float64: the Triton kernel on the GPU where there is one (Hopper), else
+in the interpreter; where it applies; and fk.lora's forward and backward taking it."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from fk.core import testing
+from fk.core.backend import uses_kernel
+from fk.core.testing import dtype_name
+from fk.lora import lora_matmul, projection
+from fk.lora.lora_matmul import (
+    base_and_lora_grad,
+    base_and_lora_grad_ref,
+    base_and_lora_out,
+    base_and_lora_out_ref,
+    fused_applies,
+    fused_grad_applies,
+)
+
+# (M, N, K, r): rows and columns across tile edges (128 x 256, K steps of 64); N and K multiples of 8,
+# as TMA needs; ranks under, at and over the 16 of an MMA.
+SHAPES = [(1, 8, 8, 1), (37, 40, 72, 8), (130, 264, 200, 16), (300, 520, 136, 24), (129, 256, 64, 64)]
+HALF = (torch.float16, torch.bfloat16)
+
+
+def _inputs(m: int, n: int, k: int, r: int, dtype: torch.dtype, device: str, seed: int = 0) -> list[torch.Tensor]:
+    x = testing.random_tensor((m, k), dtype, device, seed=seed)
+    weight = testing.random_tensor((n, k), dtype, device, seed=seed + 1, scale=k**-0.5)
+    bias = testing.random_tensor((n,), dtype, device, seed=seed + 2)
+    xa = testing.random_tensor((m, r), dtype, device, seed=seed + 3)
+    lora_b = testing.random_tensor((n, r), dtype, device, seed=seed + 4, scale=0.3)
+    return [x, weight, bias, xa, lora_b]
+
+
+def _kernel_runs(device: str) -> bool:
+    probe = torch.empty(1, device=device)
+    return uses_kernel(probe) and (device != "cuda" or torch.cuda.get_device_capability()[0] == 9)
+
+
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no_bias", "bias"])
+@pytest.mark.parametrize(("m", "n", "k", "r"), SHAPES)
+@pytest.mark.parametrize("dtype", HALF, ids=dtype_name)
+def test_matches_reference(device: str, dtype: torch.dtype, m: int, n: int, k: int, r: int, with_bias: bool) -> None:
+    if not _kernel_runs(device):
+        pytest.skip("the kernel runs on Hopper GPUs and in Triton's interpreter")
+    x, weight, bias, xa, lora_b = _inputs(m, n, k, r, dtype, device)
+    b = bias if with_bias else None
+    scaling = 1.7  # not a power of two: the kernel's 1 / s and s are not exact
+    want = base_and_lora_out_ref(x, weight, b, xa, lora_b, scaling)
+    baseline = x @ weight.t() + scaling * (xa @ lora_b.t())
+    if b is not None:
+        baseline = baseline + b
+    got = base_and_lora_out(x, weight, b, xa, lora_b, scaling)
+    assert got.dtype == dtype and got.shape == (m, n)
+    testing.assert_close(got, want, baseline, name="y")
+
+
+def test_every_term_counts(device: str) -> None:
+    # Leaving out the bias, the rank product, or a K step moves y far past the tolerance.
+    if not _kernel_runs(device):
+        pytest.skip("the kernel runs on Hopper GPUs and in Triton's interpreter")
+    x, weight, bias, xa, lora_b = _inputs(130, 264, 200, 16, torch.float16, device, seed=5)
+    got = base_and_lora_out(x, weight, bias, xa, lora_b, 0.5).double()
+    for wrong in (
+        base_and_lora_out_ref(x, weight, None, xa, lora_b, 0.5),
+        base_and_lora_out_ref(x, weight, bias, xa, lora_b, 1.0),
+        base_and_lora_out_ref(x[:, :192], weight[:, :192], bias, xa, lora_b, 0.5),
+    ):
+        assert (got - wrong).abs().max() > 0.05
+
+
+def test_strided_rank_operands(device: str) -> None:
+    # xa as a column slice of q/k/v's stacked product (row stride 3r), B stored transposed.
+    if not _kernel_runs(device):
+        pytest.skip("the kernel runs on Hopper GPUs and in Triton's interpreter")
+    x, weight, bias, _, lora_b = _inputs(70, 48, 96, 16, torch.bfloat16, device, seed=9)
+    stacked = testing.random_tensor((70, 48), torch.bfloat16, device, seed=10)
+    xa = stacked[:, 16:32]
+    lora_b = lora_b.t().contiguous().t()  # B [N, r] with column-major storage
+    assert lora_b.stride() == (1, 48)
+    want = base_and_lora_out_ref(x, weight, bias, xa, lora_b, 2.0)
+    baseline = x @ weight.t() + 2.0 * (xa @ lora_b.t()) + bias
+    testing.assert_close(base_and_lora_out(x, weight, bias, xa, lora_b, 2.0), want, baseline, name="y")
+
+
+def _grad_inputs(m: int, n: int, k: int, r: int, dtype: torch.dtype, device: str, seed: int = 0) -> list[torch.Tensor]:
+    dy = testing.random_tensor((m, n), dtype, device, seed=seed)
+    weight = testing.random_tensor((n, k), dtype, device, seed=seed + 1, scale=n**-0.5)
+    scaled_g = testing.random_tensor((m, r), dtype, device, seed=seed + 2)
+    lora_a = testing.random_tensor((r, k), dtype, device, seed=seed + 3, scale=0.3)
+    return [dy, weight, scaled_g, lora_a]
+
+
+@pytest.mark.parametrize(("m", "n", "k", "r"), SHAPES)
+@pytest.mark.parametrize("dtype", HALF, ids=dtype_name)
+def test_grad_matches_reference(device: str, dtype: torch.dtype, m: int, n: int, k: int, r: int) -> None:
+    # dx = dy W + (s G) A: W [N, K] read as stored (inner N), A's rows the rank.
+    if not _kernel_runs(device):
+        pytest.skip("the kernel runs on Hopper GPUs and in Triton's interpreter")
+    dy, weight, scaled_g, lora_a = _grad_inputs(m, n, k, r, dtype, device)
+    want = base_and_lora_grad_ref(dy, weight, scaled_g, lora_a)
+    baseline = dy @ weight + scaled_g @ lora_a
+    got = base_and_lora_grad(dy, weight, scaled_g, lora_a)
+    assert got.dtype == dtype and got.shape == (m, k)
+    testing.assert_close(got, want, baseline, name="dx")
+    assert (got.double() - base_and_lora_grad_ref(dy, weight, scaled_g, 0 * lora_a)).abs().max() > 0.05
+
+
+def test_grad_applies_only_where_it_can(device: str) -> None:
+    # 16384 rows and an inner dimension of 4096: enough for a GPU (GRAD_MIN_ROWS, GRAD_MIN_INNER).
+    dy, weight, scaled_g, lora_a = _grad_inputs(16384, lora_matmul.GRAD_MIN_INNER, 256, 16, torch.bfloat16, device)
+    assert fused_grad_applies(dy, weight, scaled_g, lora_a) == _kernel_runs(device)
+    if not _kernel_runs(device):
+        return
+    on_gpu = device == "cuda"
+    half_inner = lora_matmul.GRAD_MIN_INNER // 2
+    assert fused_grad_applies(dy[:, :half_inner], weight[:half_inner], scaled_g, lora_a) != on_gpu
+    few_rows = lora_matmul.GRAD_MIN_ROWS // 2
+    assert fused_grad_applies(dy[:few_rows], weight, scaled_g[:few_rows], lora_a) != on_gpu
+    narrow = _grad_inputs(16384, 64, 252, 16, torch.bfloat16, device)  # dx's rows 504 bytes
+    assert not fused_grad_applies(*narrow)
+    assert not fused_grad_applies(dy, weight, scaled_g.float(), lora_a)
+    assert not fused_grad_applies(dy.float(), weight.float(), scaled_g.float(), lora_a.float())
+
+
+def test_applies_only_where_it_can(device: str) -> None:
+    # Rows for 128 tiles of 128 x 256: enough on a GPU of up to 170 SMs (MIN_TILES_PER_SM).
+    x, weight, bias, xa, lora_b = _inputs(16384, 256, 64, 16, torch.bfloat16, device)
+    assert fused_applies(x, weight, bias, xa, lora_b, 2.0) == _kernel_runs(device)
+    if not _kernel_runs(device):
+        return
+    # Eight tiles: too few for a GPU's SMs; the interpreter takes any size.
+    assert fused_applies(x[:1024], weight, bias, xa[:1024], lora_b, 2.0) == (device != "cuda")
+    big = _inputs(16384, 256, 64, lora_matmul.MAX_RANK + 1, torch.bfloat16, device)
+    # A column slice with 16-byte rows is fine (TMA reads K = 60 of a row stride of 64).
+    assert fused_applies(x[:, :60], weight[:, :60], bias, xa, lora_b, 2.0)
+    fp32 = _inputs(16384, 256, 64, 16, torch.float32, device)
+    narrow_k = _inputs(16384, 256, 60, 16, torch.bfloat16, device)
+    unaligned = torch.empty(16384, 68, dtype=x.dtype, device=device)[:, 2:66]
+    refused = {
+        "fp32": [fp32[0], fp32[1], None, fp32[3], fp32[4]],
+        "x's dtype not W's": [x, weight.half(), None, xa, lora_b],
+        "K not a multiple of 8": [narrow_k[0], narrow_k[1], None, xa, lora_b],
+        "N not a multiple of 8": [x, weight[:252], None, xa, lora_b[:252]],
+        "x's columns strided": [x[:, ::2], weight[:, :32], None, xa, lora_b],
+        "x's rows not 16-byte aligned": [unaligned, weight, None, xa, lora_b],
+        "r over MAX_RANK": [x, weight, None, big[3], big[4]],
+        "xa's dtype": [x, weight, None, xa.float(), lora_b],
+        "xa's columns strided": [x, weight, None, torch.empty_like(xa).repeat(1, 2)[:, ::2], lora_b],
+        "bias strided": [x, weight, torch.empty(512, dtype=x.dtype, device=device)[::2], xa, lora_b],
+        "no rows": [x[:0], weight, None, xa[:0], lora_b],
+    }
+    for why, args in refused.items():
+        assert not fused_applies(*args, 2.0), why  # type: ignore[arg-type]
+    assert not fused_applies(x, weight, bias, xa, lora_b, 0.0), "s = 0"
+
+
+@pytest.mark.parametrize("dtype", testing.DTYPES, ids=dtype_name)
+def test_lora_and_base_out_takes_the_kernel_where_it_applies(
+    device: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    m = 16384 if device == "cuda" else 130  # enough tiles for a GPU's SMs (MIN_TILES_PER_SM)
+    x, weight, bias, xa, lora_b = _inputs(m, 264, 200, 16, dtype, device, seed=3)
+    calls = []
+    fused = projection.base_and_lora_out
+
+    def counted(*args: object) -> torch.Tensor:
+        calls.append(1)
+        return fused(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(projection, "base_and_lora_out", counted)
+    got = projection.lora_and_base_out(x, weight, bias, xa, lora_b, None, 1.5)
+    assert len(calls) == (1 if dtype in HALF and _kernel_runs(device) else 0)
+    want = base_and_lora_out_ref(x, weight, bias, xa, lora_b, 1.5)
+    baseline = x @ weight.t() + 1.5 * (xa @ lora_b.t()) + bias
+    testing.assert_close(got, want, baseline, name="y", factor=3.0)
+    # PEFT's lora_bias (s b_B) is the cuBLAS path's.
+    calls.clear()
+    lora_bias = testing.random_tensor((264,), dtype, device, seed=4)
+    got = projection.lora_and_base_out(x, weight, bias, xa, lora_b, lora_bias, 1.5)
+    assert not calls
+    testing.assert_close(got, want + 1.5 * lora_bias.double(), baseline + 1.5 * lora_bias, name="y", factor=3.0)
+
+
+def test_kernel_compiles_without_spills() -> None:
+    # Compiled for sm_90 on the CPU at its launch, forward (W transposed by the MMA) and backward,
+    # at r = 16 and at MAX_RANK: the products on the warpgroup MMAs, nothing spilled, the shared
+    # memory under the 227 KB a Hopper program gets.
+    tile_m, tile_n, tile_k = lora_matmul.TILE
+    for w_transposed, rank in itertools.product((True, False), (16, lora_matmul.MAX_RANK)):
+        w_block = f"[{tile_n}, {tile_k}]" if w_transposed else f"[{tile_k}, {tile_n}]"
+        signature = {
+            "a_desc": f"tensordesc<bf16[{tile_m}, {tile_k}]>", "w_desc": f"tensordesc<bf16{w_block}>",
+            "out_desc": f"tensordesc<bf16[{tile_m}, {tile_n}]>", "u_ptr": "*bf16", "v_ptr": "*bf16",
+            "bias_ptr": "*bf16", "scaling": "fp32", "inv_scaling": "fp32", "n_rows": "i32", "n_cols": "i32",
+            "n_inner": "i32", "rank": "i32", "u_row_stride": "i32", "v_col_stride": "i32", "v_rank_stride": "i32",
+            "W_TRANSPOSED": "", "HAS_BIAS": "", "BLOCK_RANK": "", "BLOCK_M": "", "BLOCK_N": "", "BLOCK_K": "",
+            "GROUP_M": "", "N_PROGRAMS": "",
+        }  # fmt: skip
+        constexprs = {"W_TRANSPOSED": w_transposed, "HAS_BIAS": w_transposed, "BLOCK_RANK": rank, "BLOCK_M": tile_m,
+                      "BLOCK_N": tile_n, "BLOCK_K": tile_k, "GROUP_M": lora_matmul.GROUP_M, "N_PROGRAMS": 132}  # fmt: skip
+        # B [N, r] and A [r, K] as PEFT stores them: the stride of 1 Triton specializes at launch
+        constexprs["v_rank_stride" if w_transposed else "v_col_stride"] = 1
+        compiled = testing.compile_kernel("fk.lora.lora_matmul", "_base_and_lora_kernel", signature, constexprs,
+                                          num_warps=lora_matmul.NUM_WARPS)  # fmt: skip
+        assert compiled.spill_bytes == 0, (w_transposed, rank, compiled)
+        assert compiled.sync_and_mma.get("wgmma.mma_async", 0) > 0, compiled.sync_and_mma
+        assert compiled.shared_bytes <= 227 * 1024, (w_transposed, rank, compiled.shared_bytes)
+
+
+@pytest.mark.parametrize("dora", [False, True], ids=["lora", "dora"])
+def test_lora_linear_takes_the_kernels_at_a_gpu_size(device: str, dora: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    # On a GPU the kernels run only for outputs of enough tiles (MIN_TILES_PER_SM) and, in the
+    # backward, rows and an inner dimension of 4096 or more (GRAD_MIN_*), more than the other tests'
+    # models have: a layer of 16384 tokens and 4096 outputs, forward and backward against the reference.
+    if device != "cuda" or not _kernel_runs(device):
+        pytest.skip("the size guard is a GPU's (the interpreter takes the kernels at any size)")
+    from fk.lora import lora_linear, lora_linear_ref
+
+    launches = []
+    launch = lora_matmul._launch
+
+    def counted(*args: object, **kwargs: object) -> torch.Tensor:
+        launches.append(1)
+        return launch(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(lora_matmul, "_launch", counted)
+    c = torch.bfloat16
+    x = testing.random_tensor((16384, 256), c, device, seed=1).requires_grad_()
+    weight = testing.random_tensor((4096, 256), c, device, seed=2, scale=256**-0.5)
+    bias = testing.random_tensor((4096,), c, device, seed=3)
+    lora_a = testing.random_tensor((16, 256), c, device, seed=4, scale=0.1).requires_grad_()
+    lora_b = testing.random_tensor((4096, 16), c, device, seed=5, scale=0.1).requires_grad_()
+    magnitude = (1 + 0.1 * testing.random_tensor((4096,), c, device, seed=6)).requires_grad_() if dora else None
+    dy = testing.random_tensor((16384, 4096), c, device, seed=7)
+    leaves = [x, lora_a, lora_b] + ([magnitude] if dora else [])
+
+    def run(fn, cast):  # type: ignore[no-untyped-def]
+        inputs = [t.detach().to(cast).requires_grad_() for t in leaves]
+        mag = inputs[3] if dora else None
+        y = fn(inputs[0], weight.to(cast), bias.to(cast), inputs[1], inputs[2], 2.0, magnitude=mag)
+        grads = torch.autograd.grad(y, inputs, dy.to(cast))
+        return [y, *grads]
+
+    got = run(lora_linear, c)
+    assert len(launches) == 2  # the forward's y and the backward's dx
+    want = run(lora_linear_ref, torch.float64)
+    baseline = run(lora_linear_ref, c)
+    for name, g, w, b in zip(["y", "dx", "dA", "dB", "dmagnitude"], got, want, baseline, strict=False):
+        testing.assert_close(g, w, b, name=name)
