@@ -39,7 +39,16 @@ def _inputs(m: int, n: int, k: int, r: int, dtype: torch.dtype, device: str, see
 
 def _kernel_runs(device: str) -> bool:
     probe = torch.empty(1, device=device)
-    return uses_kernel(probe) and (device != "cuda" or torch.cuda.get_device_capability()[0] == 9)
+    hopper = device != "cuda" or torch.cuda.get_device_capability()[0] == 9
+    return uses_kernel(probe) and hopper and lora_matmul.HAS_TENSOR_DESCRIPTORS
+
+
+@pytest.mark.parametrize(
+    ("version", "has"), [("3.6.0", True), ("3.4.0+git1234", True), ("3.3.1", False), ("2.1", False)]
+)
+def test_tensor_descriptors_by_triton_version(monkeypatch: pytest.MonkeyPatch, version: str, has: bool) -> None:
+    monkeypatch.setattr(lora_matmul.triton, "__version__", version)
+    assert lora_matmul._has_tensor_descriptors() is has
 
 
 @pytest.mark.parametrize("with_bias", [False, True], ids=["no_bias", "bias"])

@@ -29,6 +29,8 @@ with enough output tiles to fill it; and Triton's interpreter); fk.lora.projecti
 
 from __future__ import annotations
 
+import re
+
 import torch
 import triton
 import triton.language as tl
@@ -38,9 +40,9 @@ from fk.core.launch import multiprocessor_count, next_power_of_2
 from fk.core.tiles import exact_dot_add, round_to
 
 MAX_RANK = 128
-"""The largest ``r`` the kernel takes: ``xa``'s tile ``[BLOCK_M, r]`` stays in registers beside the
-accumulator (compiled for sm_90 at 128 x 256 tiles on 8 warps: no spills at r = 16 to 128, 213 KB of
-shared memory at each, under the 227 KB an H100 or H200 gives a program)."""
+"""The largest ``r`` the kernel takes: the rank-sized tiles (``[BLOCK_M, r]`` and ``[r, BLOCK_N]``)
+come beside the accumulator (compiled for sm_90 at 128 x 256 tiles on 8 warps: no spills at r = 16
+to 128, 213 KB of shared memory at each, under the 227 KB an H100 or H200 gives a program)."""
 
 TILE = (128, 256, 64)
 """(BLOCK_M, BLOCK_N, BLOCK_K): the fastest of ``gemm_lora_epilogues``' tiles at three of Llama-3.1-8B's
@@ -121,6 +123,16 @@ def _base_and_lora_kernel(a_desc, w_desc, out_desc, u_ptr, v_ptr, bias_ptr, scal
         out_desc.store([off_m, off_n], round_to(acc, out_desc.dtype))  # TMA clips the edges
 
 
+def _has_tensor_descriptors() -> bool:
+    """Whether this Triton has host-side TMA descriptors that kernels ``load`` and ``store`` through
+    (``triton.tools.tensor_descriptor``, Triton 3.4 and later; fk-lora takes Triton 3.2 too)."""
+    match = re.match(r"(\d+)\.(\d+)", triton.__version__)
+    return match is not None and (int(match.group(1)), int(match.group(2))) >= (3, 4)
+
+
+HAS_TENSOR_DESCRIPTORS = _has_tensor_descriptors()
+
+
 def _tma_ready(t: torch.Tensor) -> bool:
     """A 2-D tensor TMA can describe: rows of contiguous elements, 16-byte aligned start and rows."""
     alignment = 16 // t.element_size()
@@ -133,7 +145,7 @@ def _applies(a: torch.Tensor, weight: torch.Tensor, n_cols: int, u: torch.Tensor
     ``[M, inner]``, ``n_cols`` the output's columns, ``u`` ``[M, r]``, ``small`` the rank-sized
     operands and the bias."""
     path = kernel_path(a)
-    if path is KernelPath.REFERENCE or torch.compiler.is_compiling():
+    if path is KernelPath.REFERENCE or not HAS_TENSOR_DESCRIPTORS or torch.compiler.is_compiling():
         return False
     if path is KernelPath.TRITON:
         if torch.cuda.get_device_capability(a.device)[0] != 9:
@@ -164,7 +176,8 @@ def fused_applies(
     contiguous rows), ``B`` (any strides) and ``b`` (contiguous) in that dtype, ``r`` at most
     :data:`MAX_RANK`, ``s`` not 0; on a CUDA device of compute capability 9 (Hopper, where the
     kernel was measured; the tile table is Hopper's) with at least :data:`MIN_TILES_PER_SM` output
-    tiles an SM, or in Triton's interpreter (any size); not while ``torch.compile`` traces."""
+    tiles an SM, or in Triton's interpreter (any size); with Triton 3.4 or later
+    (:data:`HAS_TENSOR_DESCRIPTORS`); not while ``torch.compile`` traces."""
     if bias is not None and bias.stride(0) != 1:
         return False
     small = (xa, lora_b) if bias is None else (xa, lora_b, bias)
