@@ -194,13 +194,17 @@ def fused_grad_applies(dy: torch.Tensor, weight: torch.Tensor, scaled_g: torch.T
 
 
 def _launch(a: torch.Tensor, weight: torch.Tensor, w_transposed: bool, bias: torch.Tensor | None, u: torch.Tensor,
-            v: torch.Tensor, v_col_stride: int, v_rank_stride: int, scaling: float) -> torch.Tensor:  # fmt: skip
+            v: torch.Tensor, v_col_stride: int, v_rank_stride: int, scaling: float, *,
+            tile: tuple[int, int, int] = TILE, num_stages: int = NUM_STAGES,
+            num_warps: int = NUM_WARPS) -> torch.Tensor:  # fmt: skip
+    """The kernel's launch; ``tile``, ``num_stages`` and ``num_warps`` other than the tables' only
+    for probes (``benchmarks/experiments``)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     n_rows, n_inner = a.shape
     n_cols = weight.shape[0] if w_transposed else weight.shape[1]
     out = torch.empty((n_rows, n_cols), dtype=a.dtype, device=a.device)
-    block_m, block_n, block_k = TILE
+    block_m, block_n, block_k = tile
     w_block = [block_n, block_k] if w_transposed else [block_k, block_n]
     rank = u.shape[1]
     programs = min(multiprocessor_count(a.device), triton.cdiv(n_rows, block_m) * triton.cdiv(n_cols, block_n))
@@ -210,7 +214,7 @@ def _launch(a: torch.Tensor, weight: torch.Tensor, w_transposed: bool, bias: tor
         1.0 / scaling, n_rows, n_cols, n_inner, rank, u.stride(0), v_col_stride, v_rank_stride,
         W_TRANSPOSED=w_transposed, HAS_BIAS=bias is not None, BLOCK_RANK=max(16, next_power_of_2(rank)),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=GROUP_M, N_PROGRAMS=programs,
-        num_stages=NUM_STAGES, num_warps=NUM_WARPS,
+        num_stages=num_stages, num_warps=num_warps,
     )  # fmt: skip
     return out
 
