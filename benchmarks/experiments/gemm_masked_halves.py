@@ -33,7 +33,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from fk.core import bench
 from fk.core.launch import multiprocessor_count
-from fk.core.tiles import exact_dot, exact_dot_add, round_to
+from fk.core.tiles import exact_dot, exact_dot_add, grouped_tile_offsets, round_to
 from fk.lora import masked_low_rank
 from fk.lora.masked_low_rank import MaskedLowRank
 
@@ -66,13 +66,8 @@ def _masked_grad_kernel(dy_desc, w_desc, dx_desc, gs_ptrs, a_ptrs, mask_ptrs, fa
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                         N_PROGRAMS: tl.constexpr):  # fmt: skip
     # dx = dy W + sum_t f_t m_t (G_t A_t); W [N, K] read as stored, in [BLOCK_K, BLOCK_N] tiles.
-    tiles_m, tiles_n = tl.cdiv(n_rows, BLOCK_M), tl.cdiv(n_cols, BLOCK_N)
-    in_group = GROUP_M * tiles_n
-    for tile in range(tl.program_id(0), tiles_m * tiles_n, N_PROGRAMS):
-        first_m = (tile // in_group) * GROUP_M
-        group_m = min(tiles_m - first_m, GROUP_M)
-        off_m = (first_m + (tile % in_group) % group_m) * BLOCK_M
-        off_n = ((tile % in_group) // group_m) * BLOCK_N
+    for tile in range(tl.program_id(0), tl.cdiv(n_rows, BLOCK_M) * tl.cdiv(n_cols, BLOCK_N), N_PROGRAMS):
+        off_m, off_n = grouped_tile_offsets(tile, n_rows, n_cols, BLOCK_M, BLOCK_N, GROUP_M)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for off_k in range(0, n_inner, BLOCK_K):
             acc = exact_dot_add(dy_desc.load([off_m, off_k]), w_desc.load([off_k, off_n]), acc)

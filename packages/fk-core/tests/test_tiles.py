@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 
 from fk.core.testing import dtype_name
-from fk.core.tiles import exact_dot, exact_dot_add, load_row_tile
+from fk.core.tiles import exact_dot, exact_dot_add, grouped_tile_offsets, load_row_tile
 
 
 @triton.jit
@@ -69,3 +69,24 @@ def test_exact_dot_and_exact_dot_add_sum_exact_products_in_fp32(device: str, dty
     _dot_kernel[(1,)](a, b, out, M=32, K=64, N=16, ADD=True)
     want = want + start.double()
     torch.testing.assert_close(out.double(), want, rtol=0, atol=1e-5 * want.abs().max().item())
+
+
+@triton.jit
+def _tile_offsets_kernel(out_ptr, n_rows, n_cols, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    tile = tl.program_id(0)
+    off_m, off_n = grouped_tile_offsets(tile, n_rows, n_cols, BLOCK_M, BLOCK_N, GROUP_M)
+    tl.store(out_ptr + 2 * tile, off_m)
+    tl.store(out_ptr + 2 * tile + 1, off_n)
+
+
+def test_grouped_tile_offsets_visit_every_tile_once_in_groups(device: str) -> None:
+    # 7 row blocks (the last group of 3 is short) by 5 column blocks, groups of 4 row blocks.
+    n_rows, n_cols, block_m, block_n, group_m = 7 * 16 - 5, 5 * 32 - 9, 16, 32, 4
+    out = torch.full((35, 2), -1, dtype=torch.int32, device=device)
+    _tile_offsets_kernel[(35,)](out, n_rows, n_cols, BLOCK_M=block_m, BLOCK_N=block_n, GROUP_M=group_m)
+    offsets = [tuple(row) for row in out.cpu().tolist()]
+    assert sorted(offsets) == [(m * block_m, n * block_n) for m in range(7) for n in range(5)]
+    # the first group: row blocks 0-3 down column block 0, then column block 1, ...
+    assert offsets[:6] == [(0, 0), (16, 0), (32, 0), (48, 0), (0, 32), (16, 32)]
+    # the short last group (row blocks 4-6): down each column of it
+    assert offsets[20:24] == [(64, 0), (80, 0), (96, 0), (64, 32)]

@@ -9,6 +9,8 @@ masked), so a loop may load the tile after its last one, as a prefetching loop d
 a GPU's fp32 -> bf16 cast does, Triton's interpreter's rounds toward zero, which biases every
 element the same way and shows in sums taken later over many of them (a LoRA weight gradient).
 
+:func:`grouped_tile_offsets` is a persistent GEMM's order of output tiles (groups of row blocks).
+
 :func:`exact_dot` is ``tl.dot`` with exact products summed in fp32, as torch's matmuls form them:
 the tensor cores for two fp16 or two bf16 tiles, IEEE fp32 FMAs (not TF32) for fp32 ones. Triton
 3.6's interpreter multiplies bf16 tiles wrongly (off by orders of magnitude), so there the tiles
@@ -46,6 +48,18 @@ def grid_tile(n_rows, n_cols, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr
     rows = (tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
     return rows, cols, rows < n_rows, cols < n_cols
+
+
+@triton.jit
+def grouped_tile_offsets(tile, n_rows, n_cols, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(row offset, column offset) of output tile number ``tile`` of a ``[n_rows, n_cols]`` GEMM
+    output, tiles numbered ``GROUP_M`` row blocks at a time and down each column of a group, so
+    that tiles taken together share the second operand's tiles in L2 (a persistent GEMM's order)."""
+    tiles_m, tiles_n = tl.cdiv(n_rows, BLOCK_M), tl.cdiv(n_cols, BLOCK_N)
+    in_group = GROUP_M * tiles_n
+    first_m = (tile // in_group) * GROUP_M
+    group_m = min(tiles_m - first_m, GROUP_M)
+    return (first_m + (tile % in_group) % group_m) * BLOCK_M, ((tile % in_group) // group_m) * BLOCK_N
 
 
 @triton.jit
