@@ -18,8 +18,11 @@ from fk.lora.lora_matmul import (
     base_and_lora_grad_ref,
     base_and_lora_out,
     base_and_lora_out_ref,
+    base_and_masked_lora_grad,
+    base_and_masked_lora_grad_ref,
     fused_applies,
     fused_grad_applies,
+    masked_grad_applies,
 )
 
 # (M, N, K, r): rows and columns across tile edges (128 x 256, K steps of 64); N and K multiples of 8,
@@ -137,6 +140,87 @@ def test_grad_applies_only_where_it_can(device: str) -> None:
     assert not fused_grad_applies(dy.float(), weight.float(), scaled_g.float(), lora_a.float())
 
 
+def _dropout_mask(m: int, k: int, device: str, seed: int, p: float = 0.3) -> torch.Tensor:
+    gen = torch.Generator(device=device).manual_seed(seed)
+    return torch.rand((m, k), device=device, generator=gen) >= p
+
+
+@pytest.mark.parametrize(("mask_base", "accumulate"), [(False, False), (False, True), (True, True), (True, False)],
+                         ids=["lora", "lora_added", "dora_added", "dora"])  # fmt: skip
+@pytest.mark.parametrize(("m", "n", "k", "r"), SHAPES)
+@pytest.mark.parametrize("dtype", HALF, ids=dtype_name)
+def test_masked_grad_matches_reference(
+    device: str, dtype: torch.dtype, m: int, n: int, k: int, r: int, mask_base: bool, accumulate: bool
+) -> None:
+    # With dropout: dy W + f m (s G A) (LoRA), or f m (dy W + s G A) (DoRA's term through the dropped
+    # input), into a new dx or added to one; the epilogue in two halves of each 256-column tile.
+    if not _kernel_runs(device):
+        pytest.skip("the kernel runs on Hopper GPUs and in Triton's interpreter")
+    dy, weight, scaled_g, lora_a = _grad_inputs(m, n, k, r, dtype, device, seed=11)
+    mask = _dropout_mask(m, k, device, seed=12)
+    addend = testing.random_tensor((m, k), dtype, device, seed=13) if accumulate else None
+    factor = 1 / 0.7
+    want = base_and_masked_lora_grad_ref(dy, weight, scaled_g, lora_a, mask, factor, mask_base=mask_base, addend=addend)
+    kept = factor * mask.to(dtype)
+    baseline = kept * (dy @ weight + scaled_g @ lora_a) if mask_base else dy @ weight + kept * (scaled_g @ lora_a)
+    if addend is not None:
+        baseline = baseline + addend
+    out = None if addend is None else addend.clone()
+    got = base_and_masked_lora_grad(dy, weight, scaled_g, lora_a, mask, factor, mask_base=mask_base, out=out)
+    assert got.dtype == dtype and got.shape == (m, k)
+    assert out is None or got is out
+    testing.assert_close(got, want, baseline, name="dx")
+
+
+def test_masked_grad_every_term_counts(device: str) -> None:
+    # The mask, the factor, the rank term, the base product's masking (DoRA) and the addend each move
+    # dx far past the tolerance when left out.
+    if not _kernel_runs(device):
+        pytest.skip("the kernel runs on Hopper GPUs and in Triton's interpreter")
+    dy, weight, scaled_g, lora_a = _grad_inputs(130, 264, 200, 16, torch.float16, device, seed=21)
+    mask = _dropout_mask(130, 200, device, seed=22)
+    addend = testing.random_tensor((130, 200), torch.float16, device, seed=23)
+    ref = base_and_masked_lora_grad_ref
+    for mask_base in (False, True):
+        got = base_and_masked_lora_grad(dy, weight, scaled_g, lora_a, mask, 2.0, mask_base=mask_base,
+                                        out=addend.clone()).double()  # fmt: skip
+        for wrong in (
+            ref(dy, weight, scaled_g, lora_a, torch.ones_like(mask), 2.0, mask_base=mask_base, addend=addend),
+            ref(dy, weight, scaled_g, lora_a, mask, 1.0, mask_base=mask_base, addend=addend),
+            ref(dy, weight, scaled_g, 0 * lora_a, mask, 2.0, mask_base=mask_base, addend=addend),
+            ref(dy, weight, scaled_g, lora_a, mask, 2.0, mask_base=not mask_base, addend=addend),
+            ref(dy, weight, scaled_g, lora_a, mask, 2.0, mask_base=mask_base),
+        ):
+            assert (got - wrong).abs().max() > 0.05
+
+
+def test_masked_grad_applies_only_where_it_can(device: str) -> None:
+    # 16384 rows and an inner dimension of 1024: enough for a GPU (GRAD_MIN_ROWS, MASKED_MIN_INNER).
+    dy, weight, scaled_g, lora_a = _grad_inputs(16384, lora_matmul.MASKED_MIN_INNER, 256, 16, torch.bfloat16, device)
+    mask = _dropout_mask(16384, 256, device, seed=1)
+    dx = torch.empty(16384, 256, dtype=dy.dtype, device=device)
+    assert masked_grad_applies(dy, weight, scaled_g, lora_a, mask) == _kernel_runs(device)
+    assert masked_grad_applies(dy, weight, scaled_g, lora_a, mask, dx) == _kernel_runs(device)
+    if not _kernel_runs(device):
+        return
+    on_gpu = device == "cuda"
+    half_inner = lora_matmul.MASKED_MIN_INNER // 2
+    assert masked_grad_applies(dy[:, :half_inner], weight[:half_inner], scaled_g, lora_a, mask) != on_gpu
+    few = lora_matmul.GRAD_MIN_ROWS // 2
+    assert masked_grad_applies(dy[:few], weight, scaled_g[:few], lora_a, mask[:few]) != on_gpu
+    refused = {
+        "mask not bool": [mask.to(dy.dtype), None],
+        "mask's shape": [mask[:, :128], None],
+        "mask's columns strided": [torch.ones(16384, 512, dtype=torch.bool, device=device)[:, ::2], None],
+        "out's dtype": [mask, dx.float()],
+        "out's shape": [mask, dx[:, :128]],
+        "out's rows not 16-byte aligned": [mask, torch.empty(16384, 260, dtype=dy.dtype, device=device)[:, 2:258]],
+    }
+    for why, (m, out) in refused.items():
+        assert not masked_grad_applies(dy, weight, scaled_g, lora_a, m, out), why
+    assert not masked_grad_applies(dy.float(), weight.float(), scaled_g.float(), lora_a.float(), mask), "fp32"
+
+
 def test_applies_only_where_it_can(device: str) -> None:
     # Rows for 128 tiles of 128 x 256: enough on a GPU of up to 170 SMs (MIN_TILES_PER_SM).
     x, weight, bias, xa, lora_b = _inputs(16384, 256, 64, 16, torch.bfloat16, device)
@@ -196,37 +280,53 @@ def test_lora_and_base_out_takes_the_kernel_where_it_applies(
     testing.assert_close(got, want + 1.5 * lora_bias.double(), baseline + 1.5 * lora_bias, name="y", factor=3.0)
 
 
+# (W_TRANSPOSED, MASKED, MASK_BASE, ACCUMULATE): the forward; the backward; with dropout, LoRA's
+# first term (a new dx) and DoRA's (added to dx, its base product masked too).
+KERNEL_MODES = [(True, False, False, False), (False, False, False, False), (False, True, False, False),
+                (False, True, True, True)]  # fmt: skip
+
+
 def test_kernel_compiles_without_spills() -> None:
-    # Compiled for sm_90 on the CPU at its launch, forward (W transposed by the MMA) and backward,
-    # at r = 16 and at MAX_RANK: the products on the warpgroup MMAs, nothing spilled, the shared
-    # memory under the 227 KB a Hopper program gets.
+    # Compiled for sm_90 on the CPU at its launch, forward (W transposed by the MMA) and backward
+    # (with dropout too), at r = 16 and at MAX_RANK: the products on the warpgroup MMAs, nothing
+    # spilled, the shared memory under the 227 KB a Hopper program gets.
     tile_m, tile_n, tile_k = lora_matmul.TILE
-    for w_transposed, rank in itertools.product((True, False), (16, lora_matmul.MAX_RANK)):
+    for (w_transposed, masked, mask_base, accumulate), rank in itertools.product(
+        KERNEL_MODES, (16, lora_matmul.MAX_RANK)
+    ):
         w_block = f"[{tile_n}, {tile_k}]" if w_transposed else f"[{tile_k}, {tile_n}]"
+        out_n = tile_n // 2 if masked else tile_n
         signature = {
             "a_desc": f"tensordesc<bf16[{tile_m}, {tile_k}]>", "w_desc": f"tensordesc<bf16{w_block}>",
-            "out_desc": f"tensordesc<bf16[{tile_m}, {tile_n}]>", "u_ptr": "*bf16", "v_ptr": "*bf16",
-            "bias_ptr": "*bf16", "scaling": "fp32", "inv_scaling": "fp32", "n_rows": "i32", "n_cols": "i32",
-            "n_inner": "i32", "rank": "i32", "u_row_stride": "i32", "v_col_stride": "i32", "v_rank_stride": "i32",
-            "W_TRANSPOSED": "", "HAS_BIAS": "", "BLOCK_RANK": "", "BLOCK_M": "", "BLOCK_N": "", "BLOCK_K": "",
-            "GROUP_M": "", "N_PROGRAMS": "",
+            "out_desc": f"tensordesc<bf16[{tile_m}, {out_n}]>", "u_ptr": "*bf16", "v_ptr": "*bf16",
+            "bias_ptr": "*bf16", "mask_ptr": "*i1", "scaling": "fp32", "inv_scaling": "fp32", "factor": "fp32",
+            "n_rows": "i32", "n_cols": "i32", "n_inner": "i32", "rank": "i32", "u_row_stride": "i32",
+            "v_col_stride": "i32", "v_rank_stride": "i32", "mask_row_stride": "i32", "W_TRANSPOSED": "",
+            "HAS_BIAS": "", "MASKED": "", "MASK_BASE": "", "ACCUMULATE": "", "BLOCK_RANK": "", "BLOCK_M": "",
+            "BLOCK_N": "", "BLOCK_K": "", "GROUP_M": "", "N_PROGRAMS": "",
         }  # fmt: skip
-        constexprs = {"W_TRANSPOSED": w_transposed, "HAS_BIAS": w_transposed, "BLOCK_RANK": rank, "BLOCK_M": tile_m,
-                      "BLOCK_N": tile_n, "BLOCK_K": tile_k, "GROUP_M": lora_matmul.GROUP_M, "N_PROGRAMS": 132}  # fmt: skip
+        constexprs = {"W_TRANSPOSED": w_transposed, "HAS_BIAS": w_transposed, "MASKED": masked, "MASK_BASE": mask_base,
+                      "ACCUMULATE": accumulate, "BLOCK_RANK": rank, "BLOCK_M": tile_m, "BLOCK_N": tile_n,
+                      "BLOCK_K": tile_k, "GROUP_M": lora_matmul.GROUP_M, "N_PROGRAMS": 132}  # fmt: skip
         # B [N, r] and A [r, K] as PEFT stores them: the stride of 1 Triton specializes at launch
         constexprs["v_rank_stride" if w_transposed else "v_col_stride"] = 1
         compiled = testing.compile_kernel("fk.lora.lora_matmul", "_base_and_lora_kernel", signature, constexprs,
                                           num_warps=lora_matmul.NUM_WARPS)  # fmt: skip
-        assert compiled.spill_bytes == 0, (w_transposed, rank, compiled)
+        mode = (w_transposed, masked, mask_base, accumulate, rank)
+        assert compiled.spill_bytes == 0, (mode, compiled)
         assert compiled.sync_and_mma.get("wgmma.mma_async", 0) > 0, compiled.sync_and_mma
-        assert compiled.shared_bytes <= 227 * 1024, (w_transposed, rank, compiled.shared_bytes)
+        assert compiled.shared_bytes <= 227 * 1024, (mode, compiled.shared_bytes)
 
 
-@pytest.mark.parametrize("dora", [False, True], ids=["lora", "dora"])
-def test_lora_linear_takes_the_kernels_at_a_gpu_size(device: str, dora: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(("dora", "dropout_p"), [(False, 0.0), (True, 0.0), (False, 0.1), (True, 0.1)],
+                         ids=["lora", "dora", "lora_dropout", "dora_dropout"])  # fmt: skip
+def test_lora_linear_takes_the_kernels_at_a_gpu_size(
+    device: str, dora: bool, dropout_p: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # On a GPU the kernels run only for outputs of enough tiles (MIN_TILES_PER_SM) and, in the
-    # backward, rows and an inner dimension of 4096 or more (GRAD_MIN_*), more than the other tests'
-    # models have: a layer of 16384 tokens and 4096 outputs, forward and backward against the reference.
+    # backward, rows and an inner dimension of 4096 or more (GRAD_MIN_*; with dropout 1024,
+    # MASKED_MIN_INNER), more than the other tests' models have: a layer of 16384 tokens and 4096
+    # outputs, forward and backward against the reference (with dropout: with fk's mask, drawn again).
     if device != "cuda" or not _kernel_runs(device):
         pytest.skip("the size guard is a GPU's (the interpreter takes the kernels at any size)")
     from fk.lora import lora_linear, lora_linear_ref
@@ -248,16 +348,28 @@ def test_lora_linear_takes_the_kernels_at_a_gpu_size(device: str, dora: bool, mo
     magnitude = (1 + 0.1 * testing.random_tensor((4096,), c, device, seed=6)).requires_grad_() if dora else None
     dy = testing.random_tensor((16384, 4096), c, device, seed=7)
     leaves = [x, lora_a, lora_b] + ([magnitude] if dora else [])
+    torch.manual_seed(8)
+    mask = torch.native_dropout(x.detach(), dropout_p, True)[1] if dropout_p else None
+
+    def with_mask(t: torch.Tensor, p: float, training: bool = True) -> torch.Tensor:
+        # the reference's F.dropout, with fk's mask (drawn again above under the same seed)
+        assert mask is not None and training and p == dropout_p
+        return t * mask.to(t.dtype) / (1 - p)
 
     def run(fn, cast):  # type: ignore[no-untyped-def]
         inputs = [t.detach().to(cast).requires_grad_() for t in leaves]
         mag = inputs[3] if dora else None
-        y = fn(inputs[0], weight.to(cast), bias.to(cast), inputs[1], inputs[2], 2.0, magnitude=mag)
+        torch.manual_seed(8)
+        with monkeypatch.context() as patched:
+            if fn is not lora_linear:
+                patched.setattr(torch.nn.functional, "dropout", with_mask)
+            y = fn(inputs[0], weight.to(cast), bias.to(cast), inputs[1], inputs[2], 2.0, dropout_p, magnitude=mag)
         grads = torch.autograd.grad(y, inputs, dy.to(cast))
         return [y, *grads]
 
     got = run(lora_linear, c)
-    assert len(launches) == 2  # the forward's y and the backward's dx
+    # the forward's y and the backward's dx (DoRA with dropout: only dx, its y is DoRA's own pass)
+    assert len(launches) == (1 if dora and dropout_p else 2)
     want = run(lora_linear_ref, torch.float64)
     baseline = run(lora_linear_ref, c)
     for name, g, w, b in zip(["y", "dx", "dA", "dB", "dmagnitude"], got, want, baseline, strict=False):

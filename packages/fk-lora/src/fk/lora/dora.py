@@ -32,7 +32,12 @@ from fk.lora.dora_elementwise import (
 )
 from fk.lora.dora_glu import ScaledProjection, dora_gated_act, dora_gated_act_grad_terms
 from fk.lora.dora_norm import dora_weight_norm
-from fk.lora.lora_matmul import base_and_lora_grad, fused_grad_applies
+from fk.lora.lora_matmul import (
+    base_and_lora_grad,
+    base_and_masked_lora_grad,
+    fused_grad_applies,
+    masked_grad_applies,
+)
 from fk.lora.masked_low_rank import add_masked_low_rank_
 from fk.lora.projection import (
     Settings,
@@ -119,7 +124,8 @@ def dora_ref(
 #   dW     = dy_ms^T x2 ;  dx = dy_ms W + s G A
 # With dropout x2 W^T is not, and zd is scaled by (ms - 1); with dy_ms1 = (ms - 1) * dy:
 #   dW     = dy^T x2 + f dy_ms1^T (x2 * m)
-#   dx     = dy W + f (dy_ms1 W + s G A) * m    (the masked sum in one pass: masked_low_rank, addend)
+#   dx     = dy W + f (dy_ms1 W + s G A) * m    (the masked sum in dy_ms1 W's GEMM: lora_matmul, mask_base;
+#                                                 else one pass: masked_low_rank, addend)
 # Under autocast DoRA is not fused (fk.lora.patch leaves it to PEFT; the functions refuse it).
 #
 # A 4-bit (QLoRA) W (fk.lora.quantized_base.QuantizedBase; frozen, so no dW) is dequantized whole in
@@ -304,7 +310,10 @@ def _dora_bwd(
         assert gs is not None and low.mask is not None and dy_ms1 is not None
         w = dense(weight)  # (one dequantized W for both of its products)
         dx = torch.mm(dy, w) if dx is None else dx.addmm_(dy, w)
-        add_masked_low_rank_(dx, gs, low.A_c, low.mask, f, addend=torch.mm(dy_ms1, w))
+        if masked_grad_applies(dy_ms1, w, gs, low.A_c, low.mask, dx):  # the masked sum in dy_ms1 W's epilogue
+            base_and_masked_lora_grad(dy_ms1, w, gs, low.A_c, low.mask, f, mask_base=True, out=dx)
+        else:
+            add_masked_low_rank_(dx, gs, low.A_c, low.mask, f, addend=torch.mm(dy_ms1, w))
     return grads, dx
 
 

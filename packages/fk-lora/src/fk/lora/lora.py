@@ -58,7 +58,12 @@ from fk.glu import (
     resolve_activation,
 )
 from fk.lora.dora import DoRAMLP, DoRAParams, DoRAProjections, dora_ref
-from fk.lora.lora_matmul import base_and_lora_grad, fused_grad_applies
+from fk.lora.lora_matmul import (
+    base_and_lora_grad,
+    base_and_masked_lora_grad,
+    fused_grad_applies,
+    masked_grad_applies,
+)
 from fk.lora.masked_low_rank import MaskedLowRank, add_masked_low_rank_, add_masked_low_ranks_
 from fk.lora.projection import (
     Settings,
@@ -201,8 +206,9 @@ def lora_mlp_ref(
 # terms are written first and the dy W matmul adds into them), the other dy W terms are accumulated
 # into it with addmm_; with dropout, the projections' masked s G A terms go into dx by
 # the kernel of fk.lora.masked_low_rank, which forms each G A tile by tile in registers (one more
-# pass over dx for all of them). Projections with dropout that share x and the dropout dtype draw
-# their masks on one cast of x2 (in PEFT's order).
+# pass over dx for all of them; a projection alone, such as O, takes its masked term into its dy W
+# GEMM's epilogue instead, fk.lora.lora_matmul's base_and_masked_lora_grad). Projections with
+# dropout that share x and the dropout dtype draw their masks on one cast of x2 (in PEFT's order).
 #
 # Gated MLP: g = proj_gate(x), u = proj_up(x), h = act(g) * u (fk.glu's kernel), y = proj_down(h).
 # Saved: x, g, u, the rank-sized xa's and the masks; h is not saved but recomputed from g and u in
@@ -384,16 +390,18 @@ def _proj_bwd_input(
     dy: torch.Tensor, weight: Any, A_c: torch.Tensor, gs: torch.Tensor, mask: torch.Tensor | None, p: float
 ) -> torch.Tensor:
     """``dx = dy W + (s G A) * m / (1 - p)``, a new buffer; a :class:`QuantizedBase` ``W`` is
-    dequantized for the ``dy W`` matmul only. Without dropout: one GEMM of
-    :mod:`fk.lora.lora_matmul` where it applies, else the rank-sized term written first and the
-    ``dy W`` matmul adding into it (one pass over dx fewer, as :func:`lora_and_base_out`)."""
+    dequantized for the ``dy W`` matmul only. One GEMM of :mod:`fk.lora.lora_matmul` where it
+    applies (with dropout, the masked term in its epilogue); else, without dropout, the rank-sized
+    term written first and the ``dy W`` matmul adding into it (one pass over dx fewer, as
+    :func:`lora_and_base_out`), with dropout the ``dy W`` matmul and the masked term's own pass."""
+    w = dense(weight)
     if mask is None:
-        w = dense(weight)
         if fused_grad_applies(dy, w, gs, A_c):
             return base_and_lora_grad(dy, w, gs, A_c)
         return torch.mm(gs, A_c).addmm_(dy, w)
-    dx = torch.mm(dy, dense(weight))
-    return add_masked_low_rank_(dx, gs, A_c, mask, 1.0 / (1.0 - p))
+    if masked_grad_applies(dy, w, gs, A_c, mask):
+        return base_and_masked_lora_grad(dy, w, gs, A_c, mask, 1.0 / (1.0 - p))
+    return add_masked_low_rank_(torch.mm(dy, w), gs, A_c, mask, 1.0 / (1.0 - p))
 
 
 def _shared_input_bwd(
@@ -419,7 +427,9 @@ def _shared_input_bwd(
     where it applies (else the ``s G A`` terms written by one matmul first; their ``dA``\\ s, too,
     come from one matmul that reads ``x2`` once), then the other ``dy W`` terms added by their
     matmuls' epilogues (one pass over dx fewer than the other order, as :func:`lora_and_base_out`),
-    then the masked terms of the projections with dropout in one more pass.
+    then the masked terms of the projections with dropout in one more pass (a projection alone: its
+    masked term in its GEMM's epilogue, :func:`~fk.lora.lora_matmul.base_and_masked_lora_grad`, where
+    that applies).
     """
     n = len(settings)
     live = [i for i in range(n) if dys[i] is not None]
@@ -465,12 +475,19 @@ def _shared_input_bwd(
     # s G A of the projections without dropout, stacked: one rank-sized product
     A_plain = (torch.cat([lows[i].A_c for i in plain]) if len(plain) > 1 else lows[plain[0]].A_c) if plain else None
     live_weights = dequantized_together([weights[i] for i in live])
+    in_epilogue = False  # a projection alone with dropout: dy W and its masked term in one GEMM
     for j, i in enumerate(live):  # the base terms; a 4-bit W dequantized for its term only (or q, k, v's together)
         dy = dys[i]
         assert dy is not None
         weight = dense(live_weights[j])
         live_weights[j] = None
-        if dx is not None:
+        mask = lows[i].mask
+        # (with more projections, each GEMM adding its own term to dx took longer than the one pass for
+        # all of them: benchmarks/experiments/INDEX.md#masked_grad_epilogue)
+        if len(live) == 1 and mask is not None and masked_grad_applies(dy, weight, gss[i], lows[i].A_c, mask):
+            dx = base_and_masked_lora_grad(dy, weight, gss[i], lows[i].A_c, mask, 1 / (1 - settings[i].dropout_p))
+            in_epilogue = True
+        elif dx is not None:
             dx.addmm_(dy, weight)
         elif A_plain is None:
             dx = torch.mm(dy, weight)
@@ -483,7 +500,7 @@ def _shared_input_bwd(
     masked_terms = [
         MaskedLowRank(gss[i], lows[i].A_c, mask, 1.0 / (1.0 - settings[i].dropout_p))
         for i in live
-        if (mask := lows[i].mask) is not None
+        if (mask := lows[i].mask) is not None and not in_epilogue
     ]
     if masked_terms:  # s G A of the projections with dropout, each under its mask: one more pass over dx
         add_masked_low_ranks_(dx, masked_terms)

@@ -30,6 +30,7 @@ with enough output tiles to fill it; and Triton's interpreter); fk.lora.projecti
 from __future__ import annotations
 
 import re
+from typing import NamedTuple
 
 import torch
 import triton
@@ -37,7 +38,7 @@ import triton.language as tl
 
 from fk.core.backend import KernelPath, kernel_path
 from fk.core.launch import multiprocessor_count, next_power_of_2
-from fk.core.tiles import exact_dot_add, grouped_tile_offsets, round_to
+from fk.core.tiles import exact_dot, exact_dot_add, grouped_tile_offsets, round_to
 
 MAX_RANK = 128
 """The largest ``r`` the kernel takes: the rank-sized tiles (``[BLOCK_M, r]`` and ``[r, BLOCK_N]``)
@@ -64,6 +65,10 @@ them it lost to the cuBLAS path at shapes with tiles enough for the SMs, by a ca
 (``lora_matmul_shapes --grad``: Llama-3.2-1B's q/O at 4096 tokens 2.0x, k/v 2.7x; Llama-3.1-8B's
 k/v at 1024 tokens 2.0x); at and above them it took 0.91-0.99x, except Llama-3.1-8B's down at
 16384 tokens (1.05x)."""
+MASKED_MIN_INNER = 1024
+"""The inner dimension from which the input gradient with dropout (:func:`base_and_masked_lora_grad`)
+is taken on a GPU: its one masked term in the epilogue took 0.91x fk's ``mm`` and masked pass at
+Llama-3.1-8B's k/v at 4096 tokens (inner 1024; ``INDEX.md#gemm_masked_halves``)."""
 
 
 def base_and_lora_out_ref(
@@ -86,14 +91,61 @@ def base_and_lora_grad_ref(
     return dy.double() @ weight.double() + scaled_g.double() @ lora_a.double()
 
 
+def base_and_masked_lora_grad_ref(
+    dy: torch.Tensor,
+    weight: torch.Tensor,
+    scaled_g: torch.Tensor,
+    lora_a: torch.Tensor,
+    mask: torch.Tensor,
+    factor: float,
+    *,
+    mask_base: bool = False,
+    addend: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``dy W + f m ((s G) A)``, or ``f m (dy W + (s G) A)`` with ``mask_base``, plus ``addend``, in
+    float64: what the kernel computes for an input gradient with dropout."""
+    base = dy.double() @ weight.double()
+    low = scaled_g.double() @ lora_a.double()
+    kept = factor * mask.double()
+    out = kept * (base + low) if mask_base else base + kept * low
+    return out if addend is None else out + addend.double()
+
+
 @triton.jit
-def _base_and_lora_kernel(a_desc, w_desc, out_desc, u_ptr, v_ptr, bias_ptr, scaling, inv_scaling, n_rows, n_cols,
-                          n_inner, rank, u_row_stride, v_col_stride, v_rank_stride, W_TRANSPOSED: tl.constexpr,
-                          HAS_BIAS: tl.constexpr, BLOCK_RANK: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+def _masked_half(part, u, v_ptr, v_col_stride, v_rank_stride, rank, mask_ptr, mask_row_stride, factor, out_desc,
+                 off_m, off_n, rows, n_rows, n_cols, MASK_BASE: tl.constexpr, ACCUMULATE: tl.constexpr,
+                 BLOCK_RANK: tl.constexpr, HALF_N: tl.constexpr):  # fmt: skip
+    # One [BLOCK_M, HALF_N] half of the input gradient's tile (columns off_n on), its masked term
+    # added and stored: part + f m (u v) (LoRA), or f m (part + u v) (MASK_BASE, DoRA), plus the
+    # output's own value (ACCUMULATE).
+    ks = tl.arange(0, BLOCK_RANK)
+    cols = off_n + tl.arange(0, HALF_N)
+    v = tl.load(v_ptr + cols[None, :] * v_col_stride + ks[:, None] * v_rank_stride,
+                mask=(cols[None, :] < n_cols) & (ks[:, None] < rank), other=0.0)  # fmt: skip
+    keep = tl.load(mask_ptr + rows[:, None] * mask_row_stride + cols[None, :],
+                   mask=(rows[:, None] < n_rows) & (cols[None, :] < n_cols), other=0) != 0  # fmt: skip
+    if MASK_BASE:
+        part = tl.where(keep, factor * exact_dot_add(u, v, part), 0.0)
+    else:
+        part += tl.where(keep, factor * exact_dot(u, v), 0.0)
+    if ACCUMULATE:
+        part += out_desc.load([off_m, off_n]).to(tl.float32)
+    out_desc.store([off_m, off_n], round_to(part, out_desc.dtype))  # TMA clips the edges
+
+
+@triton.jit
+def _base_and_lora_kernel(a_desc, w_desc, out_desc, u_ptr, v_ptr, bias_ptr, mask_ptr, scaling, inv_scaling, factor,
+                          n_rows, n_cols, n_inner, rank, u_row_stride, v_col_stride, v_rank_stride, mask_row_stride,
+                          W_TRANSPOSED: tl.constexpr, HAS_BIAS: tl.constexpr, MASKED: tl.constexpr,
+                          MASK_BASE: tl.constexpr, ACCUMULATE: tl.constexpr, BLOCK_RANK: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                           N_PROGRAMS: tl.constexpr):  # fmt: skip
     # out = a op(W) + b + s u v: op(W) = W^T (W_TRANSPOSED, the forward) or W; v[q, j] at
     # v_ptr + j v_col_stride + q v_rank_stride (B^T in the forward, A in the backward).
+    # MASKED (the backward with dropout): out = a W + f m (u v), or f m (a W + u v) with MASK_BASE,
+    # plus out's own value with ACCUMULATE; m [M, N] bool; the epilogue in two halves of the tile
+    # (out_desc's blocks are [BLOCK_M, BLOCK_N / 2]): a whole [BLOCK_M, BLOCK_N] term tile beside the
+    # accumulator spills at 128 x 256.
     ks = tl.arange(0, BLOCK_RANK)
     # A plain loop over the tiles: flattened into the K loop (tl.range(flatten=True), as Triton's
     # persistent tutorials do) the epilogue's loads took the kernel from 186 to 279 us (O, 4096 tokens).
@@ -107,15 +159,26 @@ def _base_and_lora_kernel(a_desc, w_desc, out_desc, u_ptr, v_ptr, bias_ptr, scal
                 w = w_desc.load([off_k, off_n])
             acc = exact_dot_add(a_desc.load([off_m, off_k]), w, acc)
         rows = off_m + tl.arange(0, BLOCK_M)
-        cols = off_n + tl.arange(0, BLOCK_N)
         u = tl.load(u_ptr + rows[:, None].to(tl.int64) * u_row_stride + ks[None, :],
                     mask=(rows[:, None] < n_rows) & (ks[None, :] < rank), other=0.0)  # fmt: skip
-        v = tl.load(v_ptr + cols[None, :] * v_col_stride + ks[:, None] * v_rank_stride,
-                    mask=(cols[None, :] < n_cols) & (ks[:, None] < rank), other=0.0)  # fmt: skip
-        acc = exact_dot_add(u, v, acc * inv_scaling) * scaling
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)[None, :]
-        out_desc.store([off_m, off_n], round_to(acc, out_desc.dtype))  # TMA clips the edges
+        if MASKED:
+            half_n: tl.constexpr = BLOCK_N // 2
+            first, second = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, half_n)), (0, 2, 1)))
+            wide_rows = rows.to(tl.int64)
+            _masked_half(first, u, v_ptr, v_col_stride, v_rank_stride, rank, mask_ptr, mask_row_stride, factor,
+                         out_desc, off_m, off_n, wide_rows, n_rows, n_cols, MASK_BASE, ACCUMULATE, BLOCK_RANK,
+                         half_n)  # fmt: skip
+            _masked_half(second, u, v_ptr, v_col_stride, v_rank_stride, rank, mask_ptr, mask_row_stride, factor,
+                         out_desc, off_m, off_n + half_n, wide_rows, n_rows, n_cols, MASK_BASE, ACCUMULATE,
+                         BLOCK_RANK, half_n)  # fmt: skip
+        else:
+            cols = off_n + tl.arange(0, BLOCK_N)
+            v = tl.load(v_ptr + cols[None, :] * v_col_stride + ks[:, None] * v_rank_stride,
+                        mask=(cols[None, :] < n_cols) & (ks[:, None] < rank), other=0.0)  # fmt: skip
+            acc = exact_dot_add(u, v, acc * inv_scaling) * scaling
+            if HAS_BIAS:
+                acc += tl.load(bias_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)[None, :]
+            out_desc.store([off_m, off_n], round_to(acc, out_desc.dtype))  # TMA clips the edges
 
 
 def _has_tensor_descriptors() -> bool:
@@ -188,28 +251,67 @@ def fused_grad_applies(dy: torch.Tensor, weight: torch.Tensor, scaled_g: torch.T
     return _applies(dy, weight, weight.shape[1], scaled_g, (scaled_g, lora_a), 1.0)
 
 
+class _Masked(NamedTuple):
+    """The input gradient's dropout term, where :func:`_launch` adds one: ``f m (u v)`` (or
+    ``f m (a W + u v)``)."""
+
+    mask: torch.Tensor
+    """``m`` ``[M, K]``, bool, unit column stride."""
+    factor: float
+    """``f = 1 / (1 - p)``."""
+    mask_base: bool
+    """Whether ``m`` and ``f`` apply to the base product ``a W`` too (DoRA's)."""
+
+
+def masked_grad_applies(
+    dy: torch.Tensor,
+    weight: torch.Tensor,
+    scaled_g: torch.Tensor,
+    lora_a: torch.Tensor,
+    mask: torch.Tensor,
+    out: torch.Tensor | None = None,
+) -> bool:
+    """Whether :func:`base_and_masked_lora_grad` runs: :func:`fused_grad_applies`' conditions, but
+    on a GPU an inner dimension of :data:`MASKED_MIN_INNER` or more (not :data:`GRAD_MIN_INNER`);
+    ``mask`` bool ``[M, K]`` with unit column stride; ``out``, where given, ``[M, K]`` in ``dy``'s
+    dtype and TMA-ready."""
+    if kernel_path(dy) is KernelPath.TRITON and (dy.shape[0] < GRAD_MIN_ROWS or weight.shape[0] < MASKED_MIN_INNER):
+        return False
+    if not _applies(dy, weight, weight.shape[1], scaled_g, (scaled_g, lora_a), 1.0):
+        return False
+    want = (dy.shape[0], weight.shape[1])
+    if mask.dtype != torch.bool or tuple(mask.shape) != want or mask.stride(1) != 1:
+        return False
+    return out is None or (tuple(out.shape) == want and out.dtype == dy.dtype and _tma_ready(out))
+
+
 def _launch(a: torch.Tensor, weight: torch.Tensor, w_transposed: bool, bias: torch.Tensor | None, u: torch.Tensor,
-            v: torch.Tensor, v_col_stride: int, v_rank_stride: int, scaling: float, *,
-            tile: tuple[int, int, int] = TILE, num_stages: int = NUM_STAGES,
-            num_warps: int = NUM_WARPS) -> torch.Tensor:  # fmt: skip
-    """The kernel's launch; ``tile``, ``num_stages`` and ``num_warps`` other than the tables' only
-    for probes (``benchmarks/experiments``)."""
+            v: torch.Tensor, v_col_stride: int, v_rank_stride: int, scaling: float,
+            masked: _Masked | None = None, out: torch.Tensor | None = None, *, tile: tuple[int, int, int] = TILE,
+            num_stages: int = NUM_STAGES, num_warps: int = NUM_WARPS) -> torch.Tensor:  # fmt: skip
+    """The kernel's launch (``out`` given: added to, with ``masked`` only); ``tile``, ``num_stages``
+    and ``num_warps`` other than the tables' only for probes (``benchmarks/experiments``)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     n_rows, n_inner = a.shape
     n_cols = weight.shape[0] if w_transposed else weight.shape[1]
-    out = torch.empty((n_rows, n_cols), dtype=a.dtype, device=a.device)
+    accumulate = out is not None
+    if out is None:
+        out = torch.empty((n_rows, n_cols), dtype=a.dtype, device=a.device)
     block_m, block_n, block_k = tile
     w_block = [block_n, block_k] if w_transposed else [block_k, block_n]
+    out_block = [block_m, block_n if masked is None else block_n // 2]
     rank = u.shape[1]
     programs = min(multiprocessor_count(a.device), triton.cdiv(n_rows, block_m) * triton.cdiv(n_cols, block_n))
+    mask = out if masked is None else masked.mask
     _base_and_lora_kernel[(programs,)](
         TensorDescriptor.from_tensor(a, [block_m, block_k]), TensorDescriptor.from_tensor(weight, w_block),
-        TensorDescriptor.from_tensor(out, [block_m, block_n]), u, v, out if bias is None else bias, float(scaling),
-        1.0 / scaling, n_rows, n_cols, n_inner, rank, u.stride(0), v_col_stride, v_rank_stride,
-        W_TRANSPOSED=w_transposed, HAS_BIAS=bias is not None, BLOCK_RANK=max(16, next_power_of_2(rank)),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=GROUP_M, N_PROGRAMS=programs,
-        num_stages=num_stages, num_warps=num_warps,
+        TensorDescriptor.from_tensor(out, out_block), u, v, out if bias is None else bias, mask, float(scaling),
+        1.0 / scaling, 1.0 if masked is None else float(masked.factor), n_rows, n_cols, n_inner, rank, u.stride(0),
+        v_col_stride, v_rank_stride, mask.stride(0), W_TRANSPOSED=w_transposed, HAS_BIAS=bias is not None,
+        MASKED=masked is not None, MASK_BASE=masked is not None and masked.mask_base, ACCUMULATE=accumulate,
+        BLOCK_RANK=max(16, next_power_of_2(rank)), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        GROUP_M=GROUP_M, N_PROGRAMS=programs, num_stages=num_stages, num_warps=num_warps,
     )  # fmt: skip
     return out
 
@@ -235,3 +337,23 @@ def base_and_lora_grad(
     :func:`fused_grad_applies`; the caller checks). ``dy`` ``[M, N]``, ``W`` ``[N, K]``, ``s G``
     ``[M, r]`` (already scaled), ``A`` ``[r, K]``."""
     return _launch(dy, weight, False, None, scaled_g, lora_a, lora_a.stride(1), lora_a.stride(0), 1.0)
+
+
+def base_and_masked_lora_grad(
+    dy: torch.Tensor,
+    weight: torch.Tensor,
+    scaled_g: torch.Tensor,
+    lora_a: torch.Tensor,
+    mask: torch.Tensor,
+    factor: float,
+    *,
+    mask_base: bool = False,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """An input gradient with dropout by the kernel (where :func:`masked_grad_applies`; the caller
+    checks): ``dy W + f m ((s G) A)`` (LoRA's), or ``f m (dy W + (s G) A)`` with ``mask_base``
+    (DoRA's part through the dropped input), as a new ``[M, K]`` tensor in ``dy``'s dtype, or added
+    to ``out`` (returned). ``dy`` ``[M, N]``, ``W`` ``[N, K]``, ``s G`` ``[M, r]`` (already scaled),
+    ``A`` ``[r, K]``, ``m`` ``[M, K]`` bool, ``f = 1 / (1 - p)``."""
+    masked = _Masked(mask, factor, mask_base)
+    return _launch(dy, weight, False, None, scaled_g, lora_a, lora_a.stride(1), lora_a.stride(0), 1.0, masked, out)
