@@ -8,6 +8,7 @@ launch and at others), at Llama-3.1-8B's q/k/v (x [tokens, 4096], r = 16) with t
 gate/up's two, 4096 and 16384 tokens, bf16; GPU time (``fk.core.bench.time_ms(gpu_only=True)``) and
 the fraction of a copy's speed for the one pass's bytes (x, each mask once, dx read and written).
 
+Runs at e1a7658 (``git checkout e1a7658``): the one pass was reverted after this probe's run.
 Run on a GPU:  python benchmarks/experiments/dropout_backward_pass.py
 Check in Triton's interpreter (tiny shapes, no timing):  TRITON_INTERPRET=1 python ... --check
 """

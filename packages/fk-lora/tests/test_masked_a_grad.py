@@ -10,7 +10,7 @@ from fk.core import testing
 from fk.core.testing import DTYPES, dtype_name
 from fk.lora import masked_a_grad
 from fk.lora.masked_a_grad import MaskedA, masked_a_grads, masked_a_grads_ref, masked_a_grads_torch
-from fk.lora.masked_low_rank import MaskedLowRank, add_masked_low_ranks_ref, masked
+from fk.lora.masked_low_rank import masked
 
 
 def _terms(m: int, k: int, ranks: list[int], dtype: torch.dtype, device: str, grad_dtypes: list[torch.dtype]) -> list[MaskedA]:  # fmt: skip
@@ -83,32 +83,3 @@ def test_compile_takes_torch_ops(device: str) -> None:
     bf16_products = [(torch.mm(t.gs.t(), masked(x, t.mask, 1.0)) * t.factor).to(t.dtype) for t in terms]
     for got, want, base in zip(fn(x, terms), masked_a_grads_ref(x, terms), bf16_products, strict=True):
         testing.assert_close(got, want, base, name="dA")
-
-
-@pytest.mark.parametrize("ranks", [[16], [16, 8, 33], [16, 16, 8, 16]], ids=["one", "qkv", "four"])
-@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
-def test_adds_the_masked_dx_terms_in_the_same_pass(device: str, dtype: torch.dtype, ranks: list[int]) -> None:
-    # With dx: dx += sum_t f_t m_t (s G_t A_t) in place, beside the same dA's (a rank over MAX_RANK and
-    # a fourth projection take the torch expressions and the masked low-rank pass).
-    m, k = 70, 300
-    x = testing.random_tensor((m, k), dtype, device, seed=0)
-    terms = _terms(m, k, ranks, dtype, device, [torch.float32] * len(ranks))
-    lora_as = [testing.random_tensor((r, k), dtype, device, seed=50 + i, scale=0.3) for i, r in enumerate(ranks)]
-    dx = testing.random_tensor((m, k), dtype, device, seed=60)
-    low_ranks = [MaskedLowRank(t.gs, a, t.mask, t.factor) for t, a in zip(terms, lora_as, strict=True)]
-    want = add_masked_low_ranks_ref(dx, low_ranks)
-    baseline = dx.clone()
-    for t, a in zip(terms, lora_as, strict=True):
-        baseline += masked(t.gs @ a, t.mask, t.factor)
-    got_dx = dx.clone()
-    got = masked_a_grads(x, terms, got_dx, lora_as)
-    testing.assert_close(got_dx, want, baseline, name="dx")
-    for i, (g, w, base) in enumerate(
-        zip(got, masked_a_grads_ref(x, terms), masked_a_grads_torch(x, terms), strict=True)
-    ):
-        testing.assert_close(g, w, base, name=f"dA[{i}]")
-    # a test that can fail: a term's mask or A left out moves dx
-    wrong = add_masked_low_ranks_ref(dx, low_ranks[1:])
-    assert (got_dx.double() - wrong).abs().max() > 1e-2
-    with pytest.raises(ValueError, match="lora_as must hold one A per term"):
-        masked_a_grads(x, terms, dx.clone(), lora_as[:-1])

@@ -64,7 +64,6 @@ from fk.lora.lora_matmul import (
     fused_grad_applies,
     masked_grad_applies,
 )
-from fk.lora.masked_a_grad import MaskedA, masked_a_grads
 from fk.lora.masked_low_rank import MaskedLowRank, add_masked_low_rank_, add_masked_low_ranks_
 from fk.lora.projection import (
     Settings,
@@ -449,12 +448,7 @@ def _shared_input_bwd(
         own_needs = needs[i]._replace(lora_A=needs[i].lora_A and i not in stacked_dA and lows[i].mask is None)
         grads[i] = _proj_bwd_params(dy, x2, xc, weights[i], lows[i], lora_dtypes[i], settings[i], own_needs, gss[i])
     with_dropout = [i for i in live if needs[i].lora_A and lows[i].mask is not None]
-    # Several projections with dropout, each needing dA: their masked dx terms go into the same pass
-    # as their dA's (each mask read once for both), after the dy W terms.
-    dropout_pass_adds_dx = (
-        need_dx and len(live) > 1 and x2.dtype == c and with_dropout == [i for i in live if lows[i].mask is not None]
-    )
-    if with_dropout and not dropout_pass_adds_dx:  # dA of projections with dropout: one read of x2 and of each mask
+    if with_dropout:  # dA of projections with dropout: one read of x2 and of each mask, for all of them
         dAs = lora_a_grads(x2, c, [gss[i] for i in with_dropout], [lows[i].mask for i in with_dropout],
                            [settings[i] for i in with_dropout], [lora_dtypes[i] for i in with_dropout])  # fmt: skip
         for i, dA_i in zip(with_dropout, dAs, strict=True):
@@ -503,14 +497,6 @@ def _shared_input_bwd(
             dx = torch.mm(gs_of(plain), A_plain).addmm_(dy, weight)
         del weight
     assert dx is not None
-    if dropout_pass_adds_dx:  # their dA's and masked s G A terms: one pass over x2, the masks and dx
-        terms = [
-            MaskedA(gss[i], lows[i].mask, 1.0 / (1.0 - settings[i].dropout_p), lora_dtypes[i]) for i in with_dropout
-        ]  # type: ignore[arg-type]
-        dAs = masked_a_grads(x2, terms, dx, [lows[i].A_c for i in with_dropout])
-        for i, dA_i in zip(with_dropout, dAs, strict=True):
-            grads[i] = grads[i]._replace(lora_A=dA_i)
-        return dx, grads
     masked_terms = [
         MaskedLowRank(gss[i], lows[i].A_c, mask, 1.0 / (1.0 - settings[i].dropout_p))
         for i in live
