@@ -21,10 +21,22 @@ rounded once to the activation's dtype. The scale enters as ``acc = (acc / s + x
 rounding of ``s xa B^T`` to 16 bits before it is added). There is no backward of its own: this
 runs inside fk.lora's forward and backward.
 
-:func:`fused_applies` and :func:`fused_grad_applies` say where the kernel runs (16-bit operands laid
-out as TMA needs them, ``r`` at most :data:`MAX_RANK`; on a GPU, Hopper only, where it was measured,
-with enough output tiles to fill it; and Triton's interpreter); fk.lora.projection's
-:func:`~fk.lora.projection.lora_and_base_out` and fk.lora.lora's input gradients take it there.
+With dropout (mask ``m``, ``f = 1 / (1 - p)``) the input gradient's rank-sized term is masked
+element by element, ``dx = dy W + f m (s G A)``, which no MMA can take; there the same kernel
+(:func:`base_and_masked_lora_grad`) forms ``s G A`` in its epilogue, on two ``[BLOCK_M, BLOCK_N / 2]``
+halves of the tile in turn (a whole second tile beside the accumulator spills), masks it and adds
+it, so no pass of its own reads and writes ``dx``; DoRA's term ``f m (dy_ms1 W + s G A)``, whose
+mask covers the base product too, is added to a ``dx`` the kernel reads through TMA (no ``[M, K]``
+addend written). Per element: ``dx[i, k] = sum_j dy[i, j] W[j, k] + f m[i, k] sum_q sG[i, q] A[q, k]``,
+or ``dx[i, k] + f m[i, k] (sum_j dy_ms1[i, j] W[j, k] + sum_q sG[i, q] A[q, k])``, summed in fp32
+and rounded once. (At Llama-3.1-8B's attention on an H200: 0.89-0.96x the ``mm`` and masked pass
+it replaces, ``benchmarks/experiments/INDEX.md#masked_grad_epilogue``.)
+
+:func:`fused_applies`, :func:`fused_grad_applies` and :func:`masked_grad_applies` say where the
+kernel runs (16-bit operands laid out as TMA needs them, ``r`` at most :data:`MAX_RANK`; on a GPU,
+Hopper only, where it was measured, with enough output tiles to fill it; and Triton's
+interpreter); fk.lora.projection's :func:`~fk.lora.projection.lora_and_base_out` and fk.lora.lora's
+and fk.lora.dora's input gradients take it there.
 """
 
 from __future__ import annotations
@@ -67,8 +79,9 @@ k/v at 1024 tokens 2.0x); at and above them it took 0.91-0.99x, except Llama-3.1
 16384 tokens (1.05x)."""
 MASKED_MIN_INNER = 1024
 """The inner dimension from which the input gradient with dropout (:func:`base_and_masked_lora_grad`)
-is taken on a GPU: its one masked term in the epilogue took 0.91x fk's ``mm`` and masked pass at
-Llama-3.1-8B's k/v at 4096 tokens (inner 1024; ``INDEX.md#gemm_masked_halves``)."""
+is taken on a GPU: its one masked term in the epilogue took 0.90-0.91x fk's ``mm`` and masked pass
+at Llama-3.1-8B's k/v at 4096 tokens (inner 1024; ``INDEX.md#gemm_masked_halves``,
+``INDEX.md#masked_grad_epilogue``)."""
 
 
 def base_and_lora_out_ref(
