@@ -475,18 +475,17 @@ def _shared_input_bwd(
     # s G A of the projections without dropout, stacked: one rank-sized product
     A_plain = (torch.cat([lows[i].A_c for i in plain]) if len(plain) > 1 else lows[plain[0]].A_c) if plain else None
     live_weights = dequantized_together([weights[i] for i in live])
-    in_epilogue = False  # a projection alone with dropout: dy W and its masked term in one GEMM
+    # A projection alone with dropout: its dy W and masked term as _proj_bwd_input forms them (one GEMM
+    # where it applies). With more projections, each GEMM adding its own term to dx took longer than
+    # the one pass for all of them (benchmarks/experiments/INDEX.md#masked_grad_epilogue).
+    alone_with_dropout = len(live) == 1 and lows[live[0]].mask is not None
     for j, i in enumerate(live):  # the base terms; a 4-bit W dequantized for its term only (or q, k, v's together)
         dy = dys[i]
         assert dy is not None
         weight = dense(live_weights[j])
         live_weights[j] = None
-        mask = lows[i].mask
-        # (with more projections, each GEMM adding its own term to dx took longer than the one pass for
-        # all of them: benchmarks/experiments/INDEX.md#masked_grad_epilogue)
-        if len(live) == 1 and mask is not None and masked_grad_applies(dy, weight, gss[i], lows[i].A_c, mask):
-            dx = base_and_masked_lora_grad(dy, weight, gss[i], lows[i].A_c, mask, 1 / (1 - settings[i].dropout_p))
-            in_epilogue = True
+        if alone_with_dropout:
+            dx = _proj_bwd_input(dy, weight, lows[i].A_c, gss[i], lows[i].mask, settings[i].dropout_p)
         elif dx is not None:
             dx.addmm_(dy, weight)
         elif A_plain is None:
@@ -500,7 +499,7 @@ def _shared_input_bwd(
     masked_terms = [
         MaskedLowRank(gss[i], lows[i].A_c, mask, 1.0 / (1.0 - settings[i].dropout_p))
         for i in live
-        if (mask := lows[i].mask) is not None and not in_epilogue
+        if (mask := lows[i].mask) is not None and not alone_with_dropout
     ]
     if masked_terms:  # s G A of the projections with dropout, each under its mask: one more pass over dx
         add_masked_low_ranks_(dx, masked_terms)
