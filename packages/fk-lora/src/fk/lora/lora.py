@@ -8,10 +8,13 @@ Notation, for one projection: ``x`` ``[M, K]`` (the leading dimensions flattened
 
 The forward computes the base projection, then adds ``s (d(x) A^T) B^T`` into the same buffer
 with one ``addmm``: the only extra intermediate is the rank-sized ``xa = d(x) A^T`` ``[M, r]``.
-Dropout masks are drawn with ``torch.native_dropout`` on ``x`` cast to ``A``'s dtype, in the order
-PEFT calls the modules (q, k, v; gate, up, down): the same random stream as ``nn.Dropout`` in
-PEFT, so a run seeded like a PEFT run draws the same masks. The mask is saved as bool (one byte
-per element), not the dropped input.
+Dropout masks are torch's: those ``torch.native_dropout`` draws on ``x`` cast to ``A``'s dtype, in
+the order PEFT calls the modules (q, k, v; gate, up, down): the same random stream as ``nn.Dropout``
+in PEFT, so a run seeded like a PEFT run draws the same masks. On a GPU, where the input is 16-bit
+in ``A``'s dtype, they are drawn inside the kernel that forms ``xa`` (:mod:`fk.lora.torch_dropout`,
+:mod:`fk.lora.dropped_lora_inputs`: the same Philox numbers torch's kernel takes, bit for bit, and
+no dropped input written); elsewhere by ``torch.native_dropout`` itself. The mask is saved as bool
+(one byte per element), not the dropped input.
 
 Dtypes: the output has ``x``'s dtype (as PEFT's, which casts its result back to the base
 layer's). ``A`` and ``B`` may be kept in another dtype (fp32 LoRA weights with bf16 activations):

@@ -28,9 +28,11 @@ from typing import Any, NamedTuple, TypeVar
 import torch
 
 from fk.core.matmul import bf16_parts, mm_bf16_fp32, scaled_mm
+from fk.lora.dropped_lora_inputs import DroppedInput, dropped_inputs_apply, dropped_lora_inputs
 from fk.lora.lora_matmul import base_and_lora_out, fused_applies
 from fk.lora.masked_a_grad import MaskedA, masked_a_grads
 from fk.lora.masked_low_rank import masked
+from fk.lora.torch_dropout import Draw, reserve
 
 
 class Settings(NamedTuple):
@@ -160,6 +162,15 @@ def lora_input_products(
         ranks = [lora_As[i].shape[0] for i in group]
         for i, xa_i, A_c_i in zip(group, cut_blocks(xa, ranks, 1), cut_blocks(A_c, ranks, 0), strict=True):
             xas[i], A_cs[i] = xa_i, A_c_i
+    with_dropout = [i for i, setting in enumerate(settings) if setting.dropout_p > 0]
+    draws = None if keep_dropped else _one_pass_draws(x2, xc, [lora_As[i] for i in with_dropout],
+                                                      [settings[i] for i in with_dropout])  # fmt: skip
+    if draws is not None:  # every mask drawn, and every product formed, in one pass over x2
+        terms = [DroppedInput(lora_As[i], draw, 1.0 / (1.0 - settings[i].dropout_p))
+                 for i, draw in zip(with_dropout, draws, strict=True)]  # fmt: skip
+        for i, xa, mask in zip(with_dropout, *dropped_lora_inputs(x2, terms), strict=True):
+            xas[i], masks[i], A_cs[i] = xa, mask, lora_As[i]
+        return LoRAInputs(xas, masks, A_cs, dropped)
     x2_in: dict[torch.dtype, torch.Tensor] = {}  # x2 in each dropout dtype, cast once for all projections
     for i, (_, p, dropout_dtype) in enumerate(settings):
         if p > 0:
@@ -170,6 +181,20 @@ def lora_input_products(
             del d_x2  # (not held past this projection unless kept)
             A_cs[i] = lora_As[i].to(xc.dtype)
     return LoRAInputs(xas, masks, A_cs, dropped)
+
+
+def _one_pass_draws(x2: torch.Tensor, xc: torch.Tensor, lora_As: list[torch.Tensor],
+                    settings: list[Settings]) -> list[Draw] | None:  # fmt: skip
+    """The draws of these projections' dropout (each with ``p > 0``) where
+    :func:`fk.lora.dropped_lora_inputs.dropped_lora_inputs` takes them all (the device's generator
+    then moved past them, as their ``torch.native_dropout`` calls would move it), else None (nothing
+    drawn): ``x2`` 16-bit in the compute dtype, each dropout drawn in it and each ``A`` in it, and
+    :func:`fk.lora.torch_dropout.reserve` able to replicate torch's masks for ``x2``."""
+    if not lora_As or xc.dtype != x2.dtype or any(s.dropout_dtype != x2.dtype for s in settings):
+        return None
+    if not dropped_inputs_apply(x2, lora_As):
+        return None
+    return reserve(x2, [s.dropout_p for s in settings])
 
 
 def cut_blocks(t: torch.Tensor, sizes: list[int], dim: int) -> list[torch.Tensor]:

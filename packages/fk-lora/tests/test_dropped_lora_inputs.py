@@ -1,0 +1,133 @@
+"""fk.lora.dropped_lora_inputs: the dropout's forward in one pass (masks drawn as torch draws them,
+``xa_t = f_t (x * m_t) A_t^T``) against float64 and the reference masks (the Triton kernel on the
+GPU where there is one, else in the interpreter), and, on a GPU, fk.lora's forward taking it with
+PEFT's masks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fk.core import testing
+from fk.core.testing import dtype_name
+from fk.lora import dropped_lora_inputs as module
+from fk.lora.dropped_lora_inputs import DroppedInput, dropped_inputs_apply, dropped_lora_inputs, dropped_lora_inputs_ref
+from fk.lora.masked_low_rank import masked
+from fk.lora.projection import Settings, lora_input_products
+from fk.lora.torch_dropout import Draw, keep_mask
+
+PS = (0.05, 0.3, 0.5)
+
+
+def _terms(k: int, ranks: list[int], dtype: torch.dtype, device: str, vec: int, threads: int = 96) -> list[DroppedInput]:  # fmt: skip
+    terms = []
+    for i, r in enumerate(ranks):
+        p = PS[i % 3]
+        lora_a = testing.random_tensor((r, k), dtype, device, seed=10 * i + 1)
+        terms.append(DroppedInput(lora_a, Draw(2**63 + 977 * i, 8 + 40 * i, threads, vec, 1 - p), 1 / (1 - p)))
+    return terms
+
+
+def _check(x: torch.Tensor, terms: list[DroppedInput]) -> None:
+    xas, masks = dropped_lora_inputs(x, terms)
+    want_xas, want_masks = dropped_lora_inputs_ref(x, terms)
+    for i, (xa, mask, want_xa, want_mask, term) in enumerate(zip(xas, masks, want_xas, want_masks, terms, strict=True)):  # fmt: skip
+        assert mask.dtype == torch.bool and torch.equal(mask.cpu(), want_mask.cpu()), f"mask {i}"
+        assert xa.dtype == x.dtype and xa.shape == (x.shape[0], term.lora_a.shape[0])
+        # PEFT's expression: f x rounded to 16 bits first, then the matmul
+        baseline = torch.mm(masked(x, want_mask.to(x.device), term.factor), term.lora_a.t())
+        testing.assert_close(xa, want_xa, baseline, name=f"xa[{i}]")
+
+
+@pytest.mark.parametrize(("m", "k"), [(1, 8), (37, 264), (130, 520), (70, 1000)])
+@pytest.mark.parametrize("vec", [4, 8])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=dtype_name)
+def test_matches_reference(device: str, dtype: torch.dtype, vec: int, m: int, k: int) -> None:
+    # q, k and v: ranks that differ and are not multiples of 16; few threads, so that rows span
+    # several of torch's iterations.
+    x = testing.random_tensor((m, k), dtype, device, seed=0)
+    _check(x, _terms(k, [16, 8, 33], dtype, device, vec))
+
+
+def test_split_k_and_launches_of_three(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # K split into ranges (partial sums), and five projections in launches of three and two.
+    monkeypatch.setattr(module, "LAUNCH", {r: module.LaunchParams(32, 64, 4, 64) for r in (16, 32, 64)})
+    x = testing.random_tensor((70, 520), torch.bfloat16, device, seed=0)
+    _check(x, _terms(520, [16, 8, 16, 4, 16], torch.bfloat16, device, 8))
+
+
+def test_each_mask_and_factor_counts(device: str) -> None:
+    # A test that can fail: another draw's mask, or a dropped factor, moves the product.
+    x = testing.random_tensor((129, 256), torch.bfloat16, device, seed=0)
+    terms = _terms(256, [16, 16], torch.bfloat16, device, 8)
+    (xa, _), _ = dropped_lora_inputs(x, terms)
+    xas_other, _ = dropped_lora_inputs_ref(x, [terms[0]._replace(draw=terms[1].draw)])
+    xas_no_factor, _ = dropped_lora_inputs_ref(x, [terms[0]._replace(factor=1.0)])
+    for wrong in (xas_other[0], xas_no_factor[0]):
+        assert (xa.double() - wrong).abs().max() > 1e-2
+
+
+def test_applies_only_where_it_can(device: str) -> None:
+    x = testing.random_tensor((64, 256), torch.bfloat16, device, seed=0)
+    a = testing.random_tensor((16, 256), torch.bfloat16, device, seed=1)
+    assert dropped_inputs_apply(x, [a, a])
+    assert not dropped_inputs_apply(x.float(), [a.float()])  # fp32: IEEE dots would cost more than the pass saves
+    assert not dropped_inputs_apply(x, [a.float()])  # A in another dtype
+    assert not dropped_inputs_apply(x[:, :200], [a[:, :200]])  # not contiguous
+    assert not dropped_inputs_apply(x[:, :252].contiguous(), [a[:, :252]])  # K not a multiple of 8
+    assert not dropped_inputs_apply(x, [testing.random_tensor((65, 256), torch.bfloat16, device, seed=2)])  # rank
+    assert not dropped_inputs_apply(x.reshape(4, 16, 256), [a])  # not 2-D
+
+
+@pytest.mark.parametrize("tokens", [16, 4096])
+def test_lora_input_products_draws_torchs_masks(device: str, tokens: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    # fk.lora's forward takes the kernel on a GPU: q, k and v's masks are three torch.native_dropout
+    # calls' (the generator left where they leave it), their products PEFT's to bf16 rounding.
+    if device != "cuda":
+        pytest.skip("torch's CUDA masks need a GPU (on the CPU fk draws with torch.native_dropout)")
+    x2 = testing.random_tensor((tokens, 512), torch.bfloat16, device, seed=0)
+    lora_as = [testing.random_tensor((16, 512), torch.bfloat16, device, seed=i + 1) for i in range(3)]
+    settings = [Settings(2.0, p, torch.bfloat16) for p in PS]
+    generator = torch.cuda.default_generators[x2.device.index or 0]
+    generator.manual_seed(5)
+    dropped = [torch.native_dropout(x2, p, True) for p in PS]
+    want_offset = generator.get_offset()
+    generator.manual_seed(5)
+    calls = []
+    real = module._launch
+    monkeypatch.setattr(module, "_launch", lambda *args, **kwargs: calls.append(1) or real(*args, **kwargs))
+    xas, masks, _, _ = lora_input_products(x2, x2, lora_as, settings)
+    assert calls == [1] and generator.get_offset() == want_offset
+    for i, ((d, want_mask), xa, mask, a) in enumerate(zip(dropped, xas, masks, lora_as, strict=True)):
+        assert torch.equal(mask, want_mask), f"mask {i}"
+        want = d.double() @ a.double().t()
+        testing.assert_close(xa, want, torch.mm(d, a.t()), name=f"xa[{i}]")
+
+
+def test_keep_mask_is_the_kernels_mask(device: str) -> None:
+    # The whole-mask kernel (fk.lora.torch_dropout.keep_mask, which replicates() compares with torch)
+    # and this kernel's tiles draw the same mask.
+    x = testing.random_tensor((48, 1024), torch.float16, device, seed=0)
+    (term,) = _terms(1024, [16], torch.float16, device, 8, threads=512)
+    _, (mask,) = dropped_lora_inputs(x, [term])
+    assert torch.equal(mask.flatten(), keep_mask(x.numel(), term.draw, device))
+
+
+@pytest.mark.parametrize("rank", [16, 32, 64])
+def test_kernel_compiles_without_spills(rank: int) -> None:
+    # Compiled for sm_90 on the CPU at the table's launch, three projections: their products on the
+    # warpgroup MMAs, nothing spilled (the Philox words sit beside the accumulators).
+    params = module.LAUNCH[rank]
+    signature = {
+        "x_ptr": "*bf16", "a_ptrs": ["*bf16"] * 3, "a_row_strides": ["i32"] * 3, "mask_ptrs": ["*i1"] * 3,
+        "seeds": ["u64"] * 3, "counters": ["i64"] * 3, "thresholds": ["i64"] * 3, "ranks": ["i32"] * 3,
+        "rank_starts": ["i32"] * 3, "factors": ["fp32"] * 3, "out_ptr": "*fp32", "threads": "i32", "n_rows": "i32",
+        "n_cols": "i32", "out_row_stride": "i32", "cols_per_split": "i32", "N_TERMS": "", "VEC": "", "PARTIALS": "",
+        "BLOCK_ROWS": "", "BLOCK_COLS": "", "BLOCK_RANK": "",
+    }  # fmt: skip
+    constexprs = {"N_TERMS": 3, "VEC": 8, "PARTIALS": True, "BLOCK_ROWS": params.block_rows,
+                  "BLOCK_COLS": params.block_cols, "BLOCK_RANK": rank}  # fmt: skip
+    compiled = testing.compile_kernel("fk.lora.dropped_lora_inputs", "_dropped_lora_inputs_kernel", signature,
+                                      constexprs, num_warps=params.num_warps)  # fmt: skip
+    assert compiled.spill_bytes == 0, compiled
+    assert compiled.sync_and_mma.get("wgmma.mma_async", 0) > 0, compiled
