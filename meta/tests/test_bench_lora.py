@@ -85,15 +85,14 @@ def test_tables_and_report_read_a_qlora_record() -> None:
     assert len(lines) == 1 and "qlora=nf4" in lines[0] and "% of the floor" in lines[0]
 
 
-def test_dropout_bytes_count_peft_masks_traffic() -> None:
-    """bf16 adapters: dropout on x itself (read, write the dropped input and the byte mask), the
-    dropped input read by A's product, the mask by the backward: 8 bytes an element of each
-    adapter's input; fp32 adapters add the cast of x (2 read, 4 written) and read and write fp32: 20."""
+def test_dropout_bytes_count_each_mask_written_and_read() -> None:
+    """Each adapter's byte mask over its input, written once and read once: 2 bytes an element of
+    each adapter's input, for bf16 and fp32 adapters alike."""
     module = _load(SCRIPT)
     tokens, hidden, inter = 4096, module.LLAMA.hidden, module.LLAMA.inter
-    assert module.dropout_bytes("o", tokens, "bf16") == 8 * tokens * hidden
-    assert module.dropout_bytes("qkv", tokens, "fp32") == 3 * 20 * tokens * hidden
-    assert module.dropout_bytes("mlp", tokens, "bf16") == 8 * tokens * (2 * hidden + inter)
+    assert module.dropout_bytes("o", tokens, "bf16") == 2 * tokens * hidden
+    assert module.dropout_bytes("qkv", tokens, "fp32") == 3 * 2 * tokens * hidden
+    assert module.dropout_bytes("mlp", tokens, "bf16") == 2 * tokens * (2 * hidden + inter)
 
 
 def test_refloor_recomputes_floors_from_the_run_and_keeps_the_measurements() -> None:
@@ -112,3 +111,7 @@ def test_refloor_recomputes_floors_from_the_run_and_keeps_the_measurements() -> 
     assert with_dropout["ms"] == 8.0 and with_dropout["gpu_ms"] == 6.0  # measurements untouched
     assert module.DROPOUT_FLOOR in record.notes
     assert module.refloor(record).notes.count(module.DROPOUT_FLOOR) == 1  # once, however often it runs
+    older = bench.BenchRecord("lora", rows=[dict(r) for r in rows], ceilings=ceilings,
+                              notes=f"n; {module.PEFT_MASKS_FLOOR}")  # fmt: skip
+    notes = module.refloor(older).notes  # the old accounting replaced, not kept beside the new
+    assert module.PEFT_MASKS_FLOOR not in notes and notes.count(module.DROPOUT_FLOOR) == 1
