@@ -8,7 +8,7 @@ Notation (:mod:`fk.lora.lora`'s): ``x2`` the input ``[M, K]``, ``c`` the compute
 - :class:`Settings`: one projection's scalars; :func:`to_flat` / :func:`from_flat`: a list of
   per-projection ``NamedTuple``\\ s as the flat argument list an autograd function takes.
 - The forward's parts: :func:`lora_input_products` (``xa`` of projections that share ``x2``, stacked
-  where they can be: one read of ``x2``), :func:`lora_and_base_out` (``y = s xa B^T + s b_B + x2 W^T
+  where they can be: one read of ``x2``; with dropout, on a GPU, their masks drawn in that read), :func:`lora_and_base_out` (``y = s xa B^T + s b_B + x2 W^T
   + b``: one GEMM of :mod:`fk.lora.lora_matmul` where it applies, else the rank-sized product first), :func:`base_out` (``x2 W^T + b``) and :func:`add_lora_out`
   (``y += s xa B^T + s b_B``).
 - The backward's parts: :func:`scaled_lora_grad` (``s G``), :func:`kept_input` (``x2 * m``),
@@ -147,8 +147,11 @@ def lora_input_products(
     ``settings`` each). Those without dropout whose ``A``\\ s share a dtype take one matmul against
     their stacked ``A``\\ s, so ``x2`` is read once for all of them; each ``xa`` is then a column
     block of its result (and each ``A`` in ``c`` a row block of the stack's). Dropout masks are
-    drawn projection by projection, in order, as PEFT draws them; each dropped input ``d(x2)`` is
-    kept only with ``keep_dropped`` (DoRA's ``zd`` is its product)."""
+    torch's, drawn projection by projection, in order, as PEFT draws them: on a GPU (16-bit ``x2``,
+    no ``keep_dropped``; :func:`_one_pass_draws`) all of them inside one pass over ``x2`` that
+    forms their ``xa``\\ s too (:mod:`fk.lora.dropped_lora_inputs`, no dropped input written), else
+    by ``torch.native_dropout``; each dropped input ``d(x2)`` is kept only with ``keep_dropped``
+    (DoRA's ``zd`` is its product)."""
     n = len(settings)
     xas: list[Any] = [None] * n
     masks: list[torch.Tensor | None] = [None] * n
