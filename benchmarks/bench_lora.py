@@ -213,19 +213,18 @@ PEFT_MASKS_FLOOR = (
 with ``torch.native_dropout``); ``--refloor`` replaces it by :data:`DROPOUT_FLOOR`."""
 
 
-def dropout_bytes(block: str, tokens: int, adapter: str, shape: Shape = LLAMA) -> int:
+def dropout_bytes(block: str, tokens: int, shape: Shape = LLAMA) -> int:
     """Bytes PEFT-identical dropout masks cost a case at least: each adapter's byte mask over its
     input ``[tokens, in]``, written once and read once (2 bytes an element, whatever the adapter's
     dtype: an fp32 product needs no fp32 copy of bf16 ``x``). Since fk draws torch's masks in its own
     kernel (``fk.lora.torch_dropout``), the dropped input that ``torch.native_dropout`` writes and
     ``A``'s product reads back is no longer part of any case's least work; the Philox numbers
     behind each mask are compute, which the floor does not count."""
-    del adapter  # (the same bytes for every adapter dtype)
     return sum(tokens * k * 2 for k, _ in _projections(block, shape))
 
 
 def _against_ceilings(ceilings: bench.Ceilings | None, block: str, tokens: int, shape: Shape, qlora: bool,
-                      ms: float, dora: bool = False, dropout: float = 0.0, adapter: str = "bf16") -> dict[str, float]:  # fmt: skip
+                      ms: float, dora: bool = False, dropout: float = 0.0) -> dict[str, float]:  # fmt: skip
     """A row's share of what the ceilings allow: ``floor_ms`` and ``floor_fraction`` (the floor's time
     over ``ms``): the base matmuls' FLOPs at the matmul ceiling (DoRA's, :func:`dora_floor_work`),
     plus at the copy bandwidth the dequantizations of 4-bit weights and DoRA's read of each weight,
@@ -237,7 +236,7 @@ def _against_ceilings(ceilings: bench.Ceilings | None, block: str, tokens: int, 
     if qlora:  # each 4-bit weight dequantized twice (forward, dx); DoRA's norm reads the forward's
         nbytes = 2 * dequantization_bytes(block, shape)
     if dropout > 0:
-        nbytes += dropout_bytes(block, tokens, adapter, shape)
+        nbytes += dropout_bytes(block, tokens, shape)
     floor = bench.floor_ms(ceilings, nbytes=nbytes, flops=flops)
     shares = {"floor_ms": floor, "floor_fraction": floor / ms}
     if qlora or dora:
@@ -254,7 +253,7 @@ def refloor(record: bench.BenchRecord) -> bench.BenchRecord:
     for row in record.rows:
         if "ms" in row and "block" in row:
             row.update(_against_ceilings(ceilings, row["block"], row["tokens"], LLAMA, "qlora" in row, row["ms"],
-                                         row.get("dora", False), row["dropout"], row.get("adapter", "bf16")))  # fmt: skip
+                                         row.get("dora", False), row["dropout"]))  # fmt: skip
     if DROPOUT_FLOOR not in record.notes:
         recomputed = (
             f"{DROPOUT_FLOOR} (floors recomputed on {time.strftime('%Y-%m-%d')} from this run's ceilings and times)"
@@ -302,7 +301,7 @@ def measure(record: bench.BenchRecord, ceilings: bench.Ceilings | None, block: s
         timing = _timing(forward_backward, leaves, rep)
         record.add(
             provider=provider, block=block, tokens=tokens, dropout=dropout, adapter=adapter, mode="fwd+bwd",
-            **timing, **_against_ceilings(ceilings, block, tokens, shape, qlora, timing["ms"], dora, dropout, adapter),
+            **timing, **_against_ceilings(ceilings, block, tokens, shape, qlora, timing["ms"], dora, dropout),
             **({"dora": True} if dora else {}), **({"qlora": QUANT_TYPE} if qlora else {}),
         )  # fmt: skip
     fk.lora.unpatch(model)

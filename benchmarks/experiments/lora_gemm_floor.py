@@ -80,7 +80,7 @@ def main() -> None:
             # GEMMs' time in place of their FLOPs at the ceiling (DoRA with dropout has them twice).
             for kind, (qlora, dora, dropout) in KINDS.items():
                 nominal = bench_lora._against_ceilings(ceilings, block, tokens, bench_lora.LLAMA, qlora, 1.0, dora,
-                                                       dropout, "bf16")["floor_ms"]  # fmt: skip
+                                                       dropout)["floor_ms"]  # fmt: skip
                 products = 2 if dora and dropout > 0 else 1
                 row[f"reachable floor% {kind}"] = 100 * nominal / (nominal + products * (gemm - ideal))
             rows.append(row)

@@ -87,12 +87,12 @@ def test_tables_and_report_read_a_qlora_record() -> None:
 
 def test_dropout_bytes_count_each_mask_written_and_read() -> None:
     """Each adapter's byte mask over its input, written once and read once: 2 bytes an element of
-    each adapter's input, for bf16 and fp32 adapters alike."""
+    each adapter's input (for bf16 and fp32 adapters alike: the adapter's dtype is not an argument)."""
     module = _load(SCRIPT)
     tokens, hidden, inter = 4096, module.LLAMA.hidden, module.LLAMA.inter
-    assert module.dropout_bytes("o", tokens, "bf16") == 2 * tokens * hidden
-    assert module.dropout_bytes("qkv", tokens, "fp32") == 3 * 2 * tokens * hidden
-    assert module.dropout_bytes("mlp", tokens, "bf16") == 2 * tokens * (2 * hidden + inter)
+    assert module.dropout_bytes("o", tokens) == 2 * tokens * hidden
+    assert module.dropout_bytes("qkv", tokens) == 3 * 2 * tokens * hidden
+    assert module.dropout_bytes("mlp", tokens) == 2 * tokens * (2 * hidden + inter)
 
 
 def test_refloor_recomputes_floors_from_the_run_and_keeps_the_measurements() -> None:
@@ -104,7 +104,7 @@ def test_refloor_recomputes_floors_from_the_run_and_keeps_the_measurements() -> 
     flops = module._flops("mlp", 4096)
     with_dropout, without = record.rows
     assert with_dropout["floor_ms"] == pytest.approx(
-        bench.floor_ms(bench.Ceilings(**ceilings), nbytes=module.dropout_bytes("mlp", 4096, "fp32"), flops=flops)
+        bench.floor_ms(bench.Ceilings(**ceilings), nbytes=module.dropout_bytes("mlp", 4096), flops=flops)
     )
     assert without["floor_ms"] == pytest.approx(flops / 600e12 * 1e3)
     assert with_dropout["floor_fraction"] == pytest.approx(with_dropout["floor_ms"] / 8.0)
