@@ -27,6 +27,12 @@ bandwidth; both ceilings are measured in the same run (``fk.core.bench.floor_ms`
 ``--dora --qlora``: DoRA adapters on those 4-bit bases (record ``lora_dora_qlora.json``); the floor is
 DoRA's FLOPs with the two dequantizations of each weight (the norm reads the forward's).
 
+Every floor's base matmuls take the faster of their FLOPs at the matmul ceiling and cuBLAS's own time
+for the layer's products (:func:`base_gemm_ms`, each row's ``gemm_ms``). The ceilings and ``gemm_ms``
+are timed as the rows are, with the GPU idle before each call: back to back a large matmul runs about
+12% slower (``experiments/matmul_ceiling_modes``), so records whose rows have no ``gemm_ms`` (their
+ceilings timed back to back) read their floors about that much too lax.
+
 Run on a GPU:  python benchmarks/bench_lora.py --out benchmarks/results/lora.json
                python benchmarks/bench_lora.py --qlora          (benchmarks/results/lora_qlora.json)
 Try on a CPU:  python benchmarks/bench_lora.py --qlora --tiny --out /tmp/lora   (tiny shapes; fk in
@@ -151,6 +157,43 @@ def _flops(block: str, tokens: int, shape: Shape = LLAMA) -> float:
     return 4.0 * tokens * sum(k * n for k, n in _projections(block, shape))
 
 
+def base_products(block: str, tokens: int, shape: Shape = LLAMA, *, fused: bool) -> list[tuple[int, int, int, str]]:
+    """``(m, k, n, layout)`` of each base matmul of ``block``'s forward and input gradient, as a layer
+    runs them with its weight ``W[n, k]``: ``x[m, k] @ W.T`` ("nt"), then ``dy[m, n] @ W`` ("nn");
+    with ``fused``, the projections that share an input (gate and up; q, k and v) as one product."""
+    projections = _projections(block, shape)
+    if fused and block in ("mlp", "qkv"):
+        shared = projections[:2] if block == "mlp" else projections
+        projections = [(shared[0][0], sum(n for _, n in shared)), *projections[len(shared) :]]
+    forward = [(tokens, k, n, "nt") for k, n in projections]
+    input_gradient = [(tokens, n, k, "nn") for k, n in projections]
+    return forward + input_gradient
+
+
+def base_gemm_times(block: str, tokens: int, shape: Shape = LLAMA, rep: int = 20) -> dict[str, float]:
+    """cuBLAS's GPU time (ms) for :func:`base_products`, one product a projection ("separate") and the
+    projections that share an input in one ("fused"): random bf16 operands in the layer's layouts,
+    timed as the rows are (``bench.time_ms(gpu_only=True)``: L2 flushed and the GPU idle before each
+    call, so the products start on the clocks a row's do). Needs CUDA."""
+    gen = torch.Generator(device="cuda").manual_seed(tokens)
+    times = {}
+    for name in ("separate", "fused"):
+        operands = []
+        for m, k, n, layout in base_products(block, tokens, shape, fused=name == "fused"):
+            a = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
+            w = torch.randn(n, k, device="cuda", generator=gen).bfloat16() if layout == "nt" else None
+            operands.append((a, w.t() if w is not None else torch.randn(k, n, device="cuda", generator=gen).bfloat16()))
+
+        def products(pairs: list[tuple[torch.Tensor, torch.Tensor]] = operands) -> None:
+            for a, b in pairs:
+                torch.matmul(a, b)
+
+        times[name] = bench.time_ms(products, warmup=5, rep=rep, gpu_only=True)
+        del operands
+        torch.cuda.empty_cache()
+    return times
+
+
 def dequantization_bytes(block: str, shape: Shape = LLAMA) -> int:
     """Bytes one dequantization of each of ``block``'s 4-bit weights moves at least: the packed codes
     (half a byte an element), the uint8 absmax of each block and the fp32 scale of each nested block
@@ -197,6 +240,19 @@ def dora_floor_work(block: str, tokens: int, dropout: float, shape: Shape = LLAM
     return products * _flops(block, tokens, shape), sum(2 * k * n for k, n in _projections(block, shape))
 
 
+GEMM_FLOOR = (
+    "the base products' time is the faster of their FLOPs at the matmul ceiling and cuBLAS's own time "
+    "for them (each row's gemm_ms: the layer's products in its layouts, fused by shared input where "
+    "faster); the ceilings and gemm_ms are timed as the rows are, with the GPU idle before each call "
+    "(back to back a large matmul runs about 12% slower: experiments/matmul_ceiling_modes)"
+)
+
+
+def base_gemm_ms(block: str, tokens: int, shape: Shape = LLAMA) -> float:
+    """The faster of :func:`base_gemm_times`: what cuBLAS needs for ``block``'s base products."""
+    return min(base_gemm_times(block, tokens, shape).values())
+
+
 DROPOUT_FLOOR = (
     "with dropout, + each adapter's byte mask, written by the forward and read by the backward, at "
     "the copy bandwidth (drawing the masks, which must be torch's for PEFT's semantics, is Philox "
@@ -224,12 +280,14 @@ def dropout_bytes(block: str, tokens: int, shape: Shape = LLAMA) -> int:
 
 
 def _against_ceilings(ceilings: bench.Ceilings | None, block: str, tokens: int, shape: Shape, qlora: bool,
-                      ms: float, dora: bool = False, dropout: float = 0.0) -> dict[str, float]:  # fmt: skip
+                      ms: float, dora: bool = False, dropout: float = 0.0,
+                      gemm_ms: float | None = None) -> dict[str, float]:  # fmt: skip
     """A row's share of what the ceilings allow: ``floor_ms`` and ``floor_fraction`` (the floor's time
-    over ``ms``): the base matmuls' FLOPs at the matmul ceiling (DoRA's, :func:`dora_floor_work`),
-    plus at the copy bandwidth the dequantizations of 4-bit weights and DoRA's read of each weight,
-    and with dropout :func:`dropout_bytes`; dense LoRA also ``tflops`` and ``matmul_fraction``.
-    Nothing without ceilings (the CPU)."""
+    over ``ms``): the base matmuls' FLOPs at the matmul ceiling (DoRA's, :func:`dora_floor_work`), or
+    where faster cuBLAS's own time for those products (``gemm_ms``, :func:`base_gemm_ms`; twice for
+    DoRA with dropout), plus at the copy bandwidth the dequantizations of 4-bit weights and DoRA's
+    read of each weight, and with dropout :func:`dropout_bytes`; dense LoRA also ``tflops`` and
+    ``matmul_fraction``. Nothing without ceilings (the CPU)."""
     if ceilings is None:
         return {}
     flops, nbytes = dora_floor_work(block, tokens, dropout, shape) if dora else (_flops(block, tokens, shape), 0)
@@ -237,7 +295,10 @@ def _against_ceilings(ceilings: bench.Ceilings | None, block: str, tokens: int, 
         nbytes = 2 * dequantization_bytes(block, shape)
     if dropout > 0:
         nbytes += dropout_bytes(block, tokens, shape)
-    floor = bench.floor_ms(ceilings, nbytes=nbytes, flops=flops)
+    matmul_ms = bench.floor_ms(ceilings, flops=flops)
+    if gemm_ms is not None:
+        matmul_ms = min(matmul_ms, (2 if dora and dropout > 0 else 1) * gemm_ms)
+    floor = bench.floor_ms(ceilings, nbytes=nbytes) + matmul_ms
     shares = {"floor_ms": floor, "floor_fraction": floor / ms}
     if qlora or dora:
         return shares
@@ -253,7 +314,7 @@ def refloor(record: bench.BenchRecord) -> bench.BenchRecord:
     for row in record.rows:
         if "ms" in row and "block" in row:
             row.update(_against_ceilings(ceilings, row["block"], row["tokens"], LLAMA, "qlora" in row, row["ms"],
-                                         row.get("dora", False), row["dropout"]))  # fmt: skip
+                                         row.get("dora", False), row["dropout"], row.get("gemm_ms")))  # fmt: skip
     if DROPOUT_FLOOR not in record.notes:
         recomputed = (
             f"{DROPOUT_FLOOR} (floors recomputed on {time.strftime('%Y-%m-%d')} from this run's ceilings and times)"
@@ -267,7 +328,7 @@ def refloor(record: bench.BenchRecord) -> bench.BenchRecord:
 
 def measure(record: bench.BenchRecord, ceilings: bench.Ceilings | None, block: str, tokens: int, dropout: float,
             rank: int, alpha: int, rep: int, adapter: str, dora: bool = False, *, shape: Shape = LLAMA,
-            qlora: bool = False) -> None:  # fmt: skip
+            qlora: bool = False, gemm_ms: float | None = None) -> None:  # fmt: skip
     import fk.lora
 
     model = _lora_model(block, dropout, rank, alpha, ADAPTER_DTYPES[adapter], dora, shape=shape, qlora=qlora)
@@ -301,7 +362,8 @@ def measure(record: bench.BenchRecord, ceilings: bench.Ceilings | None, block: s
         timing = _timing(forward_backward, leaves, rep)
         record.add(
             provider=provider, block=block, tokens=tokens, dropout=dropout, adapter=adapter, mode="fwd+bwd",
-            **timing, **_against_ceilings(ceilings, block, tokens, shape, qlora, timing["ms"], dora, dropout),
+            **timing, **_against_ceilings(ceilings, block, tokens, shape, qlora, timing["ms"], dora, dropout, gemm_ms),
+            **({"gemm_ms": gemm_ms} if gemm_ms is not None else {}),
             **({"dora": True} if dora else {}), **({"qlora": QUANT_TYPE} if qlora else {}),
         )  # fmt: skip
     fk.lora.unpatch(model)
@@ -331,16 +393,18 @@ def run(tokens: list[int], dropouts: list[float], adapters: list[str], out: Path
     record = bench.BenchRecord(
         NAME,
         notes=(f"{layer}, {'DoRA, ' if dora else ''}r={rank}, alpha={alpha}, {base}, LoRA weights "
-               f"in {' and '.join(adapters)}; {accounting}; {DROPOUT_FLOOR}"),
+               f"in {' and '.join(adapters)}; {accounting}; {GEMM_FLOOR}; {DROPOUT_FLOOR}"),
     )  # fmt: skip
-    ceilings = None
-    if DEVICE == "cuda":
-        ceilings = bench.measure_ceilings()
+    ceilings, gemm_ms = None, {}
+    if DEVICE == "cuda":  # all timed as the rows are (the GPU idle before each call)
+        ceilings = bench.measure_ceilings(gpu_only=True)
         record.ceilings = ceilings.as_dict()
         print(f"ceilings: copy {ceilings.copy_tbps:.2f} TB/s, bf16 matmul {ceilings.matmul_tflops:.0f} TFLOP/s")
+        gemm_ms = {(b, t): base_gemm_ms(b, t, shape) for b in BLOCKS for t in tokens}
     cases = [(b, t, d, a) for a in adapters for b in BLOCKS for t in tokens for d in dropouts]
     for block, t, d, a in bench.progress(cases, desc=NAME):
-        measure(record, ceilings, block, t, d, rank, alpha, rep, a, dora, shape=shape, qlora=qlora)
+        measure(record, ceilings, block, t, d, rank, alpha, rep, a, dora, shape=shape, qlora=qlora,
+                gemm_ms=gemm_ms.get((block, t)))  # fmt: skip
         if DEVICE == "cuda":
             torch.cuda.empty_cache()
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -5,7 +5,10 @@ products of a Llama-3.1-8B layer at 4096 and 16384 tokens have other shapes; thi
 them, by torch.matmul (cuBLAS), GPU time alone, as the LoRA path must run them: for each block
 (MLP, QKV, O) and token count, the forward ``x @ W.T`` and the input gradient ``dy @ W`` of every
 projection, one product per projection ("separate") or the projections that share an input in one
-product ("fused": gate and up; q, k and v), the faster of the two. It prints each case's GEMM time,
+product ("fused": gate and up; q, k and v), the faster of the two (``bench_lora.base_gemm_times``,
+which since 2026-11-28 runs them in the layer's layouts, ``x @ W.T`` and ``dy @ W`` of a weight
+``W[n, k]``, and bench_lora's floor takes; the 2026-11-27 output, with the ceilings timed back to
+back, took every product as ``[m, k] @ [k, n]``). It prints each case's GEMM time,
 its share of the ceiling's time for the same FLOPs ("GEMMs / floor"), and the share of the nominal
 floor that a case made of these GEMMs plus the floor's bytes at the copy ceiling can reach
 ("reachable floor%", per record row kind: dense, QLoRA, DoRA, DoRA with dropout).
@@ -17,8 +20,6 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/
 import bench_lora
@@ -34,36 +35,8 @@ KINDS = {  # the records' kinds of rows: (4-bit base, DoRA, dropout)
 }  # fmt: skip
 
 
-def _products(block: str, tokens: int, fused: bool) -> list[tuple[int, int, int]]:
-    """(m, k, n) of each matmul of a forward and input gradient: ``x[m, k] @ W.T[k, n]``, then
-    ``dy[m, n] @ W[n, k]``; with ``fused``, the projections that share an input as one product."""
-    projections = bench_lora._projections(block, bench_lora.LLAMA)
-    if fused and block in ("mlp", "qkv"):
-        shared = projections[:2] if block == "mlp" else projections
-        rest = projections[2:] if block == "mlp" else []
-        projections = [(shared[0][0], sum(n for _, n in shared)), *rest]
-    forward = [(tokens, k, n) for k, n in projections]
-    input_gradient = [(tokens, n, k) for k, n in projections]
-    return forward + input_gradient
-
-
-def _gemm_ms(products: list[tuple[int, int, int]]) -> float:
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    operands = [
-        (torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen),
-         torch.randn(k, n, device="cuda", dtype=torch.bfloat16, generator=gen))
-        for m, k, n in products
-    ]  # fmt: skip
-
-    def run() -> None:
-        for a, b in operands:
-            torch.matmul(a, b)
-
-    return bench.time_ms(run, warmup=10, rep=50, gpu_only=True)
-
-
 def main() -> None:
-    ceilings = bench.measure_ceilings()
+    ceilings = bench.measure_ceilings(gpu_only=True)  # as bench_lora's
     print(f"# {bench.environment()}")
     print(f"ceilings: copy {ceilings.copy_tbps:.2f} TB/s, bf16 matmul {ceilings.matmul_tflops:.0f} TFLOP/s")
     rows = []
@@ -71,7 +44,7 @@ def main() -> None:
         for tokens in TOKENS:
             flops = bench_lora._flops(block, tokens)
             ideal = bench.floor_ms(ceilings, flops=flops)
-            times = {name: _gemm_ms(_products(block, tokens, name == "fused")) for name in ("separate", "fused")}
+            times = bench_lora.base_gemm_times(block, tokens, rep=50)
             gemm = min(times.values())
             row: dict[str, object] = {"block": block, "tokens": tokens, "GFLOP": flops / 1e9,
                                       "ceiling ms": ideal, "separate ms": times["separate"], "fused ms": times["fused"],

@@ -115,3 +115,40 @@ def test_refloor_recomputes_floors_from_the_run_and_keeps_the_measurements() -> 
                               notes=f"n; {module.PEFT_MASKS_FLOOR}")  # fmt: skip
     notes = module.refloor(older).notes  # the old accounting replaced, not kept beside the new
     assert module.PEFT_MASKS_FLOOR not in notes and notes.count(module.DROPOUT_FLOOR) == 1
+
+
+def test_the_floor_takes_cublas_time_for_the_base_products_where_faster() -> None:
+    """A row's ``gemm_ms`` (cuBLAS's time for its base products) replaces their FLOPs at the ceiling
+    only where it is shorter, twice for DoRA with dropout (its products run twice); the bytes stay."""
+    module = _load(SCRIPT)
+    ceilings = bench.Ceilings(copy_tbps=4.0, matmul_tflops=600.0)
+    at_ceiling = bench.floor_ms(ceilings, flops=module._flops("mlp", 4096))
+    masks = bench.floor_ms(ceilings, nbytes=module.dropout_bytes("mlp", 4096))
+
+    def floor(gemm_ms: float | None, dora: bool = False) -> float:
+        return module._against_ceilings(ceilings, "mlp", 4096, module.LLAMA, False, 1.0, dora, 0.05, gemm_ms)[
+            "floor_ms"
+        ]
+
+    assert floor(None) == pytest.approx(at_ceiling + masks)
+    assert floor(0.8 * at_ceiling) == pytest.approx(0.8 * at_ceiling + masks)
+    assert floor(1.2 * at_ceiling) == pytest.approx(at_ceiling + masks)  # never above the ceiling's
+    weights = bench.floor_ms(ceilings, nbytes=module.dora_floor_work("mlp", 4096, 0.05)[1])
+    assert floor(0.8 * at_ceiling, dora=True) == pytest.approx(2 * 0.8 * at_ceiling + weights + masks)
+
+
+def test_base_products_are_each_projections_forward_and_input_gradient() -> None:
+    module = _load(SCRIPT)
+    hidden, inter = module.LLAMA.hidden, module.LLAMA.inter
+    q, kv = module.LLAMA.heads * module.LLAMA.head_dim, module.LLAMA.kv_heads * module.LLAMA.head_dim
+    assert module.base_products("o", 8, fused=True) == [(8, q, hidden, "nt"), (8, hidden, q, "nn")]
+    assert module.base_products("qkv", 8, fused=True) == [(8, hidden, q + 2 * kv, "nt"), (8, q + 2 * kv, hidden, "nn")]
+    separate = module.base_products("mlp", 8, fused=False)
+    fused = module.base_products("mlp", 8, fused=True)
+    assert separate == [(8, hidden, inter, "nt")] * 2 + [(8, inter, hidden, "nt")] + [(8, inter, hidden, "nn")] * 2 + [
+        (8, hidden, inter, "nn")
+    ]
+    assert fused == [(8, hidden, 2 * inter, "nt"), (8, inter, hidden, "nt"), (8, 2 * inter, hidden, "nn"),
+                     (8, hidden, inter, "nn")]  # fmt: skip
+    for products in (separate, fused):  # the FLOPs the floor counts, whichever way they are grouped
+        assert sum(2 * m * k * n for m, k, n, _ in products) == module._flops("mlp", 8)

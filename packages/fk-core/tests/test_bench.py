@@ -91,6 +91,17 @@ def test_ceilings_need_cuda() -> None:
         bench.matmul_tflops(64)
     with pytest.raises(RuntimeError, match="CUDA"):
         bench.measure_ceilings()
+    with pytest.raises(RuntimeError, match="CUDA"):
+        bench.measure_ceilings(gpu_only=True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="times the GPU")
+def test_ceilings_timed_either_way_are_this_gpus() -> None:
+    """Back to back and with the GPU idle before each call, both ceilings land in a range any
+    current datacenter GPU reaches (a wrong count of bytes or FLOPs would miss it by 2x or more)."""
+    for gpu_only in (False, True):
+        ceilings = bench.measure_ceilings(gpu_only=gpu_only)
+        assert 0.5 < ceilings.copy_tbps < 10 and 50 < ceilings.matmul_tflops < 3000, (gpu_only, ceilings)
 
 
 def test_run_probe_with_check_runs_the_check_alone() -> None:

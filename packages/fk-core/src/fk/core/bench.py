@@ -28,7 +28,10 @@ Ceilings (:func:`measure_ceilings`)
     Achieved bandwidth and FLOP rate only mean something next to what the same GPU reaches in the
     same run, under the same clocks and driver: :func:`copy_bandwidth_tbps` times a device-to-device
     copy of 1 GiB of random bytes, :func:`matmul_tflops` an ``n x n`` bf16 matmul on random data.
-    Those are practical ceilings, not the datasheet's numbers.
+    Those are practical ceilings, not the datasheet's numbers. Time them as the rows they bound are
+    timed: back to back a large matmul runs about 12% slower on an H200 than with the GPU idle
+    before each call (its clocks recover: ``benchmarks/experiments/matmul_ceiling_modes``), so a
+    benchmark timing ``gpu_only`` rows measures its ceilings with ``gpu_only=True`` as well.
 
 Accounting (:func:`tbps`, :func:`tflops`, :func:`fraction`)
     A kernel's bandwidth counts the bytes it must move at minimum: every input read once and every
@@ -355,10 +358,13 @@ def _cuda_device(device: torch.device | str | int | None) -> torch.device:
     return dev
 
 
-def _time_on(device: torch.device, make: Callable[[torch.device], Callable[[], object]]) -> float:
-    """Median ms of the function ``make(device)`` builds; its tensors are freed (and uncached) afterwards."""
+def _time_on(
+    device: torch.device, make: Callable[[torch.device], Callable[[], object]], gpu_only: bool = False
+) -> float:
+    """Median ms of the function ``make(device)`` builds (:func:`time_ms`, with ``gpu_only``); its
+    tensors are freed (and uncached) afterwards."""
     with torch.cuda.device(device):
-        ms = time_ms(make(device))
+        ms = time_ms(make(device), gpu_only=gpu_only)
         torch.cuda.empty_cache()
     return ms
 
@@ -382,28 +388,37 @@ def _matmul(n: int, dtype: torch.dtype) -> Callable[[torch.device], Callable[[],
     return make
 
 
-def copy_bandwidth_tbps(nbytes: int = 2**30, device: torch.device | str | int | None = None) -> float:
+def copy_bandwidth_tbps(
+    nbytes: int = 2**30, device: torch.device | str | int | None = None, *, gpu_only: bool = False
+) -> float:
     """Device-to-device copy bandwidth in TB/s (10**12 bytes/s) of ``nbytes`` random bytes.
 
-    Counts the bytes read plus the bytes written (``2 * nbytes``) over the median copy time.
+    Counts the bytes read plus the bytes written (``2 * nbytes``) over the median copy time; with
+    ``gpu_only``, each copy timed after the GPU idled (:func:`time_ms`).
     """
     _require_cuda("copy_bandwidth_tbps")
     if nbytes < 1:
         raise ValueError(f"nbytes must be positive, got {nbytes}")
-    return tbps(2 * nbytes, _time_on(_cuda_device(device), _copy(nbytes)))
+    return tbps(2 * nbytes, _time_on(_cuda_device(device), _copy(nbytes), gpu_only))
 
 
 def matmul_tflops(
-    n: int = 8192, dtype: torch.dtype = torch.bfloat16, device: torch.device | str | int | None = None
+    n: int = 8192,
+    dtype: torch.dtype = torch.bfloat16,
+    device: torch.device | str | int | None = None,
+    *,
+    gpu_only: bool = False,
 ) -> float:
     """Matmul throughput in TFLOP/s of an ``n x n`` by ``n x n`` product of random ``dtype`` matrices.
 
-    Counts ``2 * n**3`` FLOPs over the median time; the output buffer is allocated once.
+    Counts ``2 * n**3`` FLOPs over the median time; the output buffer is allocated once. With
+    ``gpu_only``, each product timed after the GPU idled (:func:`time_ms`): the rate of a product
+    that starts on recovered clocks, as the rows of a ``gpu_only`` benchmark do.
     """
     _require_cuda("matmul_tflops")
     if n < 1:
         raise ValueError(f"n must be positive, got {n}")
-    return tflops(2 * n**3, _time_on(_cuda_device(device), _matmul(n, dtype)))
+    return tflops(2 * n**3, _time_on(_cuda_device(device), _matmul(n, dtype), gpu_only))
 
 
 @dataclass(frozen=True)
@@ -417,9 +432,13 @@ class Ceilings:
         return dataclasses.asdict(self)
 
 
-def measure_ceilings(device: torch.device | str | int | None = None) -> Ceilings:
-    """Measure :class:`Ceilings` with the defaults of :func:`copy_bandwidth_tbps` and :func:`matmul_tflops`."""
-    return Ceilings(copy_tbps=copy_bandwidth_tbps(device=device), matmul_tflops=matmul_tflops(device=device))
+def measure_ceilings(device: torch.device | str | int | None = None, *, gpu_only: bool = False) -> Ceilings:
+    """Measure :class:`Ceilings` with the defaults of :func:`copy_bandwidth_tbps` and :func:`matmul_tflops`,
+    timed as ``gpu_only`` says (for a benchmark whose rows are timed ``gpu_only``)."""
+    return Ceilings(
+        copy_tbps=copy_bandwidth_tbps(device=device, gpu_only=gpu_only),
+        matmul_tflops=matmul_tflops(device=device, gpu_only=gpu_only),
+    )
 
 
 # ----------------------------------------------------------------------------------------- accounting
