@@ -66,8 +66,9 @@ def _row(provider: str, ms: float, **extra: object) -> dict[str, object]:
 
 def test_tables_and_report_read_a_qlora_record() -> None:
     record = bench.BenchRecord("lora", environment={"gpu": "test"}, rows=[
-        _row("peft", 12.0, qlora="nf4", gpu_ms=10.0, peak_mb=300.0, floor_ms=4.0, floor_fraction=4.0 / 12.0),
-        _row("fk", 8.0, qlora="nf4", gpu_ms=5.0, peak_mb=100.0, floor_ms=4.0, floor_fraction=0.5),
+        _row("peft", 12.0, qlora="nf4", gpu_ms=10.0, peak_mb=300.0, floor_ms=4.0, floor_fraction=4.0 / 12.0,
+             gemm_ms=3.5),
+        _row("fk", 8.0, qlora="nf4", gpu_ms=5.0, peak_mb=100.0, floor_ms=4.0, floor_fraction=0.5, gemm_ms=3.5),
         _row("peft", 6.0, gpu_ms=6.0, peak_mb=90.0, tflops=1.0, matmul_fraction=0.5),
         _row("fk", 4.0, gpu_ms=4.0, peak_mb=45.0, tflops=1.5, matmul_fraction=0.9),
     ])  # fmt: skip
@@ -83,6 +84,7 @@ def test_tables_and_report_read_a_qlora_record() -> None:
     assert report.floor_share(fk_qlora) == pytest.approx(0.5 * 8.0 / 5.0)  # from the GPU-only time
     lines = report.shortfalls(record)
     assert len(lines) == 1 and "qlora=nf4" in lines[0] and "% of the floor" in lines[0]
+    assert "gemm_ms" not in lines[0]  # a measurement, not part of the case's name
 
 
 def test_dropout_bytes_count_each_mask_written_and_read() -> None:
