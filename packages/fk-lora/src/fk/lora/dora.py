@@ -47,8 +47,8 @@ from fk.lora.projection import (
     kept_input,
     lora_a_grads,
     lora_and_base_out,
+    lora_b_grads,
     lora_input_products,
-    scaled_lora_grad,
     to_flat,
 )
 from fk.lora.quantized_base import QuantizedBase, dense, saved_weights, weights_to_save
@@ -274,10 +274,12 @@ def _dora_bwd(
     dy_ms, dy_ms1 = terms.dy_ms, terms.dy_ms1
     if dy_ms is None and dy_ms1 is None:  # only mag or b needs a gradient
         return grads, dx
-    gs = scaled_lora_grad(dy_ms, low.B_c, scaling) if dy_ms is not None and (need_dx or needs.lora_A) else None
+    gs = dB = None
+    if dy_ms is not None:
+        gs, dB = lora_b_grads(dy_ms, low.B_c, low.xa, scaling, lora_dtype, need_dx or needs.lora_A, needs.lora_B)
     if needs.lora_B:
-        assert dy_ms is not None
-        grads = grads._replace(lora_B=scaled_mm(dy_ms.t(), low.xa, scaling, lora_dtype))
+        assert dB is not None
+        grads = grads._replace(lora_B=dB)
     if needs.lora_A:
         assert gs is not None
         if a_grad_terms is not None:

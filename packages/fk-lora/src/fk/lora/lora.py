@@ -80,9 +80,9 @@ from fk.lora.projection import (
     lora_a_grads,
     lora_a_operands,
     lora_and_base_out,
+    lora_b_grads,
     lora_input_product,
     lora_input_products,
-    scaled_lora_grad,
     stackable,
     to_flat,
 )
@@ -363,14 +363,15 @@ def _proj_bwd_params(
     settings: Settings,
     needs: _Needs,
     gs: torch.Tensor | None,
+    dB: torch.Tensor | None = None,
 ) -> _Grads:
     """The parameter gradients of :func:`_proj_fwd`, None where not in ``needs``; the LoRA ones in
     ``lora_dtype``. ``x2`` is needed only for dA, ``xc`` (``x2`` in ``dy``'s dtype) only for dW,
-    ``gs`` (:func:`scaled_lora_grad`) only for dA."""
+    ``gs`` (:func:`scaled_lora_grad`) only for dA; ``dB``, where given, is taken as formed
+    (:func:`~fk.lora.projection.lora_b_grads`)."""
     dW: torch.Tensor | None = None
     db: torch.Tensor | None = None
     dA: torch.Tensor | None = None
-    dB: torch.Tensor | None = None
     db_B: torch.Tensor | None = None
     if needs.weight:
         assert xc is not None
@@ -381,7 +382,7 @@ def _proj_bwd_params(
             db = col_sum.to(weight.dtype)
         if needs.lora_bias:
             db_B = (col_sum * settings.scaling).to(lora_dtype)
-    if needs.lora_B:
+    if needs.lora_B and dB is None:
         dB = scaled_mm(dy.t(), low.xa, settings.scaling, lora_dtype)
     if needs.lora_A:
         assert gs is not None and x2 is not None
@@ -446,10 +447,11 @@ def _shared_input_bwd(
     for i in live:
         dy = dys[i]
         assert dy is not None
-        if need_dx or needs[i].lora_A:
-            gss[i] = scaled_lora_grad(dy, lows[i].B_c, settings[i].scaling)
+        gss[i], dB = lora_b_grads(dy, lows[i].B_c, lows[i].xa, settings[i].scaling, lora_dtypes[i],
+                                  need_dx or needs[i].lora_A, needs[i].lora_B)  # fmt: skip
         own_needs = needs[i]._replace(lora_A=needs[i].lora_A and i not in stacked_dA and lows[i].mask is None)
-        grads[i] = _proj_bwd_params(dy, x2, xc, weights[i], lows[i], lora_dtypes[i], settings[i], own_needs, gss[i])
+        grads[i] = _proj_bwd_params(dy, x2, xc, weights[i], lows[i], lora_dtypes[i], settings[i], own_needs, gss[i],
+                                    dB)  # fmt: skip
     with_dropout = [i for i in live if needs[i].lora_A and lows[i].mask is not None]
     if with_dropout:  # dA of projections with dropout: one read of x2 and of each mask, for all of them
         dAs = lora_a_grads(x2, c, [gss[i] for i in with_dropout], [lows[i].mask for i in with_dropout],
@@ -637,7 +639,7 @@ def _down_backward(
     the gradients over ``gate``'s and ``up``'s (``written``), and the parameter gradients read that
     ``h``. Without dg and du, ``h`` is recomputed alone.
     """
-    gs = scaled_lora_grad(dy2, low.B_c, settings.scaling) if need_gu or needs.lora_A else None
+    gs, dB = lora_b_grads(dy2, low.B_c, low.xa, settings.scaling, lora_dtype, need_gu or needs.lora_A, needs.lora_B)
     dg = du = None
     written = False
     if need_gu:
@@ -647,7 +649,7 @@ def _down_backward(
         del dh  # (its buffer holds h now)
     else:
         h = gated_act_forward(gate, up, act)
-    grads = _proj_bwd_params(dy2, h, h, wd, low, lora_dtype, settings, needs, gs)
+    grads = _proj_bwd_params(dy2, h, h, wd, low, lora_dtype, settings, needs, gs, dB)
     return grads, dg, du, written
 
 
@@ -674,10 +676,10 @@ def _down_backward_in_chunks(
     the chunks in fp32 (``fk.core.matmul.accumulate_mm``). A :class:`QuantizedBase` ``Wd`` is
     dequantized once for all chunks (where ``dh`` is needed) and dropped on return.
     """
-    gs = scaled_lora_grad(dy2, low.B_c, settings.scaling) if need_gu or needs.lora_A else None
+    gs, dB = lora_b_grads(dy2, low.B_c, low.xa, settings.scaling, lora_dtype, need_gu or needs.lora_A, needs.lora_B)
     wd_dense = dense(wd) if need_gu else wd
     grads = _proj_bwd_params(
-        dy2, None, None, wd, low, lora_dtype, settings, needs._replace(weight=False, lora_A=False), gs
+        dy2, None, None, wd, low, lora_dtype, settings, needs._replace(weight=False, lora_A=False), gs, dB
     )
     n_inter = gate.shape[1]
     acc_dA = torch.empty((low.A_c.shape[0], n_inter), dtype=torch.float32, device=gate.device) if needs.lora_A else None

@@ -11,7 +11,8 @@ Notation (:mod:`fk.lora.lora`'s): ``x2`` the input ``[M, K]``, ``c`` the compute
   where they can be: one read of ``x2``; with dropout, on a GPU, their masks drawn in that read), :func:`lora_and_base_out` (``y = s xa B^T + s b_B + x2 W^T
   + b``: one GEMM of :mod:`fk.lora.lora_matmul` where it applies, else the rank-sized product first), :func:`base_out` (``x2 W^T + b``) and :func:`add_lora_out`
   (``y += s xa B^T + s b_B``).
-- The backward's parts: :func:`scaled_lora_grad` (``s G``), :func:`kept_input` (``x2 * m``),
+- The backward's parts: :func:`scaled_lora_grad` (``s G``), :func:`lora_b_grads` (``s G`` and ``dB``
+  from one read of ``dy`` where both are needed: :mod:`fk.lora.dy_products`), :func:`kept_input` (``x2 * m``),
   :func:`lora_a_grads` (``dA = f (s G)^T (x2 * m)`` of projections that share ``x2``; with dropout
   and a 16-bit ``x2``, :mod:`fk.lora.masked_a_grad`'s one pass over ``x2`` and the masks).
 - :func:`autocast_off`, :func:`backward_without_autocast`: the launchers run with autocast disabled
@@ -29,6 +30,7 @@ import torch
 
 from fk.core.matmul import bf16_parts, mm_bf16_fp32, scaled_mm
 from fk.lora.dropped_lora_inputs import DroppedInput, dropped_inputs_apply, dropped_lora_inputs
+from fk.lora.dy_products import dy_products
 from fk.lora.lora_matmul import base_and_lora_out, fused_applies
 from fk.lora.masked_a_grad import MaskedA, masked_a_grads
 from fk.lora.masked_low_rank import masked
@@ -272,6 +274,24 @@ def lora_and_base_out(
 def scaled_lora_grad(dy: torch.Tensor, B_c: torch.Tensor, scaling: float) -> torch.Tensor:
     """``s G = s dy B`` ``[M, r]``: the rank-sized term both ``dA`` and ``dx`` are formed from."""
     return scaled_mm(dy, B_c, scaling, dy.dtype)
+
+
+def lora_b_grads(
+    dy: torch.Tensor,
+    B_c: torch.Tensor,
+    xa: torch.Tensor,
+    scaling: float,
+    lora_dtype: torch.dtype,
+    need_gs: bool,
+    need_dB: bool,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(``s G = s dy B`` in ``dy``'s dtype, ``dB = s dy^T xa`` in ``lora_dtype``), each None where not
+    needed: where both are, :func:`fk.lora.dy_products.dy_products` (one read of ``dy`` for both,
+    where its kernel applies); else the one needed, by a scaled matmul."""
+    if need_gs and need_dB:
+        return dy_products(dy, B_c, xa, scaling, lora_dtype)
+    gs = scaled_lora_grad(dy, B_c, scaling) if need_gs else None
+    return gs, scaled_mm(dy.t(), xa, scaling, lora_dtype) if need_dB else None
 
 
 def kept_input(x2: torch.Tensor, mask: torch.Tensor | None, dropout_dtype: torch.dtype, c: torch.dtype) -> torch.Tensor:
