@@ -181,8 +181,11 @@ def base_gemm_times(block: str, tokens: int, shape: Shape = LLAMA, rep: int = 20
         operands = []
         for m, k, n, layout in base_products(block, tokens, shape, fused=name == "fused"):
             a = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
-            w = torch.randn(n, k, device="cuda", generator=gen).bfloat16() if layout == "nt" else None
-            operands.append((a, w.t() if w is not None else torch.randn(k, n, device="cuda", generator=gen).bfloat16()))
+            if layout == "nt":  # x @ W.T, W stored [n, k]
+                b = torch.randn(n, k, device="cuda", generator=gen).bfloat16().t()
+            else:  # dy @ W, W stored [k, n] here (its rows are dy's columns)
+                b = torch.randn(k, n, device="cuda", generator=gen).bfloat16()
+            operands.append((a, b))
 
         def products(pairs: list[tuple[torch.Tensor, torch.Tensor]] = operands) -> None:
             for a, b in pairs:
@@ -192,6 +195,11 @@ def base_gemm_times(block: str, tokens: int, shape: Shape = LLAMA, rep: int = 20
         del operands
         torch.cuda.empty_cache()
     return times
+
+
+def base_gemm_ms(block: str, tokens: int, shape: Shape = LLAMA) -> float:
+    """The faster of :func:`base_gemm_times`: what cuBLAS needs for ``block``'s base products."""
+    return min(base_gemm_times(block, tokens, shape).values())
 
 
 def dequantization_bytes(block: str, shape: Shape = LLAMA) -> int:
@@ -246,11 +254,6 @@ GEMM_FLOOR = (
     "faster); the ceilings and gemm_ms are timed as the rows are, with the GPU idle before each call "
     "(back to back a large matmul runs about 12% slower: experiments/matmul_ceiling_modes)"
 )
-
-
-def base_gemm_ms(block: str, tokens: int, shape: Shape = LLAMA) -> float:
-    """The faster of :func:`base_gemm_times`: what cuBLAS needs for ``block``'s base products."""
-    return min(base_gemm_times(block, tokens, shape).values())
 
 
 DROPOUT_FLOOR = (
