@@ -27,7 +27,7 @@ def _check(dy: torch.Tensor, lora_b: torch.Tensor, xa: torch.Tensor, scaling: fl
     on the GPU too) against float64."""
     gs, db = dy_products(dy, lora_b, xa, scaling, dtype, params)
     want_gs, want_db = dy_products_ref(dy, lora_b, xa, scaling)
-    assert gs.dtype == dy.dtype and db.dtype == dtype
+    assert gs.dtype == dy.dtype and db.dtype == dtype and gs.is_contiguous() and db.is_contiguous()
     testing.assert_close(gs, want_gs, scaled_mm(dy, lora_b, scaling, dy.dtype), name="s G")
     testing.assert_close(db, want_db, scaled_mm(dy.t(), xa, scaling, dtype), name="dB")
     return gs, db

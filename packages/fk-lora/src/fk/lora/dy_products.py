@@ -159,9 +159,16 @@ def _launch(dy: torch.Tensor, lora_b: torch.Tensor, xa: torch.Tensor, scaling: f
         BLOCK_COLS=params.block_cols, BLOCK_RANK=block_rank, num_warps=params.num_warps,
     )  # fmt: skip
     if splits > 1:
-        g = sum_rows(g.view(splits, n_rows * block_rank), dy.dtype).view(n_rows, block_rank)[:, :rank]
-    db = sum_rows(db_partials.view(row_blocks, n_cols * block_rank), dtype).view(n_cols, block_rank)[:, :rank]
+        g = _first_columns(sum_rows(g.view(splits, n_rows * block_rank), dy.dtype).view(n_rows, block_rank), rank)
+    db = _first_columns(
+        sum_rows(db_partials.view(row_blocks, n_cols * block_rank), dtype).view(n_cols, block_rank), rank
+    )
     return g, db
+
+
+def _first_columns(t: torch.Tensor, rank: int) -> torch.Tensor:
+    """``t``'s first ``rank`` columns, contiguous (a copy, rank-sized, only where ``rank`` was padded)."""
+    return t if t.shape[1] == rank else t[:, :rank].contiguous()
 
 
 def dy_products(
