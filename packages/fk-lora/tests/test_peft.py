@@ -302,6 +302,28 @@ def test_dora_layers_match_peft(device: str, block: str, case: str, dropout: flo
     _compare(model, {"qkv": _qkv, "o": _o, "mlp": _mlp}[block], x, floors=floors)
 
 
+@pytest.mark.parametrize("dora", [False, True], ids=["lora", "dora"])
+@pytest.mark.parametrize("dropout", [0.0, 0.25], ids=["no_dropout", "dropout"])
+@pytest.mark.parametrize("block", ["qkv", "o", "mlp"])
+def test_layers_match_peft_with_dy_products_at_any_size(
+    device: str, block: str, dropout: float, dora: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a GPU fk.lora.dy_products (``s G`` and ``dB`` from one read of ``dy``) is taken only for
+    ``dy`` of 4096 x 4096 and more; here at any size, so that the device runs it inside LoRA's and
+    DoRA's backward, against PEFT (the interpreter takes it at every size anyway)."""
+    from fk.lora import dy_products as module
+
+    monkeypatch.setattr(module, "MIN_ROWS", 1)
+    monkeypatch.setattr(module, "MIN_COLS", 1)
+    launches: list[int] = []
+    launch = module._launch
+    monkeypatch.setattr(module, "_launch", lambda *args: launches.append(1) or launch(*args))
+    model = _model(device, torch.bfloat16, dropout=dropout, dora=dora)
+    x = testing.random_tensor((2, 5, HIDDEN), torch.bfloat16, device, seed=1)
+    _compare(model, {"qkv": _qkv, "o": _o, "mlp": _mlp}[block], x)
+    assert launches, "the kernel did not run"
+
+
 def test_dora_model_is_patched_as_lora_is(device: str) -> None:
     """A DoRA model: q/k/v fused as a group, o_proj alone, the MLP as a whole; nothing is left to PEFT."""
     model = _model(device, dora=True)
