@@ -12,6 +12,7 @@ from fk.core.launch import (
     looped_rows_tiling,
     next_power_of_2,
     persistent_grid,
+    reduction_splits,
     row_reduction_grid,
     row_tiling,
     writable_rows,
@@ -73,6 +74,17 @@ def test_column_strip_grid_spreads_programs_over_strips_and_row_tiles() -> None:
     assert column_strip_grid(40, 300, 32, 128, cpu, 4) == (2, 3)  # no more groups than row tiles
     assert column_strip_grid(1000, 5000, 32, 128, cpu, 4) == (1, 40)  # at least one group
     assert column_strip_grid(0, 1, 32, 128, cpu, 4) == (1, 1)
+
+
+def test_reduction_splits_fill_the_multiprocessors_and_cover_every_step() -> None:
+    cpu = torch.device("cpu")  # 4 multiprocessors off the GPU
+    assert reduction_splits(1, 64, cpu, 4) == (4, 16)  # 16 programs wanted, one row block: 16 ranges
+    assert reduction_splits(16, 64, cpu, 4) == (64, 1)  # the row blocks fill the grid: one range
+    assert reduction_splits(3, 10, cpu, 4) == (2, 5)  # cdiv(16, 3) = 6 wanted, 5 ranges of 2 cover 10
+    assert reduction_splits(1, 3, cpu, 4) == (1, 3)  # never more ranges than steps
+    for row_blocks, steps in ((1, 1), (5, 7), (2, 1000)):
+        per_range, ranges = reduction_splits(row_blocks, steps, cpu, 4)
+        assert per_range * ranges >= steps > per_range * (ranges - 1)
 
 
 def test_as_rows_keeps_row_strides_and_copies_only_when_needed() -> None:

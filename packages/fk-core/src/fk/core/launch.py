@@ -132,6 +132,16 @@ def column_strip_grid(
     return max(1, min(groups, cdiv(n_rows, block_rows))), strips
 
 
+def reduction_splits(row_blocks: int, steps: int, device: torch.device, programs_per_sm: int) -> tuple[int, int]:
+    """(steps a range, ranges) of a grid of ``row_blocks`` x ranges whose programs each own a block of
+    rows and one range of the ``steps`` steps of a reduction (fp32 partials a range where there are
+    several): ranges are added until the grid has about ``programs_per_sm`` programs per
+    multiprocessor, never more ranges than steps, at least one."""
+    wanted = programs_per_sm * multiprocessor_count(device)
+    per_range = cdiv(steps, min(steps, max(1, cdiv(wanted, row_blocks))))
+    return per_range, cdiv(steps, per_range)
+
+
 def row_reduction_grid(
     n_rows: int, tiling: RowTiling, device: torch.device, programs_per_sm: int, looped_programs_per_sm: int
 ) -> int:

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from fk.core.backend import uses_kernel
-from fk.core.launch import cdiv, multiprocessor_count, next_power_of_2
+from fk.core.launch import cdiv, next_power_of_2, reduction_splits
 from fk.core.reduce import sum_rows
 from fk.core.tiles import exact_dot, round_to
 from fk.lora.torch_dropout import Draw, keep_ref, keep_threshold, keep_tile
@@ -188,9 +188,7 @@ def _launch(x: torch.Tensor, terms: Sequence[DroppedInput], params: LaunchParams
     params = LAUNCH[block_rank] if params is None else params
     row_blocks = cdiv(n_rows, params.block_rows)
     col_steps = cdiv(n_cols, params.block_cols)
-    wanted = params.programs_per_sm * multiprocessor_count(x.device)
-    steps_per_split = cdiv(col_steps, min(col_steps, max(1, cdiv(wanted, row_blocks))))
-    splits = cdiv(col_steps, steps_per_split)
+    steps_per_split, splits = reduction_splits(row_blocks, col_steps, x.device, params.programs_per_sm)
     starts = [sum(ranks[:i]) for i in range(len(ranks))]
     shape = (n_rows, n_ranks) if splits == 1 else (splits, n_rows, n_ranks)
     out = torch.empty(shape, dtype=x.dtype if splits == 1 else torch.float32, device=x.device)

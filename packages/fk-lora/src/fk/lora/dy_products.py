@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from fk.core.backend import uses_kernel
-from fk.core.launch import cdiv, multiprocessor_count, next_power_of_2
+from fk.core.launch import cdiv, next_power_of_2, reduction_splits
 from fk.core.matmul import scaled_mm
 from fk.core.reduce import sum_rows
 from fk.core.tiles import exact_dot, round_to
@@ -145,9 +145,7 @@ def _launch(dy: torch.Tensor, lora_b: torch.Tensor, xa: torch.Tensor, scaling: f
     block_rank = max(16, next_power_of_2(rank))
     row_blocks = cdiv(n_rows, params.block_rows)
     col_steps = cdiv(n_cols, params.block_cols)
-    wanted = params.programs_per_sm * multiprocessor_count(dy.device)
-    steps_per_split = cdiv(col_steps, min(col_steps, max(1, cdiv(wanted, row_blocks))))
-    splits = cdiv(col_steps, steps_per_split)
+    steps_per_split, splits = reduction_splits(row_blocks, col_steps, dy.device, params.programs_per_sm)
     if splits == 1:
         g = torch.empty((n_rows, rank), dtype=dy.dtype, device=dy.device)
     else:
