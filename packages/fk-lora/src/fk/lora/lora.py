@@ -363,12 +363,13 @@ def _proj_bwd_params(
     settings: Settings,
     needs: _Needs,
     gs: torch.Tensor | None,
-    dB: torch.Tensor | None = None,
+    dB: torch.Tensor | None,
 ) -> _Grads:
     """The parameter gradients of :func:`_proj_fwd`, None where not in ``needs``; the LoRA ones in
     ``lora_dtype``. ``x2`` is needed only for dA, ``xc`` (``x2`` in ``dy``'s dtype) only for dW,
-    ``gs`` (:func:`scaled_lora_grad`) only for dA; ``dB``, where given, is taken as formed
-    (:func:`~fk.lora.projection.lora_b_grads`)."""
+    ``gs`` (:func:`scaled_lora_grad`) only for dA; ``gs`` and ``dB`` come formed, as
+    :func:`~fk.lora.projection.lora_b_grads` forms them for ``needs``."""
+    assert dB is not None or not needs.lora_B
     dW: torch.Tensor | None = None
     db: torch.Tensor | None = None
     dA: torch.Tensor | None = None
@@ -382,8 +383,6 @@ def _proj_bwd_params(
             db = col_sum.to(weight.dtype)
         if needs.lora_bias:
             db_B = (col_sum * settings.scaling).to(lora_dtype)
-    if needs.lora_B and dB is None:
-        dB = scaled_mm(dy.t(), low.xa, settings.scaling, lora_dtype)
     if needs.lora_A:
         assert gs is not None and x2 is not None
         (dA,) = lora_a_grads(x2, dy.dtype, [gs], [low.mask], [settings], [lora_dtype])
