@@ -301,9 +301,9 @@ def masked_grad_applies(
 def _launch(a: torch.Tensor, weight: torch.Tensor, w_transposed: bool, bias: torch.Tensor | None, u: torch.Tensor,
             v: torch.Tensor, v_col_stride: int, v_rank_stride: int, scaling: float,
             masked: _Masked | None = None, out: torch.Tensor | None = None, *, tile: tuple[int, int, int] = TILE,
-            num_stages: int = NUM_STAGES, num_warps: int = NUM_WARPS) -> torch.Tensor:  # fmt: skip
-    """The kernel's launch (``out`` given: added to, with ``masked`` only); ``tile``, ``num_stages``
-    and ``num_warps`` other than the tables' only for probes (``benchmarks/experiments``)."""
+            num_stages: int = NUM_STAGES, num_warps: int = NUM_WARPS, group_m: int = GROUP_M) -> torch.Tensor:  # fmt: skip
+    """The kernel's launch (``out`` given: added to, with ``masked`` only); ``tile``, ``num_stages``,
+    ``num_warps`` and ``group_m`` other than the tables' only for probes (``benchmarks/experiments``)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     n_rows, n_inner = a.shape
@@ -324,7 +324,7 @@ def _launch(a: torch.Tensor, weight: torch.Tensor, w_transposed: bool, bias: tor
         v_col_stride, v_rank_stride, mask.stride(0), W_TRANSPOSED=w_transposed, HAS_BIAS=bias is not None,
         MASKED=masked is not None, MASK_BASE=masked is not None and masked.mask_base, ACCUMULATE=accumulate,
         BLOCK_RANK=max(16, next_power_of_2(rank)), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        GROUP_M=GROUP_M, N_PROGRAMS=programs, num_stages=num_stages, num_warps=num_warps,
+        GROUP_M=group_m, N_PROGRAMS=programs, num_stages=num_stages, num_warps=num_warps,
     )  # fmt: skip
     return out
 
