@@ -4,8 +4,6 @@ in the interpreter; where it applies; and fk.lora's forward and backward taking 
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
 
@@ -98,6 +96,25 @@ def test_strided_rank_operands(device: str) -> None:
     want = base_and_lora_out_ref(x, weight, bias, xa, lora_b, 2.0)
     baseline = x @ weight.t() + 2.0 * (xa @ lora_b.t()) + bias
     testing.assert_close(base_and_lora_out(x, weight, bias, xa, lora_b, 2.0), want, baseline, name="y")
+
+
+def test_rank_term_by_tma_where_tma_can_read_it(device: str) -> None:
+    # SHAPES' ranks 8, 16 and 24 take the descriptors (and the flattened loop), 1 and 64 the
+    # pointers (a 2-byte row; a padded rank over TMA_RANK_MAX), and so do strided operands: the
+    # reference tests above run both paths.
+    def take(r: int) -> bool:
+        return lora_matmul.rank_by_tma(
+            torch.empty(70, r, dtype=torch.bfloat16), torch.empty(48, r, dtype=torch.bfloat16)
+        )
+
+    assert [take(r) for r in (1, 8, 16, 24, 64)] == [False, True, True, True, False]
+    assert lora_matmul.TMA_RANK_MAX == 32
+    column_major_b = torch.empty(16, 48, dtype=torch.bfloat16).t()
+    assert not lora_matmul.rank_by_tma(torch.empty(70, 16, dtype=torch.bfloat16), column_major_b)
+    odd_row_stride = torch.empty(70, 20, dtype=torch.bfloat16)[:, :16]  # rows 40 bytes apart
+    assert not lora_matmul.rank_by_tma(odd_row_stride, torch.empty(48, 16, dtype=torch.bfloat16))
+    a_of_backward = torch.empty(16, 40, dtype=torch.bfloat16)  # A [r, K]
+    assert lora_matmul.rank_by_tma(torch.empty(70, 16, dtype=torch.bfloat16), a_of_backward)
 
 
 def _grad_inputs(m: int, n: int, k: int, r: int, dtype: torch.dtype, device: str, seed: int = 0) -> list[torch.Tensor]:
@@ -280,42 +297,53 @@ def test_lora_and_base_out_takes_the_kernel_where_it_applies(
     testing.assert_close(got, want + 1.5 * lora_bias.double(), baseline + 1.5 * lora_bias, name="y", factor=3.0)
 
 
-# (W_TRANSPOSED, MASKED, MASK_BASE, ACCUMULATE): the forward; the backward; with dropout, LoRA's
-# first term (a new dx) and DoRA's (added to dx, its base product masked too).
-KERNEL_MODES = [(True, False, False, False), (False, False, False, False), (False, True, False, False),
-                (False, True, True, True)]  # fmt: skip
+# (W_TRANSPOSED, MASKED, MASK_BASE, ACCUMULATE, RANK_BY_TMA) and the padded ranks compiled: the
+# forward and the backward, the rank term by pointer (r = 16 and MAX_RANK) and through descriptors
+# (r = 16 and TMA_RANK_MAX); with dropout, LoRA's first term (a new dx) and DoRA's (added to dx,
+# its base product masked too).
+KERNEL_MODES = [((True, False, False, False, False), (16, lora_matmul.MAX_RANK)),
+                ((False, False, False, False, False), (16, lora_matmul.MAX_RANK)),
+                ((True, False, False, False, True), (16, lora_matmul.TMA_RANK_MAX)),
+                ((False, False, False, False, True), (16, lora_matmul.TMA_RANK_MAX)),
+                ((False, True, False, False, False), (16, lora_matmul.MAX_RANK)),
+                ((False, True, True, True, False), (16, lora_matmul.MAX_RANK))]  # fmt: skip
 
 
 def test_kernel_compiles_without_spills() -> None:
-    # Compiled for sm_90 on the CPU at its launch, forward (W transposed by the MMA) and backward
-    # (with dropout too), at r = 16 and at MAX_RANK: the products on the warpgroup MMAs, nothing
-    # spilled, the shared memory under the 227 KB a Hopper program gets.
+    # Compiled for sm_90 on the CPU at its launch, each mode of KERNEL_MODES at its ranks: the
+    # products on the warpgroup MMAs, nothing spilled, the shared memory under the 227 KB a Hopper
+    # program gets.
     tile_m, tile_n, tile_k = lora_matmul.TILE
-    for (w_transposed, masked, mask_base, accumulate), rank in itertools.product(
-        KERNEL_MODES, (16, lora_matmul.MAX_RANK)
-    ):
-        w_block = f"[{tile_n}, {tile_k}]" if w_transposed else f"[{tile_k}, {tile_n}]"
-        out_n = tile_n // 2 if masked else tile_n
-        signature = {
-            "a_desc": f"tensordesc<bf16[{tile_m}, {tile_k}]>", "w_desc": f"tensordesc<bf16{w_block}>",
-            "out_desc": f"tensordesc<bf16[{tile_m}, {out_n}]>", "u_ptr": "*bf16", "v_ptr": "*bf16",
-            "bias_ptr": "*bf16", "mask_ptr": "*i1", "scaling": "fp32", "inv_scaling": "fp32", "factor": "fp32",
-            "n_rows": "i32", "n_cols": "i32", "n_inner": "i32", "rank": "i32", "u_row_stride": "i32",
-            "v_col_stride": "i32", "v_rank_stride": "i32", "mask_row_stride": "i32", "W_TRANSPOSED": "",
-            "HAS_BIAS": "", "MASKED": "", "MASK_BASE": "", "ACCUMULATE": "", "BLOCK_RANK": "", "BLOCK_M": "",
-            "BLOCK_N": "", "BLOCK_K": "", "GROUP_M": "", "N_PROGRAMS": "",
-        }  # fmt: skip
-        constexprs = {"W_TRANSPOSED": w_transposed, "HAS_BIAS": w_transposed, "MASKED": masked, "MASK_BASE": mask_base,
-                      "ACCUMULATE": accumulate, "BLOCK_RANK": rank, "BLOCK_M": tile_m, "BLOCK_N": tile_n,
-                      "BLOCK_K": tile_k, "GROUP_M": lora_matmul.GROUP_M, "N_PROGRAMS": 132}  # fmt: skip
-        # B [N, r] and A [r, K] as PEFT stores them: the stride of 1 Triton specializes at launch
-        constexprs["v_rank_stride" if w_transposed else "v_col_stride"] = 1
-        compiled = testing.compile_kernel("fk.lora.lora_matmul", "_base_and_lora_kernel", signature, constexprs,
-                                          num_warps=lora_matmul.NUM_WARPS)  # fmt: skip
-        mode = (w_transposed, masked, mask_base, accumulate, rank)
-        assert compiled.spill_bytes == 0, (mode, compiled)
-        assert compiled.sync_and_mma.get("wgmma.mma_async", 0) > 0, compiled.sync_and_mma
-        assert compiled.shared_bytes <= 227 * 1024, (mode, compiled.shared_bytes)
+    for (w_transposed, masked, mask_base, accumulate, by_tma), ranks in KERNEL_MODES:
+        for rank in ranks:
+            w_block = f"[{tile_n}, {tile_k}]" if w_transposed else f"[{tile_k}, {tile_n}]"
+            out_n = tile_n // 2 if masked or by_tma else tile_n
+            v_block = f"[{tile_n}, {rank}]" if w_transposed else f"[{rank}, {tile_n}]"
+            signature = {
+                "a_desc": f"tensordesc<bf16[{tile_m}, {tile_k}]>", "w_desc": f"tensordesc<bf16{w_block}>",
+                "out_desc": f"tensordesc<bf16[{tile_m}, {out_n}]>",
+                "u_desc": f"tensordesc<bf16[{tile_m}, {rank}]>" if by_tma else "",
+                "v_desc": f"tensordesc<bf16{v_block}>" if by_tma else "", "u_ptr": "*bf16", "v_ptr": "*bf16",
+                "bias_ptr": "*bf16", "mask_ptr": "*i1", "scaling": "fp32", "inv_scaling": "fp32", "factor": "fp32",
+                "n_rows": "i32", "n_cols": "i32", "n_inner": "i32", "rank": "i32", "u_row_stride": "i32",
+                "v_col_stride": "i32", "v_rank_stride": "i32", "mask_row_stride": "i32", "W_TRANSPOSED": "",
+                "HAS_BIAS": "", "MASKED": "", "MASK_BASE": "", "ACCUMULATE": "", "RANK_BY_TMA": "", "BLOCK_RANK": "",
+                "BLOCK_M": "", "BLOCK_N": "", "BLOCK_K": "", "GROUP_M": "", "N_PROGRAMS": "",
+            }  # fmt: skip
+            constexprs = {"W_TRANSPOSED": w_transposed, "HAS_BIAS": w_transposed, "MASKED": masked,
+                          "MASK_BASE": mask_base, "ACCUMULATE": accumulate, "RANK_BY_TMA": by_tma,
+                          "BLOCK_RANK": rank, "BLOCK_M": tile_m, "BLOCK_N": tile_n, "BLOCK_K": tile_k,
+                          "GROUP_M": lora_matmul.GROUP_M, "N_PROGRAMS": 132}  # fmt: skip
+            if not by_tma:
+                constexprs.update(u_desc=None, v_desc=None)
+            # B [N, r] and A [r, K] as PEFT stores them: the stride of 1 Triton specializes at launch
+            constexprs["v_rank_stride" if w_transposed else "v_col_stride"] = 1
+            compiled = testing.compile_kernel("fk.lora.lora_matmul", "_base_and_lora_kernel", signature, constexprs,
+                                              num_warps=lora_matmul.NUM_WARPS)  # fmt: skip
+            mode = (w_transposed, masked, mask_base, accumulate, by_tma, rank)
+            assert compiled.spill_bytes == 0, (mode, compiled)
+            assert compiled.sync_and_mma.get("wgmma.mma_async", 0) > 0, compiled.sync_and_mma
+            assert compiled.shared_bytes <= 227 * 1024, (mode, compiled.shared_bytes)
 
 
 @pytest.mark.parametrize(("dora", "dropout_p"), [(False, 0.0), (True, 0.0), (False, 0.1), (True, 0.1)],

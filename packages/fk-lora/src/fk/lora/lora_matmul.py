@@ -8,8 +8,12 @@ gradient without dropout, ``s G A`` (``G = dy B``) written first and ``dy W`` ad
 persistent Triton GEMM with TMA descriptors (the activation, ``W`` and the output) walks its output
 tiles in groups of ``GROUP_M`` row blocks and, after each tile's K loop, adds the rank-sized product
 as one more MMA into the same fp32 accumulator (``[BLOCK_M, r] x [r, BLOCK_N]``), then the bias,
-and rounds once. ``W`` ``[N, K]`` is read as stored in both: transposed by the MMA in the forward
-(``y``'s columns are its rows), as it is in the backward (``dx``'s columns are its columns). At
+and rounds once; where the rank term's operands are TMA-ready and ``r`` at most :data:`TMA_RANK_MAX`,
+they are read through descriptors too and the tile loop is flattened into the K loop (the next
+tile's loads overlap this tile's epilogue: 0.1-1.4% less time at 11 of Llama-3.1-8B's 12 MLP and
+q/O products, ``benchmarks/experiments/INDEX.md#gemm_flat_tma_epilogue``). ``W`` ``[N, K]`` is read
+as stored in both: transposed by the MMA in the forward (``y``'s columns are its rows), as it is in
+the backward (``dx``'s columns are its columns). At
 Llama-3.1-8B's q/k/v/O shapes on an H200 the forward took 5-18% less GPU time than ``mm`` +
 ``addmm`` (``benchmarks/experiments/INDEX.md#gemm_lora_epilogues``); where it loses,
 and the sizes it is taken at, are in ``INDEX.md#lora_matmul_shapes``.
@@ -77,6 +81,11 @@ them it lost to the cuBLAS path at shapes with tiles enough for the SMs, by a ca
 (``lora_matmul_shapes --grad``: Llama-3.2-1B's q/O at 4096 tokens 2.0x, k/v 2.7x; Llama-3.1-8B's
 k/v at 1024 tokens 2.0x); at and above them it took 0.91-0.99x, except Llama-3.1-8B's down at
 16384 tokens (1.05x)."""
+TMA_RANK_MAX = 32
+"""The largest padded rank (``max(16, next power of 2 of r)``) whose operands the kernel reads
+through TMA descriptors (with the tile loop flattened: ``RANK_BY_TMA``): their tiles take shared
+memory beside the pipeline's stages (about 192 KB at r = 16 at :data:`TILE`); larger ranks, and
+operands TMA cannot describe, are read by pointer, the loop not flattened."""
 MASKED_MIN_INNER = 1024
 """The inner dimension from which the input gradient with dropout (:func:`base_and_masked_lora_grad`)
 is taken on a GPU: its one masked term in the epilogue took 0.90-0.91x fk's ``mm`` and masked pass
@@ -147,22 +156,29 @@ def _masked_half(part, u, v_ptr, v_col_stride, v_rank_stride, rank, mask_ptr, ma
 
 
 @triton.jit
-def _base_and_lora_kernel(a_desc, w_desc, out_desc, u_ptr, v_ptr, bias_ptr, mask_ptr, scaling, inv_scaling, factor,
-                          n_rows, n_cols, n_inner, rank, u_row_stride, v_col_stride, v_rank_stride, mask_row_stride,
-                          W_TRANSPOSED: tl.constexpr, HAS_BIAS: tl.constexpr, MASKED: tl.constexpr,
-                          MASK_BASE: tl.constexpr, ACCUMULATE: tl.constexpr, BLOCK_RANK: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+def _base_and_lora_kernel(a_desc, w_desc, out_desc, u_desc, v_desc, u_ptr, v_ptr, bias_ptr, mask_ptr, scaling,
+                          inv_scaling, factor, n_rows, n_cols, n_inner, rank, u_row_stride, v_col_stride,
+                          v_rank_stride, mask_row_stride, W_TRANSPOSED: tl.constexpr, HAS_BIAS: tl.constexpr,
+                          MASKED: tl.constexpr, MASK_BASE: tl.constexpr, ACCUMULATE: tl.constexpr,
+                          RANK_BY_TMA: tl.constexpr, BLOCK_RANK: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                           N_PROGRAMS: tl.constexpr):  # fmt: skip
     # out = a op(W) + b + s u v: op(W) = W^T (W_TRANSPOSED, the forward) or W; v[q, j] at
     # v_ptr + j v_col_stride + q v_rank_stride (B^T in the forward, A in the backward).
+    # RANK_BY_TMA (no mask): u [M, r] and v (B [N, r] or A [r, K]) read through their descriptors,
+    # the tile loop flattened into the K loop (the pipeliner then issues the next tile's loads
+    # during this tile's epilogue) and the output stored in two [BLOCK_M, BLOCK_N / 2] halves (a
+    # whole tile's staging buffer beside the pipeline's stages leaves no shared memory).
     # MASKED (the backward with dropout): out = a W + f m (u v), or f m (a W + u v) with MASK_BASE,
     # plus out's own value with ACCUMULATE; m [M, N] bool; the epilogue in two halves of the tile
     # (out_desc's blocks are [BLOCK_M, BLOCK_N / 2]): a whole [BLOCK_M, BLOCK_N] term tile beside the
     # accumulator spills at 128 x 256.
     ks = tl.arange(0, BLOCK_RANK)
-    # A plain loop over the tiles: flattened into the K loop (tl.range(flatten=True), as Triton's
-    # persistent tutorials do) the epilogue's loads took the kernel from 186 to 279 us (O, 4096 tokens).
-    for tile in range(tl.program_id(0), tl.cdiv(n_rows, BLOCK_M) * tl.cdiv(n_cols, BLOCK_N), N_PROGRAMS):
+    half_n: tl.constexpr = BLOCK_N // 2
+    # Flattened with the rank term's operands loaded by pointer, the epilogue's loads took the
+    # kernel from 186 to 279 us (O, 4096 tokens); through descriptors, 189.2 -> 186.7 us.
+    for tile in tl.range(tl.program_id(0), tl.cdiv(n_rows, BLOCK_M) * tl.cdiv(n_cols, BLOCK_N), N_PROGRAMS,
+                         flatten=RANK_BY_TMA):  # fmt: skip
         off_m, off_n = grouped_tile_offsets(tile, n_rows, n_cols, BLOCK_M, BLOCK_N, GROUP_M)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for off_k in range(0, n_inner, BLOCK_K):  # TMA reads past the edges as zeros
@@ -172,10 +188,12 @@ def _base_and_lora_kernel(a_desc, w_desc, out_desc, u_ptr, v_ptr, bias_ptr, mask
                 w = w_desc.load([off_k, off_n])
             acc = exact_dot_add(a_desc.load([off_m, off_k]), w, acc)
         rows = off_m + tl.arange(0, BLOCK_M)
-        u = tl.load(u_ptr + rows[:, None].to(tl.int64) * u_row_stride + ks[None, :],
-                    mask=(rows[:, None] < n_rows) & (ks[None, :] < rank), other=0.0)  # fmt: skip
+        if RANK_BY_TMA:
+            u = u_desc.load([off_m, 0])  # columns past r read as zeros
+        else:
+            u = tl.load(u_ptr + rows[:, None].to(tl.int64) * u_row_stride + ks[None, :],
+                        mask=(rows[:, None] < n_rows) & (ks[None, :] < rank), other=0.0)  # fmt: skip
         if MASKED:
-            half_n: tl.constexpr = BLOCK_N // 2
             first, second = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, half_n)), (0, 2, 1)))
             wide_rows = rows.to(tl.int64)
             _masked_half(first, u, v_ptr, v_col_stride, v_rank_stride, rank, mask_ptr, mask_row_stride, factor,
@@ -186,12 +204,23 @@ def _base_and_lora_kernel(a_desc, w_desc, out_desc, u_ptr, v_ptr, bias_ptr, mask
                          BLOCK_RANK, half_n)  # fmt: skip
         else:
             cols = off_n + tl.arange(0, BLOCK_N)
-            v = tl.load(v_ptr + cols[None, :] * v_col_stride + ks[:, None] * v_rank_stride,
-                        mask=(cols[None, :] < n_cols) & (ks[:, None] < rank), other=0.0)  # fmt: skip
+            if RANK_BY_TMA:
+                if W_TRANSPOSED:  # noqa: SIM108
+                    v = v_desc.load([off_n, 0]).T
+                else:
+                    v = v_desc.load([0, off_n])
+            else:
+                v = tl.load(v_ptr + cols[None, :] * v_col_stride + ks[:, None] * v_rank_stride,
+                            mask=(cols[None, :] < n_cols) & (ks[:, None] < rank), other=0.0)  # fmt: skip
             acc = exact_dot_add(u, v, acc * inv_scaling) * scaling
             if HAS_BIAS:
                 acc += tl.load(bias_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)[None, :]
-            out_desc.store([off_m, off_n], round_to(acc, out_desc.dtype))  # TMA clips the edges
+            if RANK_BY_TMA:
+                first, second = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, half_n)), (0, 2, 1)))
+                out_desc.store([off_m, off_n], round_to(first, out_desc.dtype))  # TMA clips the edges
+                out_desc.store([off_m, off_n + half_n], round_to(second, out_desc.dtype))
+            else:
+                out_desc.store([off_m, off_n], round_to(acc, out_desc.dtype))
 
 
 def _has_tensor_descriptors() -> bool:
@@ -298,6 +327,14 @@ def masked_grad_applies(
     return out is None or (tuple(out.shape) == want and out.dtype == dy.dtype and _tma_ready(out))
 
 
+def rank_by_tma(u: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether the kernel reads the rank term's operands ``u`` ``[M, r]`` and ``v`` (``B`` ``[N, r]``
+    in the forward, ``A`` ``[r, K]`` in the backward, as stored) through TMA descriptors, its tile
+    loop flattened (``RANK_BY_TMA``; where there is no mask): both TMA-ready and ``r`` padded to at
+    most :data:`TMA_RANK_MAX`."""
+    return max(16, next_power_of_2(u.shape[1])) <= TMA_RANK_MAX and _tma_ready(u) and _tma_ready(v)
+
+
 def _launch(a: torch.Tensor, weight: torch.Tensor, w_transposed: bool, bias: torch.Tensor | None, u: torch.Tensor,
             v: torch.Tensor, v_col_stride: int, v_rank_stride: int, scaling: float,
             masked: _Masked | None = None, out: torch.Tensor | None = None, *, tile: tuple[int, int, int] = TILE,
@@ -312,19 +349,25 @@ def _launch(a: torch.Tensor, weight: torch.Tensor, w_transposed: bool, bias: tor
     if out is None:
         out = torch.empty((n_rows, n_cols), dtype=a.dtype, device=a.device)
     block_m, block_n, block_k = tile
-    w_block = [block_n, block_k] if w_transposed else [block_k, block_n]
-    out_block = [block_m, block_n if masked is None else block_n // 2]
     rank = u.shape[1]
+    block_rank = max(16, next_power_of_2(rank))
+    by_tma = masked is None and rank_by_tma(u, v)
+    w_block = [block_n, block_k] if w_transposed else [block_k, block_n]
+    out_block = [block_m, block_n if masked is None and not by_tma else block_n // 2]
     programs = min(multiprocessor_count(a.device), triton.cdiv(n_rows, block_m) * triton.cdiv(n_cols, block_n))
     mask = out if masked is None else masked.mask
+    u_desc = v_desc = None
+    if by_tma:
+        u_desc = TensorDescriptor.from_tensor(u, [block_m, block_rank])
+        v_desc = TensorDescriptor.from_tensor(v, [block_n, block_rank] if w_transposed else [block_rank, block_n])
     _base_and_lora_kernel[(programs,)](
         TensorDescriptor.from_tensor(a, [block_m, block_k]), TensorDescriptor.from_tensor(weight, w_block),
-        TensorDescriptor.from_tensor(out, out_block), u, v, out if bias is None else bias, mask, float(scaling),
-        1.0 / scaling, 1.0 if masked is None else float(masked.factor), n_rows, n_cols, n_inner, rank, u.stride(0),
-        v_col_stride, v_rank_stride, mask.stride(0), W_TRANSPOSED=w_transposed, HAS_BIAS=bias is not None,
-        MASKED=masked is not None, MASK_BASE=masked is not None and masked.mask_base, ACCUMULATE=accumulate,
-        BLOCK_RANK=max(16, next_power_of_2(rank)), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        GROUP_M=group_m, N_PROGRAMS=programs, num_stages=num_stages, num_warps=num_warps,
+        TensorDescriptor.from_tensor(out, out_block), u_desc, v_desc, u, v, out if bias is None else bias, mask,
+        float(scaling), 1.0 / scaling, 1.0 if masked is None else float(masked.factor), n_rows, n_cols, n_inner,
+        rank, u.stride(0), v_col_stride, v_rank_stride, mask.stride(0), W_TRANSPOSED=w_transposed,
+        HAS_BIAS=bias is not None, MASKED=masked is not None, MASK_BASE=masked is not None and masked.mask_base,
+        ACCUMULATE=accumulate, RANK_BY_TMA=by_tma, BLOCK_RANK=block_rank, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_K=block_k, GROUP_M=group_m, N_PROGRAMS=programs, num_stages=num_stages, num_warps=num_warps,
     )  # fmt: skip
     return out
 
