@@ -28,6 +28,7 @@ import argparse
 import torch
 import triton
 import triton.language as tl
+from lora_matmul_tune import SHAPES, _operands  # the same products and operands
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from fk.core import bench
@@ -35,15 +36,6 @@ from fk.core.launch import multiprocessor_count
 from fk.core.tiles import grouped_tile_offsets
 from fk.lora import lora_matmul
 
-R = 16
-SHAPES = (  # (label, tokens, W rows (out features), W columns (in features))
-    ("q / O", 4096, 4096, 4096),
-    ("q / O", 16384, 4096, 4096),
-    ("gate / up", 4096, 14336, 4096),
-    ("down", 4096, 4096, 14336),
-    ("gate / up", 16384, 14336, 4096),
-    ("down", 16384, 4096, 14336),
-)
 WS_CONFIGS = (  # (BLOCK_M, BLOCK_N, BLOCK_K, stages); 4 warps a consumer group, as the pass needs
     (128, 256, 64, 3),
     (128, 256, 64, 4),
@@ -113,16 +105,6 @@ def ws_mm(a: torch.Tensor, w: torch.Tensor, w_transposed: bool, u: torch.Tensor,
         N_PROGRAMS=programs, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=GROUP_M, num_stages=stages, num_warps=4,
     )  # fmt: skip
     return c
-
-
-def _operands(m: int, n: int, k: int, device: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    gen = torch.Generator(device=device).manual_seed(m + n + k)
-
-    def randn(*shape: int, std: float = 1.0) -> torch.Tensor:
-        return (std * torch.randn(*shape, device=device, generator=gen)).to(dtype)
-
-    return {"x": randn(m, k), "w": randn(n, k, std=k**-0.5), "dy": randn(m, n), "xa": randn(m, R),
-            "g": randn(m, R), "lora_b": randn(n, R, std=0.1), "lora_a": randn(R, k, std=0.1)}  # fmt: skip
 
 
 def _products(t: dict[str, torch.Tensor]) -> dict[str, tuple]:  # type: ignore[type-arg]
