@@ -1,0 +1,216 @@
+"""#32: the LoRA MLP's backward, after ``dh`` (the down projection's input gradient), runs fk.glu's
+gradient pass (reads ``dh``, gate and up; writes ``dg``, ``du`` and ``h``), then reads ``h`` again
+for the down projection's ``dA_d = (s G_d)^T h`` and ``dg`` and ``du`` again for gate's and up's
+``fk.lora.dy_products`` (``s G = s dg B_g``, ``dB_g = s dg^T xa_g``, and up's). At Llama-3.1-8B's
+MLP (I = 14336), 16384 tokens, those reads are 1.4 GB and ``h``'s write 0.47 GB. One kernel that
+forms ``dg``, ``du`` and ``h`` in registers and feeds them to the five rank-16 products' MMAs
+(``G`` summed along its rows, ``dB_g``, ``dB_u`` and ``dA_d`` through fp32 partials a row block, as
+``dy_products`` does) would read ``dh``, gate and up once and write only ``dg`` and ``du``: faster?
+
+SiLU, bf16, r = 16, by GPU time (``fk.core.bench.time_ms(gpu_only=True)``, as bench_lora times its
+rows): fk's passes as the MLP runs them (``gated_act_backward_with_value``, ``scaled_mm`` for
+``dA_d``, ``dy_products`` twice) against the one kernel at each launch, every result checked
+against float64 before it is timed, with the copy bandwidth's time for the one kernel's least
+bytes (``dh``, gate and up read, ``dg`` and ``du`` written).
+
+Run on a GPU:  python benchmarks/experiments/glu_rank_backward.py
+Check in Triton's interpreter (tiny shapes, no timing):  TRITON_INTERPRET=1 python ... --check
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from fk.core import bench
+from fk.core.launch import cdiv, reduction_splits
+from fk.core.matmul import scaled_mm
+from fk.core.reduce import sum_rows
+from fk.core.tiles import exact_dot, round_to
+from fk.glu import gated_act_backward_with_value
+from fk.lora.dy_products import dy_products
+
+R = 16
+SCALING = 2.0
+SHAPES = [(4096, 14336), (16384, 14336)]
+
+
+class Launch(NamedTuple):
+    block_rows: int
+    block_cols: int
+    num_warps: int
+    programs_per_sm: int
+
+
+LAUNCHES = [
+    Launch(*v) for v in itertools.product((64, 128, 256), (64, 128), (4, 8), (1, 2)) if v[0] * v[1] <= 128 * 128
+]
+
+
+@triton.jit
+def _store_partial(ptr, t, row_block, cols, col_ok, n_cols, R: tl.constexpr):
+    """``t`` ``[BLOCK_COLS, R]`` into row block ``row_block``'s ``[n_cols, R]`` fp32 partial."""
+    ranks = tl.arange(0, R)
+    tl.store(ptr + (row_block.to(tl.int64) * n_cols + cols[:, None]) * R + ranks[None, :], t, mask=col_ok[:, None])
+
+
+@triton.jit
+def _fused_kernel(dh_ptr, gate_ptr, up_ptr, dg_ptr, du_ptr, b_g_ptr, b_u_ptr, xa_g_ptr, xa_u_ptr, gs_d_ptr,
+                  gs_g_ptr, gs_u_ptr, db_g_ptr, db_u_ptr, da_d_ptr, scaling, n_rows, n_cols, cols_per_split,
+                  BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr, R: tl.constexpr):  # fmt: skip
+    # Per element (SiLU, s = sigmoid(g)): h = g s u, du = dh g s, dg = dh u s (1 + g (1 - s)), dg and
+    # du rounded to 16 bits and stored. Then, from the rounded values: G_g += dg B_g and G_u += du B_u
+    # over this program's columns (fp32 partials a column range, [splits, M, R]); this row block's
+    # share of dB_g = s dg^T xa_g, dB_u = s du^T xa_u and dA_d^T = h^T (s G_d) ([row blocks, I, R]).
+    row_block, split = tl.program_id(0), tl.program_id(1)
+    rows = (row_block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
+    ranks = tl.arange(0, R)
+    row_ok = rows < n_rows
+    small = rows[:, None] * R + ranks[None, :]
+    xa_g = tl.load(xa_g_ptr + small, mask=row_ok[:, None], other=0.0)
+    xa_u = tl.load(xa_u_ptr + small, mask=row_ok[:, None], other=0.0)
+    gs_d = tl.load(gs_d_ptr + small, mask=row_ok[:, None], other=0.0)
+    acc_g = tl.zeros((BLOCK_ROWS, R), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_ROWS, R), dtype=tl.float32)
+    first = split * cols_per_split
+    for start in range(first, tl.minimum(first + cols_per_split, n_cols), BLOCK_COLS):
+        cols = start + tl.arange(0, BLOCK_COLS)
+        col_ok = cols < n_cols
+        ok = row_ok[:, None] & col_ok[None, :]
+        at = rows[:, None] * n_cols + cols[None, :]
+        dh = tl.load(dh_ptr + at, mask=ok, other=0.0).to(tl.float32)
+        g = tl.load(gate_ptr + at, mask=ok, other=0.0).to(tl.float32)
+        u = tl.load(up_ptr + at, mask=ok, other=0.0).to(tl.float32)
+        sig = tl.sigmoid(g)
+        silu = g * sig
+        h = round_to(silu * u, dh_ptr.dtype.element_ty)
+        du = round_to(dh * silu, dh_ptr.dtype.element_ty)
+        dg = round_to(dh * u * sig * (1.0 + g * (1.0 - sig)), dh_ptr.dtype.element_ty)
+        tl.store(dg_ptr + at, dg, mask=ok)
+        tl.store(du_ptr + at, du, mask=ok)
+        b_at = cols[:, None] * R + ranks[None, :]
+        acc_g += exact_dot(dg, tl.load(b_g_ptr + b_at, mask=col_ok[:, None], other=0.0))
+        acc_u += exact_dot(du, tl.load(b_u_ptr + b_at, mask=col_ok[:, None], other=0.0))
+        _store_partial(db_g_ptr, exact_dot(tl.trans(dg), xa_g) * scaling, row_block, cols, col_ok, n_cols, R)
+        _store_partial(db_u_ptr, exact_dot(tl.trans(du), xa_u) * scaling, row_block, cols, col_ok, n_cols, R)
+        _store_partial(da_d_ptr, exact_dot(tl.trans(h), gs_d), row_block, cols, col_ok, n_cols, R)
+    out = (split.to(tl.int64) * n_rows + rows[:, None]) * R + ranks[None, :]
+    tl.store(gs_g_ptr + out, acc_g * scaling, mask=row_ok[:, None])
+    tl.store(gs_u_ptr + out, acc_u * scaling, mask=row_ok[:, None])
+
+
+class Operands(NamedTuple):
+    dh: torch.Tensor
+    gate: torch.Tensor
+    up: torch.Tensor
+    b_g: torch.Tensor
+    b_u: torch.Tensor
+    xa_g: torch.Tensor
+    xa_u: torch.Tensor
+    gs_d: torch.Tensor
+
+
+def _operands(m: int, n: int, device: str, dtype: torch.dtype) -> Operands:
+    gen = torch.Generator(device=device).manual_seed(m + n)
+
+    def randn(*shape: int, std: float = 1.0) -> torch.Tensor:
+        return (std * torch.randn(*shape, device=device, generator=gen)).to(dtype)
+
+    return Operands(randn(m, n), randn(m, n), randn(m, n), randn(n, R, std=0.1), randn(n, R, std=0.1), randn(m, R),
+                    randn(m, R), randn(m, R))  # fmt: skip
+
+
+def fused(t: Operands, launch: Launch) -> tuple[torch.Tensor, ...]:
+    """(dg, du, s G_g, s G_u, dB_g, dB_u, dA_d) by the one kernel and the partials' sums."""
+    m, n = t.dh.shape
+    row_blocks = cdiv(m, launch.block_rows)
+    steps, splits = reduction_splits(row_blocks, cdiv(n, launch.block_cols), t.dh.device, launch.programs_per_sm)
+    f32 = {"dtype": torch.float32, "device": t.dh.device}
+    dg, du = torch.empty_like(t.dh), torch.empty_like(t.dh)
+    gs_g, gs_u = torch.empty((splits, m, R), **f32), torch.empty((splits, m, R), **f32)
+    db_g, db_u, da_d = (torch.empty((row_blocks, n, R), **f32) for _ in range(3))
+    _fused_kernel[(row_blocks, splits)](
+        t.dh, t.gate, t.up, dg, du, t.b_g, t.b_u, t.xa_g, t.xa_u, t.gs_d, gs_g, gs_u, db_g, db_u, da_d,
+        SCALING, m, n, steps * launch.block_cols, BLOCK_ROWS=launch.block_rows, BLOCK_COLS=launch.block_cols, R=R,
+        num_warps=launch.num_warps,
+    )  # fmt: skip
+    dtype = t.dh.dtype
+    gs = [sum_rows(p.view(splits, m * R), dtype).view(m, R) for p in (gs_g, gs_u)]
+    sums = [sum_rows(p.view(row_blocks, n * R), dtype).view(n, R) for p in (db_g, db_u, da_d)]
+    return dg, du, gs[0], gs[1], sums[0], sums[1], sums[2].t()
+
+
+def fk_passes(t: Operands) -> tuple[torch.Tensor, ...]:
+    """The same by fk's passes as the MLP's backward runs them (the whole rows at once)."""
+    dg, du, h, _ = gated_act_backward_with_value(t.dh, t.gate, t.up, "silu")
+    da_d = scaled_mm(t.gs_d.t(), h, 1.0, t.dh.dtype)
+    gs_g, db_g = dy_products(dg, t.b_g, t.xa_g, SCALING, t.dh.dtype)
+    gs_u, db_u = dy_products(du, t.b_u, t.xa_u, SCALING, t.dh.dtype)
+    return dg, du, gs_g, gs_u, db_g, db_u, da_d
+
+
+def reference(t: Operands) -> tuple[torch.Tensor, ...]:
+    """float64, from dg, du and h rounded to the operands' dtype as both paths round them."""
+    dh, g, u = (z.double() for z in (t.dh, t.gate, t.up))
+    sig = torch.sigmoid(g)
+    dg = (dh * u * sig * (1 + g * (1 - sig))).to(t.dh.dtype).double()
+    du = (dh * g * sig).to(t.dh.dtype).double()
+    h = (g * sig * u).to(t.dh.dtype).double()
+    b_g, b_u, xa_g, xa_u, gs_d = (z.double() for z in (t.b_g, t.b_u, t.xa_g, t.xa_u, t.gs_d))
+    return (dg, du, SCALING * dg @ b_g, SCALING * du @ b_u, SCALING * dg.t() @ xa_g, SCALING * du.t() @ xa_u,
+            gs_d.t() @ h)  # fmt: skip
+
+
+def _right(got: tuple[torch.Tensor, ...], want: tuple[torch.Tensor, ...]) -> bool:
+    """Every output within 16-bit rounding of float64 (relative to its largest element)."""
+    return all(
+        float((a.double() - b).abs().max()) <= 2e-2 * float(b.abs().max()) + 1e-3
+        for a, b in zip(got, want, strict=True)
+    )
+
+
+def check(device: str) -> None:
+    dtype = torch.float16 if device == "cpu" else torch.bfloat16
+    t = _operands(150, 200, device, dtype)
+    want = reference(t)
+    for launch in (Launch(64, 64, 4, 1), Launch(64, 32, 4, 64)):
+        assert _right(fused(t, launch), want), launch
+    assert _right(fk_passes(t), want)
+    print("fused and fk's passes: within 16-bit rounding of float64 (one and several column ranges)")
+
+
+def timings(copy_tbps: float) -> None:
+    for m, n in SHAPES:
+        t = _operands(m, n, "cuda", torch.bfloat16)
+        want = reference(t)
+        assert _right(fk_passes(t), want)
+        least_bytes = 5 * m * n * 2  # dh, gate, up read; dg, du written
+        now = bench.time_ms(lambda: fk_passes(t), warmup=3, rep=20, gpu_only=True)  # noqa: B023
+        print(f"== [{m}, {n}], r = {R}: fk's passes {now * 1e3:8.1f} us; the one kernel's least bytes at copy "
+              f"{least_bytes / copy_tbps / 1e6:8.1f} us", flush=True)  # fmt: skip
+        results = []
+        for launch in LAUNCHES:
+            try:
+                right = _right(fused(t, launch), want)
+            except triton.runtime.errors.OutOfResources:
+                print(f"  {tuple(launch)!s:20s} out of resources", flush=True)
+                continue
+            if not right:  # every launch's result checked before it is timed
+                print(f"  {tuple(launch)!s:20s} WRONG", flush=True)
+                continue
+            results.append((bench.time_ms(lambda lc=launch: fused(t, lc), warmup=3, rep=20, gpu_only=True), launch))  # noqa: B023
+        for t_ms, launch in sorted(results, key=lambda r: r[0])[:6]:
+            print(f"  fused {tuple(launch)!s:20s} {t_ms * 1e3:8.1f} us  ({t_ms / now:.3f}x fk's passes)", flush=True)
+
+
+def main() -> None:
+    bench.run_probe(argparse.ArgumentParser(), check, lambda args, copy: timings(copy))
+
+
+if __name__ == "__main__":
+    main()
