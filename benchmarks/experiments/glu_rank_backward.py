@@ -33,6 +33,7 @@ from fk.core.matmul import scaled_mm
 from fk.core.reduce import sum_rows
 from fk.core.tiles import exact_dot, round_to
 from fk.glu import gated_act_backward_with_value
+from fk.glu.glu import activation_and_derivative
 from fk.lora.dy_products import dy_products
 
 R = 16
@@ -64,7 +65,8 @@ def _fused_kernel(dh_ptr, gate_ptr, up_ptr, dg_ptr, du_ptr, b_g_ptr, b_u_ptr, xa
                   gs_g_ptr, gs_u_ptr, db_g_ptr, db_u_ptr, da_d_ptr, scaling, n_rows, n_cols, cols_per_split,
                   BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr, R: tl.constexpr):  # fmt: skip
     # Per element (SiLU, s = sigmoid(g)): h = g s u, du = dh g s, dg = dh u s (1 + g (1 - s)), dg and
-    # du rounded to 16 bits and stored. Then, from the rounded values: G_g += dg B_g and G_u += du B_u
+    # du rounded to 16 bits and stored (over gate and up where dg_ptr, du_ptr are theirs: each
+    # element is read before it is written, as fk.glu's in-place gradient). Then, from the rounded values: G_g += dg B_g and G_u += du B_u
     # over this program's columns (fp32 partials a column range, [splits, M, R]); this row block's
     # share of dB_g = s dg^T xa_g, dB_u = s du^T xa_u and dA_d^T = h^T (s G_d) ([row blocks, I, R]).
     row_block, split = tl.program_id(0), tl.program_id(1)
@@ -86,11 +88,10 @@ def _fused_kernel(dh_ptr, gate_ptr, up_ptr, dg_ptr, du_ptr, b_g_ptr, b_u_ptr, xa
         dh = tl.load(dh_ptr + at, mask=ok, other=0.0).to(tl.float32)
         g = tl.load(gate_ptr + at, mask=ok, other=0.0).to(tl.float32)
         u = tl.load(up_ptr + at, mask=ok, other=0.0).to(tl.float32)
-        sig = tl.sigmoid(g)
-        silu = g * sig
-        h = round_to(silu * u, dh_ptr.dtype.element_ty)
-        du = round_to(dh * silu, dh_ptr.dtype.element_ty)
-        dg = round_to(dh * u * sig * (1.0 + g * (1.0 - sig)), dh_ptr.dtype.element_ty)
+        act, grad = activation_and_derivative(g, 0)  # fk.glu's SiLU and its derivative
+        h = round_to(act * u, dh_ptr.dtype.element_ty)
+        du = round_to(dh * act, dh_ptr.dtype.element_ty)
+        dg = round_to(dh * u * grad, dh_ptr.dtype.element_ty)
         tl.store(dg_ptr + at, dg, mask=ok)
         tl.store(du_ptr + at, du, mask=ok)
         b_at = cols[:, None] * R + ranks[None, :]
@@ -125,13 +126,14 @@ def _operands(m: int, n: int, device: str, dtype: torch.dtype) -> Operands:
                     randn(m, R), randn(m, R))  # fmt: skip
 
 
-def fused(t: Operands, launch: Launch) -> tuple[torch.Tensor, ...]:
-    """(dg, du, s G_g, s G_u, dB_g, dB_u, dA_d) by the one kernel and the partials' sums."""
+def fused(t: Operands, launch: Launch, inplace: bool = False) -> tuple[torch.Tensor, ...]:
+    """(dg, du, s G_g, s G_u, dB_g, dB_u, dA_d) by the one kernel and the partials' sums (with
+    ``inplace``, dg and du over gate's and up's buffers, as the MLP's backward writes them)."""
     m, n = t.dh.shape
     row_blocks = cdiv(m, launch.block_rows)
     steps, splits = reduction_splits(row_blocks, cdiv(n, launch.block_cols), t.dh.device, launch.programs_per_sm)
     f32 = {"dtype": torch.float32, "device": t.dh.device}
-    dg, du = torch.empty_like(t.dh), torch.empty_like(t.dh)
+    dg, du = (t.gate, t.up) if inplace else (torch.empty_like(t.dh), torch.empty_like(t.dh))
     gs_g, gs_u = torch.empty((splits, m, R), **f32), torch.empty((splits, m, R), **f32)
     db_g, db_u, da_d = (torch.empty((row_blocks, n, R), **f32) for _ in range(3))
     _fused_kernel[(row_blocks, splits)](
@@ -181,6 +183,7 @@ def check(device: str) -> None:
     for launch in (Launch(64, 64, 4, 1), Launch(64, 32, 4, 64)):
         assert _right(fused(t, launch), want), launch
     assert _right(fk_passes(t), want)
+    assert _right(fused(t._replace(gate=t.gate.clone(), up=t.up.clone()), Launch(64, 64, 4, 2), inplace=True), want)
     print("fused and fk's passes: within 16-bit rounding of float64 (one and several column ranges)")
 
 
@@ -206,6 +209,11 @@ def timings(copy_tbps: float) -> None:
             results.append((bench.time_ms(lambda lc=launch: fused(t, lc), warmup=3, rep=20, gpu_only=True), launch))  # noqa: B023
         for t_ms, launch in sorted(results, key=lambda r: r[0])[:6]:
             print(f"  fused {tuple(launch)!s:20s} {t_ms * 1e3:8.1f} us  ({t_ms / now:.3f}x fk's passes)", flush=True)
+        if results:  # the best launch writing dg and du over gate and up (copies, overwritten call after call)
+            best = min(results, key=lambda r: r[0])[1]
+            copies = t._replace(gate=t.gate.clone(), up=t.up.clone())
+            in_place = bench.time_ms(lambda: fused(copies, best, inplace=True), warmup=3, rep=20, gpu_only=True)  # noqa: B023
+            print(f"  fused {tuple(best)!s:20s} in place {in_place * 1e3:8.1f} us", flush=True)
 
 
 def main() -> None:
