@@ -46,11 +46,13 @@ class Launch(NamedTuple):
     block_cols: int
     num_warps: int
     programs_per_sm: int
+    stages: int  # the column loop's software pipeline (1: none)
 
 
-LAUNCHES = [
-    Launch(*v) for v in itertools.product((64, 128, 256), (64, 128), (4, 8), (1, 2)) if v[0] * v[1] <= 128 * 128
-]
+# Compiled for sm_90 at r = 16 (on the CPU): 64-row blocks do not spill (64 x 32: 175-234 registers;
+# 64 x 64: 255, and 124 bytes of spills with 2 stages); 128 rows spill 220-1436 bytes, 256 rows
+# 3912-7192. Larger row blocks mean fewer fp32 partials ([M / rows, I, R], three of them).
+LAUNCHES = [Launch(*v) for v in itertools.product((64, 128, 256), (32, 64), (8,), (1, 2), (1, 2))]
 
 
 @triton.jit
@@ -63,14 +65,16 @@ def _store_partial(ptr, t, row_block, cols, col_ok, n_cols, R: tl.constexpr):
 @triton.jit
 def _fused_kernel(dh_ptr, gate_ptr, up_ptr, dg_ptr, du_ptr, b_g_ptr, b_u_ptr, xa_g_ptr, xa_u_ptr, gs_d_ptr,
                   gs_g_ptr, gs_u_ptr, db_g_ptr, db_u_ptr, da_d_ptr, scaling, n_rows, n_cols, cols_per_split,
-                  BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr, R: tl.constexpr):  # fmt: skip
+                  BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr, R: tl.constexpr,
+                  STAGES: tl.constexpr):  # fmt: skip
     # Per element (SiLU, s = sigmoid(g)): h = g s u, du = dh g s, dg = dh u s (1 + g (1 - s)), dg and
     # du rounded to 16 bits and stored (over gate and up where dg_ptr, du_ptr are theirs: each
     # element is read before it is written, as fk.glu's in-place gradient). Then, from the rounded values: G_g += dg B_g and G_u += du B_u
     # over this program's columns (fp32 partials a column range, [splits, M, R]); this row block's
     # share of dB_g = s dg^T xa_g, dB_u = s du^T xa_u and dA_d^T = h^T (s G_d) ([row blocks, I, R]).
     row_block, split = tl.program_id(0), tl.program_id(1)
-    rows = (row_block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
+    first_row = row_block.to(tl.int64) * BLOCK_ROWS
+    rows = first_row + tl.arange(0, BLOCK_ROWS)
     ranks = tl.arange(0, R)
     row_ok = rows < n_rows
     small = rows[:, None] * R + ranks[None, :]
@@ -79,26 +83,30 @@ def _fused_kernel(dh_ptr, gate_ptr, up_ptr, dg_ptr, du_ptr, b_g_ptr, b_u_ptr, xa
     gs_d = tl.load(gs_d_ptr + small, mask=row_ok[:, None], other=0.0)
     acc_g = tl.zeros((BLOCK_ROWS, R), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_ROWS, R), dtype=tl.float32)
+    # [M, I] tiles from this row block's first element by int32 offsets within it
+    base = first_row * n_cols
+    local_rows = tl.arange(0, BLOCK_ROWS)
     first = split * cols_per_split
-    for start in range(first, tl.minimum(first + cols_per_split, n_cols), BLOCK_COLS):
+    for start in tl.range(first, tl.minimum(first + cols_per_split, n_cols), BLOCK_COLS, num_stages=STAGES):
         cols = start + tl.arange(0, BLOCK_COLS)
         col_ok = cols < n_cols
         ok = row_ok[:, None] & col_ok[None, :]
-        at = rows[:, None] * n_cols + cols[None, :]
-        dh = tl.load(dh_ptr + at, mask=ok, other=0.0).to(tl.float32)
-        g = tl.load(gate_ptr + at, mask=ok, other=0.0).to(tl.float32)
-        u = tl.load(up_ptr + at, mask=ok, other=0.0).to(tl.float32)
+        at = local_rows[:, None] * n_cols + cols[None, :]
+        g = tl.load(gate_ptr + base + at, mask=ok, other=0.0).to(tl.float32)
         act, grad = activation_and_derivative(g, 0)  # fk.glu's SiLU and its derivative
-        h = round_to(act * u, dh_ptr.dtype.element_ty)
-        du = round_to(dh * act, dh_ptr.dtype.element_ty)
+        dh = tl.load(dh_ptr + base + at, mask=ok, other=0.0).to(tl.float32)
+        u = tl.load(up_ptr + base + at, mask=ok, other=0.0).to(tl.float32)
+        # each 16-bit result to its products as soon as it is formed (fewer fp32 tiles live at once)
         dg = round_to(dh * u * grad, dh_ptr.dtype.element_ty)
-        tl.store(dg_ptr + at, dg, mask=ok)
-        tl.store(du_ptr + at, du, mask=ok)
+        tl.store(dg_ptr + base + at, dg, mask=ok)
         b_at = cols[:, None] * R + ranks[None, :]
         acc_g += exact_dot(dg, tl.load(b_g_ptr + b_at, mask=col_ok[:, None], other=0.0))
-        acc_u += exact_dot(du, tl.load(b_u_ptr + b_at, mask=col_ok[:, None], other=0.0))
         _store_partial(db_g_ptr, exact_dot(tl.trans(dg), xa_g) * scaling, row_block, cols, col_ok, n_cols, R)
+        du = round_to(dh * act, dh_ptr.dtype.element_ty)
+        tl.store(du_ptr + base + at, du, mask=ok)
+        acc_u += exact_dot(du, tl.load(b_u_ptr + b_at, mask=col_ok[:, None], other=0.0))
         _store_partial(db_u_ptr, exact_dot(tl.trans(du), xa_u) * scaling, row_block, cols, col_ok, n_cols, R)
+        h = round_to(act * u, dh_ptr.dtype.element_ty)
         _store_partial(da_d_ptr, exact_dot(tl.trans(h), gs_d), row_block, cols, col_ok, n_cols, R)
     out = (split.to(tl.int64) * n_rows + rows[:, None]) * R + ranks[None, :]
     tl.store(gs_g_ptr + out, acc_g * scaling, mask=row_ok[:, None])
@@ -139,7 +147,7 @@ def fused(t: Operands, launch: Launch, inplace: bool = False) -> tuple[torch.Ten
     _fused_kernel[(row_blocks, splits)](
         t.dh, t.gate, t.up, dg, du, t.b_g, t.b_u, t.xa_g, t.xa_u, t.gs_d, gs_g, gs_u, db_g, db_u, da_d,
         SCALING, m, n, steps * launch.block_cols, BLOCK_ROWS=launch.block_rows, BLOCK_COLS=launch.block_cols, R=R,
-        num_warps=launch.num_warps,
+        STAGES=launch.stages, num_warps=launch.num_warps,
     )  # fmt: skip
     dtype = t.dh.dtype
     gs = [sum_rows(p.view(splits, m * R), dtype).view(m, R) for p in (gs_g, gs_u)]
@@ -180,10 +188,10 @@ def check(device: str) -> None:
     dtype = torch.float16 if device == "cpu" else torch.bfloat16
     t = _operands(150, 200, device, dtype)
     want = reference(t)
-    for launch in (Launch(64, 64, 4, 1), Launch(64, 32, 4, 64)):
+    for launch in (Launch(64, 64, 4, 1, 1), Launch(64, 32, 4, 64, 2)):
         assert _right(fused(t, launch), want), launch
     assert _right(fk_passes(t), want)
-    assert _right(fused(t._replace(gate=t.gate.clone(), up=t.up.clone()), Launch(64, 64, 4, 2), inplace=True), want)
+    assert _right(fused(t._replace(gate=t.gate.clone(), up=t.up.clone()), Launch(64, 64, 4, 2, 1), inplace=True), want)
     print("fused and fk's passes: within 16-bit rounding of float64 (one and several column ranges)")
 
 
