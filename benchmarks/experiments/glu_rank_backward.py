@@ -7,6 +7,12 @@ forms ``dg``, ``du`` and ``h`` in registers and feeds them to the five rank-16 p
 (``G`` summed along its rows, ``dB_g``, ``dB_u`` and ``dA_d`` through fp32 partials a row block, as
 ``dy_products`` does) would read ``dh``, gate and up once and write only ``dg`` and ``du``: faster?
 
+Two layouts of that kernel: ``rows`` (a program owns a row block and a range of columns: ``G`` in
+registers, ``dB_g``, ``dB_u``, ``dA_d`` through partials a row block) and ``cols`` (a program owns a
+strip of columns and a range of rows: the three column sums in registers, ``G_g``, ``G_u`` through
+partials a strip). Compiled for sm_90 both hold 226-255 registers; without spills only at 64-row
+blocks (``rows``) and 32 x 64 steps (``cols``), where their partials are largest.
+
 SiLU, bf16, r = 16, by GPU time (``fk.core.bench.time_ms(gpu_only=True)``, as bench_lora times its
 rows): fk's passes as the MLP runs them (``gated_act_backward_with_value``, ``scaled_mm`` for
 ``dA_d``, ``dy_products`` twice) against the one kernel at each launch, every result checked
@@ -53,6 +59,12 @@ class Launch(NamedTuple):
 # 64 x 64: 255, and 124 bytes of spills with 2 stages); 128 rows spill 220-1436 bytes, 256 rows
 # 3912-7192. Larger row blocks mean fewer fp32 partials ([M / rows, I, R], three of them).
 LAUNCHES = [Launch(*v) for v in itertools.product((64, 128, 256), (32, 64), (8,), (1, 2), (1, 2))]
+# The column-owning kernel: block_rows the rows a step, block_cols the strip.
+COLUMN_LAUNCHES = [
+    Launch(*v)
+    for v in itertools.product((16, 32, 64), (64, 128, 256), (4, 8), (1, 2), (1, 2))
+    if v[0] * v[1] <= 64 * 128
+]
 
 
 @triton.jit
@@ -113,6 +125,52 @@ def _fused_kernel(dh_ptr, gate_ptr, up_ptr, dg_ptr, du_ptr, b_g_ptr, b_u_ptr, xa
     tl.store(gs_u_ptr + out, acc_u * scaling, mask=row_ok[:, None])
 
 
+@triton.jit
+def _fused_cols_kernel(dh_ptr, gate_ptr, up_ptr, dg_ptr, du_ptr, b_g_ptr, b_u_ptr, xa_g_ptr, xa_u_ptr, gs_d_ptr,
+                       gs_g_ptr, gs_u_ptr, db_g_ptr, db_u_ptr, da_d_ptr, scaling, n_rows, n_cols, rows_per_range,
+                       BLOCK_STEP: tl.constexpr, BLOCK_COLS: tl.constexpr, R: tl.constexpr,
+                       STAGES: tl.constexpr):  # fmt: skip
+    # The same products with the roles turned: a program owns a strip of BLOCK_COLS columns and a
+    # range of rows, walked BLOCK_STEP rows a step; dB_g, dB_u and dA_d^T (sums over rows) stay in
+    # fp32 registers and are written once as the range's partial ([ranges, I, R]: a few); G_g and
+    # G_u (sums over columns) are written a step as the strip's partial ([strips, M, R]).
+    strip, row_range = tl.program_id(0), tl.program_id(1)
+    cols = strip * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
+    col_ok = cols < n_cols
+    ranks = tl.arange(0, R)
+    b_at = cols[:, None] * R + ranks[None, :]
+    b_g = tl.load(b_g_ptr + b_at, mask=col_ok[:, None], other=0.0)
+    b_u = tl.load(b_u_ptr + b_at, mask=col_ok[:, None], other=0.0)
+    acc_db_g = tl.zeros((BLOCK_COLS, R), dtype=tl.float32)
+    acc_db_u = tl.zeros((BLOCK_COLS, R), dtype=tl.float32)
+    acc_da_d = tl.zeros((BLOCK_COLS, R), dtype=tl.float32)
+    first = row_range * rows_per_range
+    for start in tl.range(first, tl.minimum(first + rows_per_range, n_rows), BLOCK_STEP, num_stages=STAGES):
+        rows = (start + tl.arange(0, BLOCK_STEP)).to(tl.int64)
+        row_ok = rows < n_rows
+        ok = row_ok[:, None] & col_ok[None, :]
+        at = rows[:, None] * n_cols + cols[None, :]
+        g = tl.load(gate_ptr + at, mask=ok, other=0.0).to(tl.float32)
+        act, grad = activation_and_derivative(g, 0)
+        dh = tl.load(dh_ptr + at, mask=ok, other=0.0).to(tl.float32)
+        u = tl.load(up_ptr + at, mask=ok, other=0.0).to(tl.float32)
+        small = rows[:, None] * R + ranks[None, :]
+        g_out = (strip.to(tl.int64) * n_rows + rows[:, None]) * R + ranks[None, :]
+        dg = round_to(dh * u * grad, dh_ptr.dtype.element_ty)
+        tl.store(dg_ptr + at, dg, mask=ok)
+        tl.store(gs_g_ptr + g_out, exact_dot(dg, b_g) * scaling, mask=row_ok[:, None])
+        acc_db_g += exact_dot(tl.trans(dg), tl.load(xa_g_ptr + small, mask=row_ok[:, None], other=0.0))
+        du = round_to(dh * act, dh_ptr.dtype.element_ty)
+        tl.store(du_ptr + at, du, mask=ok)
+        tl.store(gs_u_ptr + g_out, exact_dot(du, b_u) * scaling, mask=row_ok[:, None])
+        acc_db_u += exact_dot(tl.trans(du), tl.load(xa_u_ptr + small, mask=row_ok[:, None], other=0.0))
+        h = round_to(act * u, dh_ptr.dtype.element_ty)
+        acc_da_d += exact_dot(tl.trans(h), tl.load(gs_d_ptr + small, mask=row_ok[:, None], other=0.0))
+    _store_partial(db_g_ptr, acc_db_g * scaling, row_range, cols, col_ok, n_cols, R)
+    _store_partial(db_u_ptr, acc_db_u * scaling, row_range, cols, col_ok, n_cols, R)
+    _store_partial(da_d_ptr, acc_da_d, row_range, cols, col_ok, n_cols, R)
+
+
 class Operands(NamedTuple):
     dh: torch.Tensor
     gate: torch.Tensor
@@ -155,6 +213,26 @@ def fused(t: Operands, launch: Launch, inplace: bool = False) -> tuple[torch.Ten
     return dg, du, gs[0], gs[1], sums[0], sums[1], sums[2].t()
 
 
+def fused_cols(t: Operands, launch: Launch, inplace: bool = False) -> tuple[torch.Tensor, ...]:
+    """:func:`fused` by the column-owning kernel (``launch.block_rows`` the rows a step)."""
+    m, n = t.dh.shape
+    strips = cdiv(n, launch.block_cols)
+    steps, ranges = reduction_splits(strips, cdiv(m, launch.block_rows), t.dh.device, launch.programs_per_sm)
+    f32 = {"dtype": torch.float32, "device": t.dh.device}
+    dg, du = (t.gate, t.up) if inplace else (torch.empty_like(t.dh), torch.empty_like(t.dh))
+    gs_g, gs_u = torch.empty((strips, m, R), **f32), torch.empty((strips, m, R), **f32)
+    db_g, db_u, da_d = (torch.empty((ranges, n, R), **f32) for _ in range(3))
+    _fused_cols_kernel[(strips, ranges)](
+        t.dh, t.gate, t.up, dg, du, t.b_g, t.b_u, t.xa_g, t.xa_u, t.gs_d, gs_g, gs_u, db_g, db_u, da_d,
+        SCALING, m, n, steps * launch.block_rows, BLOCK_STEP=launch.block_rows, BLOCK_COLS=launch.block_cols, R=R,
+        STAGES=launch.stages, num_warps=launch.num_warps,
+    )  # fmt: skip
+    dtype = t.dh.dtype
+    gs = [sum_rows(p.view(strips, m * R), dtype).view(m, R) for p in (gs_g, gs_u)]
+    sums = [sum_rows(p.view(ranges, n * R), dtype).view(n, R) for p in (db_g, db_u, da_d)]
+    return dg, du, gs[0], gs[1], sums[0], sums[1], sums[2].t()
+
+
 def fk_passes(t: Operands) -> tuple[torch.Tensor, ...]:
     """The same by fk's passes as the MLP's backward runs them (the whole rows at once)."""
     dg, du, h, _ = gated_act_backward_with_value(t.dh, t.gate, t.up, "silu")
@@ -190,6 +268,7 @@ def check(device: str) -> None:
     want = reference(t)
     for launch in (Launch(64, 64, 4, 1, 1), Launch(64, 32, 4, 64, 2)):
         assert _right(fused(t, launch), want), launch
+        assert _right(fused_cols(t, launch), want), launch
     assert _right(fk_passes(t), want)
     assert _right(fused(t._replace(gate=t.gate.clone(), up=t.up.clone()), Launch(64, 64, 4, 2, 1), inplace=True), want)
     print("fused and fk's passes: within 16-bit rounding of float64 (one and several column ranges)")
@@ -204,24 +283,29 @@ def timings(copy_tbps: float) -> None:
         now = bench.time_ms(lambda: fk_passes(t), warmup=3, rep=20, gpu_only=True)  # noqa: B023
         print(f"== [{m}, {n}], r = {R}: fk's passes {now * 1e3:8.1f} us; the one kernel's least bytes at copy "
               f"{least_bytes / copy_tbps / 1e6:8.1f} us", flush=True)  # fmt: skip
-        results = []
-        for launch in LAUNCHES:
-            try:
-                right = _right(fused(t, launch), want)
-            except triton.runtime.errors.OutOfResources:
-                print(f"  {tuple(launch)!s:20s} out of resources", flush=True)
-                continue
-            if not right:  # every launch's result checked before it is timed
-                print(f"  {tuple(launch)!s:20s} WRONG", flush=True)
-                continue
-            results.append((bench.time_ms(lambda lc=launch: fused(t, lc), warmup=3, rep=20, gpu_only=True), launch))  # noqa: B023
-        for t_ms, launch in sorted(results, key=lambda r: r[0])[:6]:
-            print(f"  fused {tuple(launch)!s:20s} {t_ms * 1e3:8.1f} us  ({t_ms / now:.3f}x fk's passes)", flush=True)
-        if results:  # the best launch writing dg and du over gate and up (copies, overwritten call after call)
-            best = min(results, key=lambda r: r[0])[1]
-            copies = t._replace(gate=t.gate.clone(), up=t.up.clone())
-            in_place = bench.time_ms(lambda: fused(copies, best, inplace=True), warmup=3, rep=20, gpu_only=True)  # noqa: B023
-            print(f"  fused {tuple(best)!s:20s} in place {in_place * 1e3:8.1f} us", flush=True)
+        for name, kernel, launches in (("rows", fused, LAUNCHES), ("cols", fused_cols, COLUMN_LAUNCHES)):
+            results = []
+            for launch in launches:
+                try:
+                    right = _right(kernel(t, launch), want)
+                except triton.runtime.errors.OutOfResources:
+                    print(f"  {name} {tuple(launch)!s:20s} out of resources", flush=True)
+                    continue
+                if not right:  # every launch's result checked before it is timed
+                    print(f"  {name} {tuple(launch)!s:20s} WRONG", flush=True)
+                    continue
+                t_ms = bench.time_ms(lambda k=kernel, lc=launch: k(t, lc), warmup=3, rep=20, gpu_only=True)  # noqa: B023
+                results.append((t_ms, launch))
+            for t_ms, launch in sorted(results, key=lambda r: r[0])[:5]:
+                print(
+                    f"  {name} {tuple(launch)!s:20s} {t_ms * 1e3:8.1f} us  ({t_ms / now:.3f}x fk's passes)", flush=True
+                )
+            if results:  # the best launch writing dg and du over gate and up (copies, overwritten call after call)
+                best = min(results, key=lambda r: r[0])[1]
+                copies = t._replace(gate=t.gate.clone(), up=t.up.clone())
+                in_place = bench.time_ms(lambda k=kernel, c=copies, lc=best: k(c, lc, inplace=True), warmup=3,
+                                         rep=20, gpu_only=True)  # fmt: skip
+                print(f"  {name} {tuple(best)!s:20s} in place {in_place * 1e3:8.1f} us", flush=True)
 
 
 def main() -> None:
