@@ -58,12 +58,10 @@ class Launch(NamedTuple):
 # Compiled for sm_90 at r = 16 (on the CPU): 64-row blocks do not spill (64 x 32: 175-234 registers;
 # 64 x 64: 255, and 124 bytes of spills with 2 stages); 128 rows spill 220-1436 bytes, 256 rows
 # 3912-7192. Larger row blocks mean fewer fp32 partials ([M / rows, I, R], three of them).
-LAUNCHES = [Launch(*v) for v in itertools.product((64, 128, 256), (32, 64), (8,), (1, 2), (1, 2))]
+LAUNCHES = [Launch(*v) for v in itertools.product((64, 128, 256), (32, 64), (8,), (1, 2), (1,))]
 # The column-owning kernel: block_rows the rows a step, block_cols the strip.
 COLUMN_LAUNCHES = [
-    Launch(*v)
-    for v in itertools.product((16, 32, 64), (64, 128, 256), (4, 8), (1, 2), (1, 2))
-    if v[0] * v[1] <= 64 * 128
+    Launch(*v) for v in itertools.product((16, 32, 64), (64, 128, 256), (8,), (1, 2), (1,)) if v[0] * v[1] <= 64 * 128
 ]
 
 
