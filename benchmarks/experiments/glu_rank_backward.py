@@ -190,25 +190,35 @@ def _operands(m: int, n: int, device: str, dtype: torch.dtype) -> Operands:
                     randn(m, R), randn(m, R))  # fmt: skip
 
 
+def _buffers(t: Operands, g_blocks: int, db_blocks: int, inplace: bool) -> tuple[torch.Tensor, ...]:
+    """(dg, du, then fp32 partials: G_g, G_u ``[g_blocks, M, R]``, dB_g, dB_u, dA_d^T ``[db_blocks, I, R]``)."""
+    m, n = t.dh.shape
+    f32 = {"dtype": torch.float32, "device": t.dh.device}
+    dg, du = (t.gate, t.up) if inplace else (torch.empty_like(t.dh), torch.empty_like(t.dh))
+    gs = [torch.empty((g_blocks, m, R), **f32) for _ in range(2)]
+    return dg, du, *gs, *(torch.empty((db_blocks, n, R), **f32) for _ in range(3))
+
+
+def _sums(buffers: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """(dg, du, s G_g, s G_u, dB_g, dB_u, dA_d): the partials of :func:`_buffers` summed and rounded."""
+    dg, du, *partials = buffers
+    summed = [sum_rows(p.view(p.shape[0], -1), dg.dtype).view(p.shape[1:]) for p in partials]
+    return dg, du, *summed[:4], summed[4].t()
+
+
 def fused(t: Operands, launch: Launch, inplace: bool = False) -> tuple[torch.Tensor, ...]:
-    """(dg, du, s G_g, s G_u, dB_g, dB_u, dA_d) by the one kernel and the partials' sums (with
-    ``inplace``, dg and du over gate's and up's buffers, as the MLP's backward writes them)."""
+    """(dg, du, s G_g, s G_u, dB_g, dB_u, dA_d) by the row-owning kernel and the partials' sums
+    (with ``inplace``, dg and du over gate's and up's buffers, as the MLP's backward writes them)."""
     m, n = t.dh.shape
     row_blocks = cdiv(m, launch.block_rows)
     steps, splits = reduction_splits(row_blocks, cdiv(n, launch.block_cols), t.dh.device, launch.programs_per_sm)
-    f32 = {"dtype": torch.float32, "device": t.dh.device}
-    dg, du = (t.gate, t.up) if inplace else (torch.empty_like(t.dh), torch.empty_like(t.dh))
-    gs_g, gs_u = torch.empty((splits, m, R), **f32), torch.empty((splits, m, R), **f32)
-    db_g, db_u, da_d = (torch.empty((row_blocks, n, R), **f32) for _ in range(3))
+    buffers = _buffers(t, splits, row_blocks, inplace)
     _fused_kernel[(row_blocks, splits)](
-        t.dh, t.gate, t.up, dg, du, t.b_g, t.b_u, t.xa_g, t.xa_u, t.gs_d, gs_g, gs_u, db_g, db_u, da_d,
-        SCALING, m, n, steps * launch.block_cols, BLOCK_ROWS=launch.block_rows, BLOCK_COLS=launch.block_cols, R=R,
+        t.dh, t.gate, t.up, *buffers[:2], t.b_g, t.b_u, t.xa_g, t.xa_u, t.gs_d, *buffers[2:], SCALING, m, n,
+        steps * launch.block_cols, BLOCK_ROWS=launch.block_rows, BLOCK_COLS=launch.block_cols, R=R,
         STAGES=launch.stages, num_warps=launch.num_warps,
     )  # fmt: skip
-    dtype = t.dh.dtype
-    gs = [sum_rows(p.view(splits, m * R), dtype).view(m, R) for p in (gs_g, gs_u)]
-    sums = [sum_rows(p.view(row_blocks, n * R), dtype).view(n, R) for p in (db_g, db_u, da_d)]
-    return dg, du, gs[0], gs[1], sums[0], sums[1], sums[2].t()
+    return _sums(buffers)
 
 
 def fused_cols(t: Operands, launch: Launch, inplace: bool = False) -> tuple[torch.Tensor, ...]:
@@ -216,19 +226,13 @@ def fused_cols(t: Operands, launch: Launch, inplace: bool = False) -> tuple[torc
     m, n = t.dh.shape
     strips = cdiv(n, launch.block_cols)
     steps, ranges = reduction_splits(strips, cdiv(m, launch.block_rows), t.dh.device, launch.programs_per_sm)
-    f32 = {"dtype": torch.float32, "device": t.dh.device}
-    dg, du = (t.gate, t.up) if inplace else (torch.empty_like(t.dh), torch.empty_like(t.dh))
-    gs_g, gs_u = torch.empty((strips, m, R), **f32), torch.empty((strips, m, R), **f32)
-    db_g, db_u, da_d = (torch.empty((ranges, n, R), **f32) for _ in range(3))
+    buffers = _buffers(t, strips, ranges, inplace)
     _fused_cols_kernel[(strips, ranges)](
-        t.dh, t.gate, t.up, dg, du, t.b_g, t.b_u, t.xa_g, t.xa_u, t.gs_d, gs_g, gs_u, db_g, db_u, da_d,
-        SCALING, m, n, steps * launch.block_rows, BLOCK_STEP=launch.block_rows, BLOCK_COLS=launch.block_cols, R=R,
+        t.dh, t.gate, t.up, *buffers[:2], t.b_g, t.b_u, t.xa_g, t.xa_u, t.gs_d, *buffers[2:], SCALING, m, n,
+        steps * launch.block_rows, BLOCK_STEP=launch.block_rows, BLOCK_COLS=launch.block_cols, R=R,
         STAGES=launch.stages, num_warps=launch.num_warps,
     )  # fmt: skip
-    dtype = t.dh.dtype
-    gs = [sum_rows(p.view(strips, m * R), dtype).view(m, R) for p in (gs_g, gs_u)]
-    sums = [sum_rows(p.view(ranges, n * R), dtype).view(n, R) for p in (db_g, db_u, da_d)]
-    return dg, du, gs[0], gs[1], sums[0], sums[1], sums[2].t()
+    return _sums(buffers)
 
 
 def fk_passes(t: Operands) -> tuple[torch.Tensor, ...]:
