@@ -23,7 +23,7 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
-from dy_products_tune import SCALING, R, _right
+from dy_products_tune import SCALING, R, _right, gpu_operands
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from fk.core import bench
@@ -127,10 +127,7 @@ def check(device: str) -> None:
 
 def timings(copy_tbps: float) -> None:
     for m, n in SHAPES:
-        gen = torch.Generator(device="cuda").manual_seed(m + n)
-        dy = torch.randn(m, n, device="cuda", generator=gen).bfloat16()
-        b = (0.1 * torch.randn(n, R, device="cuda", generator=gen)).bfloat16()
-        xa = torch.randn(m, R, device="cuda", generator=gen).bfloat16()
+        dy, b, xa = gpu_operands(m, n)
         want = module.dy_products_ref(dy, b, xa, SCALING)
 
         def of_copy(t: float) -> str:

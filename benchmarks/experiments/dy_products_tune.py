@@ -55,12 +55,18 @@ def _right(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, tor
     )
 
 
+def gpu_operands(m: int, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dy ``[m, n]``, B ``[n, R]``, xa ``[m, R]``) in bf16 on the GPU, seeded by the shape."""
+    gen = torch.Generator(device="cuda").manual_seed(m + n)
+    dy = torch.randn(m, n, device="cuda", generator=gen).bfloat16()
+    b = (0.1 * torch.randn(n, R, device="cuda", generator=gen)).bfloat16()
+    xa = torch.randn(m, R, device="cuda", generator=gen).bfloat16()
+    return dy, b, xa
+
+
 def timings(copy_tbps: float) -> None:
     for m, n in SHAPES:
-        gen = torch.Generator(device="cuda").manual_seed(m + n)
-        dy = torch.randn(m, n, device="cuda", generator=gen).bfloat16()
-        b = (0.1 * torch.randn(n, R, device="cuda", generator=gen)).bfloat16()
-        xa = torch.randn(m, R, device="cuda", generator=gen).bfloat16()
+        dy, b, xa = gpu_operands(m, n)
 
         def two_matmuls() -> tuple[torch.Tensor, torch.Tensor]:
             return scaled_mm(dy, b, SCALING, dy.dtype), scaled_mm(dy.t(), xa, SCALING, dy.dtype)  # noqa: B023
