@@ -396,7 +396,7 @@ def test_lora_linear_takes_the_kernels_at_a_gpu_size(
         return [y, *grads]
 
     got = run(lora_linear, c)
-    # the forward's y and the backward's dx (DoRA with dropout: only dx, its y is DoRA's own pass)
+    # the forward's y and the backward's dx (DoRA with dropout: only dx, its y is fk.lora.dora_dropout_matmul's)
     assert len(launches) == (1 if dora and dropout_p else 2)
     want = run(lora_linear_ref, torch.float64)
     baseline = run(lora_linear_ref, c)

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from fk.core.matmul import scaled_mm
 from fk.glu import gated_act_backward, gated_act_forward
+from fk.lora.dora_dropout_matmul import dora_dropout_out, dora_dropout_out_applies
 from fk.lora.dora_elementwise import (
     DoRAGradTerms,
     GradDtypes,
@@ -104,8 +105,10 @@ def dora_ref(
 #   z    = zd + lr
 #   y    = x2 W^T + b + (ms - 1) * zd + ms * lr   summed in fp32, rounded once
 # Kept for the backward: z, ms, n, and what plain LoRA keeps (xa, m, A and B in c).
-# With dropout, y and z come from one pass over x2 W^T and zd (fk.lora.dora_elementwise), which
-# forms lr in registers from xa and B, and writes y over x2 W^T's buffer and z over zd's.
+# With dropout, x2 W^T and zd come from one GEMM whose epilogue writes y and z
+# (fk.lora.dora_dropout_matmul) where it applies; else from two matmuls and one pass over both
+# (fk.lora.dora_elementwise), which forms lr in registers from xa and B, and writes y over x2 W^T's
+# buffer and z over zd's.
 #
 # The norm reads W once (fk.lora.dora_norm: each tile of W + s B A formed in fp32 registers, 2 N K r
 # FLOPs in all, as for B A itself; no [N, K] buffer). The cheaper-looking
@@ -216,6 +219,9 @@ def _dora_fwd(
         y = dora_scaled_output(z, ms, params.bias) if want_output else None
         return y, _DoRALowRank(xa, mask, A_c, B_c, z, ms, norm)
     f = 1.0 / (1.0 - p)
+    if dropped is not None and dora_dropout_out_applies(x2, dropped, weight, xa, B_c, scaling, ms, params.bias):
+        y, z = dora_dropout_out(x2, dropped, weight, xa, B_c, scaling, ms, params.bias)  # one GEMM for both
+        return y, _DoRALowRank(xa, mask, A_c, B_c, z, ms, norm)
     if dropped is not None and dropped.dtype == c:  # the dropout's own output, PEFT's operand
         zd = base_out(dropped, weight, None)
     else:

@@ -233,7 +233,7 @@ def _has_tensor_descriptors() -> bool:
 HAS_TENSOR_DESCRIPTORS = _has_tensor_descriptors()
 
 
-def _tma_ready(t: torch.Tensor) -> bool:
+def tma_ready(t: torch.Tensor) -> bool:
     """A 2-D tensor TMA can describe: rows of contiguous elements, 16-byte aligned start and rows."""
     alignment = 16 // t.element_size()
     return t.stride(1) == 1 and t.stride(0) % alignment == 0 and t.data_ptr() % 16 == 0
@@ -259,7 +259,7 @@ def _applies(a: torch.Tensor, weight: torch.Tensor, n_cols: int, u: torch.Tensor
         return False
     if any(t.dtype != a.dtype for t in small) or u.stride(-1) != 1:
         return False
-    return _tma_ready(a) and _tma_ready(weight)
+    return tma_ready(a) and tma_ready(weight)
 
 
 def fused_applies(
@@ -324,7 +324,7 @@ def masked_grad_applies(
     want = (dy.shape[0], weight.shape[1])
     if mask.dtype != torch.bool or tuple(mask.shape) != want or mask.stride(1) != 1:
         return False
-    return out is None or (tuple(out.shape) == want and out.dtype == dy.dtype and _tma_ready(out))
+    return out is None or (tuple(out.shape) == want and out.dtype == dy.dtype and tma_ready(out))
 
 
 def rank_by_tma(u: torch.Tensor, v: torch.Tensor) -> bool:
@@ -332,7 +332,7 @@ def rank_by_tma(u: torch.Tensor, v: torch.Tensor) -> bool:
     in the forward, ``A`` ``[r, K]`` in the backward, as stored) through TMA descriptors, its tile
     loop flattened (``RANK_BY_TMA``; where there is no mask): both TMA-ready and ``r`` padded to at
     most :data:`TMA_RANK_MAX`."""
-    return max(16, next_power_of_2(u.shape[1])) <= TMA_RANK_MAX and _tma_ready(u) and _tma_ready(v)
+    return max(16, next_power_of_2(u.shape[1])) <= TMA_RANK_MAX and tma_ready(u) and tma_ready(v)
 
 
 def _launch(a: torch.Tensor, weight: torch.Tensor, w_transposed: bool, bias: torch.Tensor | None, u: torch.Tensor,
