@@ -9,6 +9,7 @@ from fk.core.launch import (
     as_rows,
     cdiv,
     column_strip_grid,
+    dot_size,
     looped_rows_tiling,
     next_power_of_2,
     persistent_grid,
@@ -22,6 +23,12 @@ from fk.core.launch import (
 @pytest.mark.parametrize(("n", "expected"), [(1, 1), (2, 2), (3, 4), (1000, 1024), (1024, 1024), (1025, 2048)])
 def test_next_power_of_2(n: int, expected: int) -> None:
     assert next_power_of_2(n) == expected
+
+
+@pytest.mark.parametrize(("n", "expected"), [(1, 16), (8, 16), (16, 16), (17, 32), (24, 32), (33, 64), (128, 128)])
+def test_dot_size(n: int, expected: int) -> None:
+    # a LoRA rank padded for tl.dot: a power of two, never under 16
+    assert dot_size(n) == expected
 
 
 def test_narrow_rows_are_grouped() -> None:

@@ -29,6 +29,13 @@ def next_power_of_2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
+def dot_size(n: int) -> int:
+    """``n`` padded for a dimension of a ``tl.dot`` operand: the next power of two, and at least 16
+    (the smallest inner and output size Triton's MMAs take). A LoRA rank ``r`` becomes the
+    ``BLOCK_RANK`` of fk-lora's kernels this way (16 for r = 1..16, 32 for 17..32, ...)."""
+    return max(16, next_power_of_2(n))
+
+
 @dataclass(frozen=True)
 class RowTiling:
     """How a row-wise kernel covers a ``[rows, cols]`` matrix.

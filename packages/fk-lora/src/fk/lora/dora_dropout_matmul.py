@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from fk.core.backend import KernelPath, kernel_path
-from fk.core.launch import multiprocessor_count, next_power_of_2
+from fk.core.launch import dot_size, multiprocessor_count
 from fk.core.tiles import exact_dot_add, grouped_tile_offsets, round_to
 from fk.lora.lora_matmul import GROUP_M, HAS_TENSOR_DESCRIPTORS, MIN_TILES_PER_SM, rank_by_tma, tma_ready
 
@@ -160,7 +160,7 @@ def dora_dropout_out(
     n_rows, n_inner = x.shape
     n_cols = weight.shape[0]
     block_m, block_n, block_k = tile
-    block_rank = max(16, next_power_of_2(xa.shape[1]))
+    block_rank = dot_size(xa.shape[1])
     y = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
     z = torch.empty_like(y)
     programs = min(multiprocessor_count(x.device), triton.cdiv(n_rows, block_m) * triton.cdiv(n_cols, block_n))

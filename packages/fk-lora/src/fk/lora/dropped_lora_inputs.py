@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from fk.core.backend import uses_kernel
-from fk.core.launch import cdiv, next_power_of_2, reduction_splits
+from fk.core.launch import cdiv, dot_size, reduction_splits
 from fk.core.reduce import sum_rows
 from fk.core.tiles import exact_dot, round_to
 from fk.lora.torch_dropout import Draw, keep_ref, keep_threshold, keep_tile
@@ -184,7 +184,7 @@ def _launch(x: torch.Tensor, terms: Sequence[DroppedInput], params: LaunchParams
     ranks = [t.lora_a.shape[0] for t in terms]
     n_ranks = sum(ranks)
     n_rows, n_cols = x.shape
-    block_rank = max(16, next_power_of_2(max(ranks)))
+    block_rank = dot_size(max(ranks))
     params = LAUNCH[block_rank] if params is None else params
     row_blocks = cdiv(n_rows, params.block_rows)
     col_steps = cdiv(n_cols, params.block_cols)

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from fk.core.backend import uses_kernel
-from fk.core.launch import cdiv, next_power_of_2, reduction_splits
+from fk.core.launch import cdiv, dot_size, reduction_splits
 from fk.core.matmul import scaled_mm
 from fk.core.reduce import sum_rows
 from fk.core.tiles import exact_dot, round_to
@@ -142,7 +142,7 @@ def _launch(dy: torch.Tensor, lora_b: torch.Tensor, xa: torch.Tensor, scaling: f
             params: LaunchParams) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     n_rows, n_cols = dy.shape
     rank = lora_b.shape[1]
-    block_rank = max(16, next_power_of_2(rank))
+    block_rank = dot_size(rank)
     row_blocks = cdiv(n_rows, params.block_rows)
     col_steps = cdiv(n_cols, params.block_cols)
     steps_per_split, splits = reduction_splits(row_blocks, col_steps, dy.device, params.programs_per_sm)

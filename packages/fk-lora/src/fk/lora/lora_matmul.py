@@ -53,7 +53,7 @@ import triton
 import triton.language as tl
 
 from fk.core.backend import KernelPath, kernel_path
-from fk.core.launch import multiprocessor_count, next_power_of_2
+from fk.core.launch import dot_size, multiprocessor_count
 from fk.core.tiles import exact_dot, exact_dot_add, grouped_tile_offsets, round_to
 
 MAX_RANK = 128
@@ -82,7 +82,7 @@ them it lost to the cuBLAS path at shapes with tiles enough for the SMs, by a ca
 k/v at 1024 tokens 2.0x); at and above them it took 0.91-0.99x, except Llama-3.1-8B's down at
 16384 tokens (1.05x)."""
 TMA_RANK_MAX = 32
-"""The largest padded rank (``max(16, next power of 2 of r)``) whose operands the kernel reads
+"""The largest padded rank (:func:`fk.core.launch.dot_size` of ``r``) whose operands the kernel reads
 through TMA descriptors (with the tile loop flattened: ``RANK_BY_TMA``): their tiles take shared
 memory beside the pipeline's stages (about 192 KB at r = 16 at :data:`TILE`); larger ranks, and
 operands TMA cannot describe, are read by pointer, the loop not flattened."""
@@ -332,7 +332,7 @@ def rank_by_tma(u: torch.Tensor, v: torch.Tensor) -> bool:
     in the forward, ``A`` ``[r, K]`` in the backward, as stored) through TMA descriptors, its tile
     loop flattened (``RANK_BY_TMA``; where there is no mask): both TMA-ready and ``r`` padded to at
     most :data:`TMA_RANK_MAX`."""
-    return max(16, next_power_of_2(u.shape[1])) <= TMA_RANK_MAX and tma_ready(u) and tma_ready(v)
+    return dot_size(u.shape[1]) <= TMA_RANK_MAX and tma_ready(u) and tma_ready(v)
 
 
 def _launch(a: torch.Tensor, weight: torch.Tensor, w_transposed: bool, bias: torch.Tensor | None, u: torch.Tensor,
@@ -350,7 +350,7 @@ def _launch(a: torch.Tensor, weight: torch.Tensor, w_transposed: bool, bias: tor
         out = torch.empty((n_rows, n_cols), dtype=a.dtype, device=a.device)
     block_m, block_n, block_k = tile
     rank = u.shape[1]
-    block_rank = max(16, next_power_of_2(rank))
+    block_rank = dot_size(rank)
     by_tma = masked is None and rank_by_tma(u, v)
     w_block = [block_n, block_k] if w_transposed else [block_k, block_n]
     out_block = [block_m, block_n if masked is None and not by_tma else block_n // 2]

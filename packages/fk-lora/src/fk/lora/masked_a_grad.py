@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from fk.core.backend import uses_kernel
-from fk.core.launch import as_rows, column_strip_grid, next_power_of_2
+from fk.core.launch import as_rows, column_strip_grid, dot_size
 from fk.core.matmul import scaled_mm
 from fk.core.reduce import sum_rows
 from fk.core.tiles import exact_dot
@@ -176,7 +176,7 @@ def _launch(x: torch.Tensor, terms: Sequence[MaskedA]) -> list[torch.Tensor]:
     ranks = [t.gs.shape[1] for t in terms]
     n_ranks = sum(ranks)
     n_rows, n_cols = x.shape
-    block_rank = max(16, next_power_of_2(max(ranks)))
+    block_rank = dot_size(max(ranks))
     params = LAUNCH[block_rank]
     gss, masks = tuple(as_rows(t.gs) for t in terms), tuple(as_rows(t.mask) for t in terms)
     starts = [sum(ranks[:i]) for i in range(len(ranks))]
