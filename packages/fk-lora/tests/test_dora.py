@@ -90,6 +90,16 @@ def test_dora_linear_matches_reference(device: str, dtype: torch.dtype, p: float
     assert result.names == ["output0", *(f"grad of {n}" for n in NAMES)]
 
 
+@pytest.mark.parametrize("dtype", testing.DTYPES, ids=dtype_name)
+def test_dora_linear_with_dropout_and_frozen_base_matches_reference(device: str, dtype: torch.dtype) -> None:
+    """A frozen base (PEFT's case) takes the backward with ``ms`` folded into ``B`` and ``ms - 1`` into
+    ``W`` (no ``ms * dy`` or ``(ms - 1) * dy`` written): the gradients of x, A, B and the magnitude."""
+    fk_fn, ref_fn = _seeded_fk_and_reference(0.3)
+    args = _args(dtype, device, train_base=False)
+    result = testing.compare_with_reference(fk_fn, ref_fn, args, arg_names=NAMES)
+    assert result.names == ["output0", *(f"grad of {n}" for n in ("x", "lora_A", "lora_B", "magnitude"))]
+
+
 @pytest.mark.parametrize("p", [0.0, 0.3], ids=["no_dropout", "dropout"])
 def test_dora_fp32_adapter_with_bf16_activations(device: str, p: float) -> None:
     """PEFT's default: LoRA weights and magnitude in fp32 next to bf16 activations (the norm is
