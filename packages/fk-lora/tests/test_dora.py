@@ -92,8 +92,8 @@ def test_dora_linear_matches_reference(device: str, dtype: torch.dtype, p: float
 
 @pytest.mark.parametrize("dtype", testing.DTYPES, ids=dtype_name)
 def test_dora_linear_with_dropout_and_frozen_base_matches_reference(device: str, dtype: torch.dtype) -> None:
-    """A frozen base (PEFT's case) takes the backward with ``ms`` folded into ``B`` and ``ms - 1`` into
-    ``W`` (no ``ms * dy`` or ``(ms - 1) * dy`` written): the gradients of x, A, B and the magnitude."""
+    """A frozen base with dropout (PEFT's case; ``dW``, which needs ``(ms - 1) * dy`` for itself, not
+    formed): the output and the gradients of x, A, B and the magnitude."""
     fk_fn, ref_fn = _seeded_fk_and_reference(0.3)
     args = _args(dtype, device, train_base=False)
     result = testing.compare_with_reference(fk_fn, ref_fn, args, arg_names=NAMES)

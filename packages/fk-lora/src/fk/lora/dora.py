@@ -129,12 +129,6 @@ def dora_ref(
 #   dW     = dy^T x2 + f dy_ms1^T (x2 * m)
 #   dx     = dy W + f (dy_ms1 W + s G A) * m    (the masked sum in dy_ms1 W's GEMM: lora_matmul, mask_base;
 #                                                 else one pass: masked_low_rank, addend)
-# With dropout and a frozen W (no dW, which needs dy_ms1 itself), ms and ms - 1 go into the small or
-# frozen factors instead, so that neither [M, N] product of dy is written (two trips through memory
-# each; the column sums dmag and db are the pass's only outputs):
-#   s G    = s dy (ms B)                        (ms B: [N, r], rounded once to c)
-#   dB     = ms (s dy^T xa)                     row by row, the product in fp32, rounded once
-#   dy_ms1 W = dy ((ms - 1) W)                  ((ms - 1) W: [N, K], rounded once to c; for one call)
 # Under autocast DoRA is not fused (fk.lora.patch leaves it to PEFT; the functions refuse it).
 #
 # A 4-bit (QLoRA) W (fk.lora.quantized_base.QuantizedBase; frozen, so no dW) is dequantized whole in
@@ -276,16 +270,11 @@ def _dora_bwd(
     lora_dtype = dtypes[0]
     scaling, p, dropout_dtype = settings
     f = 1.0 if low.mask is None else 1.0 / (1.0 - p)
-    folded = terms is None and low.mask is not None and not needs.weight  # ms in B and W (equations above)
     if terms is None:  # dmag, db, dy_ms and (dropout) dy_ms1 in one pass over dy, each only where needed
         assert dy is not None
-        want = (False, False) if folded else _wants(low, needs, need_dx)
-        terms = dora_grad_terms(dy, low.z, low.ms, low.norm, _grad_dtypes(weight, dtypes, needs), want)
-    if folded:
-        assert dy is not None
-        grads = _DoRAGrads(bias=terms.bias, magnitude=terms.magnitude)
-        return _folded_dropout_bwd(dy, x2, weight, low, lora_dtype, settings, needs, grads, dx, need_dx,
-                                   a_grad_terms, index)  # fmt: skip
+        terms = dora_grad_terms(
+            dy, low.z, low.ms, low.norm, _grad_dtypes(weight, dtypes, needs), _wants(low, needs, need_dx)
+        )
     c = low.z.dtype
     grads = _DoRAGrads(bias=terms.bias, magnitude=terms.magnitude)
     dy_ms, dy_ms1 = terms.dy_ms, terms.dy_ms1
@@ -333,53 +322,6 @@ def _dora_bwd(
             base_and_masked_lora_grad(dy_ms1, w, gs, low.A_c, low.mask, f, mask_base=True, out=dx)
         else:
             add_masked_low_rank_(dx, gs, low.A_c, low.mask, f, addend=torch.mm(dy_ms1, w))
-    return grads, dx
-
-
-def _folded_dropout_bwd(
-    dy: torch.Tensor,
-    x2: torch.Tensor,
-    weight: Any,
-    low: _DoRALowRank,
-    lora_dtype: torch.dtype,
-    settings: Settings,
-    needs: _DoRANeeds,
-    grads: _DoRAGrads,
-    dx: torch.Tensor | None,
-    need_dx: bool,
-    a_grad_terms: list[tuple[int, torch.Tensor]] | None,
-    index: int,
-) -> tuple[_DoRAGrads, torch.Tensor | None]:
-    """:func:`_dora_bwd` with dropout and a frozen ``W``, ``ms`` folded into ``B`` and ``ms - 1`` into
-    ``W`` (the equations above): ``dB``, ``s G`` (``dA``) and ``dx`` from ``dy`` itself. ``grads``
-    holds ``dmag`` and ``db`` already."""
-    scaling, p, _ = settings
-    need_gs = need_dx or needs.lora_A
-    if not (need_gs or needs.lora_B):
-        return grads, dx
-    B_ms = torch.mul(low.B_c, low.ms[:, None], out=torch.empty_like(low.B_c))  # fp32 product, rounded once to c
-    gs, dB = lora_b_grads(dy, B_ms, low.xa, scaling, torch.float32, need_gs, needs.lora_B)
-    del B_ms
-    if dB is not None:
-        grads = grads._replace(lora_B=(dB.mul_(low.ms[:, None])).to(lora_dtype))
-    if needs.lora_A:
-        assert gs is not None
-        if a_grad_terms is not None:
-            a_grad_terms.append((index, gs))
-        else:
-            (dA,) = lora_a_grads(x2, low.z.dtype, [gs], [low.mask], [settings], [lora_dtype])
-            grads = grads._replace(lora_A=dA)
-    if need_dx:
-        assert gs is not None and low.mask is not None
-        w = dense(weight)
-        dx = torch.mm(dy, w) if dx is None else dx.addmm_(dy, w)
-        w_ms1 = torch.mul(w, (low.ms - 1)[:, None], out=torch.empty_like(w))  # fp32 product, rounded once to c
-        del w
-        f = 1.0 / (1.0 - p)
-        if masked_grad_applies(dy, w_ms1, gs, low.A_c, low.mask, dx):  # the masked sum in dy ((ms - 1) W)'s epilogue
-            base_and_masked_lora_grad(dy, w_ms1, gs, low.A_c, low.mask, f, mask_base=True, out=dx)
-        else:
-            add_masked_low_rank_(dx, gs, low.A_c, low.mask, f, addend=torch.mm(dy, w_ms1))
     return grads, dx
 
 
