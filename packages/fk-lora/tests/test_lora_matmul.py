@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fk.core import testing
-from fk.core.backend import uses_kernel
+from fk.core.backend import KernelPath, uses_kernel
 from fk.core.testing import dtype_name
 from fk.lora import lora_matmul, projection
 from fk.lora.lora_matmul import (
@@ -236,6 +236,33 @@ def test_masked_grad_applies_only_where_it_can(device: str) -> None:
     for why, (m, out) in refused.items():
         assert not masked_grad_applies(dy, weight, scaled_g, lora_a, m, out), why
     assert not masked_grad_applies(dy.float(), weight.float(), scaled_g.float(), lora_a.float(), mask), "fp32"
+
+
+def test_tma_gemm_runs_on_hopper_with_enough_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The GPU branch on any machine: the path, the capability and the SM count patched (an H100 or
+    # H200 has 132 SMs: 99 tiles of MIN_TILES_PER_SM = 0.75 an SM needed).
+    a = torch.empty(12800, 64, dtype=torch.bfloat16)
+    tile = (128, 256, 64)
+    monkeypatch.setattr(lora_matmul, "HAS_TENSOR_DESCRIPTORS", True)
+    monkeypatch.setattr(lora_matmul, "kernel_path", lambda t: KernelPath.TRITON)
+    monkeypatch.setattr(lora_matmul, "multiprocessor_count", lambda device: 132)
+    capability = [(9, 0)]
+    monkeypatch.setattr(lora_matmul.torch.cuda, "get_device_capability", lambda device: capability[0])
+    assert lora_matmul.tma_gemm_runs(a, 256, tile)  # 100 tiles
+    assert not lora_matmul.tma_gemm_runs(a[:12288], 256, tile)  # 96
+    assert lora_matmul.tma_gemm_runs(a[:6400], 512, tile)  # 50 x 2
+    assert lora_matmul.tma_gemm_runs(a[:1024], 4096, (128, 128, 64))  # 8 x 32
+    for other in ((8, 0), (10, 0)):
+        capability[0] = other
+        assert not lora_matmul.tma_gemm_runs(a, 256, tile), other
+    capability[0] = (9, 0)
+    monkeypatch.setattr(lora_matmul, "HAS_TENSOR_DESCRIPTORS", False)
+    assert not lora_matmul.tma_gemm_runs(a, 256, tile)
+    monkeypatch.setattr(lora_matmul, "HAS_TENSOR_DESCRIPTORS", True)
+    monkeypatch.setattr(lora_matmul, "kernel_path", lambda t: KernelPath.INTERPRETER)
+    assert lora_matmul.tma_gemm_runs(a[:1], 8, tile)  # any size in the interpreter
+    monkeypatch.setattr(lora_matmul, "kernel_path", lambda t: KernelPath.REFERENCE)
+    assert not lora_matmul.tma_gemm_runs(a, 256, tile)
 
 
 def test_applies_only_where_it_can(device: str) -> None:

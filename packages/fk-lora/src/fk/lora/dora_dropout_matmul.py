@@ -34,10 +34,9 @@ import torch
 import triton
 import triton.language as tl
 
-from fk.core.backend import KernelPath, kernel_path
 from fk.core.launch import dot_size, multiprocessor_count
 from fk.core.tiles import exact_dot_add, grouped_tile_offsets, round_to
-from fk.lora.lora_matmul import GROUP_M, HAS_TENSOR_DESCRIPTORS, MIN_TILES_PER_SM, rank_by_tma, tma_ready
+from fk.lora.lora_matmul import GROUP_M, rank_by_tma, tma_gemm_runs, tma_ready
 
 TILE = (128, 128, 64)
 """(BLOCK_M, BLOCK_N, BLOCK_K): two ``[128, 128]`` fp32 accumulators hold as many registers as
@@ -113,18 +112,11 @@ def dora_dropout_out_applies(
     rows, row strides and starts 16-byte aligned), ``N`` a multiple of 8, ``xa`` ``[M, r]`` and ``B``
     ``[N, r]`` in that dtype and readable as :func:`fk.lora.lora_matmul.rank_by_tma` says (``r``
     padded to at most its ``TMA_RANK_MAX``), ``ms`` ``[N]`` fp32 and ``b`` ``[N]`` contiguous, ``s``
-    not 0; on a CUDA device of compute capability 9 (Hopper, where it was measured) with at least
-    ``MIN_TILES_PER_SM`` output tiles an SM, or in Triton's interpreter (any size); with Triton 3.4
-    or later; not while ``torch.compile`` traces."""
-    path = kernel_path(x)
-    if path is KernelPath.REFERENCE or not HAS_TENSOR_DESCRIPTORS or torch.compiler.is_compiling():
-        return False
+    not 0; where :func:`fk.lora.lora_matmul.tma_gemm_runs` at :data:`TILE` (Triton's interpreter, or
+    a Hopper GPU with enough output tiles)."""
     n_rows, n_cols = x.shape[0], weight.shape[0]
-    if path is KernelPath.TRITON:
-        if torch.cuda.get_device_capability(x.device)[0] != 9:
-            return False
-        if triton.cdiv(n_rows, TILE[0]) * triton.cdiv(n_cols, TILE[1]) < MIN_TILES_PER_SM * multiprocessor_count(x.device):  # fmt: skip
-            return False
+    if not tma_gemm_runs(x, n_cols, TILE):
+        return False
     if x.dtype not in (torch.float16, torch.bfloat16) or x.dim() != 2 or n_rows == 0 or n_cols % 8 != 0:
         return False
     if any(t.dtype != x.dtype for t in (dropped, weight, xa, lora_b)) or dropped.shape != x.shape or scaling == 0:

@@ -239,20 +239,32 @@ def tma_ready(t: torch.Tensor) -> bool:
     return t.stride(1) == 1 and t.stride(0) % alignment == 0 and t.data_ptr() % 16 == 0
 
 
-def _applies(a: torch.Tensor, weight: torch.Tensor, n_cols: int, u: torch.Tensor, small: tuple[torch.Tensor, ...],
-             scaling: float) -> bool:  # fmt: skip
-    """The checks of :func:`fused_applies` and :func:`fused_grad_applies`: ``a`` the activation
-    ``[M, inner]``, ``n_cols`` the output's columns, ``u`` ``[M, r]``, ``small`` the rank-sized
-    operands and the bias."""
+def tma_gemm_runs(a: torch.Tensor, n_cols: int, tile: tuple[int, int, int]) -> bool:
+    """Whether one of fk-lora's persistent TMA GEMMs (this module's, :mod:`fk.lora.dora_dropout_matmul`'s)
+    runs for the activation ``a`` ``[M, inner]`` and ``n_cols`` output columns at ``tile``: in Triton's
+    interpreter (any size), or on a CUDA device of compute capability 9 (Hopper, where they were
+    measured) with at least :data:`MIN_TILES_PER_SM` output tiles an SM; with Triton 3.4 or later
+    (:data:`HAS_TENSOR_DESCRIPTORS`); not while ``torch.compile`` traces. The operands' own
+    conditions are each kernel's."""
     path = kernel_path(a)
     if path is KernelPath.REFERENCE or not HAS_TENSOR_DESCRIPTORS or torch.compiler.is_compiling():
         return False
     if path is KernelPath.TRITON:
         if torch.cuda.get_device_capability(a.device)[0] != 9:
             return False
-        tiles = triton.cdiv(a.shape[0], TILE[0]) * triton.cdiv(n_cols, TILE[1])
+        tiles = triton.cdiv(a.shape[0], tile[0]) * triton.cdiv(n_cols, tile[1])
         if tiles < MIN_TILES_PER_SM * multiprocessor_count(a.device):
             return False
+    return True
+
+
+def _applies(a: torch.Tensor, weight: torch.Tensor, n_cols: int, u: torch.Tensor, small: tuple[torch.Tensor, ...],
+             scaling: float) -> bool:  # fmt: skip
+    """The checks of :func:`fused_applies` and :func:`fused_grad_applies`: ``a`` the activation
+    ``[M, inner]``, ``n_cols`` the output's columns, ``u`` ``[M, r]``, ``small`` the rank-sized
+    operands and the bias."""
+    if not tma_gemm_runs(a, n_cols, TILE):
+        return False
     if a.dtype not in (torch.float16, torch.bfloat16) or weight.dtype != a.dtype or a.dim() != 2:
         return False
     if a.shape[0] == 0 or n_cols % 8 != 0 or not 0 < u.shape[1] <= MAX_RANK or scaling == 0:
