@@ -23,6 +23,7 @@ import argparse
 import torch
 import triton
 import triton.language as tl
+from launch_sweep import sweep
 
 from fk.core import bench
 from fk.core.launch import dot_size, multiprocessor_count
@@ -137,34 +138,15 @@ def check(device: str) -> None:
 def timings() -> None:
     for m, i, k in SHAPES:
         t = _operands(m, i, k, "cuda", torch.bfloat16)
-        flops = 2 * 2 * m * i * k
         print(f"== {m} tokens, gate and up {i} x {k}, r = {R}", flush=True)
-
-        def row(case: str, t_ms: float, base_ms: float | None = None) -> None:
-            against = f"  ({t_ms / base_ms:.3f}x fk's path)" if base_ms else ""
-            print(f"  {case:36s} {t_ms * 1e3:8.1f} us {flops / t_ms / 1e9:6.0f} TFLOP/s{against}", flush=True)  # noqa: B023
-
-        products_ms = bench.time_ms(lambda: (t[0] @ t[1].t(), t[0] @ t[2].t()), gpu_only=True)  # noqa: B023
-        row("cuBLAS: the two base products alone", products_ms)
-        fk_ms = bench.time_ms(lambda: fk_path(*t), gpu_only=True)  # noqa: B023
-        row("fk's path (2 lora_matmul + pass)", fk_ms)
-        reference = fk_path(*t)
-        best = None
-        for launch in LAUNCHES:
-            tile, stages, warps = launch
-            kwargs = {"tile": tile, "num_stages": stages, "num_warps": warps}
-            try:
-                got = gate_up_act(*t, **kwargs)
-            except triton.runtime.errors.OutOfResources as error:
-                print(f"  {launch!s:36s} {type(error).__name__}", flush=True)
-                continue
-            _check(got, reference, str(launch))
-            t_ms = bench.time_ms(lambda: gate_up_act(*t, **kwargs), gpu_only=True)  # noqa: B023
-            row(str(launch), t_ms, fk_ms)
-            if best is None or t_ms < best[0]:
-                best = (t_ms, launch)
-        if best is not None:
-            row(f"best {best[1]}", best[0], fk_ms)
+        sweep(
+            2 * 2 * m * i * k,
+            ("cuBLAS: the two base products alone", lambda: (t[0] @ t[1].t(), t[0] @ t[2].t())),  # noqa: B023
+            ("fk's path (2 lora_matmul + pass)", lambda: fk_path(*t)),  # noqa: B023
+            LAUNCHES,
+            lambda **launch: gate_up_act(*t, **launch),  # noqa: B023
+            _check,
+        )
 
 
 def main() -> None:

@@ -22,6 +22,7 @@ import argparse
 import torch
 import triton
 import triton.language as tl
+from launch_sweep import sweep
 
 from fk.core import bench
 from fk.core.launch import dot_size, multiprocessor_count
@@ -135,33 +136,15 @@ def check(device: str) -> None:
 def timings() -> None:
     for m, hidden, inter in SHAPES:
         t = _operands(m, hidden, inter, "cuda", torch.bfloat16)
-        flops = 2 * m * hidden * inter
         print(f"== {m} tokens, dh = dy Wd: Wd {hidden} x {inter}, r = {R}", flush=True)
-
-        def row(case: str, t_ms: float, base_ms: float | None = None) -> None:
-            against = f"  ({t_ms / base_ms:.3f}x fk's path)" if base_ms else ""
-            print(f"  {case:36s} {t_ms * 1e3:8.1f} us {flops / t_ms / 1e9:6.0f} TFLOP/s{against}", flush=True)  # noqa: B023
-
-        row("cuBLAS: dy Wd alone", bench.time_ms(lambda: t[0] @ t[1], gpu_only=True))  # noqa: B023
-        fk_ms = bench.time_ms(lambda: fk_path(*t), gpu_only=True)  # noqa: B023
-        row("fk's path (lora_matmul + pass)", fk_ms)
-        reference = fk_path(*t)
-        best = None
-        for launch in LAUNCHES:
-            tile, stages, warps = launch
-            kwargs = {"tile": tile, "num_stages": stages, "num_warps": warps}
-            try:
-                got = glu_grad(*t, **kwargs)
-            except triton.runtime.errors.OutOfResources as error:
-                print(f"  {launch!s:36s} {type(error).__name__}", flush=True)
-                continue
-            _check(got, reference, str(launch))
-            t_ms = bench.time_ms(lambda: glu_grad(*t, **kwargs), gpu_only=True)  # noqa: B023
-            row(str(launch), t_ms, fk_ms)
-            if best is None or t_ms < best[0]:
-                best = (t_ms, launch)
-        if best is not None:
-            row(f"best {best[1]}", best[0], fk_ms)
+        sweep(
+            2 * m * hidden * inter,
+            ("cuBLAS: dy Wd alone", lambda: t[0] @ t[1]),  # noqa: B023
+            ("fk's path (lora_matmul + pass)", lambda: fk_path(*t)),  # noqa: B023
+            LAUNCHES,
+            lambda **launch: glu_grad(*t, **launch),  # noqa: B023
+            _check,
+        )
 
 
 def main() -> None:
