@@ -26,7 +26,7 @@ import triton.language as tl
 from launch_sweep import sweep
 
 from fk.core import bench
-from fk.core.launch import dot_size, multiprocessor_count
+from fk.core.launch import cdiv, dot_size, persistent_grid
 from fk.core.tiles import exact_dot_add, grouped_tile_offsets, round_to
 from fk.glu import activation_and_derivative, activation_code, gated_act_forward
 from fk.lora.lora_matmul import GROUP_M
@@ -86,7 +86,7 @@ def gate_up_act(x, wg, wu, xa_g, b_g, xa_u, b_u, *, tile=(128, 128, 64), num_sta
     block_m, block_n, block_k = tile
     block_rank = dot_size(xa_g.shape[1])
     gate, up, h = (torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device) for _ in range(3))
-    programs = min(multiprocessor_count(x.device), triton.cdiv(n_rows, block_m) * triton.cdiv(n_cols, block_n))
+    programs = persistent_grid(cdiv(n_rows, block_m) * cdiv(n_cols, block_n), x.device)
 
     def desc(t: torch.Tensor, block: list[int]):  # type: ignore[no-untyped-def]
         return TensorDescriptor.from_tensor(t, block)

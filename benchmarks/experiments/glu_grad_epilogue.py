@@ -25,7 +25,7 @@ import triton.language as tl
 from launch_sweep import sweep
 
 from fk.core import bench
-from fk.core.launch import dot_size, multiprocessor_count
+from fk.core.launch import cdiv, dot_size, persistent_grid
 from fk.core.tiles import exact_dot_add, grouped_tile_offsets, round_to
 from fk.glu import activation_and_derivative, activation_code, gated_act_backward_with_value
 from fk.lora.lora_matmul import GROUP_M, base_and_lora_grad, fused_grad_applies
@@ -80,7 +80,7 @@ def glu_grad(dy, wd, sg, lora_a, gate, up, *, tile=(128, 128, 64), num_stages=3,
     block_m, block_n, block_k = tile
     block_rank = dot_size(sg.shape[1])
     dgate, dup, h = (torch.empty_like(gate) for _ in range(3))
-    programs = min(multiprocessor_count(dy.device), triton.cdiv(n_rows, block_m) * triton.cdiv(n_cols, block_n))
+    programs = persistent_grid(cdiv(n_rows, block_m) * cdiv(n_cols, block_n), dy.device)
 
     def desc(t: torch.Tensor, block: list[int]):  # type: ignore[no-untyped-def]
         return TensorDescriptor.from_tensor(t, block)

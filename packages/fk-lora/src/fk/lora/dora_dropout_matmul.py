@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fk.core.launch import dot_size, multiprocessor_count
+from fk.core.launch import cdiv, dot_size, persistent_grid
 from fk.core.tiles import exact_dot_add, grouped_tile_offsets, round_to
 from fk.lora.lora_matmul import GROUP_M, rank_by_tma, tma_gemm_runs, tma_ready
 
@@ -155,7 +155,7 @@ def dora_dropout_out(
     block_rank = dot_size(xa.shape[1])
     y = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
     z = torch.empty_like(y)
-    programs = min(multiprocessor_count(x.device), triton.cdiv(n_rows, block_m) * triton.cdiv(n_cols, block_n))
+    programs = persistent_grid(cdiv(n_rows, block_m) * cdiv(n_cols, block_n), x.device)
     _dora_dropout_out_kernel[(programs,)](
         TensorDescriptor.from_tensor(x, [block_m, block_k]), TensorDescriptor.from_tensor(dropped, [block_m, block_k]),
         TensorDescriptor.from_tensor(weight, [block_n, block_k]), TensorDescriptor.from_tensor(xa, [block_m, block_rank]),

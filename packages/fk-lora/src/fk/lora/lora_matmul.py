@@ -53,7 +53,7 @@ import triton
 import triton.language as tl
 
 from fk.core.backend import KernelPath, kernel_path
-from fk.core.launch import dot_size, multiprocessor_count
+from fk.core.launch import cdiv, dot_size, multiprocessor_count, persistent_grid
 from fk.core.tiles import exact_dot, exact_dot_add, grouped_tile_offsets, round_to
 
 MAX_RANK = 128
@@ -252,7 +252,7 @@ def tma_gemm_runs(a: torch.Tensor, n_cols: int, tile: tuple[int, int, int]) -> b
     if path is KernelPath.TRITON:
         if torch.cuda.get_device_capability(a.device)[0] != 9:
             return False
-        tiles = triton.cdiv(a.shape[0], tile[0]) * triton.cdiv(n_cols, tile[1])
+        tiles = cdiv(a.shape[0], tile[0]) * cdiv(n_cols, tile[1])
         if tiles < MIN_TILES_PER_SM * multiprocessor_count(a.device):
             return False
     return True
@@ -366,7 +366,7 @@ def _launch(a: torch.Tensor, weight: torch.Tensor, w_transposed: bool, bias: tor
     by_tma = masked is None and rank_by_tma(u, v)
     w_block = [block_n, block_k] if w_transposed else [block_k, block_n]
     out_block = [block_m, block_n if masked is None and not by_tma else block_n // 2]
-    programs = min(multiprocessor_count(a.device), triton.cdiv(n_rows, block_m) * triton.cdiv(n_cols, block_n))
+    programs = persistent_grid(cdiv(n_rows, block_m) * cdiv(n_cols, block_n), a.device)
     mask = out if masked is None else masked.mask
     u_desc = v_desc = None
     if by_tma:
