@@ -129,10 +129,6 @@ def dora_ref(
 #   dW     = dy^T x2 + f dy_ms1^T (x2 * m)
 #   dx     = dy W + f (dy_ms1 W + s G A) * m    (the masked sum in dy_ms1 W's GEMM: lora_matmul, mask_base;
 #                                                 else one pass: masked_low_rank, addend)
-# With dropout and a frozen W (no dW, which needs dy_ms itself) ms goes into B instead, so that dy_ms
-# is not written (dy_ms1 still is, for dx):
-#   s G    = s dy (ms B)                        (ms B: [N, r], rounded once to c)
-#   dB     = ms (s dy^T xa)                     row by row, the product in fp32, rounded once
 # Under autocast DoRA is not fused (fk.lora.patch leaves it to PEFT; the functions refuse it).
 #
 # A 4-bit (QLoRA) W (fk.lora.quantized_base.QuantizedBase; frozen, so no dW) is dequantized whole in
@@ -274,27 +270,19 @@ def _dora_bwd(
     lora_dtype = dtypes[0]
     scaling, p, dropout_dtype = settings
     f = 1.0 if low.mask is None else 1.0 / (1.0 - p)
-    fold_ms = terms is None and low.mask is not None and not needs.weight  # ms into B (equations above)
     if terms is None:  # dmag, db, dy_ms and (dropout) dy_ms1 in one pass over dy, each only where needed
         assert dy is not None
-        want_ms, want_ms1 = _wants(low, needs, need_dx)
         terms = dora_grad_terms(
-            dy, low.z, low.ms, low.norm, _grad_dtypes(weight, dtypes, needs), (want_ms and not fold_ms, want_ms1)
+            dy, low.z, low.ms, low.norm, _grad_dtypes(weight, dtypes, needs), _wants(low, needs, need_dx)
         )
     c = low.z.dtype
     grads = _DoRAGrads(bias=terms.bias, magnitude=terms.magnitude)
     dy_ms, dy_ms1 = terms.dy_ms, terms.dy_ms1
-    gs = dB = None
-    need_gs = need_dx or needs.lora_A
-    if fold_ms and (need_gs or needs.lora_B):
-        assert dy is not None
-        B_ms = torch.mul(low.B_c, low.ms[:, None], out=torch.empty_like(low.B_c))  # fp32 product, rounded once to c
-        gs, dB32 = lora_b_grads(dy, B_ms, low.xa, scaling, torch.float32, need_gs, needs.lora_B)
-        dB = None if dB32 is None else dB32.mul_(low.ms[:, None]).to(lora_dtype)
-    elif dy_ms is None and dy_ms1 is None:  # only mag or b needs a gradient
+    if dy_ms is None and dy_ms1 is None:  # only mag or b needs a gradient
         return grads, dx
-    elif dy_ms is not None:
-        gs, dB = lora_b_grads(dy_ms, low.B_c, low.xa, scaling, lora_dtype, need_gs, needs.lora_B)
+    gs = dB = None
+    if dy_ms is not None:
+        gs, dB = lora_b_grads(dy_ms, low.B_c, low.xa, scaling, lora_dtype, need_dx or needs.lora_A, needs.lora_B)
     if needs.lora_B:
         assert dB is not None
         grads = grads._replace(lora_B=dB)
