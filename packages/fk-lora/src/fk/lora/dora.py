@@ -5,7 +5,7 @@
 :func:`fk.lora.lora_mlp` take DoRA's magnitude (``LoRAWeights.magnitude``) and call the launchers
 here: :class:`DoRAProjections` (projections of one input, one ``dx``) and :class:`DoRAMLP` (a gated
 MLP with DoRA on all three projections). They are built from the parts plain LoRA's launchers are
-built from (:mod:`fk.lora.projection`), and take a 4-bit (QLoRA) base as plain LoRA's do
+built from (:mod:`fk.lora.projection`), and take a 4-bit (QLoRA) or int8 base as plain LoRA's do
 (:mod:`fk.lora.quantized_base`: dequantized where needed, never saved).
 
 This file holds, in order: the reference (:func:`dora_ref`, the DoRA half of
@@ -42,6 +42,7 @@ from fk.lora.lora_matmul import (
 from fk.lora.masked_low_rank import add_masked_low_rank_
 from fk.lora.projection import (
     Settings,
+    add_lora_out,
     backward_without_autocast,
     base_out,
     from_flat,
@@ -137,13 +138,20 @@ def dora_ref(
 # cast to c for x2 W^T and, with dropout, zd, and dropped before the next projection's. The backward
 # dequantizes it again to c where dx needs it (dy_ms W; with dropout dy W and dy_ms1 W from one
 # dequantized W), and drops it. Only the packed data is kept between forward and backward.
+#
+# An int8 (LLM.int8()) base, as PEFT's DoRA on bitsandbytes' Linear8bitLt computes it: the base
+# output is the layer's own product (bias included, fk.lora.lora's int8 notes), so x2 W^T above is
+# that output less b: without dropout z = (layer(x2) - b) + lr; with dropout y = layer(x2) + (ms - 1)
+# zd + ms lr. W (the int8 weight dequantized to c, as PEFT's DoRA takes it) gives the norm, zd and
+# the backward's dx; the backward is the one above (bitsandbytes' own backward of the base product
+# is dy W with that W).
 
 
 class DoRAParams(NamedTuple):
     """One DoRA projection's tensors, as :class:`DoRAProjections` takes them (flat, five a projection)."""
 
     weight: Any
-    """``W`` ``[N, K]``: a tensor, or a frozen 4-bit :class:`fk.lora.quantized_base.QuantizedBase`."""
+    """``W`` ``[N, K]``: a tensor, or a frozen 4-bit or int8 :class:`fk.lora.quantized_base.QuantizedBase`."""
     bias: torch.Tensor | None
     """``b`` ``[N]``."""
     lora_A: torch.Tensor
@@ -206,20 +214,29 @@ def _dora_fwd(
     c = x2.dtype
     scaling, p, dropout_dtype = settings
     weight = params.weight
-    if isinstance(weight, QuantizedBase):  # W in bitsandbytes' dtype for the norm (PEFT's), then in c
-        weight = weight.dense(own_dtype=True)
+    int8 = weight if isinstance(weight, QuantizedBase) and weight.product is not None else None
+    if isinstance(weight, QuantizedBase):  # 4-bit: W in bitsandbytes' dtype for the norm (PEFT's), then in c;
+        weight = weight.dense(own_dtype=True)  # int8: in c (PEFT's DoRA casts it to the input's dtype)
     norm = dora_weight_norm(weight, params.lora_A, params.lora_B, scaling, dropout_dtype)
     if weight.dtype != c:  # (a 4-bit W only: a dense one has c; the uncast W is dropped here)
         weight = weight.to(c)
     ms = params.magnitude.detach().float() / norm
     B_c = params.lora_B.to(c)
     if mask is None:
-        z = lora_and_base_out(x2, weight, None, xa, B_c, None, scaling)
+        if int8 is None:
+            z = lora_and_base_out(x2, weight, None, xa, B_c, None, scaling)
+        else:  # the layer's own product less its bias (PEFT's base_result), lr added into it
+            base = int8.layer_output(x2)
+            z = add_lora_out(base if params.bias is None else base.sub_(params.bias), xa, B_c, None, scaling)
         del weight  # (a dequantized W is dropped before the next projection's)
         y = dora_scaled_output(z, ms, params.bias) if want_output else None
         return y, _DoRALowRank(xa, mask, A_c, B_c, z, ms, norm)
     f = 1.0 / (1.0 - p)
-    if dropped is not None and dora_dropout_out_applies(x2, dropped, weight, xa, B_c, scaling, ms, params.bias):
+    if (
+        int8 is None
+        and dropped is not None
+        and dora_dropout_out_applies(x2, dropped, weight, xa, B_c, scaling, ms, params.bias)
+    ):
         y, z = dora_dropout_out(x2, dropped, weight, xa, B_c, scaling, ms, params.bias)  # one GEMM for both
         return y, _DoRALowRank(xa, mask, A_c, B_c, z, ms, norm)
     if dropped is not None and dropped.dtype == c:  # the dropout's own output, PEFT's operand
@@ -227,9 +244,12 @@ def _dora_fwd(
     else:
         zd = scaled_mm(kept_input(x2, mask, dropout_dtype, c), weight.t(), f, c)
     del dropped
-    base = base_out(x2, weight, None)
+    if int8 is None:
+        base, bias = base_out(x2, weight, None), params.bias
+    else:  # the layer's own product, its bias in it already
+        base, bias = int8.layer_output(x2), None
     del weight
-    y, z = dora_dropout_output(base, zd, LowRank(xa, B_c, scaling), ms, params.bias)
+    y, z = dora_dropout_output(base, zd, LowRank(xa, B_c, scaling), ms, bias)
     return y, _DoRALowRank(xa, mask, A_c, B_c, z, ms, norm)
 
 

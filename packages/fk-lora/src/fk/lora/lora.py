@@ -253,8 +253,8 @@ def lora_mlp_ref(
 # backward forms CB * (SCB / 127): in fp32 the two differ by an ulp at most, so after the rounding
 # to x's dtype a weight element differs, rarely, by one rounding of that dtype.) The MLP's down
 # projection on an int8 base is computed on all rows at once (its outlier columns are found over
-# all rows, as PEFT's call finds them), never in row chunks. DoRA and autocast on int8 bases are
-# refused (fk.lora.patch leaves them to PEFT).
+# all rows, as PEFT's call finds them), never in row chunks. Autocast on int8 bases is refused
+# (fk.lora.patch leaves it to PEFT); DoRA on them is fk.lora.dora's.
 
 
 class _Params(NamedTuple):
@@ -314,15 +314,9 @@ def _projection_out(xc: torch.Tensor, proj: _Params, low: _LowRank, scaling: flo
     ``W`` dequantized for it and dropped after), or, for an int8 base, its layer's own product (bias
     included), checked for its shape and dtype, with the rank-sized product added after it."""
     weight = proj.weight
-    product = weight.product if isinstance(weight, QuantizedBase) else None
-    if product is None:
-        return lora_and_base_out(xc, dense(weight), proj.bias, low.xa, low.B_c, proj.lora_bias, scaling)
-    y = product(xc)
-    want = (xc.shape[0], weight.shape[0])
-    if not isinstance(y, torch.Tensor) or tuple(y.shape) != want or y.dtype != xc.dtype:
-        got = f"{tuple(y.shape)} {y.dtype}" if isinstance(y, torch.Tensor) else type(y).__name__
-        raise ValueError(f"the int8 base's product must return {want} in {xc.dtype}, got {got}")
-    return add_lora_out(y, low.xa, low.B_c, proj.lora_bias, scaling)
+    if isinstance(weight, QuantizedBase) and weight.product is not None:
+        return add_lora_out(weight.layer_output(xc), low.xa, low.B_c, proj.lora_bias, scaling)
+    return lora_and_base_out(xc, dense(weight), proj.bias, low.xa, low.B_c, proj.lora_bias, scaling)
 
 
 def _outputs_and_lows(
@@ -823,7 +817,7 @@ def _check_parts(
     magnitude = rest[2] if len(rest) > 2 else None
     names = [f"{prefix}{n}" for n in ("weight", "bias", "lora_A", "lora_B", "scaling", "dropout_p", "lora_bias", "magnitude")]  # fmt: skip
     if isinstance(weight, (QuantizedWeight, Int8Base)):
-        weight = _quantized_base(names[0], x, weight, cast, magnitude is not None)
+        weight = _quantized_base(names[0], x, weight, cast)
     tensors = ((names[2], lora_A), (names[3], lora_B))
     for name, t in tensors if isinstance(weight, QuantizedBase) else ((names[0], weight), *tensors):
         validate.check_tensor(name, t)
@@ -855,7 +849,7 @@ def _check_parts(
 
 
 def _quantized_base(
-    name: str, x: torch.Tensor, q: QuantizedWeight | Int8Base, cast: torch.dtype | None, dora: bool
+    name: str, x: torch.Tensor, q: QuantizedWeight | Int8Base, cast: torch.dtype | None
 ) -> QuantizedBase:
     """A 4-bit base weight, or an int8 base layer, checked against ``x``, for the compute dtype ``c``:
     autocast's, else ``x``'s (int8: ``x``'s, outside autocast only)."""
@@ -866,8 +860,6 @@ def _quantized_base(
             f"{name} is a {weight.quant_type} QuantizedWeight; fk.lora fuses 4-bit (nf4, fp4) weights, "
             "and int8 bases as an Int8Base (the weight with its layer's product)"
         )
-    if dora and int8:
-        raise ValueError(f"{name} is an Int8Base: DoRA on an int8 base is not fused")
     if int8 and cast is not None:
         raise ValueError(f"{name} is an Int8Base: int8 bases are fused outside torch.autocast only")
     validate.check_same_device(f"{name}.data", weight.data, "x", x)

@@ -32,9 +32,8 @@ QLoRA: a ``lora.Linear`` (PEFT's ``lora.bnb.Linear4bit``) on a bitsandbytes 4-bi
 alone, in a q/k/v group, and in a gated MLP (any of gate, up and down 4-bit), plain LoRA and DoRA
 (grouped as above). PEFT's ``lora.bnb.Linear8bitLt`` (or a ``lora.Linear``) on a bitsandbytes
 LLM.int8() ``Linear8bitLt`` base with ``has_fp16_weights=False`` is fused in the same places, plain
-LoRA only: the layer's own product gives the base output (:class:`fk.lora.quant.Int8Base`); a
-``Linear8bitLt`` with ``has_fp16_weights=True``, or not quantized yet, and DoRA on an int8 base are
-left to PEFT.
+LoRA and DoRA: the layer's own product gives the base output (:class:`fk.lora.quant.Int8Base`); a
+``Linear8bitLt`` with ``has_fp16_weights=True``, or not quantized yet, is left to PEFT.
 
 At every call the patched forward checks that the module is still plain LoRA or DoRA (and, for a
 fused MLP, that no hooks are registered on its projections, which the fused call would skip: PEFT's
@@ -42,14 +41,14 @@ mixed-batch ``adapter_names`` arrive through such hooks): one active adapter,
 not merged, adapters enabled, no LoRA variant but DoRA, DoRA outside autocast (with its dropout
 module in its layer's training mode), a ``torch.nn.Linear`` base layer
 or a bitsandbytes 4-bit ``Linear4bit`` one (plain LoRA or DoRA, outside autocast, the input in its
-``compute_dtype``) or int8 ``Linear8bitLt`` one (plain LoRA, outside autocast, its bias in the
-input's dtype), base and LoRA weights in fp32, fp16 or bf16, the base weight
+``compute_dtype``) or int8 ``Linear8bitLt`` one (plain LoRA or DoRA, outside autocast, its bias in
+the input's dtype), base and LoRA weights in fp32, fp16 or bf16, the base weight
 in the input's dtype (any of those under autocast, which casts every operand, as fk.lora's
 functions then do), and PEFT's input dtype
 casting enabled where the LoRA weights' dtype is not the input's. Otherwise
 it runs PEFT's own forward, and says so once per module and reason on the ``fk.lora`` logger.
-Modules that can never take the fused path (other quantized or custom layers, DoRA on an int8 base,
-LoRA variants other than DoRA at patch time) are left alone and reported as skipped.
+Modules that can never take the fused path (other quantized or custom layers, LoRA variants other
+than DoRA at patch time) are left alone and reported as skipped.
 
 This module imports ``peft`` (only when :func:`patch` is called); the rest of fk.lora does not.
 """
@@ -208,8 +207,6 @@ def _static_reason(module: Any, lora_linear_cls: type) -> str | None:
     others = _other_variants(module)
     if others:
         return f"LoRA variant {', '.join(others)} (fk.lora fuses plain LoRA and DoRA)"
-    if int8 and _has_dora(module):
-        return _INT8_DORA
     return None
 
 
@@ -288,10 +285,6 @@ def _call_parts(module: Any, x: Any) -> LoRAWeights | str:
     )  # fmt: skip
 
 
-_INT8_DORA = "DoRA on an int8 base (fk.lora fuses plain LoRA on int8 bases)"
-"""Why a DoRA layer on a bitsandbytes int8 base is left to PEFT (at patch time and at a call)."""
-
-
 def _dora_magnitude(module: Any, name: str) -> torch.Tensor | str:
     """Adapter ``name``'s DoRA magnitude vector, or why fk cannot take it."""
     magnitude = module._modules["lora_magnitude_vector"]._modules[name]._parameters["weight"]
@@ -315,14 +308,13 @@ def _quantized_parts(
     bitsandbytes' own dtype, as PEFT's ``dequantize_module_weight`` gives it: fk.lora.dora).
 
     int8 (``lora.bnb.Linear8bitLt``): the layer as an :class:`fk.lora.quant.Int8Base` (its own
-    product for the base output; its weight, read at every call, for ``dx``), any float input. Its
+    product for the base output; its weight, read at every call, for ``dx`` and, DoRA, for its norm
+    and its product on the dropped input, as PEFT's ``dequantize_module_weight`` gives it), any float input. Its
     bias must have the input's dtype: ``Linear8bitLt.forward`` casts it in place otherwise, which
     PEFT's forward then does for this call (and the next call is fused)."""
     what = "int8" if int8 else "4-bit"
     if torch.is_autocast_enabled(x.device.type):
         return f"{what} base under autocast (fk.lora fuses {what} bases outside autocast)"
-    if int8 and dora:
-        return _INT8_DORA
     magnitude = _dora_magnitude(module, name) if dora else None
     if isinstance(magnitude, str):
         return magnitude

@@ -56,6 +56,17 @@ class QuantizedBase:
         self.q = q.weight if isinstance(q, Int8Base) else q
         self.dtype, self.shape = dtype, torch.Size(self.q.shape)
 
+    def layer_output(self, xc: torch.Tensor) -> torch.Tensor:
+        """An int8 base's own product of ``xc`` ``[M, K]`` (its layer's output, bias included), checked:
+        ``[M, N]`` in ``xc``'s dtype, else a ``ValueError``."""
+        assert self.product is not None, "a 4-bit base has no product of its own"
+        y = self.product(xc)
+        want = (xc.shape[0], self.shape[0])
+        if not isinstance(y, torch.Tensor) or tuple(y.shape) != want or y.dtype != xc.dtype:
+            got = f"{tuple(y.shape)} {y.dtype}" if isinstance(y, torch.Tensor) else type(y).__name__
+            raise ValueError(f"the int8 base's product must return {want} in {xc.dtype}, got {got}")
+        return y
+
     def dense(self, own_dtype: bool = False) -> torch.Tensor:
         """``W`` in ``c``. 4-bit: dequantized to bitsandbytes' own dtype (``QuantState.dtype``),
         then cast, as bitsandbytes' 4-bit matmul does (``dequantize_4bit(...).to(A.dtype)``); with
