@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fk.core import testing
 from fk.lora import torch_dropout
 from fk.lora.torch_dropout import Draw, keep_mask, keep_ref, keep_threshold, philox_ref, reserve
 
@@ -136,3 +137,18 @@ def test_replicates_puts_the_generator_back(device: str) -> None:
     before = generator.get_offset()
     assert torch_dropout.replicates(torch.device("cuda", torch.cuda.current_device()), torch.bfloat16) in (4, 8)
     assert generator.get_offset() == before
+
+
+@pytest.mark.parametrize(
+    "specialized", [{}, {"seed": 1}, {"seed": 1, "counter": 1}], ids=["none", "seed", "seed_counter"]
+)
+def test_mask_kernel_compiles_with_arguments_of_one(specialized: dict[str, int]) -> None:
+    """Triton passes an integer argument equal to 1 as a constant (a Python int in the kernel): a seed
+    of 1 (``torch.manual_seed(1)``) once failed to compile on a GPU (``seed.to``). Compiled for sm_90
+    on the CPU with those arguments specialized so."""
+    signature = {"out_ptr": "*i1", "seed": "i64", "counter": "i64", "threads": "i32", "threshold": "i64",
+                 "n_groups": "i32", "VEC": "", "BLOCK": ""}  # fmt: skip
+    compiled = testing.compile_kernel(
+        "fk.lora.torch_dropout", "_keep_mask_kernel", signature, {"VEC": 8, "BLOCK": 256, **specialized}, num_warps=4
+    )
+    assert compiled.spill_bytes == 0

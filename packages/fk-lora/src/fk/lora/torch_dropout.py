@@ -148,8 +148,10 @@ def _keep_words(seed, counter, thread, below):
     """The four keep bits of one Philox draw (``counter`` int64, ``thread`` int32 tensors): each
     word below ``below`` (uint32, :func:`keep_threshold`)."""
     zero = tl.zeros_like(thread).to(tl.uint32)
-    w0, w1, w2, w3 = _philox(seed.to(tl.uint64), (counter & 0xFFFFFFFF).to(tl.uint32), (counter >> 32).to(tl.uint32),
-                             thread.to(tl.uint32), zero)  # fmt: skip
+    # tl.cast, not seed.to: a seed of 1 arrives as a constexpr int (Triton specializes integer
+    # arguments equal to 1), which has no .to (torch.manual_seed(1) failed to compile on a GPU)
+    w0, w1, w2, w3 = _philox(tl.cast(seed, tl.uint64), (counter & 0xFFFFFFFF).to(tl.uint32),
+                             (counter >> 32).to(tl.uint32), thread.to(tl.uint32), zero)  # fmt: skip
     return w0 < below, w1 < below, w2 < below, w3 < below
 
 
@@ -169,7 +171,7 @@ def keep_tile(seed, counter, threads, threshold, rows, first_col, groups_per_row
     Philox draw for each 4 elements, as torch's kernel. (The words are spread over their elements
     by joins: shifting a group's bits out over a third axis instead computed each draw 8 times,
     compiled for sm_90, in the layout Triton gave that axis.)"""
-    below = threshold.to(tl.uint32)
+    below = tl.cast(threshold, tl.uint32)  # (as the seed in _keep_words: any scalar argument may arrive as 1)
     groups: tl.constexpr = BLOCK_COLS // VEC
     # flat e // V, in int32 (the input has fewer than 2**31 elements; int64 division costs far more)
     group = rows.to(tl.int32)[:, None] * groups_per_row + (first_col // VEC + tl.arange(0, groups))[None, :]
