@@ -477,3 +477,75 @@ def test_patch_leaves_mismatched_inputs_to_peft(bnb_device: str, caplog: pytest.
     assert not report.skipped and report.n_patched == 1
     assert "differs from the 4-bit base's compute_dtype" in caplog.text
     torch.testing.assert_close(got, want, rtol=0.0, atol=0.0)
+
+
+def _lora_weights_to(model: Any, dtype: torch.dtype) -> Any:
+    """``model`` with its LoRA weights cast to ``dtype`` in place (PEFT's ``autocast_adapter_dtype=False``)."""
+    for name, param in model.named_parameters():
+        if "lora_" in name:
+            param.data = param.data.to(dtype)
+    return model
+
+
+@pytest.mark.parametrize(
+    ("dropout", "lora_dtype"), [(0.0, torch.float32), (0.25, torch.bfloat16)], ids=["no_dropout", "dropout_bf16_lora"]
+)
+def test_patch_fuses_4bit_under_autocast_where_dtypes_agree(
+    bnb_device: str, dropout: float, lora_dtype: torch.dtype, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Under bf16 autocast (HF Trainer's ``bf16=True``), a bf16 block on 4-bit bases of compute_dtype
+    bf16, without dropout (fp32 LoRA weights, PEFT's default) or with it and bf16 LoRA weights: every
+    LoRA layer fused, the loss and every gradient as PEFT's under the same autocast (with dropout,
+    the same masks)."""
+    model = _lora_weights_to(_qlora_model(torch.bfloat16, dropout, bnb_device), lora_dtype)
+    x = testing.random_tensor((2, 3, IN), torch.bfloat16, bnb_device, seed=5)
+    autocast = torch.autocast(torch.device(bnb_device).type, dtype=torch.bfloat16)
+    with autocast:
+        want = testing.seeded_loss_and_grads(model, x, seed=1)
+    with caplog.at_level(logging.INFO, logger="fk.lora"):
+        report = fk.lora.patch(model)
+        try:
+            with autocast:
+                got = testing.seeded_loss_and_grads(model, x, seed=1)
+        finally:
+            fk.lora.unpatch(model)
+    assert not report.skipped and report.n_patched == 3  # the MLP, the q/k/v group, o_proj
+    assert "runs PEFT's forward" not in caplog.text  # every call took the fused path
+    tol = _tol(torch.bfloat16)
+    torch.testing.assert_close(got[0], want[0], rtol=tol["rtol"], atol=tol["atol"] * float(want[0]))
+    for g, w in zip(got[1], want[1], strict=True):
+        torch.testing.assert_close(g, w, rtol=tol["rtol"], atol=tol["atol"] * float(w.abs().max()))
+
+
+@pytest.mark.parametrize(
+    ("dora", "dtype", "dropout", "reason"),
+    [
+        (True, torch.bfloat16, 0.0, "DoRA on a 4-bit base under autocast"),
+        (False, torch.float16, 0.0, "under autocast to torch.bfloat16 with input dtype torch.float16"),
+        (False, torch.bfloat16, 0.25, "under autocast with dropout and LoRA weights in torch.float32"),
+    ],
+    ids=["dora", "input_unlike_autocast", "dropout_fp32_lora"],
+)
+def test_patch_leaves_4bit_under_autocast_to_peft_where_it_differs(
+    bnb_device: str, dora: bool, dtype: torch.dtype, dropout: float, reason: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Under bf16 autocast, DoRA on a 4-bit base, an input (and compute_dtype) unlike autocast's
+    dtype, and dropout with fp32 LoRA weights (whose mask PEFT draws on fp32 under CPU autocast and
+    on the input's dtype under CUDA's) run PEFT's forward, with a log line naming why; the output is
+    PEFT's (the same generator state for both calls)."""
+    model = _qlora_model(dtype, dropout, bnb_device, dora)
+    x = testing.random_tensor((2, 3, IN), dtype, bnb_device, seed=5)
+    autocast = torch.autocast(torch.device(bnb_device).type, dtype=torch.bfloat16)
+    torch.manual_seed(1)
+    with autocast:
+        want = model(x)
+    with caplog.at_level(logging.INFO, logger="fk.lora"):
+        fk.lora.patch(model)
+        try:
+            torch.manual_seed(1)
+            with autocast:
+                got = model(x)
+        finally:
+            fk.lora.unpatch(model)
+    assert reason in caplog.text
+    torch.testing.assert_close(got, want, rtol=0.0, atol=0.0)

@@ -297,8 +297,16 @@ def _quantized_parts(
     module: Any, name: str, base: Any, x: torch.Tensor, p: float, int8: bool, dora: bool
 ) -> LoRAWeights | str:
     """:func:`_call_parts` for a LoRA layer on a bitsandbytes base (plain LoRA or ``dora``, checked up
-    to the dropout), outside autocast (bitsandbytes would cast the input for the base matmul only:
-    PEFT's LoRA branch then sees the uncast input).
+    to the dropout), outside autocast; under autocast, plain LoRA on a 4-bit base whose input has
+    both autocast's dtype and the base's ``compute_dtype`` (otherwise bitsandbytes would cast the
+    input for the base matmul only, and PEFT's LoRA branch would see the uncast input), without
+    dropout or with LoRA weights in that dtype too. There every matmul of PEFT's layer runs in
+    the input's dtype, so the LoRA weights go to the fused call cast to it (autograd carries their
+    gradients back through the cast, as through autocast's). With dropout and fp32 LoRA weights
+    PEFT's mask depends on the device: ``lora.bnb.Linear4bit`` casts the input to the LoRA
+    weights' dtype before the dropout where ``torch.is_autocast_enabled()`` (CUDA's) is off, so
+    under CPU autocast the mask is drawn on fp32 and under CUDA autocast on the input's dtype:
+    that case is left to PEFT.
 
     4-bit (``lora.bnb.Linear4bit``): the base weight as a :class:`fk.lora.quant.QuantizedWeight`
     (read at every call: it shares the layer's tensors, no copy), dequantized by the fused call to
@@ -313,14 +321,20 @@ def _quantized_parts(
     bias must have the input's dtype: ``Linear8bitLt.forward`` casts it in place otherwise, which
     PEFT's forward then does for this call (and the next call is fused)."""
     what = "int8" if int8 else "4-bit"
-    if torch.is_autocast_enabled(x.device.type):
-        return f"{what} base under autocast (fk.lora fuses {what} bases outside autocast)"
+    autocast = torch.is_autocast_enabled(x.device.type)
+    if autocast and (int8 or dora):
+        return f"{'DoRA on a 4-bit' if dora and not int8 else what} base under autocast (fk.lora fuses it outside autocast)"  # fmt: skip
     magnitude = _dora_magnitude(module, name) if dora else None
     if isinstance(magnitude, str):
         return magnitude
     compute = x.dtype if int8 else getattr(base, "compute_dtype", None) or x.dtype
     if compute != x.dtype:
         return f"input dtype {x.dtype} differs from the 4-bit base's compute_dtype {compute}"
+    if autocast and torch.get_autocast_dtype(x.device.type) != x.dtype:
+        return f"4-bit base under autocast to {torch.get_autocast_dtype(x.device.type)} with input dtype {x.dtype} (fk.lora fuses it where the two agree)"  # fmt: skip
+    lora_a_dtype = module._modules["lora_A"]._modules[name]._parameters["weight"].dtype
+    if autocast and p > 0 and lora_a_dtype != x.dtype:
+        return f"4-bit base under autocast with dropout and LoRA weights in {lora_a_dtype} (PEFT's mask dtype depends on the device there)"  # fmt: skip
     weight: QuantizedWeight | Int8Base
     try:
         weight = int8_base(base) if int8 else from_bnb(base)
@@ -335,14 +349,18 @@ def _quantized_parts(
     assert lora_a_w is not None and lora_b_w is not None
     if lora_a_w.dtype not in _FLOATS or lora_b_w.dtype not in _FLOATS:
         return f"lora_A dtype {lora_a_w.dtype} (fk.lora takes fp32, fp16 and bf16)"
-    if lora_a_w.dtype != x.dtype and not getattr(module, "cast_input_dtype_enabled", True):
+    if not autocast and lora_a_w.dtype != x.dtype and not getattr(module, "cast_input_dtype_enabled", True):
         return "input dtype casting is disabled"
     bias = base._parameters.get("bias")
     if bias is not None and bias.dtype != compute:
         if int8:
             return f"base bias dtype {bias.dtype} differs from the input's {x.dtype} (Linear8bitLt casts it in place)"
         bias = bias.to(compute)  # (autograd carries a trainable bias's gradient back through the cast)
-    return LoRAWeights(weight, bias, lora_a_w, lora_b_w, float(module.scaling[name]), p, lora_b.get("bias"), magnitude)
+    lora_bias = lora_b.get("bias")
+    if autocast:  # (see above: the casts autocast would make)
+        lora_a_w, lora_b_w = lora_a_w.to(x.dtype), lora_b_w.to(x.dtype)
+        lora_bias = None if lora_bias is None else lora_bias.to(x.dtype)
+    return LoRAWeights(weight, bias, lora_a_w, lora_b_w, float(module.scaling[name]), p, lora_bias, magnitude)
 
 
 def _fallback(module: nn.Module, label: str, reason: str) -> None:
