@@ -332,9 +332,6 @@ def _quantized_parts(
         return f"input dtype {x.dtype} differs from the 4-bit base's compute_dtype {compute}"
     if autocast and torch.get_autocast_dtype(x.device.type) != x.dtype:
         return f"4-bit base under autocast to {torch.get_autocast_dtype(x.device.type)} with input dtype {x.dtype} (fk.lora fuses it where the two agree)"  # fmt: skip
-    lora_a_dtype = module._modules["lora_A"]._modules[name]._parameters["weight"].dtype
-    if autocast and p > 0 and lora_a_dtype != x.dtype:
-        return f"4-bit base under autocast with dropout and LoRA weights in {lora_a_dtype} (PEFT's mask dtype depends on the device there)"  # fmt: skip
     weight: QuantizedWeight | Int8Base
     try:
         weight = int8_base(base) if int8 else from_bnb(base)
@@ -351,6 +348,8 @@ def _quantized_parts(
         return f"lora_A dtype {lora_a_w.dtype} (fk.lora takes fp32, fp16 and bf16)"
     if not autocast and lora_a_w.dtype != x.dtype and not getattr(module, "cast_input_dtype_enabled", True):
         return "input dtype casting is disabled"
+    if autocast and p > 0 and lora_a_w.dtype != x.dtype:
+        return f"4-bit base under autocast with dropout and LoRA weights in {lora_a_w.dtype} (PEFT's mask dtype depends on the device there)"  # fmt: skip
     bias = base._parameters.get("bias")
     if bias is not None and bias.dtype != compute:
         if int8:
