@@ -417,10 +417,15 @@ class _Block(torch.nn.Module):
         return self.mlp(self.self_attn(x))
 
 
-def _qlora_model(compute: torch.dtype, dropout: float, device: str, dora: bool = False) -> Any:
-
+def _qlora_model(
+    compute: torch.dtype, dropout: float, device: str, dora: bool = False, bnb_layers: bool = False
+) -> Any:
+    """A PEFT model of :class:`_Block`; ``bnb_layers``: flagged as transformers flags a model loaded
+    in 4 bits, so that PEFT wraps the bases in ``lora.bnb.Linear4bit`` (else in ``lora.Linear``)."""
     torch.manual_seed(3)
     block = _Block(compute).to(device)  # (quantizes the weights)
+    if bnb_layers:
+        block.is_loaded_in_4bit = True
     config = LoraConfig(r=RANK, lora_alpha=8, lora_dropout=dropout, use_dora=dora, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])  # fmt: skip
     return testing.with_random_lora_b(peft.get_peft_model(block, config))
 
@@ -487,54 +492,108 @@ def _lora_weights_to(model: Any, dtype: torch.dtype) -> Any:
     return model
 
 
+def _autocast_loss_and_grads(model: Any, x: torch.Tensor) -> tuple[torch.dtype, torch.Tensor, list[torch.Tensor]]:
+    """The output's dtype, the loss and the gradients of :func:`fk.core.testing.seeded_loss_and_grads`
+    under bf16 autocast on ``x``'s device."""
+    with torch.autocast(x.device.type, dtype=torch.bfloat16):
+        torch.manual_seed(1)
+        out_dtype = model(x).dtype
+        loss, grads = testing.seeded_loss_and_grads(model, x, seed=1)
+    return out_dtype, loss, grads
+
+
+peft_layers = pytest.mark.parametrize("bnb_layers", [False, True], ids=["lora_Linear", "lora_bnb_Linear4bit"])
+
+
+@peft_layers
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32], ids=["bf16_input", "fp32_input"])
 @pytest.mark.parametrize(
-    ("dropout", "lora_dtype"), [(0.0, torch.float32), (0.25, torch.bfloat16)], ids=["no_dropout", "dropout_bf16_lora"]
+    ("dropout", "lora_dtype"),
+    [(0.0, torch.float32), (0.25, torch.bfloat16), (0.25, torch.float32)],
+    ids=["no_dropout", "dropout_bf16_lora", "dropout_fp32_lora"],
 )
-def test_patch_fuses_4bit_under_autocast_where_dtypes_agree(
-    bnb_device: str, dropout: float, lora_dtype: torch.dtype, caplog: pytest.LogCaptureFixture
-) -> None:
-    """Under bf16 autocast (HF Trainer's ``bf16=True``), a bf16 block on 4-bit bases of compute_dtype
-    bf16, without dropout (fp32 LoRA weights, PEFT's default) or with it and bf16 LoRA weights: every
-    LoRA layer fused, the loss and every gradient as PEFT's under the same autocast (with dropout,
-    the same masks)."""
-    model = _lora_weights_to(_qlora_model(torch.bfloat16, dropout, bnb_device), lora_dtype)
-    x = testing.random_tensor((2, 3, IN), torch.bfloat16, bnb_device, seed=5)
-    autocast = torch.autocast(torch.device(bnb_device).type, dtype=torch.bfloat16)
-    with autocast:
-        want = testing.seeded_loss_and_grads(model, x, seed=1)
+def test_patch_fuses_4bit_under_autocast(
+    bnb_device: str, x_dtype: torch.dtype, dropout: float, lora_dtype: torch.dtype, bnb_layers: bool,
+    caplog: pytest.LogCaptureFixture,
+) -> None:  # fmt: skip
+    """Under bf16 autocast (HF Trainer's ``bf16=True``), a block on 4-bit bases of compute_dtype bf16,
+    its input in bf16 or in fp32 (``peft.prepare_model_for_kbit_training`` keeps the hidden states in
+    fp32), LoRA weights in fp32 (PEFT's default) or bf16, with and without dropout, in PEFT's
+    ``lora.Linear`` or ``lora.bnb.Linear4bit``: every LoRA layer fused; the output's dtype (PEFT's
+    layers on 4-bit bases return their input's), the loss and every gradient as PEFT's under the
+    same autocast, with the same masks (``lora.Linear`` draws them on the LoRA weights' dtype,
+    ``lora.bnb.Linear4bit`` on the input's under CUDA autocast, which a GPU run tells apart)."""
+    model = _lora_weights_to(_qlora_model(torch.bfloat16, dropout, bnb_device, bnb_layers=bnb_layers), lora_dtype)
+    x = testing.random_tensor((2, 3, IN), x_dtype, bnb_device, seed=5)
+    want = _autocast_loss_and_grads(model, x)
     with caplog.at_level(logging.INFO, logger="fk.lora"):
         report = fk.lora.patch(model)
         try:
-            with autocast:
-                got = testing.seeded_loss_and_grads(model, x, seed=1)
+            got = _autocast_loss_and_grads(model, x)
         finally:
             fk.lora.unpatch(model)
     assert not report.skipped and report.n_patched == 3  # the MLP, the q/k/v group, o_proj
     assert "runs PEFT's forward" not in caplog.text  # every call took the fused path
+    assert (type(model.base_model.model.mlp.down_proj).__module__ == "peft.tuners.lora.bnb") == bnb_layers
+    assert got[0] == want[0] == x_dtype
     tol = _tol(torch.bfloat16)
-    torch.testing.assert_close(got[0], want[0], rtol=tol["rtol"], atol=tol["atol"] * float(want[0]))
-    for g, w in zip(got[1], want[1], strict=True):
+    torch.testing.assert_close(got[1], want[1], rtol=tol["rtol"], atol=tol["atol"] * float(want[1]))
+    for g, w in zip(got[2], want[2], strict=True):
+        torch.testing.assert_close(g, w, rtol=tol["rtol"], atol=tol["atol"] * float(w.abs().max()))
+
+
+@peft_layers
+def test_patch_gives_a_4bit_down_proj_its_own_input_dtype_under_autocast(
+    bnb_device: str, bnb_layers: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Under bf16 autocast on an fp32 input, an MLP whose gate and up have dense bf16 bases gives
+    ``down_proj`` a bf16 input: the fused MLP returns bf16, as PEFT's 4-bit down_proj does there,
+    and draws down's mask as PEFT's layer draws it on that input (``lora.bnb.Linear4bit`` under
+    CUDA autocast: on bf16)."""
+    torch.manual_seed(3)
+    mlp = _MLP(torch.bfloat16)
+    mlp.gate_proj, mlp.up_proj = torch.nn.Linear(IN, 64, bias=False), torch.nn.Linear(IN, 64, bias=False)
+    mlp.gate_proj.to(torch.bfloat16), mlp.up_proj.to(torch.bfloat16)
+    if bnb_layers:
+        mlp.is_loaded_in_4bit = True
+    config = LoraConfig(r=RANK, lora_alpha=8, lora_dropout=0.25, target_modules=["gate_proj", "up_proj", "down_proj"])
+    model = testing.with_random_lora_b(peft.get_peft_model(mlp.to(bnb_device), config))
+    x = testing.random_tensor((2, 3, IN), torch.float32, bnb_device, seed=5)
+    want = _autocast_loss_and_grads(model, x)
+    with caplog.at_level(logging.INFO, logger="fk.lora"):
+        report = fk.lora.patch(model)
+        try:
+            got = _autocast_loss_and_grads(model, x)
+        finally:
+            fk.lora.unpatch(model)
+    assert report.n_patched == 1 and len(report.mlp) == 1
+    assert (type(model.base_model.model.down_proj).__module__ == "peft.tuners.lora.bnb") == bnb_layers
+    assert "runs PEFT's forward" not in caplog.text
+    assert got[0] == want[0] == torch.bfloat16
+    tol = _tol(torch.bfloat16)
+    torch.testing.assert_close(got[1], want[1], rtol=tol["rtol"], atol=tol["atol"] * float(want[1]))
+    for g, w in zip(got[2], want[2], strict=True):
         torch.testing.assert_close(g, w, rtol=tol["rtol"], atol=tol["atol"] * float(w.abs().max()))
 
 
 @pytest.mark.parametrize(
-    ("dora", "dtype", "dropout", "reason"),
+    ("dora", "compute", "x_dtype", "reason"),
     [
-        (True, torch.bfloat16, 0.0, "DoRA on a 4-bit base under autocast"),
-        (False, torch.float16, 0.0, "under autocast to torch.bfloat16 with input dtype torch.float16"),
-        (False, torch.bfloat16, 0.25, "under autocast with dropout and LoRA weights in torch.float32"),
+        (True, torch.bfloat16, torch.bfloat16, "DoRA on a 4-bit base under autocast"),
+        (False, torch.float16, torch.float16, "compute_dtype torch.float16 under autocast to torch.bfloat16"),
+        (False, torch.bfloat16, torch.float16, "input dtype torch.float16 on a 4-bit base under autocast"),
     ],
-    ids=["dora", "input_unlike_autocast", "dropout_fp32_lora"],
+    ids=["dora", "compute_unlike_autocast", "fp16_input"],
 )
 def test_patch_leaves_4bit_under_autocast_to_peft_where_it_differs(
-    bnb_device: str, dora: bool, dtype: torch.dtype, dropout: float, reason: str, caplog: pytest.LogCaptureFixture
-) -> None:
-    """Under bf16 autocast, DoRA on a 4-bit base, an input (and compute_dtype) unlike autocast's
-    dtype, and dropout with fp32 LoRA weights (whose mask PEFT draws on fp32 under CPU autocast and
-    on the input's dtype under CUDA's) run PEFT's forward, with a log line naming why; the output is
-    PEFT's (the same generator state for both calls)."""
-    model = _qlora_model(dtype, dropout, bnb_device, dora)
-    x = testing.random_tensor((2, 3, IN), dtype, bnb_device, seed=5)
+    bnb_device: str, dora: bool, compute: torch.dtype, x_dtype: torch.dtype, reason: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:  # fmt: skip
+    """Under bf16 autocast, DoRA on a 4-bit base, a compute_dtype unlike autocast's dtype and an fp16
+    input run PEFT's forward, with a log line naming why; the output is PEFT's (the same generator
+    state for both calls)."""
+    model = _qlora_model(compute, 0.25, bnb_device, dora)
+    x = testing.random_tensor((2, 3, IN), x_dtype, bnb_device, seed=5)
     autocast = torch.autocast(torch.device(bnb_device).type, dtype=torch.bfloat16)
     torch.manual_seed(1)
     with autocast:

@@ -40,8 +40,10 @@ fused MLP, that no hooks are registered on its projections, which the fused call
 mixed-batch ``adapter_names`` arrive through such hooks): one active adapter,
 not merged, adapters enabled, no LoRA variant but DoRA, DoRA outside autocast (with its dropout
 module in its layer's training mode), a ``torch.nn.Linear`` base layer
-or a bitsandbytes 4-bit ``Linear4bit`` one (plain LoRA or DoRA, outside autocast, the input in its
-``compute_dtype``) or int8 ``Linear8bitLt`` one (plain LoRA or DoRA, outside autocast, its bias in
+or a bitsandbytes 4-bit ``Linear4bit`` one (plain LoRA or DoRA outside autocast, the input in its
+``compute_dtype``; plain LoRA under autocast to its ``compute_dtype``, the input in that dtype or
+in fp32, as ``peft.prepare_model_for_kbit_training`` leaves the hidden states) or int8
+``Linear8bitLt`` one (plain LoRA or DoRA, outside autocast, its bias in
 the input's dtype), base and LoRA weights in fp32, fp16 or bf16, the base weight
 in the input's dtype (any of those under autocast, which casts every operand, as fk.lora's
 functions then do), and PEFT's input dtype
@@ -297,23 +299,28 @@ def _quantized_parts(
     module: Any, name: str, base: Any, x: torch.Tensor, p: float, int8: bool, dora: bool
 ) -> LoRAWeights | str:
     """:func:`_call_parts` for a LoRA layer on a bitsandbytes base (plain LoRA or ``dora``, checked up
-    to the dropout), outside autocast; under autocast, plain LoRA on a 4-bit base whose input has
-    both autocast's dtype and the base's ``compute_dtype`` (otherwise bitsandbytes would cast the
-    input for the base matmul only, and PEFT's LoRA branch would see the uncast input), without
-    dropout or with LoRA weights in that dtype too. There every matmul of PEFT's layer runs in
-    the input's dtype, so the LoRA weights go to the fused call cast to it (autograd carries their
-    gradients back through the cast, as through autocast's). With dropout and fp32 LoRA weights
-    PEFT's mask depends on the device: ``lora.bnb.Linear4bit`` casts the input to the LoRA
-    weights' dtype before the dropout where ``torch.is_autocast_enabled()`` (CUDA's) is off, so
-    under CPU autocast the mask is drawn on fp32 and under CUDA autocast on the input's dtype:
-    that case is left to PEFT.
+    to the dropout), outside autocast with the input in the base's ``compute_dtype``; under
+    autocast, plain LoRA on a 4-bit base whose ``compute_dtype`` is autocast's, the input in that
+    dtype or in fp32 (``peft.prepare_model_for_kbit_training`` keeps the hidden states in fp32).
+
+    Under autocast every matmul of PEFT's layer runs in autocast's dtype (bitsandbytes casts the
+    input for the base product, autocast the LoRA branch's operands), as in the fused call, which
+    casts the LoRA weights itself; what the patcher matches is the dropout. PEFT casts the input to
+    the LoRA weights' dtype before the dropout (``_cast_input_dtype``), except where input casting
+    is disabled and in ``lora.bnb.Linear4bit`` (the layer PEFT puts on a model loaded in 4 bits)
+    where ``torch.is_autocast_enabled()`` (CUDA's) is on: there the mask is drawn on the input's
+    dtype, under CPU autocast and in ``lora.Linear`` on the LoRA weights'. The LoRA weights go to
+    the fused call cast to the dtype the mask is drawn in (the fused functions draw it in theirs;
+    autograd carries the gradients back through the cast). The fused call returns autocast's
+    dtype; PEFT's layer returns the input's (bitsandbytes casts its product back):
+    :func:`_as_peft_output` casts.
 
     4-bit (``lora.bnb.Linear4bit``): the base weight as a :class:`fk.lora.quant.QuantizedWeight`
     (read at every call: it shares the layer's tensors, no copy), dequantized by the fused call to
     bitsandbytes' ``compute_dtype`` (the input's where bitsandbytes has none yet, as its forward
-    sets it) and the bias cast to it, as bitsandbytes' ``Linear4bit.forward`` casts both. The input
-    must already have that dtype. DoRA: with its magnitude (its norm from the weight dequantized to
-    bitsandbytes' own dtype, as PEFT's ``dequantize_module_weight`` gives it: fk.lora.dora).
+    sets it) and the bias cast to it, as bitsandbytes' ``Linear4bit.forward`` casts both. DoRA: with
+    its magnitude (its norm from the weight dequantized to bitsandbytes' own dtype, as PEFT's
+    ``dequantize_module_weight`` gives it: fk.lora.dora).
 
     int8 (``lora.bnb.Linear8bitLt``): the layer as an :class:`fk.lora.quant.Int8Base` (its own
     product for the base output; its weight, read at every call, for ``dx`` and, DoRA, for its norm
@@ -328,10 +335,14 @@ def _quantized_parts(
     if isinstance(magnitude, str):
         return magnitude
     compute = x.dtype if int8 else getattr(base, "compute_dtype", None) or x.dtype
-    if compute != x.dtype:
-        return f"input dtype {x.dtype} differs from the 4-bit base's compute_dtype {compute}"
-    if autocast and torch.get_autocast_dtype(x.device.type) != x.dtype:
-        return f"4-bit base under autocast to {torch.get_autocast_dtype(x.device.type)} with input dtype {x.dtype} (fk.lora fuses it where the two agree)"  # fmt: skip
+    if autocast:
+        autocast_dtype = torch.get_autocast_dtype(x.device.type)
+        if compute != autocast_dtype:
+            return f"4-bit base of compute_dtype {compute} under autocast to {autocast_dtype} (fk.lora fuses it where the two agree)"  # fmt: skip
+        if x.dtype not in (compute, torch.float32):
+            return f"input dtype {x.dtype} on a 4-bit base under autocast to {compute} (fk.lora fuses inputs in it or in fp32)"  # fmt: skip
+    elif compute != x.dtype:
+        return f"input dtype {x.dtype} differs from the 4-bit base's compute_dtype {compute} (outside autocast)"
     weight: QuantizedWeight | Int8Base
     try:
         weight = int8_base(base) if int8 else from_bnb(base)
@@ -348,18 +359,44 @@ def _quantized_parts(
         return f"lora_A dtype {lora_a_w.dtype} (fk.lora takes fp32, fp16 and bf16)"
     if not autocast and lora_a_w.dtype != x.dtype and not getattr(module, "cast_input_dtype_enabled", True):
         return "input dtype casting is disabled"
-    if autocast and p > 0 and lora_a_w.dtype != x.dtype:
-        return f"4-bit base under autocast with dropout and LoRA weights in {lora_a_w.dtype} (PEFT's mask dtype depends on the device there)"  # fmt: skip
     bias = base._parameters.get("bias")
     if bias is not None and bias.dtype != compute:
         if int8:
             return f"base bias dtype {bias.dtype} differs from the input's {x.dtype} (Linear8bitLt casts it in place)"
         bias = bias.to(compute)  # (autograd carries a trainable bias's gradient back through the cast)
     lora_bias = lora_b.get("bias")
-    if autocast:  # (see above: the casts autocast would make)
-        lora_a_w, lora_b_w = lora_a_w.to(x.dtype), lora_b_w.to(x.dtype)
-        lora_bias = None if lora_bias is None else lora_bias.to(x.dtype)
+    if autocast:  # the LoRA weights in the dtype PEFT draws the mask in (see above)
+        peft_4bit = _peft_bnb_class("Linear4bit")  # (isinstance: a patched module's class is a subclass of it)
+        bnb_skips_cast = peft_4bit is not None and isinstance(module, peft_4bit) and torch.is_autocast_enabled()
+        casts = getattr(module, "cast_input_dtype_enabled", True) and not bnb_skips_cast
+        drawn_in = lora_a_w.dtype if p > 0 and casts else x.dtype
+        lora_a_w, lora_b_w = lora_a_w.to(drawn_in), lora_b_w.to(drawn_in)
+        lora_bias = None if lora_bias is None else lora_bias.to(drawn_in)
     return LoRAWeights(weight, bias, lora_a_w, lora_b_w, float(module.scaling[name]), p, lora_bias, magnitude)
+
+
+def _as_peft_output(y: torch.Tensor, x: torch.Tensor, parts: LoRAWeights) -> torch.Tensor:
+    """The fused output ``y`` of a projection of ``x`` in the dtype PEFT's layer returns: under
+    autocast the fused call returns autocast's dtype, and so does PEFT's ``lora.Linear``, but on a
+    4-bit base bitsandbytes casts the base product back to the input's dtype (fp32 hidden states,
+    say), to which PEFT adds its LoRA branch. (fk rounds the sum to autocast's dtype first: the two
+    differ by at most half a unit in its last place.)"""
+    if y.dtype != x.dtype and isinstance(parts.weight, QuantizedWeight):
+        return y.to(x.dtype)
+    return y
+
+
+def _peft_intermediate(x: torch.Tensor, gate: LoRAWeights, up: LoRAWeights) -> torch.Tensor:
+    """``x``, or a stand-in without elements of the dtype PEFT's ``act_fn(gate_proj(x)) * up_proj(x)``
+    has where it differs from ``x``'s (under autocast on fp32 ``x``, a gate and up both of dense
+    bases give autocast's dtype: :func:`_as_peft_output`): ``down_proj``'s checks and its mask's
+    dtype are those of its own input, which the fused MLP forms inside."""
+    if not torch.is_autocast_enabled(x.device.type):
+        return x
+    outputs = [x.dtype if isinstance(p.weight, QuantizedWeight) else torch.get_autocast_dtype(x.device.type)
+               for p in (gate, up)]  # fmt: skip
+    dtype = torch.promote_types(*outputs)
+    return x if dtype == x.dtype else x.new_empty((0, x.shape[-1]), dtype=dtype)
 
 
 def _fallback(module: nn.Module, label: str, reason: str) -> None:
@@ -384,7 +421,7 @@ def _linear_forward(module: nn.Module, label: str, x: Any, *args: Any, **kwargs:
         _fallback(module, label, parts)
         return stock_forward(module, _STOCK, x, *args, **kwargs)
     (y,) = module_projections(x, [parts], from_module=True)
-    return y
+    return _as_peft_output(y, x, parts)
 
 
 def _label(member: nn.Module) -> str:
@@ -409,7 +446,8 @@ def _shared_forward(
             if not reasons and len({p.magnitude is None for p in parts if not isinstance(p, str)}) > 1:
                 reasons = ["DoRA on some of the projections only (each is fused alone)"]
             if not reasons:
-                return group.hand_out(x, module_projections(x, parts, from_module=True))  # type: ignore[arg-type]
+                outs = module_projections(x, parts, from_module=True)  # type: ignore[arg-type]
+                return group.hand_out(x, [_as_peft_output(y, x, p) for y, p in zip(outs, parts, strict=True)])  # type: ignore[arg-type]  # fmt: skip
             _fallback(module, label + " (QKV group)", "; ".join(reasons))
         return _linear_forward(module, label, x, *args, **kwargs)
     was_split = group.split
@@ -473,15 +511,17 @@ def _mlp_forward(mlp: nn.Module, label: str, act: str, x: Any, *args: Any, **kwa
     if hooked:  # the fused call would skip them (PEFT's mixed-batch adapter_names come this way)
         _fallback(mlp, label, f"hooks are registered on {', '.join(hooked)} (or globally)")
         return stock_forward(mlp, _STOCK, x)
-    parts = [_call_parts(m, x) for m in projections]
-    reasons = [f"{n}: {p}" for n, p in zip(_MLP, parts, strict=True) if isinstance(p, str)]
-    gate, up, down = parts
+    gate, up = _call_parts(projections[0], x), _call_parts(projections[1], x)
+    h = x if isinstance(gate, str) or isinstance(up, str) else _peft_intermediate(x, gate, up)
+    down = _call_parts(projections[2], h)
+    reasons = [f"{n}: {p}" for n, p in zip(_MLP, (gate, up, down), strict=True) if isinstance(p, str)]
     if not reasons and (gate.magnitude is None) != (up.magnitude is None):  # type: ignore[union-attr]
         reasons = ["DoRA on one of gate_proj and up_proj only"]
     if reasons:
         _fallback(mlp, label, "; ".join(reasons))
         return stock_forward(mlp, _STOCK, x)
-    return module_mlp(x, gate, up, down, act, from_module=True)  # type: ignore[arg-type]
+    y = module_mlp(x, gate, up, down, act, from_module=True)  # type: ignore[arg-type]
+    return _as_peft_output(y, h, down)  # type: ignore[arg-type]
 
 
 def _swap(module: nn.Module, call: tuple[Any, ...], saved: list[nn.Module]) -> None:
