@@ -7,20 +7,24 @@ init (one seed), bf16 weights, SDPA attention, trained on a synthetic Markov-cha
 ``--shape`` builds another of ``fk.hf.training.SHAPES`` instead (``llama-3.1-8b``: Llama-3.1-8B's
 sizes, untied head) and ``--layers`` another layer count; each row records its shape as ``model``,
 and ``--merge`` keeps the rows of other shapes.
-Three modes: ``full`` (every weight trained), ``lora`` (``peft.get_peft_model``, r=16, alpha=32,
+Four modes: ``full`` (every weight trained), ``lora`` (``peft.get_peft_model``, r=16, alpha=32,
 no dropout, on q, k, v, o, gate, up and down projections; PEFT's default fp32 adapters; the base
-frozen) and ``qlora`` (the same on 4-bit bases: those seven projections of every layer made
+frozen), ``qlora`` (the same on 4-bit bases: those seven projections of every layer made
 bitsandbytes ``Linear4bit``, NF4 in blocks of 64 with nested absmax, bf16 compute, by
 ``fk.hf.training.quantize_4bit``; the embedding, norms and head bf16; no
-``prepare_model_for_kbit_training``, for every provider alike). ``qlora`` runs when asked for
-(``--modes qlora``); the default is ``full`` and ``lora``. Providers, each in its own subprocess
-(Liger patches transformers' classes globally):
+``prepare_model_for_kbit_training``, for every provider alike) and ``qlora-recipe`` (QLoRA as PEFT's
+and the QLoRA paper's examples train it: the same 4-bit bases, ``prepare_model_for_kbit_training``
+casting the embedding, norms and head to fp32, LoRA dropout 0.05, every step's forward under bf16
+autocast, as HF Trainer's ``bf16=True`` runs it). ``qlora`` and ``qlora-recipe`` run when asked for
+(``--modes qlora qlora-recipe``); the default is ``full`` and ``lora``. Providers, each in its own
+subprocess (Liger patches transformers' classes globally):
 
 - ``stock``: the model as transformers builds it;
 - ``liger``: ``liger_kernel.transformers.apply_liger_kernel_to_llama()`` before the model is built
   (RMSNorm, RoPE, SwiGLU, fused linear cross entropy: its defaults);
 - ``fk``: ``fk.hf.apply(model)`` on the built model (on the PEFT model in ``lora`` and ``qlora``
-  modes, which fuses the LoRA layers with fk.lora too, on their 4-bit bases in ``qlora``);
+  modes, which fuses the LoRA layers with fk.lora too, on their 4-bit bases in ``qlora`` and
+  ``qlora-recipe``);
 - ``fk-lowmem``: the same, plus ``fk.hf.loss_options(model, memory_budget=384 << 20,
   accum_dtype=torch.bfloat16)``: the fused loss in chunks of logits, for less memory.
 
@@ -69,7 +73,8 @@ NAME = "e2e"
 PROVIDERS = ("stock", "liger", "fk", "fk-lowmem")
 LOWMEM_LOSS_OPTIONS = {"memory_budget": 384 << 20, "accum_dtype": torch.bfloat16}
 """fk-lowmem: fk with the fused loss in 384 MiB chunks of logits, the head's gradient summed in bf16."""
-MODES = ("full", "lora", "qlora")
+MODES = ("full", "lora", "qlora", "qlora-recipe")
+QLORA_MODES = ("qlora", "qlora-recipe")
 DEFAULT_MODES = ("full", "lora")
 DEFAULT_SHAPE = "llama-3.2-1b"
 """The model's sizes unless ``--shape`` says otherwise (a row without ``model`` ran at it)."""
@@ -126,7 +131,11 @@ def is_oom(exc: BaseException) -> bool:
 
 
 def search_max_batch(
-    model: torch.nn.Module, corpus: training.MarkovCorpus, opt: torch.optim.Optimizer, job: dict[str, Any]
+    model: torch.nn.Module,
+    corpus: training.MarkovCorpus,
+    opt: torch.optim.Optimizer,
+    job: dict[str, Any],
+    autocast: torch.dtype | None,
 ) -> tuple[list[dict[str, Any]], str]:
     """Try the batch sizes of :data:`BATCHES` above ``job["batch"]`` in order; the rows of those that
     fit (tokens/s of the second step, peak memory), and why the search stopped: ``"oom"``,
@@ -139,7 +148,7 @@ def search_max_batch(
         torch.cuda.empty_cache()
         try:
             r = training.train(model, corpus, steps=2, warmup=1, batch=batch, seq=job["seq"], lr=job["lr"],
-                               optimizer=opt, first_step=1000)  # fmt: skip
+                               optimizer=opt, first_step=1000, autocast=autocast)  # fmt: skip
         except (torch.OutOfMemoryError, RuntimeError) as exc:
             if not is_oom(exc):
                 raise
@@ -152,21 +161,24 @@ def search_max_batch(
 def worker(job: dict[str, Any]) -> dict[str, Any]:
     """One (mode, provider): build, patch, then train ``warmup + steps`` steps (``job["phase"]`` is
     ``"timed"``) or search the largest batch (``"search"``)."""
-    provider, lora, qlora = job["provider"], job["mode"] in ("lora", "qlora"), job["mode"] == "qlora"
+    provider, mode = job["provider"], job["mode"]
+    lora, qlora, recipe = mode in ("lora", *QLORA_MODES), mode in QLORA_MODES, mode == "qlora-recipe"
+    autocast = torch.bfloat16 if recipe else None
     shape = model_shape(job["shape"], job["mode"], job["layers"])
     device = "cuda" if torch.cuda.is_available() else "cpu"
     fallbacks = _fallback_log()
     patch_before_build(provider, job["family"])
     model = training.build_model(shape, dtype=torch.bfloat16, device=device, seed=0, lora=lora,
-                                 qlora=qlora, max_positions=job["seq"], model_type=job["family"])  # fmt: skip
+                                 qlora=qlora, qlora_recipe=recipe, max_positions=job["seq"],
+                                 model_type=job["family"])  # fmt: skip
     patched = patch_after_build(provider, model)
     corpus = training.MarkovCorpus(shape.vocab, active=1024 if shape.vocab >= 4096 else 32, branching=4)
     opt = training.make_optimizer(model, job["lr"])
     if job["phase"] == "search":
-        rows, stopped = search_max_batch(model, corpus, opt, job)
+        rows, stopped = search_max_batch(model, corpus, opt, job, autocast)
         return {"search": rows, "search_stopped": stopped}
     r = training.train(model, corpus, steps=job["warmup"] + job["steps"], warmup=job["warmup"], batch=job["batch"],
-                       seq=job["seq"], lr=job["lr"], optimizer=opt)  # fmt: skip
+                       seq=job["seq"], lr=job["lr"], optimizer=opt, autocast=autocast)  # fmt: skip
     return {
         "losses": r.losses, "step_seconds": r.step_seconds[r.warmup :], "tokens_per_step": r.tokens_per_step,
         "peak_gib": None if r.peak_bytes is None else r.peak_bytes / 2**30, "logits_returned": r.logits_returned,
@@ -182,9 +194,9 @@ def _available(provider: str, mode: str) -> str | None:
     """Why ``provider`` cannot run ``mode`` here (a missing package), or None."""
     if provider == "liger" and importlib.util.find_spec("liger_kernel") is None:
         return "liger-kernel is not installed (pip install liger-kernel==0.8.5)"
-    if mode in ("lora", "qlora") and importlib.util.find_spec("peft") is None:
+    if mode in ("lora", *QLORA_MODES) and importlib.util.find_spec("peft") is None:
         return "peft is not installed (pip install peft)"
-    if mode == "qlora" and importlib.util.find_spec("bitsandbytes") is None:
+    if mode in QLORA_MODES and importlib.util.find_spec("bitsandbytes") is None:
         return "bitsandbytes is not installed (pip install fk-lora[qlora])"
     return None
 
@@ -192,7 +204,7 @@ def _available(provider: str, mode: str) -> str | None:
 def shape_for(shape_name: str, mode: str) -> str:
     """The shape a ``mode`` runs at: ``tiny``'s QLoRA runs at ``tiny-qlora`` (widths that are whole
     4-bit blocks, which bitsandbytes' CPU dequantization needs)."""
-    return "tiny-qlora" if shape_name == "tiny" and mode == "qlora" else shape_name
+    return "tiny-qlora" if shape_name == "tiny" and mode in QLORA_MODES else shape_name
 
 
 def model_shape(shape_name: str, mode: str, layers: int | None) -> training.ModelShape:
@@ -245,6 +257,8 @@ def run(args: argparse.Namespace) -> bench.BenchRecord:
                f"{args.steps} timed steps after {args.warmup} (odd rounds in reverse provider order), tokens/s "
                f"from the median of all timed steps; lora: PEFT r=16, alpha=32, q/k/v/o/gate/up/down, fp32 adapters; "
                f"qlora: the same on bitsandbytes NF4 bases (blocksize 64, nested absmax, bf16 compute); "
+               f"qlora-recipe: qlora after peft.prepare_model_for_kbit_training (embedding, norms, head fp32), "
+               f"LoRA dropout {training.QLORA_RECIPE_DROPOUT}, the forward under bf16 autocast; "
                f"peak memory: torch.cuda.max_memory_allocated; max batch: sizes {', '.join(map(str, BATCHES))} "
                f"of {args.seq} tokens tried in order in one more process after the rounds"),
     )  # fmt: skip

@@ -31,19 +31,26 @@ def test_tiny_run_with_two_rounds(tmp_path: Path) -> None:
 
 
 @pytest.mark.serial
-def test_tiny_qlora_run(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("mode", "described"),
+    [("qlora", "qlora: the same on bitsandbytes NF4 bases"),
+     ("qlora-recipe", "qlora-recipe: qlora after peft.prepare_model_for_kbit_training")],
+)  # fmt: skip
+def test_tiny_qlora_run(tmp_path: Path, mode: str, described: str) -> None:
     """``--modes qlora``: PEFT LoRA on bitsandbytes NF4 bases (at ``tiny-qlora``, whole 4-bit blocks),
-    fk fusing the LoRA layers on their 4-bit bases, the losses stock's."""
+    fk fusing the LoRA layers on their 4-bit bases, the losses stock's; ``qlora-recipe`` the same
+    with fp32 hidden states, dropout and bf16 autocast, every LoRA call fused (no fallback logged)."""
     pytest.importorskip("peft")
     pytest.importorskip("bitsandbytes")
-    testing.run_python(str(SCRIPT), "--tiny", "--modes", "qlora", "--providers", "stock", "fk",
+    testing.run_python(str(SCRIPT), "--tiny", "--modes", mode, "--providers", "stock", "fk",
                        "--search-seconds", "0", "--out", str(tmp_path))  # fmt: skip
     record = bench.BenchRecord.from_json(tmp_path / "e2e.json")
     runs = {r["provider"]: r for r in record.rows if r["kind"] == "run"}
     for run in runs.values():
-        assert run["status"] == "ok" and run["mode"] == "qlora" and run["model"] == "tiny-qlora"
+        assert run["status"] == "ok" and run["mode"] == mode and run["model"] == "tiny-qlora"
     assert runs["fk"]["patched"]["lora"] > 0 and runs["fk"]["loss_rel_diff"] < 2e-2
-    assert "qlora: the same on bitsandbytes NF4 bases" in record.notes
+    assert runs["fk"]["fallbacks"] == []
+    assert described in record.notes
 
 
 def test_merge_keeps_the_other_modes_rows() -> None:

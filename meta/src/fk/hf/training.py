@@ -142,6 +142,7 @@ def build_model(
     seed: int = 0,
     lora: bool = False,
     qlora: bool = False,
+    qlora_recipe: bool = False,
     max_positions: int = 8192,
     model_type: str = "llama",
 ) -> torch.nn.Module:
@@ -155,12 +156,17 @@ def build_model(
     adapters are kept in PEFT's default dtype (fp32 next to a bf16 base). With ``qlora`` (which
     implies ``lora``), the seven projections of every layer are first made 4-bit
     (:func:`quantize_4bit`), so PEFT puts its bitsandbytes LoRA layers on them; the embedding,
-    norms and head stay in ``dtype``. Raises ``ImportError`` with an install hint when peft (or,
-    for ``qlora``, bitsandbytes) is missing.
+    norms and head stay in ``dtype``. ``qlora_recipe`` (which implies ``qlora``) prepares the model
+    as PEFT's and the QLoRA paper's examples do: ``peft.prepare_model_for_kbit_training`` (without
+    gradient checkpointing) casts the embedding, norms and head to fp32 (so the hidden states are
+    fp32; train it under bf16 autocast: :func:`train`'s ``autocast``) before the adapters are added,
+    with LoRA dropout 0.05. Raises ``ImportError`` with an install hint when peft (or, for
+    ``qlora``, bitsandbytes) is missing.
     """
     import transformers
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+    qlora = qlora or qlora_recipe
     peft = _import_peft() if lora or qlora else None
     causal_lm = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])
     torch.manual_seed(seed)
@@ -173,13 +179,19 @@ def build_model(
         torch.set_default_dtype(previous)
     if qlora:
         quantize_4bit(model, LORA_TARGETS, compute_dtype=dtype)
+    if peft is not None and qlora_recipe:
+        model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     if peft is not None:
-        config = peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=list(LORA_TARGETS))
+        dropout = QLORA_RECIPE_DROPOUT if qlora_recipe else 0.0
+        config = peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=dropout, target_modules=list(LORA_TARGETS))
         with warnings.catch_warnings():  # peft 0.21 calls a transformers 5 method that warns of its rename
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
             model = peft.get_peft_model(model, config)
     return model.train()
 
+
+QLORA_RECIPE_DROPOUT = 0.05
+"""LoRA dropout of :func:`build_model`'s ``qlora_recipe`` (the QLoRA paper's for 7B and 13B models)."""
 
 QLORA_QUANT_TYPE, QLORA_BLOCKSIZE = "nf4", 64
 """QLoRA's 4-bit format (its paper's, and Hugging Face's usual ``BitsAndBytesConfig``): NF4 in blocks
@@ -358,6 +370,7 @@ def train(
     optimizer: torch.optim.Optimizer | None = None,
     first_step: int = 0,
     steps_iter: Callable[[Iterable[int]], Iterable[int]] | None = None,
+    autocast: torch.dtype | None = None,
 ) -> RunResult:
     """Run ``steps`` training steps of ``model`` on ``corpus`` and measure each.
 
@@ -367,7 +380,8 @@ def train(
     training); :attr:`RunResult.tokens_per_s` is from the median of the steps after ``warmup``.
     On CUDA the peak-memory counter is reset after the warm-up steps. ``measure_saved`` also counts
     the bytes held for backward (:func:`saved_for_backward`). ``steps_iter`` wraps the step range
-    (a progress bar); ``first_step`` picks the corpus batches (step ``first_step + i``).
+    (a progress bar); ``first_step`` picks the corpus batches (step ``first_step + i``). ``autocast``:
+    the forward runs under ``torch.autocast`` to that dtype (HF Trainer's ``bf16=True``).
     """
     device = next(model.parameters()).device
     cuda = device.type == "cuda"
@@ -382,7 +396,8 @@ def train(
         tokens = corpus.batch(first_step + i, batch, seq).to(device, non_blocking=True)
         _sync(device)
         start = time.perf_counter()
-        with saved_for_backward(model) if measure_saved else contextlib.nullcontext([0]) as held:
+        casting = torch.autocast(device.type, dtype=autocast) if autocast is not None else contextlib.nullcontext()
+        with saved_for_backward(model) if measure_saved else contextlib.nullcontext([0]) as held, casting:
             out = model(input_ids=tokens, labels=tokens)
         loss, result.logits_returned = out.loss, out.logits is not None
         del out
