@@ -280,7 +280,8 @@ def run(args: argparse.Namespace) -> bench.BenchRecord:
         largest = max(out.get("search", []), key=lambda row: row["batch"], default=None)
         record.add(
             kind="run", **common, batch=args.batch, status="ok", tokens_per_s=out["tokens_per_s"],
-            round_tokens_per_s=out["round_tokens_per_s"], median_step_ms=out["median_step_ms"],
+            round_tokens_per_s=out["round_tokens_per_s"], round_step_ms=out["round_step_ms"],
+            median_step_ms=out["median_step_ms"],
             peak_gib=out["peak_gib"], losses=out["losses"],
             loss_rel_diff=bench.max_relative_diff(out["losses"], stock), logits_returned=out["logits_returned"],
             patched=out["patched"], fallbacks=out["fallbacks"], trainable_params=out["trainable_params"],

@@ -26,6 +26,7 @@ def test_tiny_run_with_two_rounds(tmp_path: Path) -> None:
     for run in runs.values():
         assert run["status"] == "ok" and len(run["round_tokens_per_s"]) == 2
         assert min(run["round_tokens_per_s"]) <= run["tokens_per_s"] <= max(run["round_tokens_per_s"])
+        assert [len(steps) for steps in run["round_step_ms"]] == [2, 2]  # each round's timed steps
     assert runs["fk"]["loss_rel_diff"] < 2e-2
     assert "2 rounds of 2 timed steps" in record.notes
 

@@ -440,6 +440,7 @@ def test_rounds_merge_into_the_median_of_all_steps() -> None:
     assert merged["median_step_ms"] == pytest.approx(3500.0)  # the median of the six steps
     assert merged["tokens_per_s"] == pytest.approx(100 / 3.5)
     assert merged["round_tokens_per_s"] == pytest.approx([50.0, 25.0])  # each round's own median
+    assert merged["round_step_ms"] == [[1000.0, 2000.0, 9000.0], [3000.0, 4000.0, 4000.0]]
     assert merged["peak_gib"] == 4.0 and merged["losses"] == [5.0]  # the largest peak; the first round's losses
 
 
