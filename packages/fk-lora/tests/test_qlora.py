@@ -502,6 +502,27 @@ def _autocast_loss_and_grads(model: Any, x: torch.Tensor) -> tuple[torch.dtype, 
     return out_dtype, loss, grads
 
 
+def _patched_like_peft_under_autocast(
+    model: Any, x: torch.Tensor, out_dtype: torch.dtype, caplog: pytest.LogCaptureFixture
+) -> Any:
+    """Patch ``model``, check that under bf16 autocast every call took the fused path and gave PEFT's
+    output dtype (``out_dtype``), loss and gradients (the same masks), unpatch it; returns the report."""
+    want = _autocast_loss_and_grads(model, x)
+    with caplog.at_level(logging.INFO, logger="fk.lora"):
+        report = fk.lora.patch(model)
+        try:
+            got = _autocast_loss_and_grads(model, x)
+        finally:
+            fk.lora.unpatch(model)
+    assert "runs PEFT's forward" not in caplog.text  # every call took the fused path
+    assert got[0] == want[0] == out_dtype
+    tol = _tol(torch.bfloat16)
+    torch.testing.assert_close(got[1], want[1], rtol=tol["rtol"], atol=tol["atol"] * float(want[1]))
+    for g, w in zip(got[2], want[2], strict=True):
+        torch.testing.assert_close(g, w, rtol=tol["rtol"], atol=tol["atol"] * float(w.abs().max()))
+    return report
+
+
 peft_layers = pytest.mark.parametrize("bnb_layers", [False, True], ids=["lora_Linear", "lora_bnb_Linear4bit"])
 
 
@@ -524,22 +545,10 @@ def test_patch_fuses_4bit_under_autocast(
     same autocast, with the same masks (``lora.Linear`` draws them on the LoRA weights' dtype,
     ``lora.bnb.Linear4bit`` on the input's under CUDA autocast, which a GPU run tells apart)."""
     model = _lora_weights_to(_qlora_model(torch.bfloat16, dropout, bnb_device, bnb_layers=bnb_layers), lora_dtype)
-    x = testing.random_tensor((2, 3, IN), x_dtype, bnb_device, seed=5)
-    want = _autocast_loss_and_grads(model, x)
-    with caplog.at_level(logging.INFO, logger="fk.lora"):
-        report = fk.lora.patch(model)
-        try:
-            got = _autocast_loss_and_grads(model, x)
-        finally:
-            fk.lora.unpatch(model)
-    assert not report.skipped and report.n_patched == 3  # the MLP, the q/k/v group, o_proj
-    assert "runs PEFT's forward" not in caplog.text  # every call took the fused path
     assert (type(model.base_model.model.mlp.down_proj).__module__ == "peft.tuners.lora.bnb") == bnb_layers
-    assert got[0] == want[0] == x_dtype
-    tol = _tol(torch.bfloat16)
-    torch.testing.assert_close(got[1], want[1], rtol=tol["rtol"], atol=tol["atol"] * float(want[1]))
-    for g, w in zip(got[2], want[2], strict=True):
-        torch.testing.assert_close(g, w, rtol=tol["rtol"], atol=tol["atol"] * float(w.abs().max()))
+    x = testing.random_tensor((2, 3, IN), x_dtype, bnb_device, seed=5)
+    report = _patched_like_peft_under_autocast(model, x, x_dtype, caplog)
+    assert not report.skipped and report.n_patched == 3  # the MLP, the q/k/v group, o_proj
 
 
 @peft_layers
@@ -558,22 +567,10 @@ def test_patch_gives_a_4bit_down_proj_its_own_input_dtype_under_autocast(
         mlp.is_loaded_in_4bit = True
     config = LoraConfig(r=RANK, lora_alpha=8, lora_dropout=0.25, target_modules=["gate_proj", "up_proj", "down_proj"])
     model = testing.with_random_lora_b(peft.get_peft_model(mlp.to(bnb_device), config))
-    x = testing.random_tensor((2, 3, IN), torch.float32, bnb_device, seed=5)
-    want = _autocast_loss_and_grads(model, x)
-    with caplog.at_level(logging.INFO, logger="fk.lora"):
-        report = fk.lora.patch(model)
-        try:
-            got = _autocast_loss_and_grads(model, x)
-        finally:
-            fk.lora.unpatch(model)
-    assert report.n_patched == 1 and len(report.mlp) == 1
     assert (type(model.base_model.model.down_proj).__module__ == "peft.tuners.lora.bnb") == bnb_layers
-    assert "runs PEFT's forward" not in caplog.text
-    assert got[0] == want[0] == torch.bfloat16
-    tol = _tol(torch.bfloat16)
-    torch.testing.assert_close(got[1], want[1], rtol=tol["rtol"], atol=tol["atol"] * float(want[1]))
-    for g, w in zip(got[2], want[2], strict=True):
-        torch.testing.assert_close(g, w, rtol=tol["rtol"], atol=tol["atol"] * float(w.abs().max()))
+    x = testing.random_tensor((2, 3, IN), torch.float32, bnb_device, seed=5)
+    report = _patched_like_peft_under_autocast(model, x, torch.bfloat16, caplog)
+    assert report.n_patched == 1 and len(report.mlp) == 1
 
 
 @pytest.mark.parametrize(
