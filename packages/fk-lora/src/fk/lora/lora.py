@@ -28,7 +28,10 @@ autocast's dtype (autograd carries their gradients back through the casts, as th
 own), the base matmul runs on ``x`` cast to that dtype, the dropout is drawn on ``x`` cast to the
 LoRA weights' own dtype (PEFT's ``_cast_input_dtype``) and its result is cast to autocast's dtype
 for ``A``. Every matmul then runs in autocast's dtype, the output has that dtype, and ``dx`` is
-returned in ``x``'s. The fused functions themselves run with autocast disabled.
+returned in ``x``'s. The fused functions themselves run with autocast disabled. DoRA is fused under
+autocast where ``x`` and the (dense) base weight already have autocast's dtype: PEFT forms DoRA's
+row norm from the base weight as it is and from ``B A`` in the dtype of its (cast) input, which is
+what fk's norm does there (in the LoRA weights' dtype, as outside autocast).
 
 DoRA (PEFT ``use_dora=True``): a projection given a magnitude vector ``mag`` computes PEFT's
 ``DoraLinearLayer`` output, ``mag / ||W + s B A||`` (the row norm detached) scaling the base and
@@ -843,7 +846,7 @@ def _check_parts(
         validate.check_dtype(names[7], magnitude)
         validate.check_same_device(names[7], magnitude, "x", x)
         validate.check_shape(names[7], magnitude, (n_out,))
-        _check_dora_combination(prefix, lora_bias is not None, cast)
+        _check_dora_combination(prefix, lora_bias is not None, cast, x, weight)
     params = _Params(weight, bias, lora_A, lora_B, lora_bias)
     return Settings(scaling, dropout_p, lora_A.dtype), _cast_params(params, cast), magnitude
 
@@ -868,13 +871,21 @@ def _quantized_base(
     return QuantizedBase(q, cast if cast is not None else x.dtype)
 
 
-def _check_dora_combination(prefix: str, has_lora_bias: bool, cast: torch.dtype | None) -> None:
-    """DoRA (a magnitude) is fused without ``lora_bias`` (PEFT refuses the two together) and
-    outside autocast only."""
+def _check_dora_combination(
+    prefix: str, has_lora_bias: bool, cast: torch.dtype | None, x: torch.Tensor, weight: torch.Tensor | QuantizedBase
+) -> None:
+    """DoRA (a magnitude) is fused without ``lora_bias`` (PEFT refuses the two together); under
+    autocast where ``x`` and a dense base weight have autocast's dtype (autocast then casts the
+    LoRA branch alone, and PEFT forms the norm from the weight as it is: see :func:`lora_linear`)."""
     if has_lora_bias:
         raise ValueError(f"{prefix}magnitude (DoRA) cannot be combined with {prefix}lora_bias (PEFT refuses them together too)")  # fmt: skip
-    if cast is not None:
-        raise ValueError(f"{prefix}magnitude (DoRA) is not fused under torch.autocast; call it outside autocast")
+    quantized = isinstance(weight, QuantizedBase)
+    if cast is not None and (quantized or x.dtype != cast or weight.dtype != cast):
+        got = f"x {x.dtype}, weight {weight.dtype}{', 4-bit' if quantized else ''}"
+        raise ValueError(
+            f"{prefix}magnitude (DoRA) is fused under torch.autocast only where x and a dense base weight have "
+            f"autocast's dtype {cast} (got {got}); call it outside autocast"
+        )
 
 
 def _cast_params(params: _Params, cast: torch.dtype | None) -> _Params:
@@ -954,7 +965,8 @@ def lora_linear(
         lora_bias: ``[N]`` or None, dtype of ``lora_B``: ``lora_B``'s bias (PEFT ``lora_bias=True``).
         magnitude: ``[N]`` or None: DoRA's magnitude vector (PEFT ``use_dora=True``), any float
             dtype; the output is then PEFT's DoRA output (see :func:`lora_linear_ref` and the DoRA
-            equations above the DoRA launchers). Not with ``lora_bias``, nor under autocast.
+            equations above the DoRA launchers). Not with ``lora_bias``; under autocast only
+            where ``x`` and a dense ``base_weight`` have autocast's dtype.
 
     Returns ``(..., N)`` in ``x``'s dtype, or in autocast's dtype under autocast (then
     ``base_weight`` may have any float dtype; see the module docstring).

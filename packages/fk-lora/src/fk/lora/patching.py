@@ -38,7 +38,8 @@ LoRA and DoRA: the layer's own product gives the base output (:class:`fk.lora.qu
 At every call the patched forward checks that the module is still plain LoRA or DoRA (and, for a
 fused MLP, that no hooks are registered on its projections, which the fused call would skip: PEFT's
 mixed-batch ``adapter_names`` arrive through such hooks): one active adapter,
-not merged, adapters enabled, no LoRA variant but DoRA, DoRA outside autocast (with its dropout
+not merged, adapters enabled, no LoRA variant but DoRA, DoRA outside autocast or, on a dense
+base, under autocast where the input and base weight have its dtype (with its dropout
 module in its layer's training mode), a ``torch.nn.Linear`` base layer
 or a bitsandbytes 4-bit ``Linear4bit`` one (plain LoRA or DoRA outside autocast, the input in its
 ``compute_dtype``; plain LoRA under autocast to its ``compute_dtype``, the input in that dtype or
@@ -263,15 +264,16 @@ def _call_parts(module: Any, x: Any) -> LoRAWeights | str:
         return "input is not a float tensor"
     if quantized or int8:
         return _quantized_parts(module, name, base, x, p, int8, dora)
-    if dora and torch.is_autocast_enabled(x.device.type):
-        return "DoRA under autocast (fk.lora fuses DoRA outside autocast)"
-    magnitude = _dora_magnitude(module, name) if dora else None
-    if isinstance(magnitude, str):
-        return magnitude
     lora_a, lora_b = lora_a_dict[name]._parameters, lora_b_dict[name]._parameters
     weight, lora_a_w, lora_b_w = base._parameters["weight"], lora_a["weight"], lora_b["weight"]
     assert weight is not None and lora_a_w is not None and lora_b_w is not None
     autocast = torch.is_autocast_enabled(x.device.type)
+    dtype = torch.get_autocast_dtype(x.device.type) if autocast else x.dtype
+    if dora and autocast and (x.dtype != dtype or weight.dtype != dtype):
+        return f"DoRA under autocast to {dtype} on an input in {x.dtype} and a base weight in {weight.dtype} (fk.lora fuses DoRA under autocast where both have its dtype)"  # fmt: skip
+    magnitude = _dora_magnitude(module, name) if dora else None
+    if isinstance(magnitude, str):
+        return magnitude
     for what, t in (("base weight", weight), ("lora_A", lora_a_w), ("lora_B", lora_b_w)):
         if t.dtype not in _FLOATS:
             if autocast:  # (it leaves other dtypes alone, so PEFT's branch runs in them)
