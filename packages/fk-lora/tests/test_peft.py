@@ -217,14 +217,18 @@ def test_layers_match_peft_under_bf16_autocast(device: str, block: str, case: st
 
 @pytest.mark.parametrize("dropout", [0.0, 0.25], ids=["no_dropout", "dropout"])
 @pytest.mark.parametrize("lora_fp32", [True, False], ids=["lora_fp32", "lora_bf16"])
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32], ids=dtype_name)
 @pytest.mark.parametrize("block", ["qkv", "o", "mlp"])
-def test_dora_matches_peft_under_bf16_autocast(device: str, block: str, lora_fp32: bool, dropout: float) -> None:
+def test_dora_matches_peft_under_bf16_autocast(
+    device: str, block: str, x_dtype: torch.dtype, lora_fp32: bool, dropout: float
+) -> None:
     """DoRA under ``torch.autocast(dtype=bf16)`` on a bf16 model (HF Trainer's ``bf16=True`` on a model
-    loaded in bf16): fused, every matmul in bf16, the row norm from the bf16 weight and ``B A`` in
-    the LoRA weights' dtype, the dropout drawn on the input cast to it, as PEFT's; outputs and every
-    gradient (the magnitude's included) against float64 PEFT with PEFT's masks."""
+    loaded in bf16), its input in bf16 or fp32: fused, every matmul in bf16, the row norm from the
+    bf16 weight and ``B A`` in the LoRA weights' dtype, the dropout drawn on the input cast to it,
+    as PEFT's; outputs and every gradient (the magnitude's included) against float64 PEFT with
+    PEFT's masks."""
     model = _model(device, torch.bfloat16, lora_fp32=lora_fp32, dropout=dropout, dora=True)
-    x = testing.random_tensor((2, 5, HIDDEN), torch.bfloat16, device, seed=1)
+    x = testing.random_tensor((2, 5, HIDDEN), x_dtype, device, seed=1)
     floors = {torch.float32: testing.FLOOR[torch.bfloat16]}
     _compare(model, {"qkv": _qkv, "o": _o, "mlp": _mlp}[block], x, floors=floors, autocast=torch.bfloat16)
 
@@ -387,7 +391,7 @@ def test_dora_under_autocast_falls_back_to_peft_with_a_log_line(device: str, cap
     fused DoRA takes the weight in autocast's dtype), so it runs PEFT's forward."""
     model = _model(device, dora=True)
     x = testing.random_tensor((2, 3, HIDDEN), torch.float32, device, seed=4)
-    reason = "DoRA under autocast to torch.bfloat16 on an input in torch.float32 and a base weight in torch.float32"
+    reason = "DoRA under autocast to torch.bfloat16 on a base weight in torch.float32"
     _assert_o_falls_back(model, x, caplog, reason, autocast=True)
 
 

@@ -369,14 +369,10 @@ def test_each_weight_dequantized_once_per_pass(
 
 
 def test_quantized_base_is_refused_where_not_fused(device: str) -> None:
-    """(DoRA on a 4-bit base is fused outside autocast, as DoRA on a dense one, but not under it, even
-    on an input in autocast's dtype; int8: test_qlora_int8.py.)"""
+    """(DoRA on a 4-bit base is fused, outside autocast and under it, as DoRA on a dense one; int8:
+    test_qlora_int8.py.)"""
     gate, up, _ = _mlp_parts(device, 0.0)
     x = testing.random_tensor((3, IN), torch.float32, device, seed=2)
-    dora = gate._replace(magnitude=torch.ones(INTER, device=device))
-    autocast = torch.autocast(torch.device(device).type, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match=r"magnitude \(DoRA\) is fused under torch\.autocast only .*, 4-bit\)"), autocast:  # fmt: skip
-        fk.lora.lora_linear(x.bfloat16(), *dora)
     with pytest.raises(ValueError, match=r"down_parts\.weight takes 100 input features"):
         fk.lora.lora_mlp(x, gate, up, gate)
 
@@ -527,6 +523,7 @@ def _patched_like_peft_under_autocast(
 peft_layers = pytest.mark.parametrize("bnb_layers", [False, True], ids=["lora_Linear", "lora_bnb_Linear4bit"])
 
 
+@dora_or_not
 @peft_layers
 @pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32], ids=["bf16_input", "fp32_input"])
 @pytest.mark.parametrize(
@@ -535,7 +532,7 @@ peft_layers = pytest.mark.parametrize("bnb_layers", [False, True], ids=["lora_Li
     ids=["no_dropout", "dropout_bf16_lora", "dropout_fp32_lora"],
 )
 def test_patch_fuses_4bit_under_autocast(
-    bnb_device: str, x_dtype: torch.dtype, dropout: float, lora_dtype: torch.dtype, bnb_layers: bool,
+    bnb_device: str, x_dtype: torch.dtype, dropout: float, lora_dtype: torch.dtype, bnb_layers: bool, dora: bool,
     caplog: pytest.LogCaptureFixture,
 ) -> None:  # fmt: skip
     """Under bf16 autocast (HF Trainer's ``bf16=True``), a block on 4-bit bases of compute_dtype bf16,
@@ -544,11 +541,16 @@ def test_patch_fuses_4bit_under_autocast(
     ``lora.Linear`` or ``lora.bnb.Linear4bit``: every LoRA layer fused; the output's dtype (PEFT's
     layers on 4-bit bases return their input's), the loss and every gradient as PEFT's under the
     same autocast, with the same masks (``lora.Linear`` draws them on the LoRA weights' dtype,
-    ``lora.bnb.Linear4bit`` on the input's under CUDA autocast, which a GPU run tells apart)."""
-    model = _lora_weights_to(_qlora_model(torch.bfloat16, dropout, bnb_device, bnb_layers=bnb_layers), lora_dtype)
+    ``lora.bnb.Linear4bit`` on the input's under CUDA autocast, which a GPU run tells apart), plain
+    LoRA and DoRA (whose ``lora.bnb.Linear4bit`` returns the magnitude's wider dtype under CUDA
+    autocast, adding its terms without casting back)."""
+    model = _qlora_model(torch.bfloat16, dropout, bnb_device, dora, bnb_layers=bnb_layers)
+    model = _lora_weights_to(model, lora_dtype)  # (the DoRA magnitude too)
     assert (type(model.base_model.model.mlp.down_proj).__module__ == "peft.tuners.lora.bnb") == bnb_layers
     x = testing.random_tensor((2, 3, IN), x_dtype, bnb_device, seed=5)
-    report = _patched_like_peft_under_autocast(model, x, x_dtype, caplog)
+    cuda_bnb_dora = dora and bnb_layers and torch.device(bnb_device).type == "cuda"
+    out_dtype = torch.promote_types(x_dtype, lora_dtype) if cuda_bnb_dora else x_dtype
+    report = _patched_like_peft_under_autocast(model, x, out_dtype, caplog)
     assert not report.skipped and report.n_patched == 3  # the MLP, the q/k/v group, o_proj
 
 
@@ -575,22 +577,20 @@ def test_patch_gives_a_4bit_down_proj_its_own_input_dtype_under_autocast(
 
 
 @pytest.mark.parametrize(
-    ("dora", "compute", "x_dtype", "reason"),
+    ("compute", "x_dtype", "reason"),
     [
-        (True, torch.bfloat16, torch.bfloat16, "DoRA on a 4-bit base under autocast"),
-        (False, torch.float16, torch.float16, "compute_dtype torch.float16 under autocast to torch.bfloat16"),
-        (False, torch.bfloat16, torch.float16, "input dtype torch.float16 on a 4-bit base under autocast"),
+        (torch.float16, torch.float16, "compute_dtype torch.float16 under autocast to torch.bfloat16"),
+        (torch.bfloat16, torch.float16, "input dtype torch.float16 on a 4-bit base under autocast"),
     ],
-    ids=["dora", "compute_unlike_autocast", "fp16_input"],
+    ids=["compute_unlike_autocast", "fp16_input"],
 )
 def test_patch_leaves_4bit_under_autocast_to_peft_where_it_differs(
-    bnb_device: str, dora: bool, compute: torch.dtype, x_dtype: torch.dtype, reason: str,
-    caplog: pytest.LogCaptureFixture,
-) -> None:  # fmt: skip
-    """Under bf16 autocast, DoRA on a 4-bit base, a compute_dtype unlike autocast's dtype and an fp16
-    input run PEFT's forward, with a log line naming why; the output is PEFT's (the same generator
-    state for both calls)."""
-    model = _qlora_model(compute, 0.25, bnb_device, dora)
+    bnb_device: str, compute: torch.dtype, x_dtype: torch.dtype, reason: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Under bf16 autocast, a compute_dtype unlike autocast's dtype and an fp16 input run PEFT's
+    forward, with a log line naming why; the output is PEFT's (the same generator state for both
+    calls)."""
+    model = _qlora_model(compute, 0.25, bnb_device)
     x = testing.random_tensor((2, 3, IN), x_dtype, bnb_device, seed=5)
     autocast = torch.autocast(torch.device(bnb_device).type, dtype=torch.bfloat16)
     torch.manual_seed(1)

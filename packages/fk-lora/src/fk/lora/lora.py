@@ -29,9 +29,12 @@ own), the base matmul runs on ``x`` cast to that dtype, the dropout is drawn on 
 LoRA weights' own dtype (PEFT's ``_cast_input_dtype``) and its result is cast to autocast's dtype
 for ``A``. Every matmul then runs in autocast's dtype, the output has that dtype, and ``dx`` is
 returned in ``x``'s. The fused functions themselves run with autocast disabled. DoRA is fused under
-autocast where ``x`` and the (dense) base weight already have autocast's dtype: PEFT forms DoRA's
-row norm from the base weight as it is and from ``B A`` in the dtype of its (cast) input, which is
-what fk's norm does there (in the LoRA weights' dtype, as outside autocast).
+autocast on a 4-bit base and on a dense base weight already in autocast's dtype: PEFT forms DoRA's
+row norm from the base weight as it is (a 4-bit one dequantized) and from ``B A`` in the dtype of
+its (cast) input, the LoRA weights', as fk's norm does (an fp32 base weight would be cast first,
+so it is refused). DoRA's launchers take ``x`` cast to autocast's dtype, so its dropout is drawn on
+that cast again to the LoRA weights' dtype: the same mask as on ``x`` itself, the dropped values
+rounded once more than PEFT's where ``x`` is wider (autocast rounds them for ``A`` anyway).
 
 DoRA (PEFT ``use_dora=True``): a projection given a magnitude vector ``mag`` computes PEFT's
 ``DoraLinearLayer`` output, ``mag / ||W + s B A||`` (the row norm detached) scaling the base and
@@ -846,7 +849,7 @@ def _check_parts(
         validate.check_dtype(names[7], magnitude)
         validate.check_same_device(names[7], magnitude, "x", x)
         validate.check_shape(names[7], magnitude, (n_out,))
-        _check_dora_combination(prefix, lora_bias is not None, cast, x, weight)
+        _check_dora_combination(prefix, lora_bias is not None, cast, weight)
     params = _Params(weight, bias, lora_A, lora_B, lora_bias)
     return Settings(scaling, dropout_p, lora_A.dtype), _cast_params(params, cast), magnitude
 
@@ -872,19 +875,17 @@ def _quantized_base(
 
 
 def _check_dora_combination(
-    prefix: str, has_lora_bias: bool, cast: torch.dtype | None, x: torch.Tensor, weight: torch.Tensor | QuantizedBase
+    prefix: str, has_lora_bias: bool, cast: torch.dtype | None, weight: torch.Tensor | QuantizedBase
 ) -> None:
     """DoRA (a magnitude) is fused without ``lora_bias`` (PEFT refuses the two together); under
-    autocast where ``x`` and a dense base weight have autocast's dtype (autocast then casts the
-    LoRA branch alone, and PEFT forms the norm from the weight as it is: see :func:`lora_linear`)."""
+    autocast on a 4-bit base or a dense base weight in autocast's dtype (PEFT forms the norm from
+    the weight as it is: see the module docstring)."""
     if has_lora_bias:
         raise ValueError(f"{prefix}magnitude (DoRA) cannot be combined with {prefix}lora_bias (PEFT refuses them together too)")  # fmt: skip
-    quantized = isinstance(weight, QuantizedBase)
-    if cast is not None and (quantized or x.dtype != cast or weight.dtype != cast):
-        got = f"x {x.dtype}, weight {weight.dtype}{', 4-bit' if quantized else ''}"
+    if cast is not None and not isinstance(weight, QuantizedBase) and weight.dtype != cast:
         raise ValueError(
-            f"{prefix}magnitude (DoRA) is fused under torch.autocast only where x and a dense base weight have "
-            f"autocast's dtype {cast} (got {got}); call it outside autocast"
+            f"{prefix}magnitude (DoRA) is fused under torch.autocast only where a dense base weight has autocast's "
+            f"dtype {cast} (got {weight.dtype}: PEFT forms DoRA's norm from the weight as it is); call it outside autocast"
         )
 
 
@@ -966,7 +967,7 @@ def lora_linear(
         magnitude: ``[N]`` or None: DoRA's magnitude vector (PEFT ``use_dora=True``), any float
             dtype; the output is then PEFT's DoRA output (see :func:`lora_linear_ref` and the DoRA
             equations above the DoRA launchers). Not with ``lora_bias``; under autocast only
-            where ``x`` and a dense ``base_weight`` have autocast's dtype.
+            on a 4-bit base or a dense ``base_weight`` in autocast's dtype.
 
     Returns ``(..., N)`` in ``x``'s dtype, or in autocast's dtype under autocast (then
     ``base_weight`` may have any float dtype; see the module docstring).
@@ -992,7 +993,13 @@ def _projections(x: torch.Tensor, checked: Sequence[tuple[Settings, _Params, tor
         DoRAParams(part[1].weight, part[1].bias, part[1].lora_A, part[1].lora_B, magnitude)
         for part, magnitude in zip(checked, present, strict=True)
     ]
-    return _apply(DoRAProjections, x, settings, *to_flat(params))
+    return _apply(DoRAProjections, _in_compute_dtype(x, params[0].weight), settings, *to_flat(params))
+
+
+def _in_compute_dtype(x: torch.Tensor, weight: torch.Tensor | QuantizedBase) -> torch.Tensor:
+    """``x`` in the base weight's dtype, which DoRA's launchers take it in (cast under autocast only:
+    outside it the checks made the two agree); autograd carries ``dx`` back through the cast."""
+    return x if x.dtype == weight.dtype else x.to(weight.dtype)
 
 
 lora_o = lora_linear
@@ -1092,7 +1099,7 @@ def module_mlp(
     magnitudes = [magnitude_g, magnitude_u, magnitude_d]
     if all(m is not None for m in magnitudes):
         dora = [DoRAParams(p.weight, p.bias, p.lora_A, p.lora_B, m) for p, m in zip((params_g, params_u, params_d), magnitudes, strict=True)]  # type: ignore[arg-type]  # fmt: skip
-        return _apply(DoRAMLP, x, act, (settings_g, settings_u, settings_d), *to_flat(dora))
+        return _apply(DoRAMLP, _in_compute_dtype(x, params_g.weight), act, (settings_g, settings_u, settings_d), *to_flat(dora))  # fmt: skip
     if any(m is not None for m in magnitudes):  # DoRA on some of them: composed, h kept
         gate_up = [(settings_g, params_g, magnitude_g), (settings_u, params_u, magnitude_u)]
         gate, up = _projections(x, gate_up)

@@ -38,12 +38,12 @@ LoRA and DoRA: the layer's own product gives the base output (:class:`fk.lora.qu
 At every call the patched forward checks that the module is still plain LoRA or DoRA (and, for a
 fused MLP, that no hooks are registered on its projections, which the fused call would skip: PEFT's
 mixed-batch ``adapter_names`` arrive through such hooks): one active adapter,
-not merged, adapters enabled, no LoRA variant but DoRA, DoRA outside autocast or, on a dense
-base, under autocast where the input and base weight have its dtype (with its dropout
+not merged, adapters enabled, no LoRA variant but DoRA, DoRA outside autocast or under autocast
+on a base weight in its dtype or a 4-bit one (with its dropout
 module in its layer's training mode), a ``torch.nn.Linear`` base layer
 or a bitsandbytes 4-bit ``Linear4bit`` one (plain LoRA or DoRA outside autocast, the input in its
-``compute_dtype``; plain LoRA under autocast to its ``compute_dtype``, the input in that dtype or
-in fp32, as ``peft.prepare_model_for_kbit_training`` leaves the hidden states) or int8
+``compute_dtype``; plain LoRA or DoRA under autocast to its ``compute_dtype``, the input in that dtype
+or in fp32, as ``peft.prepare_model_for_kbit_training`` leaves the hidden states) or int8
 ``Linear8bitLt`` one (plain LoRA or DoRA, outside autocast, its bias in
 the input's dtype), base and LoRA weights in fp32, fp16 or bf16, the base weight
 in the input's dtype (any of those under autocast, which casts every operand, as fk.lora's
@@ -268,9 +268,8 @@ def _call_parts(module: Any, x: Any) -> LoRAWeights | str:
     weight, lora_a_w, lora_b_w = base._parameters["weight"], lora_a["weight"], lora_b["weight"]
     assert weight is not None and lora_a_w is not None and lora_b_w is not None
     autocast = torch.is_autocast_enabled(x.device.type)
-    dtype = torch.get_autocast_dtype(x.device.type) if autocast else x.dtype
-    if dora and autocast and (x.dtype != dtype or weight.dtype != dtype):
-        return f"DoRA under autocast to {dtype} on an input in {x.dtype} and a base weight in {weight.dtype} (fk.lora fuses DoRA under autocast where both have its dtype)"  # fmt: skip
+    if dora and autocast and weight.dtype != (dtype := torch.get_autocast_dtype(x.device.type)):
+        return f"DoRA under autocast to {dtype} on a base weight in {weight.dtype} (PEFT's norm takes the weight as it is; fk.lora fuses DoRA under autocast on weights in its dtype)"  # fmt: skip
     magnitude = _dora_magnitude(module, name) if dora else None
     if isinstance(magnitude, str):
         return magnitude
@@ -302,8 +301,8 @@ def _quantized_parts(
 ) -> LoRAWeights | str:
     """:func:`_call_parts` for a LoRA layer on a bitsandbytes base (plain LoRA or ``dora``, checked up
     to the dropout), outside autocast with the input in the base's ``compute_dtype``; under
-    autocast, plain LoRA on a 4-bit base whose ``compute_dtype`` is autocast's, the input in that
-    dtype or in fp32 (``peft.prepare_model_for_kbit_training`` keeps the hidden states in fp32).
+    autocast, on a 4-bit base whose ``compute_dtype`` is autocast's, the input in that dtype or in
+    fp32 (``peft.prepare_model_for_kbit_training`` keeps the hidden states in fp32).
 
     Under autocast every matmul of PEFT's layer runs in autocast's dtype (bitsandbytes casts the
     input for the base product, autocast the LoRA branch's operands), as in the fused call, which
@@ -313,9 +312,10 @@ def _quantized_parts(
     where ``torch.is_autocast_enabled()`` (CUDA's) is on: there the mask is drawn on the input's
     dtype, under CPU autocast and in ``lora.Linear`` on the LoRA weights'. The LoRA weights go to
     the fused call cast to the dtype the mask is drawn in (the fused functions draw it in theirs;
-    autograd carries the gradients back through the cast). The fused call returns autocast's
-    dtype; PEFT's layer returns the input's (bitsandbytes casts its product back):
-    :func:`_as_peft_output` casts.
+    autograd carries the gradients back through the cast); DoRA's norm is formed in that dtype
+    too, PEFT's input's at its DoRA forward, with or without dropout. The fused call returns
+    autocast's dtype; PEFT's layer the input's, bitsandbytes casting its product back, or wider
+    (:func:`_peft_output_dtype`): :func:`_as_peft_output` casts.
 
     4-bit (``lora.bnb.Linear4bit``): the base weight as a :class:`fk.lora.quant.QuantizedWeight`
     (read at every call: it shares the layer's tensors, no copy), dequantized by the fused call to
@@ -331,8 +331,8 @@ def _quantized_parts(
     PEFT's forward then does for this call (and the next call is fused)."""
     what = "int8" if int8 else "4-bit"
     autocast = torch.is_autocast_enabled(x.device.type)
-    if autocast and (int8 or dora):
-        return f"{'DoRA on a 4-bit' if dora and not int8 else what} base under autocast (fk.lora fuses it outside autocast)"  # fmt: skip
+    if autocast and int8:
+        return "int8 base under autocast (fk.lora fuses it outside autocast)"
     magnitude = _dora_magnitude(module, name) if dora else None
     if isinstance(magnitude, str):
         return magnitude
@@ -368,35 +368,55 @@ def _quantized_parts(
         bias = bias.to(compute)  # (autograd carries a trainable bias's gradient back through the cast)
     lora_bias = lora_b.get("bias")
     if autocast:  # the LoRA weights in the dtype PEFT draws the mask in (see above)
-        peft_4bit = _peft_bnb_class("Linear4bit")  # (isinstance: a patched module's class is a subclass of it)
-        bnb_skips_cast = peft_4bit is not None and isinstance(module, peft_4bit) and torch.is_autocast_enabled()
-        casts = getattr(module, "cast_input_dtype_enabled", True) and not bnb_skips_cast
-        drawn_in = lora_a_w.dtype if p > 0 and casts else x.dtype
+        casts = getattr(module, "cast_input_dtype_enabled", True) and not _bnb_skips_casts(module)
+        drawn_in = lora_a_w.dtype if casts and (p > 0 or dora) else x.dtype  # (DoRA's norm is formed in it too)
         lora_a_w, lora_b_w = lora_a_w.to(drawn_in), lora_b_w.to(drawn_in)
         lora_bias = None if lora_bias is None else lora_bias.to(drawn_in)
     return LoRAWeights(weight, bias, lora_a_w, lora_b_w, float(module.scaling[name]), p, lora_bias, magnitude)
 
 
-def _as_peft_output(y: torch.Tensor, x: torch.Tensor, parts: LoRAWeights) -> torch.Tensor:
-    """The fused output ``y`` of a projection of ``x`` in the dtype PEFT's layer returns: under
-    autocast the fused call returns autocast's dtype, and so does PEFT's ``lora.Linear``, but on a
-    4-bit base bitsandbytes casts the base product back to the input's dtype (fp32 hidden states,
-    say), to which PEFT adds its LoRA branch. (fk rounds the sum to autocast's dtype first: the two
-    differ by at most half a unit in its last place.)"""
-    if y.dtype != x.dtype and isinstance(parts.weight, QuantizedWeight):
-        return y.to(x.dtype)
-    return y
+def _bnb_skips_casts(module: Any) -> bool:
+    """Whether ``module`` is PEFT's ``lora.bnb.Linear4bit`` under CUDA autocast (its
+    ``torch.is_autocast_enabled()``), where its forward neither casts its input to the LoRA weights'
+    dtype nor its result back to the input's. (``isinstance``: a patched module's class is a
+    subclass of its own.)"""
+    peft_4bit = _peft_bnb_class("Linear4bit")
+    return peft_4bit is not None and isinstance(module, peft_4bit) and torch.is_autocast_enabled()
 
 
-def _peft_intermediate(x: torch.Tensor, gate: LoRAWeights, up: LoRAWeights) -> torch.Tensor:
+def _peft_output_dtype(module: Any, parts: LoRAWeights, x_dtype: torch.dtype, device_type: str) -> torch.dtype:
+    """The dtype PEFT's layer returns under autocast on an input of ``x_dtype``: autocast's on a dense
+    base (``F.linear``'s, to which ``lora.Linear`` casts its sum back); on a 4-bit base the input's
+    (bitsandbytes casts its product back to it), except DoRA in ``lora.bnb.Linear4bit`` under CUDA
+    autocast, which adds DoRA's terms (in autocast's dtype, scaled by ``magnitude / norm``) without
+    casting the sum back."""
+    autocast_dtype = torch.get_autocast_dtype(device_type)
+    if not isinstance(parts.weight, QuantizedWeight):
+        return autocast_dtype
+    if parts.magnitude is not None and _bnb_skips_casts(module):
+        return torch.promote_types(x_dtype, torch.promote_types(parts.magnitude.dtype, autocast_dtype))
+    return x_dtype
+
+
+def _as_peft_output(y: torch.Tensor, x: torch.Tensor, parts: LoRAWeights, module: Any) -> torch.Tensor:
+    """The fused output ``y`` of ``module`` on ``x`` in the dtype PEFT's layer returns: outside autocast
+    ``x``'s, as the fused call's; under it :func:`_peft_output_dtype` (the fused call returns
+    autocast's dtype, its sum rounded to it: at most half a unit in its last place from PEFT's
+    wider sum)."""
+    if not torch.is_autocast_enabled(x.device.type):
+        return y
+    dtype = _peft_output_dtype(module, parts, x.dtype, x.device.type)
+    return y if y.dtype == dtype else y.to(dtype)
+
+
+def _peft_intermediate(x: torch.Tensor, gate: LoRAWeights, up: LoRAWeights, modules: list[nn.Module]) -> torch.Tensor:
     """``x``, or a stand-in without elements of the dtype PEFT's ``act_fn(gate_proj(x)) * up_proj(x)``
-    has where it differs from ``x``'s (under autocast on fp32 ``x``, a gate and up both of dense
-    bases give autocast's dtype: :func:`_as_peft_output`): ``down_proj``'s checks and its mask's
-    dtype are those of its own input, which the fused MLP forms inside."""
+    has where it differs from ``x``'s (under autocast, gate's and up's output dtypes:
+    :func:`_peft_output_dtype`): ``down_proj``'s checks, its mask's dtype and its output's are
+    those of its own input, which the fused MLP forms inside."""
     if not torch.is_autocast_enabled(x.device.type):
         return x
-    outputs = [x.dtype if isinstance(p.weight, QuantizedWeight) else torch.get_autocast_dtype(x.device.type)
-               for p in (gate, up)]  # fmt: skip
+    outputs = [_peft_output_dtype(m, p, x.dtype, x.device.type) for m, p in zip(modules, (gate, up), strict=True)]
     dtype = torch.promote_types(*outputs)
     return x if dtype == x.dtype else x.new_empty((0, x.shape[-1]), dtype=dtype)
 
@@ -423,7 +443,7 @@ def _linear_forward(module: nn.Module, label: str, x: Any, *args: Any, **kwargs:
         _fallback(module, label, parts)
         return stock_forward(module, _STOCK, x, *args, **kwargs)
     (y,) = module_projections(x, [parts], from_module=True)
-    return _as_peft_output(y, x, parts)
+    return _as_peft_output(y, x, parts, module)
 
 
 def _label(member: nn.Module) -> str:
@@ -448,8 +468,9 @@ def _shared_forward(
             if not reasons and len({p.magnitude is None for p in parts if not isinstance(p, str)}) > 1:
                 reasons = ["DoRA on some of the projections only (each is fused alone)"]
             if not reasons:
-                outs = module_projections(x, parts, from_module=True)  # type: ignore[arg-type]
-                return group.hand_out(x, [_as_peft_output(y, x, p) for y, p in zip(outs, parts, strict=True)])  # type: ignore[arg-type]  # fmt: skip
+                ys = module_projections(x, parts, from_module=True)  # type: ignore[arg-type]
+                members = group.members
+                return group.hand_out(x, [_as_peft_output(y, x, p, m) for y, p, m in zip(ys, parts, members, strict=True)])  # type: ignore[arg-type]  # fmt: skip
             _fallback(module, label + " (QKV group)", "; ".join(reasons))
         return _linear_forward(module, label, x, *args, **kwargs)
     was_split = group.split
@@ -514,7 +535,7 @@ def _mlp_forward(mlp: nn.Module, label: str, act: str, x: Any, *args: Any, **kwa
         _fallback(mlp, label, f"hooks are registered on {', '.join(hooked)} (or globally)")
         return stock_forward(mlp, _STOCK, x)
     gate, up = _call_parts(projections[0], x), _call_parts(projections[1], x)
-    h = x if isinstance(gate, str) or isinstance(up, str) else _peft_intermediate(x, gate, up)
+    h = x if isinstance(gate, str) or isinstance(up, str) else _peft_intermediate(x, gate, up, projections[:2])
     down = _call_parts(projections[2], h)
     reasons = [f"{n}: {p}" for n, p in zip(_MLP, (gate, up, down), strict=True) if isinstance(p, str)]
     if not reasons and (gate.magnitude is None) != (up.magnitude is None):  # type: ignore[union-attr]
@@ -523,7 +544,7 @@ def _mlp_forward(mlp: nn.Module, label: str, act: str, x: Any, *args: Any, **kwa
         _fallback(mlp, label, "; ".join(reasons))
         return stock_forward(mlp, _STOCK, x)
     y = module_mlp(x, gate, up, down, act, from_module=True)  # type: ignore[arg-type]
-    return _as_peft_output(y, h, down)  # type: ignore[arg-type]
+    return _as_peft_output(y, h, down, projections[2])  # type: ignore[arg-type]
 
 
 def _swap(module: nn.Module, call: tuple[Any, ...], saved: list[nn.Module]) -> None:
