@@ -268,8 +268,9 @@ def _call_parts(module: Any, x: Any) -> LoRAWeights | str:
     weight, lora_a_w, lora_b_w = base._parameters["weight"], lora_a["weight"], lora_b["weight"]
     assert weight is not None and lora_a_w is not None and lora_b_w is not None
     autocast = torch.is_autocast_enabled(x.device.type)
-    if dora and autocast and weight.dtype != (dtype := torch.get_autocast_dtype(x.device.type)):
-        return f"DoRA under autocast to {dtype} on a base weight in {weight.dtype} (PEFT's norm takes the weight as it is; fk.lora fuses DoRA under autocast on weights in its dtype)"  # fmt: skip
+    autocast_dtype = torch.get_autocast_dtype(x.device.type) if autocast else None
+    if dora and autocast and weight.dtype != autocast_dtype:
+        return f"DoRA under autocast to {autocast_dtype} on a base weight in {weight.dtype} (PEFT's norm takes the weight as it is; fk.lora fuses DoRA under autocast on weights in its dtype)"  # fmt: skip
     magnitude = _dora_magnitude(module, name) if dora else None
     if isinstance(magnitude, str):
         return magnitude
