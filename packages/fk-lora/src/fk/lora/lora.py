@@ -28,13 +28,16 @@ autocast's dtype (autograd carries their gradients back through the casts, as th
 own), the base matmul runs on ``x`` cast to that dtype, the dropout is drawn on ``x`` cast to the
 LoRA weights' own dtype (PEFT's ``_cast_input_dtype``) and its result is cast to autocast's dtype
 for ``A``. Every matmul then runs in autocast's dtype, the output has that dtype, and ``dx`` is
-returned in ``x``'s. The fused functions themselves run with autocast disabled. DoRA is fused under
-autocast on a 4-bit base and on a dense base weight already in autocast's dtype: PEFT forms DoRA's
-row norm from the base weight as it is (a 4-bit one dequantized) and from ``B A`` in the dtype of
-its (cast) input, the LoRA weights', as fk's norm does (an fp32 base weight would be cast first,
-so it is refused). DoRA's launchers take ``x`` cast to autocast's dtype, so its dropout is drawn on
-that cast again to the LoRA weights' dtype: the same mask as on ``x`` itself, the dropped values
-rounded once more than PEFT's where ``x`` is wider (autocast rounds them for ``A`` anyway).
+returned in ``x``'s. The fused functions themselves run with autocast disabled. DoRA too: PEFT
+forms its row norm from the base weight as it is (a 4-bit one dequantized) and from ``B A``, in
+the dtype of its (cast) input, the LoRA weights', which is where fk's norm is rounded; fk forms it
+from the weight cast to autocast's dtype, so where the weight is wider (an fp32 model) the norms
+differ by that rounding: at most 1.8e-4 relative on rows of 4096 random weights (7.5e-5 on rows
+of 14336), against bf16's 2.0e-3 half unit that rounds every output
+(``benchmarks/experiments/INDEX.md#dora_norm_rounding``). DoRA's launchers take ``x``
+cast to autocast's dtype, so its dropout is drawn on that cast again to the LoRA weights' dtype:
+the same mask as on ``x`` itself, the dropped values rounded once more than PEFT's where ``x`` is
+wider (autocast rounds them for ``A`` anyway).
 
 DoRA (PEFT ``use_dora=True``): a projection given a magnitude vector ``mag`` computes PEFT's
 ``DoraLinearLayer`` output, ``mag / ||W + s B A||`` (the row norm detached) scaling the base and
@@ -849,7 +852,7 @@ def _check_parts(
         validate.check_dtype(names[7], magnitude)
         validate.check_same_device(names[7], magnitude, "x", x)
         validate.check_shape(names[7], magnitude, (n_out,))
-        _check_dora_combination(prefix, lora_bias is not None, cast, weight)
+        _check_dora_combination(prefix, lora_bias is not None)
     params = _Params(weight, bias, lora_A, lora_B, lora_bias)
     return Settings(scaling, dropout_p, lora_A.dtype), _cast_params(params, cast), magnitude
 
@@ -874,19 +877,10 @@ def _quantized_base(
     return QuantizedBase(q, cast if cast is not None else x.dtype)
 
 
-def _check_dora_combination(
-    prefix: str, has_lora_bias: bool, cast: torch.dtype | None, weight: torch.Tensor | QuantizedBase
-) -> None:
-    """DoRA (a magnitude) is fused without ``lora_bias`` (PEFT refuses the two together); under
-    autocast on a 4-bit base or a dense base weight in autocast's dtype (PEFT forms the norm from
-    the weight as it is: see the module docstring)."""
+def _check_dora_combination(prefix: str, has_lora_bias: bool) -> None:
+    """DoRA (a magnitude) is fused without ``lora_bias`` (PEFT refuses the two together)."""
     if has_lora_bias:
         raise ValueError(f"{prefix}magnitude (DoRA) cannot be combined with {prefix}lora_bias (PEFT refuses them together too)")  # fmt: skip
-    if cast is not None and not isinstance(weight, QuantizedBase) and weight.dtype != cast:
-        raise ValueError(
-            f"{prefix}magnitude (DoRA) is fused under torch.autocast only where a dense base weight has autocast's "
-            f"dtype {cast} (got {weight.dtype}: PEFT forms DoRA's norm from the weight as it is); call it outside autocast"
-        )
 
 
 def _cast_params(params: _Params, cast: torch.dtype | None) -> _Params:
@@ -966,8 +960,7 @@ def lora_linear(
         lora_bias: ``[N]`` or None, dtype of ``lora_B``: ``lora_B``'s bias (PEFT ``lora_bias=True``).
         magnitude: ``[N]`` or None: DoRA's magnitude vector (PEFT ``use_dora=True``), any float
             dtype; the output is then PEFT's DoRA output (see :func:`lora_linear_ref` and the DoRA
-            equations above the DoRA launchers). Not with ``lora_bias``; under autocast only
-            on a 4-bit base or a dense ``base_weight`` in autocast's dtype.
+            equations above the DoRA launchers). Not with ``lora_bias``.
 
     Returns ``(..., N)`` in ``x``'s dtype, or in autocast's dtype under autocast (then
     ``base_weight`` may have any float dtype; see the module docstring).

@@ -38,8 +38,7 @@ LoRA and DoRA: the layer's own product gives the base output (:class:`fk.lora.qu
 At every call the patched forward checks that the module is still plain LoRA or DoRA (and, for a
 fused MLP, that no hooks are registered on its projections, which the fused call would skip: PEFT's
 mixed-batch ``adapter_names`` arrive through such hooks): one active adapter,
-not merged, adapters enabled, no LoRA variant but DoRA, DoRA outside autocast or under autocast
-on a base weight in its dtype or a 4-bit one (with its dropout
+not merged, adapters enabled, no LoRA variant but DoRA (with its dropout
 module in its layer's training mode), a ``torch.nn.Linear`` base layer
 or a bitsandbytes 4-bit ``Linear4bit`` one (plain LoRA or DoRA outside autocast, the input in its
 ``compute_dtype``; plain LoRA or DoRA under autocast to its ``compute_dtype``, the input in that dtype
@@ -268,9 +267,6 @@ def _call_parts(module: Any, x: Any) -> LoRAWeights | str:
     weight, lora_a_w, lora_b_w = base._parameters["weight"], lora_a["weight"], lora_b["weight"]
     assert weight is not None and lora_a_w is not None and lora_b_w is not None
     autocast = torch.is_autocast_enabled(x.device.type)
-    autocast_dtype = torch.get_autocast_dtype(x.device.type) if autocast else None
-    if dora and autocast and weight.dtype != autocast_dtype:
-        return f"DoRA under autocast to {autocast_dtype} on a base weight in {weight.dtype} (PEFT's norm takes the weight as it is; fk.lora fuses DoRA under autocast on weights in its dtype)"  # fmt: skip
     magnitude = _dora_magnitude(module, name) if dora else None
     if isinstance(magnitude, str):
         return magnitude
