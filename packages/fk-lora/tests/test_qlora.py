@@ -7,9 +7,11 @@ it, or without its 4-bit backend for the device."""
 
 from __future__ import annotations
 
+import copy
 import gc
 import importlib
 import logging
+import statistics
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -27,8 +29,9 @@ LoraConfig = peft.LoraConfig
 try:  # (the tests against bitsandbytes take the bnb_device fixture: skipped without it)
     import bitsandbytes as bnb
     import peft.tuners.lora.bnb as peft_bnb
+    from peft.utils.integrations import dequantize_module_weight
 except ImportError:
-    bnb = peft_bnb = None
+    bnb = peft_bnb = dequantize_module_weight = None
 
 # Blocksize 64 with 100 input features: blocks span rows. (Not 96: bitsandbytes 0.50.2's native CPU
 # dequantize_4bit is wrong for K = 96, blocksize 64 -- its own round trip is off by ~1.5 while
@@ -499,12 +502,64 @@ def _autocast_loss_and_grads(model: Any, x: torch.Tensor) -> tuple[torch.dtype, 
     return out_dtype, loss, grads
 
 
+def _float64_replaying(model: Any, masks: dict[str, torch.Tensor]) -> Any:
+    """A float64 CPU copy of the PEFT ``model`` whose 4-bit bases are dense layers of their
+    dequantized weights (PEFT's own ``dequantize_module_weight``) and whose dropout modules apply
+    ``masks`` (by module name) instead of drawing: the exact arithmetic of PEFT's forward."""
+    reference = copy.deepcopy(model)
+    for module in list(reference.modules()):
+        base = getattr(module, "base_layer", None)
+        if isinstance(base, bnb.nn.Linear4bit):
+            dense = torch.nn.Linear(base.in_features, base.out_features, bias=base.bias is not None)
+            with torch.no_grad():
+                dense.weight.copy_(dequantize_module_weight(base).float().cpu())
+                if base.bias is not None:
+                    dense.bias.copy_(base.bias.float().cpu())
+            dense.weight.requires_grad_(False)
+            if base.bias is not None:
+                dense.bias.requires_grad_(base.bias.requires_grad)
+            module.base_layer = dense
+    reference = reference.to("cpu", torch.float64)
+    for name, m in reference.named_modules():
+        if name in masks:
+            m.register_forward_hook(lambda mod, inp, out, name=name: inp[0] * masks[name] / (1 - mod.p))
+    return reference
+
+
+def _rms_relative_error(actual: torch.Tensor, reference: torch.Tensor) -> float:
+    """``||actual - reference|| / ||reference||`` (Frobenius norms, in float64 on the CPU)."""
+    diff = actual.detach().cpu().double() - reference.double()
+    return float(diff.norm() / reference.double().norm())
+
+
 def _patched_like_peft_under_autocast(
     model: Any, x: torch.Tensor, out_dtype: torch.dtype, caplog: pytest.LogCaptureFixture
 ) -> Any:
     """Patch ``model``, check that under bf16 autocast every call took the fused path and gave PEFT's
-    output dtype (``out_dtype``), loss and gradients (the same masks), unpatch it; returns the report."""
-    want = _autocast_loss_and_grads(model, x)
+    output dtype (``out_dtype``) and PEFT's loss and gradients with the same masks, unpatch it;
+    returns the report.
+
+    fk and PEFT are both measured against PEFT's forward in float64 replaying PEFT's masks
+    (:func:`_float64_replaying`), by the relative RMS error of the loss and of each gradient. Through
+    these four bf16 layers both are off by about 1% typically and up to 7% of the largest element,
+    on different elements (each rounds where the other does not), so the max-error rule of
+    :func:`fk.core.testing.assert_close` (twice PEFT's error) fails by chance where neither is
+    wrong: ``benchmarks/experiments/INDEX.md#qlora_autocast_noise``. The rule here: over the model,
+    fk's median error is at most twice PEFT's (0.49 to 1.68 times on 42 H200 cases; a 5% error in
+    every LoRA scaling gives 6.8 to 8.3 times); each tensor's error at most four times PEFT's
+    (PEFT's median where larger) plus bf16's floor (a wrong mask or dtype anywhere costs that
+    tensor tens of percent)."""
+    masks: dict[str, torch.Tensor] = {}
+    hooks = [
+        m.register_forward_hook(lambda mod, inp, out, name=n: masks.__setitem__(name, (out != 0).cpu()))
+        for n, m in model.named_modules()
+        if isinstance(m, torch.nn.Dropout)
+    ]
+    try:
+        want = _autocast_loss_and_grads(model, x)
+    finally:
+        for h in hooks:
+            h.remove()
     with caplog.at_level(logging.INFO, logger="fk.lora"):
         report = fk.lora.patch(model)
         try:
@@ -513,10 +568,18 @@ def _patched_like_peft_under_autocast(
             fk.lora.unpatch(model)
     assert "runs PEFT's forward" not in caplog.text  # every call took the fused path
     assert got[0] == want[0] == out_dtype
-    tol = _tol(torch.bfloat16)
-    torch.testing.assert_close(got[1], want[1], rtol=tol["rtol"], atol=tol["atol"] * float(want[1]))
-    for g, w in zip(got[2], want[2], strict=True):
-        torch.testing.assert_close(g, w, rtol=tol["rtol"], atol=tol["atol"] * float(w.abs().max()))
+    ref = testing.seeded_loss_and_grads(_float64_replaying(model, masks), x.to("cpu", torch.float64), seed=1)
+    names = ["loss"] + [n for n, p in model.named_parameters() if p.requires_grad]
+    fk_errors, peft_errors = {}, {}
+    for name, a, r, b in zip(names, [got[1], *got[2]], [ref[0], *ref[1]], [want[1], *want[2]], strict=True):
+        assert a.dtype == b.dtype, f"{name}: dtype {a.dtype}, PEFT's {b.dtype}"
+        fk_errors[name], peft_errors[name] = _rms_relative_error(a, r), _rms_relative_error(b, r)
+    fk_median, peft_median = statistics.median(fk_errors.values()), statistics.median(peft_errors.values())
+    assert fk_median <= 2 * peft_median, f"median relative error {fk_median:.2e}, PEFT's {peft_median:.2e}"
+    floor = testing.floor_of(torch.bfloat16, x.device)
+    for name, error in fk_errors.items():
+        bound = 4 * max(peft_errors[name], peft_median) + floor
+        assert error <= bound, f"{name}: relative error {error:.2e} > {bound:.2e} (PEFT's {peft_errors[name]:.2e})"
     return report
 
 

@@ -147,6 +147,16 @@ def max_abs_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return float(diff.max())
 
 
+def floor_of(dtype: torch.dtype, device: torch.device | str) -> float:
+    """The error floor of a result rounded to ``dtype`` on ``device`` (:data:`FLOOR`; on the CPU with
+    Triton's interpreter on, plus :data:`INTERPRETER_CAST_SLACK`). A result kept in fp32 but computed
+    in bf16 (under autocast) takes bf16's."""
+    floor = FLOOR.get(dtype, FLOOR[torch.float32])
+    if torch.device(device).type == "cpu" and backend.INTERPRETER_ON:
+        floor += INTERPRETER_CAST_SLACK.get(dtype, 0.0)
+    return floor
+
+
 def assert_close(
     actual: torch.Tensor,
     reference: torch.Tensor,
@@ -167,9 +177,7 @@ def assert_close(
     if actual.shape != reference.shape:
         raise AssertionError(f"{name}: shape {tuple(actual.shape)} != reference {tuple(reference.shape)}")
     if floor is None:
-        floor = FLOOR.get(actual.dtype, FLOOR[torch.float32])
-        if actual.device.type == "cpu" and backend.INTERPRETER_ON:
-            floor += INTERPRETER_CAST_SLACK.get(actual.dtype, 0.0)
+        floor = floor_of(actual.dtype, actual.device)
     magnitude = float(reference.detach().double().abs().max()) if reference.numel() else 0.0
     err = max_abs_error(actual, reference)
     base_err = max_abs_error(baseline, reference)
