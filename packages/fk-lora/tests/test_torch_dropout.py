@@ -98,7 +98,7 @@ def test_masks_are_torchs(device: str, shape: tuple[int, ...], dtype: torch.dtyp
     # (which PEFT's q, k and v make): capped and uncapped grids, both vector sizes, small sizes.
     if device != "cuda":
         pytest.skip("torch's CUDA masks need a GPU")
-    torch_dropout.replicates.cache_clear()  # each case with the one-time check on its first draw
+    torch_dropout._replicated_vector_size.cache_clear()  # each case with the one-time check on its first draw
     x = torch.randn(shape, device=device).to(dtype)
     ps = [0.05, 0.1, 0.3]
     want, want_offset, want_next = _torch_masks(x, ps, 1234)
@@ -130,13 +130,26 @@ def test_replicates_puts_the_generator_back(device: str) -> None:
     # the first mask fk draws afterwards is still the one PEFT would draw.
     if device != "cuda":
         pytest.skip("torch's CUDA masks need a GPU")
-    torch_dropout.replicates.cache_clear()
+    torch_dropout._replicated_vector_size.cache_clear()
     generator = torch.cuda.default_generators[torch.cuda.current_device()]
     generator.manual_seed(3)
     torch.rand(10, device=device)  # an offset other than 0
     before = generator.get_offset()
     assert torch_dropout.replicates(torch.device("cuda", torch.cuda.current_device()), torch.bfloat16) in (4, 8)
     assert generator.get_offset() == before
+
+
+def test_replicates_does_not_remember_an_offset_it_could_not_check_at(monkeypatch: pytest.MonkeyPatch) -> None:
+    # At an offset not a multiple of 4 the check cannot run: that call says 0 and remembers nothing
+    # (a remembered 0 would send every later draw of the process to torch.native_dropout).
+    class Generator:
+        def get_offset(self) -> int:
+            return 6
+
+    monkeypatch.setattr(torch_dropout, "_generator", lambda device: Generator())
+    torch_dropout._replicated_vector_size.cache_clear()
+    assert torch_dropout.replicates(torch.device("cuda", 0), torch.bfloat16) == 0
+    assert torch_dropout._replicated_vector_size.cache_info().currsize == 0
 
 
 @pytest.mark.parametrize(

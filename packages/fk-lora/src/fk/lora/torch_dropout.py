@@ -256,16 +256,24 @@ def _draws(x: torch.Tensor, ps: list[float], vec: int, generator: torch.Generato
     return draws
 
 
-@functools.cache
 def replicates(device: torch.device, dtype: torch.dtype) -> int:
     """The vector size (8 or 4) at which this torch's dropout masks for ``dtype`` on ``device`` are
-    :func:`keep_ref`'s, or 0 where they are neither: checked once, on a draw of a few million
-    elements (two iterations of every thread and part of a third), the generator put back where it
-    was, so that the masks drawn after the check are the ones PEFT would draw."""
+    :func:`keep_ref`'s, or 0 where they are neither: checked once (:func:`_replicated_vector_size`).
+    Also 0, for this call only, while the generator's offset is not a multiple of 4 (the check's own
+    draws could not start there); the verdict is remembered only once the check has run."""
+    if _generator(device).get_offset() % 4:
+        return 0
+    return _replicated_vector_size(device, dtype)
+
+
+@functools.cache
+def _replicated_vector_size(device: torch.device, dtype: torch.dtype) -> int:
+    """:func:`replicates`' check, at a generator offset that is a multiple of 4: a draw of a few
+    million elements (two iterations of every thread and part of a third) compared with
+    ``torch.native_dropout``'s, the generator put back where it was, so that the masks drawn after
+    the check are the ones PEFT would draw."""
     generator = _generator(device)
     offset = generator.get_offset()
-    if offset % 4:
-        return 0
     threads = _launch_threads(2**30, device)
     x = torch.ones(2 * threads * 8 + 8 * 3, dtype=dtype, device=device)
     try:
