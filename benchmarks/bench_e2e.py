@@ -34,7 +34,9 @@ own process, ``--warmup`` steps then ``--steps`` timed ones (each step between t
 counts, as in training); odd rounds run the providers in reverse order, so that each provider's
 runs sit as often early as late in the benchmark (the GPU's clocks and temperature drift over a
 run; one round in a fixed order gave records whose ratios moved by several percent). tokens/s is
-from the median of all rounds' timed steps; the record keeps each round's tokens/s too. Peak
+from the median of all rounds' timed steps; the record keeps each round's tokens/s too, and
+per step its time, the host's time to issue it and the garbage collector's in it
+(``round_step_ms``, ``round_host_ms``, ``round_gc_ms``). Peak
 memory: ``torch.cuda.max_memory_allocated()`` over the timed steps (weights, gradients, optimizer
 states and activations), the largest of the rounds. After all rounds, in one more process per
 (mode, provider), the largest batch of 2048-token sequences that fits: batch sizes from
@@ -180,7 +182,8 @@ def worker(job: dict[str, Any]) -> dict[str, Any]:
     r = training.train(model, corpus, steps=job["warmup"] + job["steps"], warmup=job["warmup"], batch=job["batch"],
                        seq=job["seq"], lr=job["lr"], optimizer=opt, autocast=autocast)  # fmt: skip
     return {
-        "losses": r.losses, "step_seconds": r.step_seconds[r.warmup :], "tokens_per_step": r.tokens_per_step,
+        "losses": r.losses, "step_seconds": r.step_seconds[r.warmup :], "host_seconds": r.host_seconds[r.warmup :],
+        "gc_seconds": r.gc_seconds[r.warmup :], "tokens_per_step": r.tokens_per_step,
         "peak_gib": None if r.peak_bytes is None else r.peak_bytes / 2**30, "logits_returned": r.logits_returned,
         "patched": patched, "fallbacks": sorted(set(fallbacks)),
         "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
@@ -281,6 +284,7 @@ def run(args: argparse.Namespace) -> bench.BenchRecord:
         record.add(
             kind="run", **common, batch=args.batch, status="ok", tokens_per_s=out["tokens_per_s"],
             round_tokens_per_s=out["round_tokens_per_s"], round_step_ms=out["round_step_ms"],
+            round_host_ms=out["round_host_ms"], round_gc_ms=out["round_gc_ms"],
             median_step_ms=out["median_step_ms"],
             peak_gib=out["peak_gib"], losses=out["losses"],
             loss_rel_diff=bench.max_relative_diff(out["losses"], stock), logits_returned=out["logits_returned"],

@@ -27,6 +27,9 @@ def test_tiny_run_with_two_rounds(tmp_path: Path) -> None:
         assert run["status"] == "ok" and len(run["round_tokens_per_s"]) == 2
         assert min(run["round_tokens_per_s"]) <= run["tokens_per_s"] <= max(run["round_tokens_per_s"])
         assert [len(steps) for steps in run["round_step_ms"]] == [2, 2]  # each round's timed steps
+        assert [len(steps) for steps in run["round_gc_ms"]] == [2, 2]
+        for steps, issued in zip(run["round_step_ms"], run["round_host_ms"], strict=True):
+            assert len(issued) == 2 and all(0 < h <= s for h, s in zip(issued, steps, strict=True))
     assert runs["fk"]["loss_rel_diff"] < 2e-2
     assert "2 rounds of 2 timed steps" in record.notes
 

@@ -442,6 +442,17 @@ def test_rounds_merge_into_the_median_of_all_steps() -> None:
     assert merged["round_tokens_per_s"] == pytest.approx([50.0, 25.0])  # each round's own median
     assert merged["round_step_ms"] == [[1000.0, 2000.0, 9000.0], [3000.0, 4000.0, 4000.0]]
     assert merged["peak_gib"] == 4.0 and merged["losses"] == [5.0]  # the largest peak; the first round's losses
+    assert "round_host_ms" not in merged  # (not measured)
+
+
+def test_rounds_keep_host_and_collector_times_where_measured() -> None:
+    rounds = [
+        {"step_seconds": [1.0], "host_seconds": [0.25], "gc_seconds": [0.0], "tokens_per_step": 1, "peak_gib": None},
+        {"step_seconds": [2.0], "host_seconds": [1.5], "gc_seconds": [0.125], "tokens_per_step": 1, "peak_gib": None},
+    ]
+    merged = bench.merge_rounds(rounds)
+    assert merged["round_host_ms"] == [[250.0], [1500.0]] and merged["round_gc_ms"] == [[0.0], [125.0]]
+    assert merged["peak_gib"] is None
 
 
 def test_max_relative_diff_needs_a_reference_of_the_same_length() -> None:

@@ -23,6 +23,7 @@ for QLoRA) when a model is built, ``tokenizers`` when a tokenizer is.
 from __future__ import annotations
 
 import contextlib
+import gc
 import math
 import statistics
 import time
@@ -336,6 +337,12 @@ class RunResult:
 
     losses: list[float] = field(default_factory=list)
     step_seconds: list[float] = field(default_factory=list)
+    host_seconds: list[float] = field(default_factory=list)
+    """Per step, the host's time to issue it: from the step's start until its last operation is
+    queued, before the loss is read. Far below :attr:`step_seconds`, the step waited on the device;
+    close to it, on the host (or on a synchronization inside the step)."""
+    gc_seconds: list[float] = field(default_factory=list)
+    """Per step, the time Python's garbage collector ran during it (``gc.callbacks``)."""
     tokens_per_step: int = 0
     warmup: int = 0
     """Leading steps left out of :attr:`tokens_per_s` (compilation, autotuning, first allocations)."""
@@ -381,7 +388,10 @@ def train(
     On CUDA the peak-memory counter is reset after the warm-up steps. ``measure_saved`` also counts
     the bytes held for backward (:func:`saved_for_backward`). ``steps_iter`` wraps the step range
     (a progress bar); ``first_step`` picks the corpus batches (step ``first_step + i``). ``autocast``:
-    the forward runs under ``torch.autocast`` to that dtype (HF Trainer's ``bf16=True``).
+    the forward runs under ``torch.autocast`` to that dtype (HF Trainer's ``bf16=True``). Each step
+    also records the host's time to issue it and the garbage collector's time in it
+    (:attr:`RunResult.host_seconds`, :attr:`RunResult.gc_seconds`): where step times vary, they
+    say whether the host or the device varied.
     """
     device = next(model.parameters()).device
     cuda = device.type == "cuda"
@@ -389,31 +399,52 @@ def train(
     result = RunResult(tokens_per_step=batch * seq, warmup=min(warmup, max(steps - 1, 0)))
     saved = 0
     indices: Iterable[int] = range(steps)
-    for i in steps_iter(indices) if steps_iter is not None else indices:
-        if cuda and i == result.warmup:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-        tokens = corpus.batch(first_step + i, batch, seq).to(device, non_blocking=True)
-        _sync(device)
-        start = time.perf_counter()
-        casting = torch.autocast(device.type, dtype=autocast) if autocast is not None else contextlib.nullcontext()
-        with saved_for_backward(model) if measure_saved else contextlib.nullcontext([0]) as held, casting:
-            out = model(input_ids=tokens, labels=tokens)
-        loss, result.logits_returned = out.loss, out.logits is not None
-        del out
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        value = loss.item()  # synchronizes
-        _sync(device)
-        result.step_seconds.append(time.perf_counter() - start)
-        result.losses.append(value)
-        saved = max(saved, held[0])
+    collector = _GcClock()
+    gc.callbacks.append(collector)
+    try:
+        for i in steps_iter(indices) if steps_iter is not None else indices:
+            if cuda and i == result.warmup:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            tokens = corpus.batch(first_step + i, batch, seq).to(device, non_blocking=True)
+            _sync(device)
+            start, gc_before = time.perf_counter(), collector.seconds
+            casting = torch.autocast(device.type, dtype=autocast) if autocast is not None else contextlib.nullcontext()
+            with saved_for_backward(model) if measure_saved else contextlib.nullcontext([0]) as held, casting:
+                out = model(input_ids=tokens, labels=tokens)
+            loss, result.logits_returned = out.loss, out.logits is not None
+            del out
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            result.host_seconds.append(time.perf_counter() - start)
+            value = loss.item()  # synchronizes
+            _sync(device)
+            result.step_seconds.append(time.perf_counter() - start)
+            result.gc_seconds.append(collector.seconds - gc_before)
+            result.losses.append(value)
+            saved = max(saved, held[0])
+    finally:
+        gc.callbacks.remove(collector)
     if cuda:
         result.peak_bytes = torch.cuda.max_memory_allocated()
     if measure_saved:
         result.saved_bytes = saved
     return result
+
+
+class _GcClock:
+    """A ``gc.callbacks`` entry that sums the seconds Python's garbage collector runs."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._began = 0.0
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._began = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._began
 
 
 def _sync(device: torch.device) -> None:

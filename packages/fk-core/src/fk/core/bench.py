@@ -734,18 +734,21 @@ def round_order(providers: Sequence[str], rounds: int) -> list[tuple[int, str]]:
 
 def merge_rounds(outs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """One case's timed rounds as one result. Each round gives ``step_seconds`` (its timed steps),
-    ``tokens_per_step`` and ``peak_gib`` (None off CUDA): tokens/s from the median of every round's
-    steps, each round's own tokens/s and step times (ms, in order: where rounds disagree they show
-    whether a few steps or all of them were slow), the largest peak; the other fields from the
-    first round."""
+    ``tokens_per_step`` and ``peak_gib`` (None off CUDA), and may give ``host_seconds`` and
+    ``gc_seconds`` (per step, the host's time to issue it and the garbage collector's in it:
+    :class:`fk.hf.training.RunResult`'s): tokens/s from the median of every round's steps, each
+    round's own tokens/s and step times (ms, in order: where rounds disagree they show whether a few
+    steps or all of them were slow) and, where given, its host and collector times, the largest
+    peak; the other fields from the first round."""
     steps = [s for out in outs for s in out["step_seconds"]]
     median = statistics.median(steps)
     tokens = outs[0]["tokens_per_step"]
     peaks = [out["peak_gib"] for out in outs if out["peak_gib"] is not None]
+    per_step_ms = {f"round_{name}_ms": [[round(1e3 * s, 3) for s in out[f"{name}_seconds"]] for out in outs]
+                   for name in ("step", "host", "gc") if all(f"{name}_seconds" in out for out in outs)}  # fmt: skip
     return {
         **outs[0], "tokens_per_s": tokens / median, "median_step_ms": 1e3 * median, "peak_gib": max(peaks, default=None),
-        "round_tokens_per_s": [tokens / statistics.median(out["step_seconds"]) for out in outs],
-        "round_step_ms": [[round(1e3 * s, 3) for s in out["step_seconds"]] for out in outs],
+        "round_tokens_per_s": [tokens / statistics.median(out["step_seconds"]) for out in outs], **per_step_ms,
     }  # fmt: skip
 
 
