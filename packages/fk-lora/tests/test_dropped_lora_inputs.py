@@ -33,10 +33,10 @@ def _check(x: torch.Tensor, terms: list[DroppedInput]) -> None:
     want_xas, want_masks = dropped_lora_inputs_ref(x, terms)
     for i, (xa, mask, want_xa, want_mask, term) in enumerate(zip(xas, masks, want_xas, want_masks, terms, strict=True)):  # fmt: skip
         assert mask.dtype == torch.bool and torch.equal(mask.cpu(), want_mask.cpu()), f"mask {i}"
-        assert xa.dtype == x.dtype and xa.shape == (x.shape[0], term.lora_a.shape[0])
-        # PEFT's expression: f x rounded to 16 bits first, then the matmul
-        baseline = torch.mm(masked(x, want_mask.to(x.device), term.factor), term.lora_a.t())
-        testing.assert_close(xa, want_xa, baseline, name=f"xa[{i}]")
+        assert xa.dtype == term.lora_a.dtype and xa.shape == (x.shape[0], term.lora_a.shape[0])
+        # PEFT's expression: f x (in x's dtype, then cast to A's as autocast casts it), then the matmul
+        dropped = masked(x, want_mask.to(x.device), term.factor).to(term.lora_a.dtype)
+        testing.assert_close(xa, want_xa, torch.mm(dropped, term.lora_a.t()), name=f"xa[{i}]")
 
 
 @pytest.mark.parametrize(("m", "k"), [(1, 8), (37, 264), (130, 520), (70, 1000)])
@@ -49,6 +49,15 @@ def test_matches_reference(device: str, dtype: torch.dtype, vec: int, m: int, k:
     _check(x, _terms(k, [16, 8, 33], dtype, device, vec))
 
 
+@pytest.mark.parametrize(("m", "k"), [(1, 8), (37, 264), (70, 1000)])
+@pytest.mark.parametrize("a_dtype", [torch.float16, torch.bfloat16], ids=dtype_name)
+def test_fp32_input_beside_16_bit_lora_as(device: str, a_dtype: torch.dtype, m: int, k: int) -> None:
+    # Under autocast on fp32 hidden states (peft.prepare_model_for_kbit_training): the masks drawn
+    # as on fp32 (vector size 4), f (x * m) cast to A's dtype, the products in A's dtype.
+    x = testing.random_tensor((m, k), torch.float32, device, seed=0)
+    _check(x, _terms(k, [16, 8, 33], a_dtype, device, 4))
+
+
 def test_split_k_and_launches_of_three(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
     # K split into ranges (partial sums), and five projections in launches of three and two.
     monkeypatch.setattr(module, "LAUNCH", {r: module.LaunchParams(32, 64, 4, 64) for r in (16, 32, 64)})
@@ -56,10 +65,12 @@ def test_split_k_and_launches_of_three(device: str, monkeypatch: pytest.MonkeyPa
     _check(x, _terms(520, [16, 8, 16, 4, 16], torch.bfloat16, device, 8))
 
 
-def test_each_mask_and_factor_counts(device: str) -> None:
-    # A test that can fail: another draw's mask, or a dropped factor, moves the product.
-    x = testing.random_tensor((129, 256), torch.bfloat16, device, seed=0)
-    terms = _terms(256, [16, 16], torch.bfloat16, device, 8)
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32], ids=dtype_name)
+def test_each_mask_and_factor_counts(device: str, x_dtype: torch.dtype) -> None:
+    # A test that can fail: another draw's mask, or a dropped factor, moves the product (fp32 x:
+    # the factor applied before the cast to A's dtype, where a 16-bit x has it after the product).
+    x = testing.random_tensor((129, 256), x_dtype, device, seed=0)
+    terms = _terms(256, [16, 16], torch.bfloat16, device, 8 if x_dtype == torch.bfloat16 else 4)
     (xa, _), _ = dropped_lora_inputs(x, terms)
     xas_other, _ = dropped_lora_inputs_ref(x, [terms[0]._replace(draw=terms[1].draw)])
     xas_no_factor, _ = dropped_lora_inputs_ref(x, [terms[0]._replace(factor=1.0)])
@@ -72,6 +83,9 @@ def test_applies_only_where_it_can(device: str) -> None:
     a = testing.random_tensor((16, 256), torch.bfloat16, device, seed=1)
     assert dropped_inputs_apply(x, [a, a])
     assert not dropped_inputs_apply(x.float(), [a.float()])  # fp32: IEEE dots would cost more than the pass saves
+    assert dropped_inputs_apply(x.float(), [a, a])  # fp32 x, 16-bit A's: autocast
+    assert not dropped_inputs_apply(x.float(), [a, a.half()])  # A's in two dtypes
+    assert not dropped_inputs_apply(x.half(), [a])  # 16-bit x unlike the A's
     assert not dropped_inputs_apply(x, [a.float()])  # A in another dtype
     assert not dropped_inputs_apply(x[:, :200], [a[:, :200]])  # not contiguous
     assert not dropped_inputs_apply(x[:, :252].contiguous(), [a[:, :252]])  # K not a multiple of 8
@@ -79,15 +93,20 @@ def test_applies_only_where_it_can(device: str) -> None:
     assert not dropped_inputs_apply(x.reshape(4, 16, 256), [a])  # not 2-D
 
 
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32], ids=dtype_name)
 @pytest.mark.parametrize("tokens", [16, 4096])
-def test_lora_input_products_draws_torchs_masks(device: str, tokens: int, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_lora_input_products_draws_torchs_masks(
+    device: str, tokens: int, x_dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # fk.lora's forward takes the kernel on a GPU: q, k and v's masks are three torch.native_dropout
-    # calls' (the generator left where they leave it), their products PEFT's to bf16 rounding.
+    # calls' (the generator left where they leave it), their products PEFT's to bf16 rounding. fp32:
+    # the hidden states of peft.prepare_model_for_kbit_training under bf16 autocast, fp32 LoRA
+    # weights (PEFT drops the fp32 input; autocast casts it and A to bf16 for the product).
     if device != "cuda":
         pytest.skip("torch's CUDA masks need a GPU (on the CPU fk draws with torch.native_dropout)")
-    x2 = testing.random_tensor((tokens, 512), torch.bfloat16, device, seed=0)
-    lora_as = [testing.random_tensor((16, 512), torch.bfloat16, device, seed=i + 1) for i in range(3)]
-    settings = [Settings(2.0, p, torch.bfloat16) for p in PS]
+    x2 = testing.random_tensor((tokens, 512), x_dtype, device, seed=0)
+    lora_as = [testing.random_tensor((16, 512), x_dtype, device, seed=i + 1) for i in range(3)]
+    settings = [Settings(2.0, p, x_dtype) for p in PS]
     generator = torch.cuda.default_generators[x2.device.index or 0]
     generator.manual_seed(5)
     dropped = [torch.native_dropout(x2, p, True) for p in PS]
@@ -96,12 +115,13 @@ def test_lora_input_products_draws_torchs_masks(device: str, tokens: int, monkey
     calls = []
     real = module._launch
     monkeypatch.setattr(module, "_launch", lambda *args, **kwargs: calls.append(1) or real(*args, **kwargs))
-    xas, masks, _, _ = lora_input_products(x2, x2, lora_as, settings)
+    xas, masks, A_cs, _ = lora_input_products(x2, x2.bfloat16(), lora_as, settings)
     assert calls == [1] and generator.get_offset() == want_offset
     for i, ((d, want_mask), xa, mask, a) in enumerate(zip(dropped, xas, masks, lora_as, strict=True)):
         assert torch.equal(mask, want_mask), f"mask {i}"
-        want = d.double() @ a.double().t()
-        testing.assert_close(xa, want, torch.mm(d, a.t()), name=f"xa[{i}]")
+        assert xa.dtype == A_cs[i].dtype == torch.bfloat16
+        want = d.bfloat16().double() @ a.bfloat16().double().t()
+        testing.assert_close(xa, want, torch.mm(d.bfloat16(), a.bfloat16().t()), name=f"xa[{i}]")
 
 
 def test_keep_mask_is_the_kernels_mask(device: str) -> None:
@@ -113,20 +133,23 @@ def test_keep_mask_is_the_kernels_mask(device: str) -> None:
     assert torch.equal(mask.flatten(), keep_mask(x.numel(), term.draw, device))
 
 
+@pytest.mark.parametrize("x_dtype", ["bf16", "fp32"])
 @pytest.mark.parametrize("rank", [16, 32, 64])
-def test_kernel_compiles_without_spills(rank: int) -> None:
-    # Compiled for sm_90 on the CPU at the table's launch, three projections: their products on the
-    # warpgroup MMAs, nothing spilled (the Philox words sit beside the accumulators).
+def test_kernel_compiles_without_spills(rank: int, x_dtype: str) -> None:
+    # Compiled for sm_90 on the CPU at the table's launch, three projections, x in bf16 or fp32 (the
+    # fp32 hidden states under autocast: masks of vector size 4, x cast to bf16 for the products):
+    # their products on the warpgroup MMAs, nothing spilled (the Philox words sit beside the accumulators).
     params = module.LAUNCH[rank]
     signature = {
-        "x_ptr": "*bf16", "a_ptrs": ["*bf16"] * 3, "a_row_strides": ["i32"] * 3, "mask_ptrs": ["*i1"] * 3,
+        "x_ptr": f"*{x_dtype}", "a_ptrs": ["*bf16"] * 3, "a_row_strides": ["i32"] * 3, "mask_ptrs": ["*i1"] * 3,
         "seeds": ["u64"] * 3, "counters": ["i64"] * 3, "thresholds": ["i64"] * 3, "ranks": ["i32"] * 3,
         "rank_starts": ["i32"] * 3, "factors": ["fp32"] * 3, "out_ptr": "*fp32", "threads": "i32", "n_rows": "i32",
-        "n_cols": "i32", "out_row_stride": "i32", "cols_per_split": "i32", "N_TERMS": "", "VEC": "", "PARTIALS": "",
-        "BLOCK_ROWS": "", "BLOCK_COLS": "", "BLOCK_RANK": "",
+        "n_cols": "i32", "out_row_stride": "i32", "cols_per_split": "i32", "N_TERMS": "", "SCALE_FIRST": "", "VEC": "",
+        "PARTIALS": "", "BLOCK_ROWS": "", "BLOCK_COLS": "", "BLOCK_RANK": "",
     }  # fmt: skip
-    constexprs = {"N_TERMS": 3, "VEC": 8, "PARTIALS": True, "BLOCK_ROWS": params.block_rows,
-                  "BLOCK_COLS": params.block_cols, "BLOCK_RANK": rank}  # fmt: skip
+    constexprs = {"N_TERMS": 3, "SCALE_FIRST": x_dtype == "fp32", "VEC": 4 if x_dtype == "fp32" else 8,
+                  "PARTIALS": True, "BLOCK_ROWS": params.block_rows, "BLOCK_COLS": params.block_cols,
+                  "BLOCK_RANK": rank}  # fmt: skip
     compiled = testing.compile_kernel("fk.lora.dropped_lora_inputs", "_dropped_lora_inputs_kernel", signature,
                                       constexprs, num_warps=params.num_warps)  # fmt: skip
     assert compiled.spill_bytes == 0, compiled

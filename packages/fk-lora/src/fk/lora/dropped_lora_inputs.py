@@ -13,7 +13,10 @@ accumulator a projection: 2 + 3 bytes an element, and no dropped input exists.
 Math, per projection ``t``: ``m_t`` = :func:`fk.lora.torch_dropout.keep_tile`,
 ``xa_t[i, q] = f_t sum_j x[i, j] m_t[i, j] A_t[q, j]``, summed in fp32 and rounded once to ``x``'s
 dtype (PEFT's ``torch.mm`` on the dropped input rounds ``f x`` to 16 bits first: the two agree to
-the dtype's rounding). A program owns ``BLOCK_ROWS`` rows and one range of ``K`` (the ranges split
+the dtype's rounding). An fp32 ``x`` beside 16-bit ``A``\\ s (autocast: PEFT drops the fp32 input,
+and the product casts it to ``A``'s dtype) is read in fp32, and ``f (x * m_t)`` is rounded to ``A``'s
+dtype before the product, as autocast rounds it: ``xa_t = c(f_t (x * m_t)) A_t^T``; the masks are
+then fp32's (vector size 4). A program owns ``BLOCK_ROWS`` rows and one range of ``K`` (the ranges split
 ``K`` where the row blocks alone would leave SMs idle), keeps one ``[BLOCK_ROWS, r]`` accumulator a
 projection (up to :data:`TERMS_PER_LAUNCH`); with one range the results are stored directly, else
 as fp32 partial sums that :func:`fk.core.reduce.sum_rows` adds and rounds once. There is no
@@ -40,7 +43,7 @@ class DroppedInput(NamedTuple):
     """One projection's share of :func:`dropped_lora_inputs`."""
 
     lora_a: torch.Tensor
-    """``A`` ``[r, K]``, in ``x``'s dtype."""
+    """``A`` ``[r, K]``, in ``x``'s dtype (16-bit), or 16-bit beside an fp32 ``x``."""
     draw: Draw
     """Its ``torch.native_dropout`` call's random numbers (:func:`fk.lora.torch_dropout.reserve`)."""
     factor: float
@@ -61,36 +64,42 @@ def dropped_lora_inputs_ref(x: torch.Tensor, terms: Sequence[DroppedInput]) -> t
 
 
 @triton.jit
-def _add_dropped_input(acc, x, a_ptr, a_row_stride, rank, mask_ptr, seed, counter, threshold, threads, rows, cols,
-                       first_col, groups_per_row, n_cols, col_ok, ok, VEC: tl.constexpr, BLOCK_ROWS: tl.constexpr,
-                       BLOCK_COLS: tl.constexpr, BLOCK_RANK: tl.constexpr):  # fmt: skip
-    """``acc + (x * m) A^T`` over one column tile, ``m``'s tile drawn and stored."""
+def _add_dropped_input(acc, x, a_ptr, a_row_stride, rank, mask_ptr, seed, counter, threshold, factor, threads, rows,
+                       cols, first_col, groups_per_row, n_cols, col_ok, ok, SCALE_FIRST: tl.constexpr,
+                       VEC: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
+                       BLOCK_RANK: tl.constexpr):  # fmt: skip
+    """``acc + (x * m) A^T`` over one column tile, ``m``'s tile drawn and stored; with
+    ``SCALE_FIRST`` (fp32 ``x``, 16-bit ``A``) ``acc + c(f (x * m)) A^T``."""
     keep = keep_tile(seed, counter, threads, threshold, rows, first_col, groups_per_row, VEC, BLOCK_ROWS, BLOCK_COLS)
     tl.store(mask_ptr + rows[:, None] * n_cols + cols[None, :], keep, mask=ok)
     ranks = tl.arange(0, BLOCK_RANK)
     a_t = tl.load(a_ptr + ranks[None, :] * a_row_stride + cols[:, None],
                   mask=(ranks < rank)[None, :] & col_ok[:, None], other=0.0)  # fmt: skip
-    return acc + exact_dot(tl.where(keep, x, tl.zeros_like(x)), a_t)
+    dropped = tl.where(keep, x, tl.zeros_like(x))
+    if SCALE_FIRST:  # PEFT drops the fp32 x, and autocast rounds that to A's dtype for the product
+        dropped = (dropped * factor).to(a_t.dtype)
+    return acc + exact_dot(dropped, a_t)
 
 
 @triton.jit
 def _store(acc, factor, out_ptr, split, n_rows, out_row_stride, rank_start, rank, rows, row_ok,
-           PARTIALS: tl.constexpr, BLOCK_RANK: tl.constexpr):  # fmt: skip
-    """``factor * acc`` into columns ``[rank_start, rank_start + rank)`` of the output (or of this
-    range's fp32 partial block ``[M, R]``)."""
+           SCALE_FIRST: tl.constexpr, PARTIALS: tl.constexpr, BLOCK_RANK: tl.constexpr):  # fmt: skip
+    """``factor * acc`` (``acc`` where ``SCALE_FIRST`` applied the factor already) into columns
+    ``[rank_start, rank_start + rank)`` of the output (or of this range's fp32 partial block ``[M, R]``)."""
     ranks = tl.arange(0, BLOCK_RANK)
     ok = row_ok[:, None] & (ranks < rank)[None, :]
+    xa = acc if SCALE_FIRST else acc * factor
     if PARTIALS:
         out = out_ptr + (split.to(tl.int64) * n_rows + rows[:, None]) * out_row_stride + rank_start + ranks[None, :]
-        tl.store(out, acc * factor, mask=ok)
+        tl.store(out, xa, mask=ok)
     else:
         out = out_ptr + rows[:, None] * out_row_stride + rank_start + ranks[None, :]
-        tl.store(out, round_to(acc * factor, out_ptr.dtype.element_ty), mask=ok)
+        tl.store(out, round_to(xa, out_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
 def _dropped_lora_inputs_kernel(
-    x_ptr,  # [M, K] in c (16-bit), contiguous
+    x_ptr,  # [M, K] in c (16-bit), or fp32 (SCALE_FIRST), contiguous
     a_ptrs,  # a tuple: each projection's A [r_t, K] in c, unit column stride
     a_row_strides,  # a tuple
     mask_ptrs,  # a tuple: each projection's [M, K] bool mask (out), contiguous
@@ -107,6 +116,7 @@ def _dropped_lora_inputs_kernel(
     out_row_stride,
     cols_per_split,  # a multiple of BLOCK_COLS
     N_TERMS: tl.constexpr,  # 1 to 3: one accumulator each
+    SCALE_FIRST: tl.constexpr,  # x fp32 and the A's 16-bit (autocast): f applied before the cast to A's dtype
     VEC: tl.constexpr,
     PARTIALS: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
@@ -126,16 +136,16 @@ def _dropped_lora_inputs_kernel(
         col_ok = cols < n_cols
         ok = row_ok[:, None] & col_ok[None, :]
         x = tl.load(x_ptr + rows[:, None] * n_cols + cols[None, :], mask=ok, other=0.0)
-        acc0 = _add_dropped_input(acc0, x, a_ptrs[0], a_row_strides[0], ranks[0], mask_ptrs[0], seeds[0], counters[0], thresholds[0], threads, rows, cols, start, groups_per_row, n_cols, col_ok, ok, VEC, BLOCK_ROWS, BLOCK_COLS, BLOCK_RANK)  # fmt: skip
+        acc0 = _add_dropped_input(acc0, x, a_ptrs[0], a_row_strides[0], ranks[0], mask_ptrs[0], seeds[0], counters[0], thresholds[0], factors[0], threads, rows, cols, start, groups_per_row, n_cols, col_ok, ok, SCALE_FIRST, VEC, BLOCK_ROWS, BLOCK_COLS, BLOCK_RANK)  # fmt: skip
         if N_TERMS > 1:
-            acc1 = _add_dropped_input(acc1, x, a_ptrs[1], a_row_strides[1], ranks[1], mask_ptrs[1], seeds[1], counters[1], thresholds[1], threads, rows, cols, start, groups_per_row, n_cols, col_ok, ok, VEC, BLOCK_ROWS, BLOCK_COLS, BLOCK_RANK)  # fmt: skip
+            acc1 = _add_dropped_input(acc1, x, a_ptrs[1], a_row_strides[1], ranks[1], mask_ptrs[1], seeds[1], counters[1], thresholds[1], factors[1], threads, rows, cols, start, groups_per_row, n_cols, col_ok, ok, SCALE_FIRST, VEC, BLOCK_ROWS, BLOCK_COLS, BLOCK_RANK)  # fmt: skip
         if N_TERMS > 2:
-            acc2 = _add_dropped_input(acc2, x, a_ptrs[2], a_row_strides[2], ranks[2], mask_ptrs[2], seeds[2], counters[2], thresholds[2], threads, rows, cols, start, groups_per_row, n_cols, col_ok, ok, VEC, BLOCK_ROWS, BLOCK_COLS, BLOCK_RANK)  # fmt: skip
-    _store(acc0, factors[0], out_ptr, split, n_rows, out_row_stride, rank_starts[0], ranks[0], rows, row_ok, PARTIALS, BLOCK_RANK)  # fmt: skip
+            acc2 = _add_dropped_input(acc2, x, a_ptrs[2], a_row_strides[2], ranks[2], mask_ptrs[2], seeds[2], counters[2], thresholds[2], factors[2], threads, rows, cols, start, groups_per_row, n_cols, col_ok, ok, SCALE_FIRST, VEC, BLOCK_ROWS, BLOCK_COLS, BLOCK_RANK)  # fmt: skip
+    _store(acc0, factors[0], out_ptr, split, n_rows, out_row_stride, rank_starts[0], ranks[0], rows, row_ok, SCALE_FIRST, PARTIALS, BLOCK_RANK)  # fmt: skip
     if N_TERMS > 1:
-        _store(acc1, factors[1], out_ptr, split, n_rows, out_row_stride, rank_starts[1], ranks[1], rows, row_ok, PARTIALS, BLOCK_RANK)  # fmt: skip
+        _store(acc1, factors[1], out_ptr, split, n_rows, out_row_stride, rank_starts[1], ranks[1], rows, row_ok, SCALE_FIRST, PARTIALS, BLOCK_RANK)  # fmt: skip
     if N_TERMS > 2:
-        _store(acc2, factors[2], out_ptr, split, n_rows, out_row_stride, rank_starts[2], ranks[2], rows, row_ok, PARTIALS, BLOCK_RANK)  # fmt: skip
+        _store(acc2, factors[2], out_ptr, split, n_rows, out_row_stride, rank_starts[2], ranks[2], rows, row_ok, SCALE_FIRST, PARTIALS, BLOCK_RANK)  # fmt: skip
 
 
 class LaunchParams(NamedTuple):
@@ -166,15 +176,20 @@ LAUNCH = {
 
 def dropped_inputs_apply(x: torch.Tensor, lora_as: Sequence[torch.Tensor]) -> bool:
     """Whether :func:`dropped_lora_inputs` runs for ``x`` and these ``A``\\ s, given draws of
-    ``x`` from :func:`fk.lora.torch_dropout.reserve`: 2-D contiguous fp16/bf16 ``x`` on Triton's
-    path, outside ``torch.compile``, ``K`` a multiple of 8 (of any draw's vector size: a draw's
-    groups of elements never cross a row), ``A``\\ s in ``x``'s dtype with unit column stride and
-    rank at most :data:`MAX_RANK`."""
-    if not uses_kernel(x) or torch.compiler.is_compiling() or x.dim() != 2 or x.numel() == 0:
+    ``x`` from :func:`fk.lora.torch_dropout.reserve`: 2-D contiguous ``x`` on Triton's path, outside
+    ``torch.compile``, ``K`` a multiple of 8 (of any draw's vector size: a draw's groups of elements
+    never cross a row), ``A``\\ s with unit column stride and rank at most :data:`MAX_RANK`, all in
+    one 16-bit dtype ``c`` that ``x`` has too, or ``x`` in fp32 (autocast: PEFT drops the fp32 input
+    and the product casts it to ``c``). (fp32 ``A``\\ s are not taken: IEEE fp32 dots would cost
+    more than the pass saves.)"""
+    if not uses_kernel(x) or torch.compiler.is_compiling() or x.dim() != 2 or x.numel() == 0 or not lora_as:
         return False
-    if x.dtype not in (torch.bfloat16, torch.float16) or not x.is_contiguous() or x.shape[1] % 8:
+    c = lora_as[0].dtype
+    if c not in (torch.bfloat16, torch.float16) or x.dtype not in (c, torch.float32):
         return False
-    return all(a.dtype == x.dtype and a.stride(1) == 1 and a.shape[0] <= MAX_RANK for a in lora_as)
+    if not x.is_contiguous() or x.shape[1] % 8:
+        return False
+    return all(a.dtype == c and a.stride(1) == 1 and a.shape[0] <= MAX_RANK for a in lora_as)
 
 
 def _launch(x: torch.Tensor, terms: Sequence[DroppedInput], params: LaunchParams | None = None,
@@ -191,24 +206,26 @@ def _launch(x: torch.Tensor, terms: Sequence[DroppedInput], params: LaunchParams
     steps_per_split, splits = reduction_splits(row_blocks, col_steps, x.device, params.programs_per_sm)
     starts = [sum(ranks[:i]) for i in range(len(ranks))]
     shape = (n_rows, n_ranks) if splits == 1 else (splits, n_rows, n_ranks)
-    out = torch.empty(shape, dtype=x.dtype if splits == 1 else torch.float32, device=x.device)
+    c = terms[0].lora_a.dtype
+    out = torch.empty(shape, dtype=c if splits == 1 else torch.float32, device=x.device)
     masks = [torch.empty(x.shape, dtype=torch.bool, device=x.device) for _ in terms]
     draws = [t.draw for t in terms]
     _dropped_lora_inputs_kernel[(row_blocks, splits)](
         x, tuple(t.lora_a for t in terms), tuple(t.lora_a.stride(0) for t in terms), tuple(masks),
         tuple(d.seed for d in draws), tuple(d.counter for d in draws), tuple(keep_threshold(d.p_keep) for d in draws),
         tuple(ranks), tuple(starts), tuple(float(t.factor) for t in terms), out, draws[0].threads, n_rows, n_cols,
-        n_ranks, steps_per_split * params.block_cols, N_TERMS=len(terms), VEC=draws[0].vec, PARTIALS=splits > 1,
+        n_ranks, steps_per_split * params.block_cols, N_TERMS=len(terms), SCALE_FIRST=x.dtype != c,
+        VEC=draws[0].vec, PARTIALS=splits > 1,
         BLOCK_ROWS=params.block_rows, BLOCK_COLS=params.block_cols, BLOCK_RANK=block_rank,
         num_warps=params.num_warps,
     )  # fmt: skip
     if splits > 1:
-        out = sum_rows(out.view(splits, n_rows * n_ranks), x.dtype).view(n_rows, n_ranks)
+        out = sum_rows(out.view(splits, n_rows * n_ranks), c).view(n_rows, n_ranks)
     return [out.narrow(1, s, r) for s, r in zip(starts, ranks, strict=True)], masks
 
 
 def dropped_lora_inputs(x: torch.Tensor, terms: Sequence[DroppedInput]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:  # fmt: skip
-    """(``[f_t (x * m_t) A_t^T]``, each ``[M, r_t]`` in ``x``'s dtype, ``[m_t]``, each bool ``[M, K]``)
+    """(``[f_t (x * m_t) A_t^T]``, each ``[M, r_t]`` in the ``A``\\ s' dtype, ``[m_t]``, each bool ``[M, K]``)
     for the projections ``terms`` that share ``x`` ``[M, K]``, their masks drawn as each term's
     ``torch.native_dropout`` call would (where :func:`dropped_inputs_apply`; the caller checks): one
     kernel for every three projections, reading ``x`` once for them."""

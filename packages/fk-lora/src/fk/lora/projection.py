@@ -171,10 +171,11 @@ def lora_input_products(
     draws = None if keep_dropped else _one_pass_draws(x2, xc, [lora_As[i] for i in with_dropout],
                                                       [settings[i] for i in with_dropout])  # fmt: skip
     if draws is not None:  # every mask drawn, and every product formed, in one pass over x2
-        terms = [DroppedInput(lora_As[i], draw, 1.0 / (1.0 - settings[i].dropout_p))
-                 for i, draw in zip(with_dropout, draws, strict=True)]  # fmt: skip
-        for i, xa, mask in zip(with_dropout, *dropped_lora_inputs(x2, terms), strict=True):
-            xas[i], masks[i], A_cs[i] = xa, mask, lora_As[i]
+        in_c = [lora_As[i].to(xc.dtype) for i in with_dropout]
+        terms = [DroppedInput(a_c, draw, 1.0 / (1.0 - settings[i].dropout_p))
+                 for i, a_c, draw in zip(with_dropout, in_c, draws, strict=True)]  # fmt: skip
+        for i, a_c, xa, mask in zip(with_dropout, in_c, *dropped_lora_inputs(x2, terms), strict=True):
+            xas[i], masks[i], A_cs[i] = xa, mask, a_c
         return LoRAInputs(xas, masks, A_cs, dropped)
     x2_in: dict[torch.dtype, torch.Tensor] = {}  # x2 in each dropout dtype, cast once for all projections
     for i, (_, p, dropout_dtype) in enumerate(settings):
@@ -193,11 +194,15 @@ def _one_pass_draws(x2: torch.Tensor, xc: torch.Tensor, lora_As: list[torch.Tens
     """The draws of these projections' dropout (each with ``p > 0``) where
     :func:`fk.lora.dropped_lora_inputs.dropped_lora_inputs` takes them all (the device's generator
     then moved past them, as their ``torch.native_dropout`` calls would move it), else None (nothing
-    drawn): ``x2`` 16-bit in the compute dtype, each dropout drawn in it and each ``A`` in it, and
-    :func:`fk.lora.torch_dropout.reserve` able to replicate torch's masks for ``x2``."""
-    if not lora_As or xc.dtype != x2.dtype or any(s.dropout_dtype != x2.dtype for s in settings):
+    drawn): each dropout drawn in ``x2``'s dtype, which is the compute dtype (16-bit, each ``A`` in
+    it), or fp32 beside a 16-bit compute dtype (``xc``'s, under autocast; the ``A``\\ s then cast
+    to it, as autocast casts them for their product), and :func:`fk.lora.torch_dropout.reserve` able
+    to replicate torch's masks for ``x2``."""
+    if not lora_As or any(s.dropout_dtype != x2.dtype for s in settings):
         return None
-    if not dropped_inputs_apply(x2, lora_As):
+    if xc.dtype != x2.dtype and x2.dtype != torch.float32:
+        return None
+    if not dropped_inputs_apply(x2, [a.to(xc.dtype) for a in lora_As]):
         return None
     return reserve(x2, [s.dropout_p for s in settings])
 
