@@ -11,6 +11,7 @@ import torch
 from fk.core import testing
 from fk.core.testing import dtype_name
 from fk.lora import dropped_lora_inputs as module
+from fk.lora import projection
 from fk.lora.dropped_lora_inputs import DroppedInput, dropped_inputs_apply, dropped_lora_inputs, dropped_lora_inputs_ref
 from fk.lora.masked_low_rank import masked
 from fk.lora.projection import Settings, lora_input_products
@@ -115,13 +116,33 @@ def test_lora_input_products_draws_torchs_masks(
     calls = []
     real = module._launch
     monkeypatch.setattr(module, "_launch", lambda *args, **kwargs: calls.append(1) or real(*args, **kwargs))
-    xas, masks, A_cs, _ = lora_input_products(x2, x2.bfloat16(), lora_as, settings)
+    with torch.autocast("cuda", dtype=torch.bfloat16):  # (HF Trainer's bf16=True)
+        xas, masks, A_cs, _ = lora_input_products(x2, x2.bfloat16(), lora_as, settings)
     assert calls == [1] and generator.get_offset() == want_offset
     for i, ((d, want_mask), xa, mask, a) in enumerate(zip(dropped, xas, masks, lora_as, strict=True)):
         assert torch.equal(mask, want_mask), f"mask {i}"
         assert xa.dtype == A_cs[i].dtype == torch.bfloat16
         want = d.bfloat16().double() @ a.bfloat16().double().t()
         testing.assert_close(xa, want, torch.mm(d.bfloat16(), a.bfloat16().t()), name=f"xa[{i}]")
+
+
+def test_one_pass_takes_other_dtypes_only_under_autocast_to_the_compute_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
+    # fp32 hidden states, or fp32 A's, beside a bf16 compute dtype: under bf16 autocast the products
+    # are bf16 ones (autocast casts the dropped input and A), which the kernel forms; outside it, or
+    # under autocast to another dtype, PEFT's product is in fp32 (or fp16), so the kernel is not taken.
+    monkeypatch.setattr(projection, "reserve", lambda x, ps: [f"draw of {p}" for p in ps])
+    x2 = testing.random_tensor((16, 64), torch.float32, "cpu", seed=0)
+    a = testing.random_tensor((8, 64), torch.float32, "cpu", seed=1)
+
+    def draws(x2: torch.Tensor, lora_a: torch.Tensor) -> object:
+        return projection._one_pass_draws(x2, x2.bfloat16(), [lora_a], [Settings(1.0, 0.1, x2.dtype)])
+
+    assert draws(x2, a) is None and draws(x2, a.bfloat16()) is None and draws(x2.bfloat16(), a) is None
+    with torch.autocast("cpu", dtype=torch.float16):
+        assert draws(x2, a.bfloat16()) is None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert draws(x2, a) == draws(x2, a.bfloat16()) == draws(x2.bfloat16(), a) == ["draw of 0.1"]
+    assert draws(x2.bfloat16(), a.bfloat16()) == ["draw of 0.1"]  # all in bf16: no autocast needed
 
 
 def test_keep_mask_is_the_kernels_mask(device: str) -> None:

@@ -194,17 +194,24 @@ def _one_pass_draws(x2: torch.Tensor, xc: torch.Tensor, lora_As: list[torch.Tens
     """The draws of these projections' dropout (each with ``p > 0``) where
     :func:`fk.lora.dropped_lora_inputs.dropped_lora_inputs` takes them all (the device's generator
     then moved past them, as their ``torch.native_dropout`` calls would move it), else None (nothing
-    drawn): each dropout drawn in ``x2``'s dtype, which is the compute dtype (16-bit, each ``A`` in
-    it), or fp32 beside a 16-bit compute dtype (``xc``'s, under autocast; the ``A``\\ s then cast
-    to it, as autocast casts them for their product), and :func:`fk.lora.torch_dropout.reserve` able
-    to replicate torch's masks for ``x2``."""
+    drawn): each dropout drawn in ``x2``'s dtype; ``x2`` and every ``A`` in the compute dtype ``c``
+    (``xc``'s, 16-bit), or else under autocast to ``c`` (``x2`` in fp32, or ``A``\\ s in another
+    dtype: autocast casts the dropped input and ``A`` to ``c`` for their product, which outside it
+    runs in their own dtype); and :func:`fk.lora.torch_dropout.reserve` able to replicate torch's
+    masks for ``x2``."""
     if not lora_As or any(s.dropout_dtype != x2.dtype for s in settings):
         return None
-    if xc.dtype != x2.dtype and x2.dtype != torch.float32:
+    c = xc.dtype
+    if (x2.dtype != c or any(a.dtype != c for a in lora_As)) and not _autocast_to(x2.device, c):
         return None
-    if not dropped_inputs_apply(x2, [a.to(xc.dtype) for a in lora_As]):
+    if not dropped_inputs_apply(x2, [a.to(c) for a in lora_As]):
         return None
     return reserve(x2, [s.dropout_p for s in settings])
+
+
+def _autocast_to(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether autocast is on for ``device`` with ``dtype``."""
+    return torch.is_autocast_enabled(device.type) and torch.get_autocast_dtype(device.type) == dtype
 
 
 def cut_blocks(t: torch.Tensor, sizes: list[int], dim: int) -> list[torch.Tensor]:
