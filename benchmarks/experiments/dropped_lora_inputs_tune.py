@@ -44,7 +44,7 @@ def check(device: str) -> None:
                           Draw(2**63 + 12345 * i, 8 + 40 * i, 96, 8, 1 - P), 1 / (1 - P)) for i in range(3)]  # fmt: skip
     want_xas, want_masks = module.dropped_lora_inputs_ref(x, terms)
     for params in (LaunchParams(32, 64, 4, 1), LaunchParams(32, 64, 4, 64)):
-        xas, masks = module._launch(x, terms, params)
+        xas, masks = module._launch(x, terms, params=params)
         for got, w, m, wm in zip(xas, want_xas, masks, want_masks, strict=True):
             torch.testing.assert_close(got.double(), w, rtol=2e-2, atol=2e-2)
             assert torch.equal(m, wm)
@@ -124,7 +124,7 @@ def timings(copy_tbps: float) -> None:
         print(f"  {'native_dropout + torch.mm a projection (fk before)':50s} {now * 1e3:7.1f} us", flush=True)
         results = []
         for params in SETTINGS:
-            t = bench.time_ms(lambda: module._launch(x, terms, params), gpu_only=True)  # noqa: B023
+            t = bench.time_ms(lambda: module._launch(x, terms, params=params), gpu_only=True)  # noqa: B023
             results.append((t, params))
         for t, params in sorted(results, key=lambda r: r[0])[:6]:
             print(f"  {tuple(params)!s:50s} {t * 1e3:7.1f} us  {moved / t / 1e9 / copy_tbps:5.1%} of copy  "

@@ -29,14 +29,14 @@ def _terms(k: int, ranks: list[int], dtype: torch.dtype, device: str, vec: int, 
     return terms
 
 
-def _check(x: torch.Tensor, terms: list[DroppedInput]) -> None:
-    xas, masks = dropped_lora_inputs(x, terms)
+def _check(x: torch.Tensor, terms: list[DroppedInput], dropped_in: torch.dtype | None = None) -> None:
+    xas, masks = dropped_lora_inputs(x, terms, dropped_in)
     want_xas, want_masks = dropped_lora_inputs_ref(x, terms)
     for i, (xa, mask, want_xa, want_mask, term) in enumerate(zip(xas, masks, want_xas, want_masks, terms, strict=True)):  # fmt: skip
         assert mask.dtype == torch.bool and torch.equal(mask.cpu(), want_mask.cpu()), f"mask {i}"
         assert xa.dtype == term.lora_a.dtype and xa.shape == (x.shape[0], term.lora_a.shape[0])
-        # PEFT's expression: f x (in x's dtype, then cast to A's as autocast casts it), then the matmul
-        dropped = masked(x, want_mask.to(x.device), term.factor).to(term.lora_a.dtype)
+        # PEFT's expression: f x (in the dtype it drops in, then cast to A's as autocast casts it), then the matmul
+        dropped = masked(x.to(dropped_in or x.dtype), want_mask.to(x.device), term.factor).to(term.lora_a.dtype)
         testing.assert_close(xa, want_xa, torch.mm(dropped, term.lora_a.t()), name=f"xa[{i}]")
 
 
@@ -57,6 +57,14 @@ def test_fp32_input_beside_16_bit_lora_as(device: str, a_dtype: torch.dtype, m: 
     # as on fp32 (vector size 4), f (x * m) cast to A's dtype, the products in A's dtype.
     x = testing.random_tensor((m, k), torch.float32, device, seed=0)
     _check(x, _terms(k, [16, 8, 33], a_dtype, device, 4))
+
+
+@pytest.mark.parametrize(("m", "k"), [(1, 8), (37, 264), (70, 1000)])
+def test_16_bit_input_dropped_in_fp32(device: str, m: int, k: int) -> None:
+    # Under autocast with fp32 LoRA weights (PEFT's default) on bf16 hidden states: PEFT drops x cast
+    # to fp32 (fp32's masks, vector size 4), autocast casts f (x * m) to bf16 for the product.
+    x = testing.random_tensor((m, k), torch.bfloat16, device, seed=0)
+    _check(x, _terms(k, [16, 8, 33], torch.bfloat16, device, 4), dropped_in=torch.float32)
 
 
 def test_split_k_and_launches_of_three(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -94,23 +102,28 @@ def test_applies_only_where_it_can(device: str) -> None:
     assert not dropped_inputs_apply(x.reshape(4, 16, 256), [a])  # not 2-D
 
 
-@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32], ids=dtype_name)
+@pytest.mark.parametrize(
+    ("x_dtype", "drawn_in"),
+    [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32), (torch.bfloat16, torch.float32)],
+    ids=["bf16", "fp32", "bf16_dropped_in_fp32"],
+)
 @pytest.mark.parametrize("tokens", [16, 4096])
 def test_lora_input_products_draws_torchs_masks(
-    device: str, tokens: int, x_dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+    device: str, tokens: int, x_dtype: torch.dtype, drawn_in: torch.dtype, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # fk.lora's forward takes the kernel on a GPU: q, k and v's masks are three torch.native_dropout
     # calls' (the generator left where they leave it), their products PEFT's to bf16 rounding. fp32:
     # the hidden states of peft.prepare_model_for_kbit_training under bf16 autocast, fp32 LoRA
-    # weights (PEFT drops the fp32 input; autocast casts it and A to bf16 for the product).
+    # weights (PEFT drops the fp32 input; autocast casts it and A to bf16 for the product). bf16
+    # dropped in fp32: bf16 hidden states, fp32 LoRA weights (PEFT casts x to fp32, then drops it).
     if device != "cuda":
         pytest.skip("torch's CUDA masks need a GPU (on the CPU fk draws with torch.native_dropout)")
     x2 = testing.random_tensor((tokens, 512), x_dtype, device, seed=0)
-    lora_as = [testing.random_tensor((16, 512), x_dtype, device, seed=i + 1) for i in range(3)]
-    settings = [Settings(2.0, p, x_dtype) for p in PS]
+    lora_as = [testing.random_tensor((16, 512), drawn_in, device, seed=i + 1) for i in range(3)]
+    settings = [Settings(2.0, p, drawn_in) for p in PS]
     generator = torch.cuda.default_generators[x2.device.index or 0]
     generator.manual_seed(5)
-    dropped = [torch.native_dropout(x2, p, True) for p in PS]
+    dropped = [torch.native_dropout(x2.to(drawn_in), p, True) for p in PS]
     want_offset = generator.get_offset()
     generator.manual_seed(5)
     calls = []
@@ -130,19 +143,24 @@ def test_one_pass_takes_other_dtypes_only_under_autocast_to_the_compute_dtype(mo
     # fp32 hidden states, or fp32 A's, beside a bf16 compute dtype: under bf16 autocast the products
     # are bf16 ones (autocast casts the dropped input and A), which the kernel forms; outside it, or
     # under autocast to another dtype, PEFT's product is in fp32 (or fp16), so the kernel is not taken.
-    monkeypatch.setattr(projection, "reserve", lambda x, ps: [f"draw of {p}" for p in ps])
+    monkeypatch.setattr(projection, "reserve", lambda x, ps, drawn_as=None: [(p, drawn_as) for p in ps])
     x2 = testing.random_tensor((16, 64), torch.float32, "cpu", seed=0)
     a = testing.random_tensor((8, 64), torch.float32, "cpu", seed=1)
 
-    def draws(x2: torch.Tensor, lora_a: torch.Tensor) -> object:
-        return projection._one_pass_draws(x2, x2.bfloat16(), [lora_a], [Settings(1.0, 0.1, x2.dtype)])
+    def draws(x2: torch.Tensor, lora_a: torch.Tensor, drawn_in: torch.dtype | None = None) -> object:
+        settings = [Settings(1.0, 0.1, drawn_in or x2.dtype)]
+        return projection._one_pass_draws(x2, x2.to(torch.bfloat16), [lora_a], settings)
 
-    assert draws(x2, a) is None and draws(x2, a.bfloat16()) is None and draws(x2.bfloat16(), a) is None
+    bf16_x, bf16_a = x2.bfloat16(), a.bfloat16()
+    assert draws(x2, a) is None and draws(x2, bf16_a) is None and draws(bf16_x, a) is None
+    assert draws(bf16_x, a, torch.float32) is None  # (lora.Linear: x cast to fp32 A's dtype, fp32 products)
     with torch.autocast("cpu", dtype=torch.float16):
-        assert draws(x2, a.bfloat16()) is None
+        assert draws(x2, bf16_a) is None
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert draws(x2, a) == draws(x2, a.bfloat16()) == draws(x2.bfloat16(), a) == ["draw of 0.1"]
-    assert draws(x2.bfloat16(), a.bfloat16()) == ["draw of 0.1"]  # all in bf16: no autocast needed
+        assert draws(x2, a) == draws(x2, bf16_a) == draws(bf16_x, a) == [(0.1, None)]
+        assert draws(bf16_x, a, torch.float32) == [(0.1, torch.float32)]  # drawn as on x cast to fp32
+        assert draws(bf16_x, a, torch.float16) is None  # (no such PEFT cast)
+    assert draws(bf16_x, bf16_a) == [(0.1, None)]  # all in bf16: no autocast needed
 
 
 def test_keep_mask_is_the_kernels_mask(device: str) -> None:
@@ -154,12 +172,13 @@ def test_keep_mask_is_the_kernels_mask(device: str) -> None:
     assert torch.equal(mask.flatten(), keep_mask(x.numel(), term.draw, device))
 
 
-@pytest.mark.parametrize("x_dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize(("x_dtype", "dropped_in_fp32"), [("bf16", False), ("fp32", True), ("bf16", True)])
 @pytest.mark.parametrize("rank", [16, 32, 64])
-def test_kernel_compiles_without_spills(rank: int, x_dtype: str) -> None:
-    # Compiled for sm_90 on the CPU at the table's launch, three projections, x in bf16 or fp32 (the
-    # fp32 hidden states under autocast: masks of vector size 4, x cast to bf16 for the products):
-    # their products on the warpgroup MMAs, nothing spilled (the Philox words sit beside the accumulators).
+def test_kernel_compiles_without_spills(rank: int, x_dtype: str, dropped_in_fp32: bool) -> None:
+    # Compiled for sm_90 on the CPU at the table's launch, three projections, x in bf16 or fp32, the
+    # dropout drawn in x's dtype or in fp32 (under autocast: masks of vector size 4, f x rounded to
+    # bf16 for the products): their products on the warpgroup MMAs, nothing spilled (the Philox
+    # words sit beside the accumulators).
     params = module.LAUNCH[rank]
     signature = {
         "x_ptr": f"*{x_dtype}", "a_ptrs": ["*bf16"] * 3, "a_row_strides": ["i32"] * 3, "mask_ptrs": ["*i1"] * 3,
@@ -168,7 +187,7 @@ def test_kernel_compiles_without_spills(rank: int, x_dtype: str) -> None:
         "n_cols": "i32", "out_row_stride": "i32", "cols_per_split": "i32", "N_TERMS": "", "SCALE_FIRST": "", "VEC": "",
         "PARTIALS": "", "BLOCK_ROWS": "", "BLOCK_COLS": "", "BLOCK_RANK": "",
     }  # fmt: skip
-    constexprs = {"N_TERMS": 3, "SCALE_FIRST": x_dtype == "fp32", "VEC": 4 if x_dtype == "fp32" else 8,
+    constexprs = {"N_TERMS": 3, "SCALE_FIRST": dropped_in_fp32, "VEC": 4 if dropped_in_fp32 else 8,
                   "PARTIALS": True, "BLOCK_ROWS": params.block_rows, "BLOCK_COLS": params.block_cols,
                   "BLOCK_RANK": rank}  # fmt: skip
     compiled = testing.compile_kernel("fk.lora.dropped_lora_inputs", "_dropped_lora_inputs_kernel", signature,

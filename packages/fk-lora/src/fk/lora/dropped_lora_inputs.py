@@ -69,15 +69,16 @@ def _add_dropped_input(acc, x, a_ptr, a_row_stride, rank, mask_ptr, seed, counte
                        VEC: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
                        BLOCK_RANK: tl.constexpr):  # fmt: skip
     """``acc + (x * m) A^T`` over one column tile, ``m``'s tile drawn and stored; with
-    ``SCALE_FIRST`` (fp32 ``x``, 16-bit ``A``) ``acc + c(f (x * m)) A^T``."""
+    ``SCALE_FIRST`` (the dropout drawn in fp32, ``A`` 16-bit) ``acc + c(f (x * m)) A^T``, ``f (x * m)``
+    formed in fp32."""
     keep = keep_tile(seed, counter, threads, threshold, rows, first_col, groups_per_row, VEC, BLOCK_ROWS, BLOCK_COLS)
     tl.store(mask_ptr + rows[:, None] * n_cols + cols[None, :], keep, mask=ok)
     ranks = tl.arange(0, BLOCK_RANK)
     a_t = tl.load(a_ptr + ranks[None, :] * a_row_stride + cols[:, None],
                   mask=(ranks < rank)[None, :] & col_ok[:, None], other=0.0)  # fmt: skip
     dropped = tl.where(keep, x, tl.zeros_like(x))
-    if SCALE_FIRST:  # PEFT drops the fp32 x, and autocast rounds that to A's dtype for the product
-        dropped = (dropped * factor).to(a_t.dtype)
+    if SCALE_FIRST:  # PEFT drops x in fp32, and autocast rounds that to A's dtype for the product
+        dropped = (dropped.to(tl.float32) * factor).to(a_t.dtype)
     return acc + exact_dot(dropped, a_t)
 
 
@@ -99,7 +100,7 @@ def _store(acc, factor, out_ptr, split, n_rows, out_row_stride, rank_start, rank
 
 @triton.jit
 def _dropped_lora_inputs_kernel(
-    x_ptr,  # [M, K] in c (16-bit), or fp32 (SCALE_FIRST), contiguous
+    x_ptr,  # [M, K] in c (16-bit) or fp32, contiguous
     a_ptrs,  # a tuple: each projection's A [r_t, K] in c, unit column stride
     a_row_strides,  # a tuple
     mask_ptrs,  # a tuple: each projection's [M, K] bool mask (out), contiguous
@@ -116,7 +117,7 @@ def _dropped_lora_inputs_kernel(
     out_row_stride,
     cols_per_split,  # a multiple of BLOCK_COLS
     N_TERMS: tl.constexpr,  # 1 to 3: one accumulator each
-    SCALE_FIRST: tl.constexpr,  # x fp32 and the A's 16-bit (autocast): f applied before the cast to A's dtype
+    SCALE_FIRST: tl.constexpr,  # dropped in fp32, the A's 16-bit (autocast): f applied before the cast to A's dtype
     VEC: tl.constexpr,
     PARTIALS: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
@@ -174,26 +175,29 @@ LAUNCH = {
 # --- 3. Launchers ---------------------------------------------------------------------------------
 
 
-def dropped_inputs_apply(x: torch.Tensor, lora_as: Sequence[torch.Tensor]) -> bool:
+def dropped_inputs_apply(x: torch.Tensor, lora_as: Sequence[torch.Tensor], dropped_in: torch.dtype | None = None) -> bool:  # fmt: skip
     """Whether :func:`dropped_lora_inputs` runs for ``x`` and these ``A``\\ s, given draws of
     ``x`` from :func:`fk.lora.torch_dropout.reserve`: 2-D contiguous ``x`` on Triton's path, outside
     ``torch.compile``, ``K`` a multiple of 8 (of any draw's vector size: a draw's groups of elements
     never cross a row), ``A``\\ s with unit column stride and rank at most :data:`MAX_RANK`, all in
     one 16-bit dtype ``c`` that ``x`` has too, or ``x`` in fp32 (autocast: PEFT drops the fp32 input
-    and the product casts it to ``c``). (fp32 ``A``\\ s are not taken: IEEE fp32 dots would cost
+    and the product casts it to ``c``); the dropout drawn in ``x``'s dtype or (``dropped_in``) in
+    fp32 (PEFT drops ``x`` cast to fp32). (fp32 ``A``\\ s are not taken: IEEE fp32 dots would cost
     more than the pass saves.)"""
     if not uses_kernel(x) or torch.compiler.is_compiling() or x.dim() != 2 or x.numel() == 0 or not lora_as:
         return False
     c = lora_as[0].dtype
     if c not in (torch.bfloat16, torch.float16) or x.dtype not in (c, torch.float32):
         return False
+    if dropped_in not in (None, x.dtype, torch.float32):
+        return False
     if not x.is_contiguous() or x.shape[1] % 8:
         return False
     return all(a.dtype == c and a.stride(1) == 1 and a.shape[0] <= MAX_RANK for a in lora_as)
 
 
-def _launch(x: torch.Tensor, terms: Sequence[DroppedInput], params: LaunchParams | None = None,
-            ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:  # fmt: skip
+def _launch(x: torch.Tensor, terms: Sequence[DroppedInput], dropped_in: torch.dtype | None = None,
+            params: LaunchParams | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:  # fmt: skip
     """One kernel launch (and, where ``K`` is split, one sum of its partials) for up to three
     ``terms``; ``params`` other than the table's only for probes."""
     ranks = [t.lora_a.shape[0] for t in terms]
@@ -214,7 +218,7 @@ def _launch(x: torch.Tensor, terms: Sequence[DroppedInput], params: LaunchParams
         x, tuple(t.lora_a for t in terms), tuple(t.lora_a.stride(0) for t in terms), tuple(masks),
         tuple(d.seed for d in draws), tuple(d.counter for d in draws), tuple(keep_threshold(d.p_keep) for d in draws),
         tuple(ranks), tuple(starts), tuple(float(t.factor) for t in terms), out, draws[0].threads, n_rows, n_cols,
-        n_ranks, steps_per_split * params.block_cols, N_TERMS=len(terms), SCALE_FIRST=x.dtype != c,
+        n_ranks, steps_per_split * params.block_cols, N_TERMS=len(terms), SCALE_FIRST=(dropped_in or x.dtype) != c,
         VEC=draws[0].vec, PARTIALS=splits > 1,
         BLOCK_ROWS=params.block_rows, BLOCK_COLS=params.block_cols, BLOCK_RANK=block_rank,
         num_warps=params.num_warps,
@@ -224,15 +228,19 @@ def _launch(x: torch.Tensor, terms: Sequence[DroppedInput], params: LaunchParams
     return [out.narrow(1, s, r) for s, r in zip(starts, ranks, strict=True)], masks
 
 
-def dropped_lora_inputs(x: torch.Tensor, terms: Sequence[DroppedInput]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:  # fmt: skip
+def dropped_lora_inputs(x: torch.Tensor, terms: Sequence[DroppedInput], dropped_in: torch.dtype | None = None,
+                        ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:  # fmt: skip
     """(``[f_t (x * m_t) A_t^T]``, each ``[M, r_t]`` in the ``A``\\ s' dtype, ``[m_t]``, each bool ``[M, K]``)
     for the projections ``terms`` that share ``x`` ``[M, K]``, their masks drawn as each term's
     ``torch.native_dropout`` call would (where :func:`dropped_inputs_apply`; the caller checks): one
-    kernel for every three projections, reading ``x`` once for them."""
+    kernel for every three projections, reading ``x`` once for them. ``dropped_in``: the dtype the
+    dropout is drawn in (the draws' own; ``x``'s by default): where it is wider than the ``A``\\ s'
+    dtype, ``f (x * m_t)`` is rounded to theirs before the product, as autocast rounds PEFT's
+    dropped input."""
     xas: list[torch.Tensor] = []
     masks: list[torch.Tensor] = []
     for first in range(0, len(terms), TERMS_PER_LAUNCH):
-        launch_xas, launch_masks = _launch(x, terms[first : first + TERMS_PER_LAUNCH])
+        launch_xas, launch_masks = _launch(x, terms[first : first + TERMS_PER_LAUNCH], dropped_in)
         xas += launch_xas
         masks += launch_masks
     return xas, masks

@@ -174,7 +174,8 @@ def lora_input_products(
         in_c = [lora_As[i].to(xc.dtype) for i in with_dropout]
         terms = [DroppedInput(a_c, draw, 1.0 / (1.0 - settings[i].dropout_p))
                  for i, a_c, draw in zip(with_dropout, in_c, draws, strict=True)]  # fmt: skip
-        for i, a_c, xa, mask in zip(with_dropout, in_c, *dropped_lora_inputs(x2, terms), strict=True):
+        drawn_in = settings[with_dropout[0]].dropout_dtype
+        for i, a_c, xa, mask in zip(with_dropout, in_c, *dropped_lora_inputs(x2, terms, drawn_in), strict=True):
             xas[i], masks[i], A_cs[i] = xa, mask, a_c
         return LoRAInputs(xas, masks, A_cs, dropped)
     x2_in: dict[torch.dtype, torch.Tensor] = {}  # x2 in each dropout dtype, cast once for all projections
@@ -194,19 +195,23 @@ def _one_pass_draws(x2: torch.Tensor, xc: torch.Tensor, lora_As: list[torch.Tens
     """The draws of these projections' dropout (each with ``p > 0``) where
     :func:`fk.lora.dropped_lora_inputs.dropped_lora_inputs` takes them all (the device's generator
     then moved past them, as their ``torch.native_dropout`` calls would move it), else None (nothing
-    drawn): each dropout drawn in ``x2``'s dtype; ``x2`` and every ``A`` in the compute dtype ``c``
-    (``xc``'s, 16-bit), or else under autocast to ``c`` (``x2`` in fp32, or ``A``\\ s in another
-    dtype: autocast casts the dropped input and ``A`` to ``c`` for their product, which outside it
-    runs in their own dtype); and :func:`fk.lora.torch_dropout.reserve` able to replicate torch's
-    masks for ``x2``."""
-    if not lora_As or any(s.dropout_dtype != x2.dtype for s in settings):
+    drawn): each dropout drawn in one dtype, ``x2``'s or fp32 (PEFT casting a 16-bit ``x2`` to it);
+    ``x2``, every ``A`` and that dtype all the compute dtype ``c`` (``xc``'s, 16-bit), or else under
+    autocast to ``c`` (autocast casts the dropped input and ``A`` to ``c`` for their product, which
+    outside it runs in their own dtype); and :func:`fk.lora.torch_dropout.reserve` able to
+    replicate torch's masks."""
+    if not lora_As:
+        return None
+    drawn_in = settings[0].dropout_dtype
+    if any(s.dropout_dtype != drawn_in for s in settings) or drawn_in not in (x2.dtype, torch.float32):
         return None
     c = xc.dtype
-    if (x2.dtype != c or any(a.dtype != c for a in lora_As)) and not _autocast_to(x2.device, c):
+    all_in_c = x2.dtype == drawn_in == c and all(a.dtype == c for a in lora_As)
+    if not all_in_c and not _autocast_to(x2.device, c):
         return None
-    if not dropped_inputs_apply(x2, [a.to(c) for a in lora_As]):
+    if not dropped_inputs_apply(x2, [a.to(c) for a in lora_As], drawn_in):
         return None
-    return reserve(x2, [s.dropout_p for s in settings])
+    return reserve(x2, [s.dropout_p for s in settings], None if drawn_in == x2.dtype else drawn_in)
 
 
 def _autocast_to(device: torch.device, dtype: torch.dtype) -> bool:

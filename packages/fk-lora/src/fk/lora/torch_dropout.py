@@ -228,11 +228,12 @@ def _offset_step(n_elements: int, threads: int) -> int:
     return ((n_elements - 1) // (threads * 4) + 1) * 4
 
 
-def _vector_size(x: torch.Tensor, widest: int) -> int:
+def _vector_size(x: torch.Tensor, widest: int, aligned: bool = False) -> int:
     """The vector size torch's dropout kernel takes for ``x`` (contiguous), at most ``widest``: the
-    widest of 8, 4, 2, 1 that ``x``'s address is aligned to and its size divides."""
+    widest of 8, 4, 2, 1 that ``x``'s address is aligned to (taken as aligned with ``aligned``) and
+    its size divides."""
     vec = widest
-    while vec > 1 and (x.data_ptr() % (vec * x.element_size()) or x.numel() % vec):
+    while vec > 1 and ((not aligned and x.data_ptr() % (vec * x.element_size())) or x.numel() % vec):
         vec //= 2
     return vec
 
@@ -289,20 +290,24 @@ def _replicated_vector_size(device: torch.device, dtype: torch.dtype) -> int:
         generator.set_offset(offset)
 
 
-def reserve(x: torch.Tensor, ps: list[float]) -> list[Draw] | None:
+def reserve(x: torch.Tensor, ps: list[float], drawn_as: torch.dtype | None = None) -> list[Draw] | None:
     """The draws of ``torch.native_dropout(x, p, True)`` for each ``p`` in ``ps``, called in that
     order, with the device's default generator moved past them as those calls would; None (nothing
     moved) where fk cannot replicate them: ``x`` not a contiguous CUDA tensor, a vector size torch
     would not take the layout of :func:`keep_tile` at, a CUDA graph being captured, or a torch whose
-    masks :func:`replicates` did not find equal."""
+    masks :func:`replicates` did not find equal.
+
+    ``drawn_as``: the draws on ``x`` cast to that dtype instead (PEFT casts its input to the LoRA
+    weights' fp32, or its MLP forms down's input in fp32, before the dropout), a new tensor and so
+    aligned as the caching allocator aligns its blocks (512 bytes)."""
     if not x.is_cuda or not x.is_contiguous() or x.numel() == 0 or x.numel() >= 2**31:
         return None
     if torch.cuda.is_current_stream_capturing() or torch.compiler.is_compiling():
         return None
-    widest = replicates(x.device, x.dtype)
+    widest = replicates(x.device, x.dtype if drawn_as is None else drawn_as)
     if widest == 0:
         return None
-    vec = _vector_size(x, widest)
+    vec = _vector_size(x, widest, aligned=drawn_as is not None)
     if vec < 4:
         return None
     return _draws(x, ps, vec, _generator(x.device))
