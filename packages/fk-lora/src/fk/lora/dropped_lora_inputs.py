@@ -13,10 +13,10 @@ accumulator a projection: 2 + 3 bytes an element, and no dropped input exists.
 Math, per projection ``t``: ``m_t`` = :func:`fk.lora.torch_dropout.keep_tile`,
 ``xa_t[i, q] = f_t sum_j x[i, j] m_t[i, j] A_t[q, j]``, summed in fp32 and rounded once to ``x``'s
 dtype (PEFT's ``torch.mm`` on the dropped input rounds ``f x`` to 16 bits first: the two agree to
-the dtype's rounding). An fp32 ``x`` beside 16-bit ``A``\\ s (autocast: PEFT drops the fp32 input,
-and the product casts it to ``A``'s dtype) is read in fp32, and ``f (x * m_t)`` is rounded to ``A``'s
-dtype before the product, as autocast rounds it: ``xa_t = c(f_t (x * m_t)) A_t^T``; the masks are
-then fp32's (vector size 4). A program owns ``BLOCK_ROWS`` rows and one range of ``K`` (the ranges split
+the dtype's rounding). Where PEFT drops in fp32 under autocast (an fp32 ``x`` beside 16-bit
+``A``\\ s, or a 16-bit ``x`` it casts to fp32 LoRA weights' dtype first: ``dropped_in``), the masks
+are fp32's (vector size 4) and ``f (x * m_t)`` is formed in fp32 and rounded to ``A``'s dtype before
+the product, as autocast rounds PEFT's dropped input: ``xa_t = c(f_t (x * m_t)) A_t^T``. A program owns ``BLOCK_ROWS`` rows and one range of ``K`` (the ranges split
 ``K`` where the row blocks alone would leave SMs idle), keeps one ``[BLOCK_ROWS, r]`` accumulator a
 projection (up to :data:`TERMS_PER_LAUNCH`); with one range the results are stored directly, else
 as fp32 partial sums that :func:`fk.core.reduce.sum_rows` adds and rounds once. There is no
