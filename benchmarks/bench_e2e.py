@@ -15,8 +15,11 @@ bitsandbytes ``Linear4bit``, NF4 in blocks of 64 with nested absmax, bf16 comput
 ``prepare_model_for_kbit_training``, for every provider alike) and ``qlora-recipe`` (QLoRA as PEFT's
 and the QLoRA paper's examples train it: the same 4-bit bases, ``prepare_model_for_kbit_training``
 casting the embedding, norms and head to fp32, LoRA dropout 0.05, every step's forward under bf16
-autocast, as HF Trainer's ``bf16=True`` runs it). ``qlora`` and ``qlora-recipe`` run when asked for
-(``--modes qlora qlora-recipe``); the default is ``full`` and ``lora``. Providers, each in its own
+autocast, as HF Trainer's ``bf16=True`` runs it); ``lora-recipe`` is ``lora`` trained as HF
+Trainer's ``bf16=True`` with PEFT's and TRL's LoRA examples train it (the bf16 model, PEFT's fp32
+adapters, LoRA dropout 0.05, the forward under bf16 autocast). ``qlora``, ``qlora-recipe`` and
+``lora-recipe`` run when asked for (``--modes qlora qlora-recipe lora-recipe``); the default is
+``full`` and ``lora``. Providers, each in its own
 subprocess (Liger patches transformers' classes globally):
 
 - ``stock``: the model as transformers builds it;
@@ -75,7 +78,7 @@ NAME = "e2e"
 PROVIDERS = ("stock", "liger", "fk", "fk-lowmem")
 LOWMEM_LOSS_OPTIONS = {"memory_budget": 384 << 20, "accum_dtype": torch.bfloat16}
 """fk-lowmem: fk with the fused loss in 384 MiB chunks of logits, the head's gradient summed in bf16."""
-MODES = ("full", "lora", "qlora", "qlora-recipe")
+MODES = ("full", "lora", "qlora", "qlora-recipe", "lora-recipe")
 QLORA_MODES = ("qlora", "qlora-recipe")
 DEFAULT_MODES = ("full", "lora")
 DEFAULT_SHAPE = "llama-3.2-1b"
@@ -164,14 +167,15 @@ def worker(job: dict[str, Any]) -> dict[str, Any]:
     """One (mode, provider): build, patch, then train ``warmup + steps`` steps (``job["phase"]`` is
     ``"timed"``) or search the largest batch (``"search"``)."""
     provider, mode = job["provider"], job["mode"]
-    lora, qlora, recipe = mode in ("lora", *QLORA_MODES), mode in QLORA_MODES, mode == "qlora-recipe"
-    autocast = torch.bfloat16 if recipe else None
+    lora, qlora, recipe = mode in ("lora", "lora-recipe", *QLORA_MODES), mode in QLORA_MODES, mode == "qlora-recipe"
+    autocast = torch.bfloat16 if mode.endswith("-recipe") else None
+    dropout = training.RECIPE_LORA_DROPOUT if mode.endswith("-recipe") else None
     shape = model_shape(job["shape"], job["mode"], job["layers"])
     device = "cuda" if torch.cuda.is_available() else "cpu"
     fallbacks = _fallback_log()
     patch_before_build(provider, job["family"])
     model = training.build_model(shape, dtype=torch.bfloat16, device=device, seed=0, lora=lora,
-                                 qlora=qlora, qlora_recipe=recipe, max_positions=job["seq"],
+                                 qlora=qlora, qlora_recipe=recipe, lora_dropout=dropout, max_positions=job["seq"],
                                  model_type=job["family"])  # fmt: skip
     patched = patch_after_build(provider, model)
     corpus = training.MarkovCorpus(shape.vocab, active=1024 if shape.vocab >= 4096 else 32, branching=4)
@@ -197,7 +201,7 @@ def _available(provider: str, mode: str) -> str | None:
     """Why ``provider`` cannot run ``mode`` here (a missing package), or None."""
     if provider == "liger" and importlib.util.find_spec("liger_kernel") is None:
         return "liger-kernel is not installed (pip install liger-kernel==0.8.5)"
-    if mode in ("lora", *QLORA_MODES) and importlib.util.find_spec("peft") is None:
+    if mode in ("lora", "lora-recipe", *QLORA_MODES) and importlib.util.find_spec("peft") is None:
         return "peft is not installed (pip install peft)"
     if mode in QLORA_MODES and importlib.util.find_spec("bitsandbytes") is None:
         return "bitsandbytes is not installed (pip install fk-lora[qlora])"
@@ -261,7 +265,8 @@ def run(args: argparse.Namespace) -> bench.BenchRecord:
                f"from the median of all timed steps; lora: PEFT r=16, alpha=32, q/k/v/o/gate/up/down, fp32 adapters; "
                f"qlora: the same on bitsandbytes NF4 bases (blocksize 64, nested absmax, bf16 compute); "
                f"qlora-recipe: qlora after peft.prepare_model_for_kbit_training (embedding, norms, head fp32), "
-               f"LoRA dropout {training.QLORA_RECIPE_DROPOUT}, the forward under bf16 autocast; "
+               f"LoRA dropout {training.RECIPE_LORA_DROPOUT}, the forward under bf16 autocast; "
+               f"lora-recipe: lora with LoRA dropout {training.RECIPE_LORA_DROPOUT}, the forward under bf16 autocast; "
                f"peak memory: torch.cuda.max_memory_allocated; max batch: sizes {', '.join(map(str, BATCHES))} "
                f"of {args.seq} tokens tried in order in one more process after the rounds"),
     )  # fmt: skip

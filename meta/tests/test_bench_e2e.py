@@ -57,6 +57,21 @@ def test_tiny_qlora_run(tmp_path: Path, mode: str, described: str) -> None:
     assert described in record.notes
 
 
+@pytest.mark.serial
+def test_tiny_lora_recipe_run(tmp_path: Path) -> None:
+    """``--modes lora-recipe``: PEFT's fp32 adapters with dropout on the bf16 model under bf16
+    autocast, every LoRA call fused (no fallback logged), the losses stock's."""
+    pytest.importorskip("peft")
+    testing.run_python(str(SCRIPT), "--tiny", "--modes", "lora-recipe", "--providers", "stock", "fk",
+                       "--search-seconds", "0", "--out", str(tmp_path))  # fmt: skip
+    record = bench.BenchRecord.from_json(tmp_path / "e2e.json")
+    runs = {r["provider"]: r for r in record.rows if r["kind"] == "run"}
+    assert set(runs) == {"stock", "fk"} and all(r["status"] == "ok" for r in runs.values())
+    assert runs["fk"]["patched"]["lora"] > 0 and runs["fk"]["loss_rel_diff"] < 2e-2
+    assert runs["fk"]["fallbacks"] == []
+    assert "lora-recipe: lora with LoRA dropout 0.05, the forward under bf16 autocast" in record.notes
+
+
 def test_merge_keeps_the_other_modes_rows() -> None:
     old = bench.BenchRecord("e2e", rows=[{"mode": "full", "v": 1}, {"mode": "lora", "v": 2}], notes="old")
     old.environment["date_utc"] = "then"

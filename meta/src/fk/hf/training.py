@@ -144,6 +144,7 @@ def build_model(
     lora: bool = False,
     qlora: bool = False,
     qlora_recipe: bool = False,
+    lora_dropout: float | None = None,
     max_positions: int = 8192,
     model_type: str = "llama",
 ) -> torch.nn.Module:
@@ -161,8 +162,9 @@ def build_model(
     as PEFT's and the QLoRA paper's examples do: ``peft.prepare_model_for_kbit_training`` (without
     gradient checkpointing) casts the embedding, norms and head to fp32 (so the hidden states are
     fp32; train it under bf16 autocast: :func:`train`'s ``autocast``) before the adapters are added,
-    with LoRA dropout 0.05. Raises ``ImportError`` with an install hint when peft (or, for
-    ``qlora``, bitsandbytes) is missing.
+    with LoRA dropout 0.05. ``lora_dropout`` sets the adapters' dropout (default: 0, or the
+    recipe's :data:`RECIPE_LORA_DROPOUT`). Raises ``ImportError`` with an install hint when peft (or,
+    for ``qlora``, bitsandbytes) is missing.
     """
     import transformers
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -183,7 +185,7 @@ def build_model(
     if peft is not None and qlora_recipe:
         model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     if peft is not None:
-        dropout = QLORA_RECIPE_DROPOUT if qlora_recipe else 0.0
+        dropout = lora_dropout if lora_dropout is not None else RECIPE_LORA_DROPOUT if qlora_recipe else 0.0
         config = peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=dropout, target_modules=list(LORA_TARGETS))
         with warnings.catch_warnings():  # peft 0.21 calls a transformers 5 method that warns of its rename
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
@@ -191,8 +193,9 @@ def build_model(
     return model.train()
 
 
-QLORA_RECIPE_DROPOUT = 0.05
-"""LoRA dropout of :func:`build_model`'s ``qlora_recipe`` (the QLoRA paper's for 7B and 13B models)."""
+RECIPE_LORA_DROPOUT = 0.05
+"""LoRA dropout of :func:`build_model`'s ``qlora_recipe`` (the QLoRA paper's for 7B and 13B models, and
+the usual one of PEFT's and TRL's LoRA examples)."""
 
 QLORA_QUANT_TYPE, QLORA_BLOCKSIZE = "nf4", 64
 """QLoRA's 4-bit format (its paper's, and Hugging Face's usual ``BitsAndBytesConfig``): NF4 in blocks
