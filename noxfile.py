@@ -93,13 +93,21 @@ def _src_paths() -> str:
 
 @nox.session
 def tests(session: nox.Session) -> None:
-    """Every package's tests in one environment, on CPU through Triton's interpreter."""
+    """Every package's tests in one environment, on CPU through Triton's interpreter.
+
+    Two passes, as :func:`gpu`'s: every test but the ``serial`` ones across ``FK_CPU_WORKERS`` xdist
+    workers (default: one a CPU; each with one torch thread, the interpreter's Python being the
+    work), then the ``serial`` ones alone (heavy subprocesses). Extra arguments go to both passes.
+    """
     _install_runtime(session)
     core = ROOT / "packages" / "fk-core"  # (not PACKAGES[0]: fk-align sorts before it)
-    session.install(f"{core}[testing,bench]")
+    session.install(f"{core}[testing,bench]", "pytest-xdist")
     _install_test_extras(session, ALL_DISTS)
     session.install("--no-deps", *(str(d) for d in ALL_DISTS))
-    session.run("pytest", *session.posargs, env=CPU_ENV)
+    workers = os.environ.get("FK_CPU_WORKERS", str(os.cpu_count() or 1))
+    parallel_env = {**CPU_ENV, "OMP_NUM_THREADS": "1"}
+    session.run("pytest", "-n", workers, "--dist", "worksteal", "-m", "not serial", *session.posargs, env=parallel_env)
+    session.run("pytest", "-m", "serial", *session.posargs, env=CPU_ENV, success_codes=[0, 5])  # (5: none selected)
 
 
 @nox.session
