@@ -149,7 +149,7 @@ def test_one_pass_takes_other_dtypes_only_under_autocast_to_the_compute_dtype(mo
 
     def draws(x2: torch.Tensor, lora_a: torch.Tensor, drawn_in: torch.dtype | None = None) -> object:
         settings = [Settings(1.0, 0.1, drawn_in or x2.dtype)]
-        return projection._one_pass_draws(x2, x2.to(torch.bfloat16), [lora_a], settings)
+        return projection._one_pass_draws(x2, x2.to(torch.bfloat16), [lora_a], [lora_a.bfloat16()], settings)
 
     bf16_x, bf16_a = x2.bfloat16(), a.bfloat16()
     assert draws(x2, a) is None and draws(x2, bf16_a) is None and draws(bf16_x, a) is None

@@ -149,8 +149,8 @@ def lora_input_products(
     ``settings`` each). Those without dropout whose ``A``\\ s share a dtype take one matmul against
     their stacked ``A``\\ s, so ``x2`` is read once for all of them; each ``xa`` is then a column
     block of its result (and each ``A`` in ``c`` a row block of the stack's). Dropout masks are
-    torch's, drawn projection by projection, in order, as PEFT draws them: on a GPU (16-bit ``x2``,
-    no ``keep_dropped``; :func:`_one_pass_draws`) all of them inside one pass over ``x2`` that
+    torch's, drawn projection by projection, in order, as PEFT draws them: on a GPU (no
+    ``keep_dropped``, where :func:`_one_pass_draws` finds the kernel applies) all of them inside one pass over ``x2`` that
     forms their ``xa``\\ s too (:mod:`fk.lora.dropped_lora_inputs`, no dropped input written), else
     by ``torch.native_dropout``; each dropped input ``d(x2)`` is kept only with ``keep_dropped``
     (DoRA's ``zd`` is its product)."""
@@ -168,10 +168,10 @@ def lora_input_products(
         for i, xa_i, A_c_i in zip(group, cut_blocks(xa, ranks, 1), cut_blocks(A_c, ranks, 0), strict=True):
             xas[i], A_cs[i] = xa_i, A_c_i
     with_dropout = [i for i, setting in enumerate(settings) if setting.dropout_p > 0]
-    draws = None if keep_dropped else _one_pass_draws(x2, xc, [lora_As[i] for i in with_dropout],
+    in_c = [lora_As[i].to(xc.dtype) for i in with_dropout]  # (each A itself where it is in c already)
+    draws = None if keep_dropped else _one_pass_draws(x2, xc, [lora_As[i] for i in with_dropout], in_c,
                                                       [settings[i] for i in with_dropout])  # fmt: skip
     if draws is not None:  # every mask drawn, and every product formed, in one pass over x2
-        in_c = [lora_As[i].to(xc.dtype) for i in with_dropout]
         terms = [DroppedInput(a_c, draw, 1.0 / (1.0 - settings[i].dropout_p))
                  for i, a_c, draw in zip(with_dropout, in_c, draws, strict=True)]  # fmt: skip
         drawn_in = settings[with_dropout[0]].dropout_dtype
@@ -179,18 +179,18 @@ def lora_input_products(
             xas[i], masks[i], A_cs[i] = xa, mask, a_c
         return LoRAInputs(xas, masks, A_cs, dropped)
     x2_in: dict[torch.dtype, torch.Tensor] = {}  # x2 in each dropout dtype, cast once for all projections
-    for i, (_, p, dropout_dtype) in enumerate(settings):
-        if p > 0:
-            if dropout_dtype not in x2_in:
-                x2_in[dropout_dtype] = x2 if x2.dtype == dropout_dtype else x2.to(dropout_dtype)
-            xas[i], masks[i], d_x2 = lora_input_product(x2_in[dropout_dtype], xc, lora_As[i], p, dropout_dtype)
-            dropped[i] = d_x2 if keep_dropped and d_x2 is not None and d_x2.dtype == xc.dtype else None
-            del d_x2  # (not held past this projection unless kept)
-            A_cs[i] = lora_As[i].to(xc.dtype)
+    for i, a_c in zip(with_dropout, in_c, strict=True):
+        _, p, dropout_dtype = settings[i]
+        if dropout_dtype not in x2_in:
+            x2_in[dropout_dtype] = x2 if x2.dtype == dropout_dtype else x2.to(dropout_dtype)
+        xas[i], masks[i], d_x2 = lora_input_product(x2_in[dropout_dtype], xc, lora_As[i], p, dropout_dtype)
+        dropped[i] = d_x2 if keep_dropped and d_x2 is not None and d_x2.dtype == xc.dtype else None
+        del d_x2  # (not held past this projection unless kept)
+        A_cs[i] = a_c
     return LoRAInputs(xas, masks, A_cs, dropped)
 
 
-def _one_pass_draws(x2: torch.Tensor, xc: torch.Tensor, lora_As: list[torch.Tensor],
+def _one_pass_draws(x2: torch.Tensor, xc: torch.Tensor, lora_As: list[torch.Tensor], A_cs: list[torch.Tensor],
                     settings: list[Settings]) -> list[Draw] | None:  # fmt: skip
     """The draws of these projections' dropout (each with ``p > 0``) where
     :func:`fk.lora.dropped_lora_inputs.dropped_lora_inputs` takes them all (the device's generator
@@ -199,7 +199,7 @@ def _one_pass_draws(x2: torch.Tensor, xc: torch.Tensor, lora_As: list[torch.Tens
     ``x2``, every ``A`` and that dtype all the compute dtype ``c`` (``xc``'s, 16-bit), or else under
     autocast to ``c`` (autocast casts the dropped input and ``A`` to ``c`` for their product, which
     outside it runs in their own dtype); and :func:`fk.lora.torch_dropout.reserve` able to
-    replicate torch's masks."""
+    replicate torch's masks. ``A_cs``: the ``A``\\ s in ``c``, which the kernel would take."""
     if not lora_As:
         return None
     drawn_in = settings[0].dropout_dtype
@@ -209,7 +209,7 @@ def _one_pass_draws(x2: torch.Tensor, xc: torch.Tensor, lora_As: list[torch.Tens
     all_in_c = x2.dtype == drawn_in == c and all(a.dtype == c for a in lora_As)
     if not all_in_c and not _autocast_to(x2.device, c):
         return None
-    if not dropped_inputs_apply(x2, [a.to(c) for a in lora_As], drawn_in):
+    if not dropped_inputs_apply(x2, A_cs, drawn_in):
         return None
     return reserve(x2, [s.dropout_p for s in settings], None if drawn_in == x2.dtype else drawn_in)
 
