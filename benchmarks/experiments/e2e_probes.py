@@ -12,11 +12,13 @@ decided fk.hf's settings; their output on an H200 is in e2e_probes_h200.txt besi
   with bf16 accumulation (fk-lowmem's), the two taking turns every step on one model, 30 steps each;
 - ``qkv``, ``add_norm``, ``recompute_norms``: step time with that fk.hf switch off and on,
   interleaved over 4 rounds;
+- ``recipe`` after any of ``host``, ``pyprofile``, ``syncs`` (with ``lora``): LoRA as bench_e2e.py's
+  ``lora-recipe`` trains it (LoRA dropout 0.05, the forward under bf16 autocast);
 - ``host [stock|liger|fk] [lora]``: the host's time to enqueue one forward while the GPU spins on a
   long sleep kernel (so the queue never drains and only the host is timed), then one backward. A
   provider whose forward synchronizes (Liger's loss does) shows the sleep in its time instead;
-- ``pyprofile [stock|liger|fk] [lora] [busy]``: cProfile of one forward's host path (GPU asleep;
-  ``busy``: not), by own and by cumulative time;
+- ``pyprofile [stock|liger|fk] [lora] [busy] [backward]``: cProfile of one forward's host path (GPU
+  asleep; ``busy``: not; ``backward``: and the backward's), by own and by cumulative time;
 - ``clocks [stock|liger|fk] [lora] [lowmem]``: the SM clock, power draw and temperature over 30
   training steps (nvidia-smi every 50 ms);
 - ``headstart [stock|liger|fk] [lora] [lowmem]``: the step's wall time when a GPU sleep of 2-20
@@ -72,20 +74,35 @@ def _lowmem_if_asked(model: Any) -> str:
     return " lowmem"
 
 
+def _recipe() -> bool:
+    """With ``recipe`` in the arguments, LoRA as bench_e2e.py's ``lora-recipe`` trains it: LoRA
+    dropout (``training.RECIPE_LORA_DROPOUT``) and every forward under bf16 autocast."""
+    return "recipe" in sys.argv[2:]
+
+
+def _casting() -> Any:
+    """The forward's autocast under ``recipe``, else nothing."""
+    return torch.autocast("cuda", dtype=torch.bfloat16) if _recipe() else contextlib.nullcontext()
+
+
 def _model(provider: str = "fk", lora: bool = False, recompute: bool = False) -> Any:
     if provider == "liger":
         from liger_kernel.transformers import apply_liger_kernel_to_llama
 
         apply_liger_kernel_to_llama()
     shape = training.SHAPES["llama-3.2-1b"]
-    model = training.build_model(shape, dtype=torch.bfloat16, device="cuda", seed=0, max_positions=2048, lora=lora)
+    dropout = training.RECIPE_LORA_DROPOUT if _recipe() else None
+    model = training.build_model(shape, dtype=torch.bfloat16, device="cuda", seed=0, max_positions=2048, lora=lora,
+                                 lora_dropout=dropout)  # fmt: skip
     if provider == "fk":
         fk.hf.apply(model, recompute_norms=recompute)
     return model
 
 
 def _steps(model: Any, opt: Any, corpus: Any, steps: int = 7, warmup: int = 2) -> Any:
-    return training.train(model, corpus, steps=steps, warmup=warmup, batch=4, seq=2048, lr=1e-4, optimizer=opt)
+    autocast = torch.bfloat16 if _recipe() else None
+    return training.train(model, corpus, steps=steps, warmup=warmup, batch=4, seq=2048, lr=1e-4, optimizer=opt,
+                          autocast=autocast)  # fmt: skip
 
 
 def phases(provider: str, budget_mib: int, recompute: bool = False) -> None:
@@ -229,7 +246,8 @@ def host(provider: str, lora: bool = False) -> None:
         torch.cuda.synchronize()
         torch.cuda._sleep(int(3e9))  # about two seconds of GPU time: the queue stays full
         start = time.perf_counter()
-        loss = model(input_ids=tokens, labels=tokens).loss
+        with _casting():
+            loss = model(input_ids=tokens, labels=tokens).loss
         middle = time.perf_counter()
         loss.backward()
         forward.append(middle - start)
@@ -237,14 +255,15 @@ def host(provider: str, lora: bool = False) -> None:
         torch.cuda.synchronize()
         model.zero_grad(set_to_none=True)
         del loss
-    print(f"{provider}{' lora' if lora else ''}: host time to enqueue the forward {statistics.median(forward) * 1e3:.1f} ms, "
+    print(f"{provider}{' lora' if lora else ''}{' recipe' if _recipe() else ''}: host time to enqueue the forward {statistics.median(forward) * 1e3:.1f} ms, "
           f"the backward {statistics.median(backward) * 1e3:.1f} ms (medians of 6)")  # fmt: skip
 
 
 def pyprofile(provider: str, lora: bool = False) -> None:
     """cProfile of one forward's host path, the GPU asleep (as in :func:`host`): the Python
     functions by own time and by cumulative time. With ``busy`` in the arguments, the GPU is not put
-    to sleep: the forward runs as in training, its kernels running while the host launches more."""
+    to sleep: the forward runs as in training, its kernels running while the host launches more;
+    with ``backward``, the backward is profiled too."""
     import cProfile
     import io
     import pstats
@@ -255,7 +274,10 @@ def pyprofile(provider: str, lora: bool = False) -> None:
         torch.cuda._sleep(int(3e9))
     profiler = cProfile.Profile()
     profiler.enable()
-    loss = model(input_ids=tokens, labels=tokens).loss
+    with _casting():
+        loss = model(input_ids=tokens, labels=tokens).loss
+    if "backward" in sys.argv[3:]:
+        loss.backward()
     profiler.disable()
     torch.cuda.synchronize()
     del loss
@@ -283,12 +305,16 @@ def syncs(provider: str, lora: bool = False) -> None:
         ]
         found.append((str(message).splitlines()[0][:100], [f for f in frames if "/torch/" not in f][-4:]))
 
+    def forward() -> Any:
+        with _casting():
+            return model(input_ids=tokens, labels=tokens).loss
+
     with warnings.catch_warnings():
         warnings.simplefilter("always")
         warnings.showwarning = record
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            for phase, run in (("forward", lambda: model(input_ids=tokens, labels=tokens).loss), ("backward", None)):
+            for phase, run in (("forward", forward), ("backward", None)):
                 if phase == "forward":
                     loss = run()
                     print(f"forward: {len(found)} synchronizations")
