@@ -139,28 +139,33 @@ def test_lora_input_products_draws_torchs_masks(
         testing.assert_close(xa, want, torch.mm(d.bfloat16(), a.bfloat16().t()), name=f"xa[{i}]")
 
 
-def test_one_pass_takes_other_dtypes_only_under_autocast_to_the_compute_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
-    # fp32 hidden states, or fp32 A's, beside a bf16 compute dtype: under bf16 autocast the products
-    # are bf16 ones (autocast casts the dropped input and A), which the kernel forms; outside it, or
-    # under autocast to another dtype, PEFT's product is in fp32 (or fp16), so the kernel is not taken.
+def test_one_pass_takes_the_products_the_kernel_forms(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The kernel forms d(x2 in the dropout dtype), rounded to c (bf16 here), times A in c. That is
+    # lora_input_product's product where every A is in c, as fk's fused functions pass them under
+    # autocast (cast, autocast itself off): fp32 hidden states (peft.prepare_model_for_kbit_training),
+    # or bf16 ones dropped in fp32 (PEFT's fp32 adapters). Called under autocast to c, A's of other
+    # dtypes are cast to c too. An fp32 A outside autocast has an fp32 product: not the kernel's.
     monkeypatch.setattr(projection, "reserve", lambda x, ps, drawn_as=None: [(p, drawn_as) for p in ps])
-    x2 = testing.random_tensor((16, 64), torch.float32, "cpu", seed=0)
-    a = testing.random_tensor((8, 64), torch.float32, "cpu", seed=1)
+    x2 = testing.random_tensor((16, 64), torch.float32, device, seed=0)  # (on Triton's path: a GPU, or the interpreter)
+    a = testing.random_tensor((8, 64), torch.float32, device, seed=1)
 
     def draws(x2: torch.Tensor, lora_a: torch.Tensor, drawn_in: torch.dtype | None = None) -> object:
         settings = [Settings(1.0, 0.1, drawn_in or x2.dtype)]
         return projection._one_pass_draws(x2, x2.to(torch.bfloat16), [lora_a], [lora_a.bfloat16()], settings)
 
     bf16_x, bf16_a = x2.bfloat16(), a.bfloat16()
-    assert draws(x2, a) is None and draws(x2, bf16_a) is None and draws(bf16_x, a) is None
-    assert draws(bf16_x, a, torch.float32) is None  # (lora.Linear: x cast to fp32 A's dtype, fp32 products)
-    with torch.autocast("cpu", dtype=torch.float16):
-        assert draws(x2, bf16_a) is None
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert draws(x2, a) == draws(x2, bf16_a) == draws(bf16_x, a) == [(0.1, None)]
-        assert draws(bf16_x, a, torch.float32) == [(0.1, torch.float32)]  # drawn as on x cast to fp32
-        assert draws(bf16_x, a, torch.float16) is None  # (no such PEFT cast)
-    assert draws(bf16_x, bf16_a) == [(0.1, None)]  # all in bf16: no autocast needed
+    # as the fused functions call it (A's in c, autocast off)
+    assert draws(x2, bf16_a) == [(0.1, None)]  # fp32 hidden states, drawn on them
+    assert draws(bf16_x, bf16_a, torch.float32) == [(0.1, torch.float32)]  # drawn as on x cast to fp32
+    assert draws(bf16_x, bf16_a) == [(0.1, None)]  # all in bf16
+    assert draws(bf16_x, bf16_a, torch.float16) is None  # (no such PEFT cast)
+    # fp32 A's outside autocast: fp32 products
+    assert draws(x2, a) is None and draws(bf16_x, a) is None and draws(bf16_x, a, torch.float32) is None
+    with torch.autocast(device, dtype=torch.float16):
+        assert draws(x2, a) is None  # (autocast to another dtype than c)
+    with torch.autocast(device, dtype=torch.bfloat16):
+        assert draws(x2, a) == draws(bf16_x, a) == [(0.1, None)]
+        assert draws(bf16_x, a, torch.float32) == [(0.1, torch.float32)]
 
 
 def test_keep_mask_is_the_kernels_mask(device: str) -> None:

@@ -281,6 +281,39 @@ def test_autocast_takes_the_fused_path_on_a_model(
         torch.testing.assert_close(g, w, rtol=0.0, atol=0.05 * scale)
 
 
+@pytest.mark.parametrize("case", ["bf16_model_lora_fp32", "fp32_model"])
+def test_recipes_draw_every_dropout_in_one_pass(device: str, case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """HF Trainer's ``bf16=True`` with PEFT's fp32 adapters: a bf16 model (PEFT drops each bf16 input
+    cast to fp32) or fp32 hidden states (an fp32 model; ``prepare_model_for_kbit_training``'s): every
+    projection's dropout drawn by fk.lora.dropped_lora_inputs' one pass, none by
+    ``torch.native_dropout``. (On the CPU torch's masks cannot be replicated: the draws are stubbed.)"""
+    from fk.lora import projection, torch_dropout
+    from fk.lora.torch_dropout import Draw
+
+    if device == "cpu":
+        stub = lambda x, ps, drawn_as=None: [Draw(7, 4 * i, 96, 4, 1 - p) for i, p in enumerate(ps)]  # noqa: E731
+        monkeypatch.setattr(projection, "reserve", stub)
+    else:  # the one-time check that torch's fp32 masks are replicated, which draws with torch, done first
+        assert torch_dropout.replicates(torch.device("cuda", torch.cuda.current_device()), torch.float32)
+    dtype, lora_fp32 = {"bf16_model_lora_fp32": (torch.bfloat16, True), "fp32_model": (torch.float32, True)}[case]
+    model = _model(device, dtype, lora_fp32=lora_fp32, dropout=0.1, layers=2)
+    one_pass, native = [], []
+    real_one_pass, real_native = projection.dropped_lora_inputs, torch.native_dropout
+    monkeypatch.setattr(
+        projection, "dropped_lora_inputs", lambda x, *a: one_pass.append(x.dtype) or real_one_pass(x, *a)
+    )
+    monkeypatch.setattr(torch, "native_dropout", lambda x, *a: native.append(x.shape) or real_native(x, *a))
+    ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(0)).to(device)
+    fk.lora.patch(model)
+    try:
+        with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
+            _loss(model, ids, seed=3)
+    finally:
+        fk.lora.unpatch(model)
+    assert not native, f"torch.native_dropout drew on {native}"
+    assert len(one_pass) == 2 * 4  # a layer: q, k and v together; o; gate and up together; down
+
+
 def _loss(model: nn.Module, ids: torch.Tensor, seed: int) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
     torch.manual_seed(seed)
     loss = model(input_ids=ids, labels=ids).loss

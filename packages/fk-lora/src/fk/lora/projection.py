@@ -196,18 +196,20 @@ def _one_pass_draws(x2: torch.Tensor, xc: torch.Tensor, lora_As: list[torch.Tens
     :func:`fk.lora.dropped_lora_inputs.dropped_lora_inputs` takes them all (the device's generator
     then moved past them, as their ``torch.native_dropout`` calls would move it), else None (nothing
     drawn): each dropout drawn in one dtype, ``x2``'s or fp32 (PEFT casting a 16-bit ``x2`` to it);
-    ``x2``, every ``A`` and that dtype all the compute dtype ``c`` (``xc``'s, 16-bit), or else under
-    autocast to ``c`` (autocast casts the dropped input and ``A`` to ``c`` for their product, which
-    outside it runs in their own dtype); and :func:`fk.lora.torch_dropout.reserve` able to
-    replicate torch's masks. ``A_cs``: the ``A``\\ s in ``c``, which the kernel would take."""
+    every ``A`` in the compute dtype ``c`` (``xc``'s, 16-bit), as the fused functions pass them
+    under autocast (cast to ``c``), or else autocast to ``c`` on (it casts the dropped input and
+    ``A`` to ``c`` for their product): then :func:`lora_input_product`'s product is the kernel's,
+    the dropped input rounded to ``c`` times ``A`` in ``c``, whatever ``x2``'s dtype. (An fp32 ``A``
+    outside autocast has an fp32 product, which the kernel does not form.) And
+    :func:`fk.lora.torch_dropout.reserve` able to replicate torch's masks. ``A_cs``: the ``A``\\ s
+    in ``c``, which the kernel would take."""
     if not lora_As:
         return None
     drawn_in = settings[0].dropout_dtype
     if any(s.dropout_dtype != drawn_in for s in settings) or drawn_in not in (x2.dtype, torch.float32):
         return None
     c = xc.dtype
-    all_in_c = x2.dtype == drawn_in == c and all(a.dtype == c for a in lora_As)
-    if not all_in_c and not _autocast_to(x2.device, c):
+    if not all(a.dtype == c for a in lora_As) and not _autocast_to(x2.device, c):
         return None
     if not dropped_inputs_apply(x2, A_cs, drawn_in):
         return None
