@@ -27,7 +27,7 @@ import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from fk.core import bench
-from fk.core.launch import multiprocessor_count, next_power_of_2
+from fk.core.launch import dot_size, persistent_grid
 from fk.lora import lora_matmul
 from fk.lora.masked_low_rank import add_masked_low_rank_
 
@@ -46,18 +46,23 @@ def _inputs(m: int, n: int, k: int, device: str, dtype: torch.dtype) -> dict[str
 
 
 def forward_with_cached_descriptors(t: dict[str, torch.Tensor]) -> Callable[[], torch.Tensor]:
-    """``base_and_lora_out(x, W, None, xa, B, 2)`` with its output and three descriptors made once."""
-    (bm, bn, bk), (m, _), n = lora_matmul.TILE, t["x"].shape, t["w"].shape[0]
+    """``base_and_lora_out(x, W, None, xa, B, 2)`` with its output and its descriptors made once (the
+    launch as ``lora_matmul._launch`` makes it, rank term through descriptors where it would be)."""
+    (bm, bn, bk), (m, k), n = lora_matmul.TILE, t["x"].shape, t["w"].shape[0]
     out = torch.empty(m, n, dtype=t["x"].dtype, device=t["x"].device)
+    block_rank = dot_size(R)
+    by_tma = lora_matmul.rank_by_tma(t["xa"], t["b"])
+    u_desc = TensorDescriptor.from_tensor(t["xa"], [bm, block_rank]) if by_tma else None
+    v_desc = TensorDescriptor.from_tensor(t["b"], [bn, block_rank]) if by_tma else None
     descs = (TensorDescriptor.from_tensor(t["x"], [bm, bk]), TensorDescriptor.from_tensor(t["w"], [bn, bk]),
-             TensorDescriptor.from_tensor(out, [bm, bn]))  # fmt: skip
-    programs = min(multiprocessor_count(out.device), triton.cdiv(m, bm) * triton.cdiv(n, bn))
+             TensorDescriptor.from_tensor(out, [bm, bn // 2 if by_tma else bn]), u_desc, v_desc)  # fmt: skip
+    programs = persistent_grid(triton.cdiv(m, bm) * triton.cdiv(n, bn), out.device)
 
     def launch() -> torch.Tensor:
         lora_matmul._base_and_lora_kernel[(programs,)](
-            *descs, t["xa"], t["b"], out, out, 2.0, 0.5, 1.0, m, n, t["x"].shape[1], R, t["xa"].stride(0),
-            t["b"].stride(0), t["b"].stride(1), 0, W_TRANSPOSED=True, HAS_BIAS=False, MASKED=False, MASK_BASE=False,
-            ACCUMULATE=False, BLOCK_RANK=max(16, next_power_of_2(R)), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+            *descs, t["xa"], t["b"], out, out, 2.0, 0.5, 1.0, m, n, k, R, t["xa"].stride(0), t["b"].stride(0),
+            t["b"].stride(1), out.stride(0), W_TRANSPOSED=True, HAS_BIAS=False, MASKED=False, MASK_BASE=False,
+            ACCUMULATE=False, RANK_BY_TMA=by_tma, BLOCK_RANK=block_rank, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
             GROUP_M=lora_matmul.GROUP_M, N_PROGRAMS=programs, num_stages=lora_matmul.NUM_STAGES,
             num_warps=lora_matmul.NUM_WARPS,
         )  # fmt: skip
