@@ -17,8 +17,9 @@ decided fk.hf's settings; their output on an H200 is in e2e_probes_h200.txt besi
 - ``host [stock|liger|fk] [lora]``: the host's time to enqueue one forward while the GPU spins on a
   long sleep kernel (so the queue never drains and only the host is timed), then one backward. A
   provider whose forward synchronizes (Liger's loss does) shows the sleep in its time instead;
-- ``pyprofile [stock|liger|fk] [lora] [busy] [backward]``: cProfile of one forward's host path (GPU
-  asleep; ``busy``: not; ``backward``: and the backward's), by own and by cumulative time;
+- ``pyprofile [stock|liger|fk] [lora] [busy] [backward] [rows=N] [callers=TEXT]``: cProfile of one
+  forward's host path (GPU asleep; ``busy``: not; ``backward``: and the backward's), by own and by
+  cumulative time (N functions each; 28), and the callers of the functions whose names hold TEXT;
 - ``clocks [stock|liger|fk] [lora] [lowmem]``: the SM clock, power draw and temperature over 30
   training steps (nvidia-smi every 50 ms);
 - ``headstart [stock|liger|fk] [lora] [lowmem]``: the step's wall time when a GPU sleep of 2-20
@@ -263,7 +264,8 @@ def pyprofile(provider: str, lora: bool = False) -> None:
     """cProfile of one forward's host path, the GPU asleep (as in :func:`host`): the Python
     functions by own time and by cumulative time. With ``busy`` in the arguments, the GPU is not put
     to sleep: the forward runs as in training, its kernels running while the host launches more;
-    with ``backward``, the backward is profiled too."""
+    with ``backward``, the backward is profiled too; ``rows=N``: N functions a list (28);
+    ``callers=TEXT``: also the callers of each function whose name holds TEXT, with their calls."""
     import cProfile
     import io
     import pstats
@@ -281,10 +283,16 @@ def pyprofile(provider: str, lora: bool = False) -> None:
     profiler.disable()
     torch.cuda.synchronize()
     del loss
+    rows = int(next((a.split("=", 1)[1] for a in sys.argv if a.startswith("rows=")), 28))
+    callers = [a.split("=", 1)[1] for a in sys.argv if a.startswith("callers=")]
     for key in ("tottime", "cumtime"):
         out = io.StringIO()
-        pstats.Stats(profiler, stream=out).sort_stats(key).print_stats(28)
+        pstats.Stats(profiler, stream=out).sort_stats(key).print_stats(rows)
         print("\n".join(line[:160] for line in out.getvalue().splitlines() if line.strip()))
+    for text in callers:
+        out = io.StringIO()
+        pstats.Stats(profiler, stream=out).sort_stats("tottime").print_callers(text)
+        print("\n".join(line[:200] for line in out.getvalue().splitlines() if line.strip()))
 
 
 def syncs(provider: str, lora: bool = False) -> None:
