@@ -12,6 +12,14 @@ transformers = pytest.importorskip("transformers")
 from fk.hf import coverage  # noqa: E402
 
 CASES = [(registry, t) for registry, types in coverage.registries().items() for t in sorted(types)]
+WIDELY_TRAINED = {
+    "llama", "llama4_text", "mistral", "ministral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe",
+    "gemma", "gemma2", "gemma3_text", "gemma3n_text", "gemma4_text", "phi", "phi3", "deepseek_v2", "deepseek_v3",
+    "glm4", "gpt_oss", "olmo2", "granite", "exaone4", "smollm3", "cohere2", "falcon_h1", "nemotron", "minicpm3",
+    "hunyuan_v1_dense",
+}  # fmt: skip
+"""Causal-LM types whose tiny build must succeed: a change of coverage's shrinking that leaves one
+unbuilt fails here instead of skipping it."""
 
 
 @pytest.mark.parametrize(("registry", "model_type"), CASES, ids=[f"{r}-{t}" for r, t in CASES])
@@ -21,5 +29,6 @@ def test_patched_or_left_stock_never_wrong(registry: str, model_type: str, devic
     transformers.logging.set_verbosity_error()
     row = coverage.check(model_type, registry)
     if row.status == "not checked":
+        assert not (registry == "causal_lm" and model_type in WIDELY_TRAINED), f"not checked: {row.detail}"
         pytest.skip(f"not checked: {row.detail}")
     assert row.status in ("patched", "nothing patched"), f"{row.status}: {row.detail}\n{row.stock}"

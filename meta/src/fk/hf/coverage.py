@@ -1,8 +1,10 @@
 """Which model types of the installed transformers fk.hf patches, checked on tiny random models.
 
-``python -m fk.hf.coverage --out docs/models.md`` builds a tiny random model (a shrunken default
-config: 2 layers, hidden size 64, vocabulary 300) of every type in transformers' causal-LM and
-image-text-to-text registries, patches a copy with :func:`fk.hf.apply`, and compares the loss and
+``python -m fk.hf.coverage --out docs/models.md`` builds a tiny random model (the default config
+built again with 2 layers, hidden size 64, vocabulary 300 and the other sizes of :data:`SMALL`, so
+that the sizes a config derives follow them, and a layer of every kind) of every type in
+transformers' causal-LM and image-text-to-text registries (a causal LM of a composite config's
+text model on its text config), patches a copy with :func:`fk.hf.apply`, and compares the loss and
 every gradient of a text-only batch with the stock model's, in fp32 on the CPU (with
 ``TRITON_INTERPRET=1``, fk's kernels run in Triton's interpreter). It writes one row per type: the
 block kinds patched and what stayed stock and why; a type transformers cannot build small, or whose
@@ -15,6 +17,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import dataclasses
+import inspect
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,7 +35,11 @@ SMALL: dict[str, int] = {
     "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1, "first_k_dense_replace": 1,
     "kv_lora_rank": 16, "q_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16,
     "sliding_window": 8, "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
-    "linear_value_head_dim": 16, "depth": 2, "embed_dim": 64, "out_hidden_size": 64,
+    "linear_value_head_dim": 16, "depth": 2, "embed_dim": 64, "out_hidden_size": 64, "n_group": 2, "topk_group": 1,
+    "index_n_heads": 4, "index_head_dim": 16, "index_topk": 8, "vocab_size_per_layer_input": 300,
+    "hidden_size_per_layer_input": 16, "num_kv_shared_layers": 0, "shared_experts_intermediate_size": 64, "n_groups": 2,
+    "encoder_layers": 2, "decoder_layers": 2, "encoder_attention_heads": 4, "decoder_attention_heads": 4,
+    "encoder_ffn_dim": 128, "decoder_ffn_dim": 128, "decoder_vocab_size": 300,
 }  # fmt: skip
 """Config attributes set where a default config has them (ints only), to make every model tiny."""
 SPECIAL_TOKENS = ("pad_token_id", "bos_token_id", "eos_token_id")
@@ -46,15 +54,12 @@ MAX_PARAMETERS = 20_000_000
 """A model larger than this with the shrunken config is not built (its config did not shrink)."""
 
 
-def tiny_config(model_type: str) -> Any:
-    """transformers' default config of ``model_type`` with :data:`SMALL` applied (and to its
-    sub-configs: text, vision, audio), layer lists cut to the layer count, special token ids inside
-    the vocabulary."""
+def tiny_config(model_type: str, every_kind: bool = True) -> Any:
+    """transformers' default config of ``model_type`` made tiny (:func:`_shrunk`; ``every_kind``: see
+    :func:`_layer_lists`)."""
     from transformers import CONFIG_MAPPING
 
-    config = CONFIG_MAPPING[model_type]()
-    _shrink(config)
-    return config
+    return _shrunk(CONFIG_MAPPING[model_type](), every_kind)
 
 
 def _get(config: Any, name: str) -> Any:
@@ -69,15 +74,112 @@ def _set(config: Any, name: str, value: Any) -> None:
         setattr(config, name, value)
 
 
-def _shrink(config: Any) -> None:
-    for name, value in SMALL.items():
-        if isinstance(_get(config, name), int) and not isinstance(_get(config, name), bool):
-            _set(config, name, value)
-    layers = _get(config, "num_hidden_layers")
-    for name in ("layer_types", "mlp_only_layers", "layers_block_type"):
-        value = _get(config, name)
-        if isinstance(value, list) and isinstance(layers, int) and len(value) > layers:
-            _set(config, name, value[:layers])
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _small_values(config: Any) -> dict[str, int]:
+    """:data:`SMALL`'s values of the attributes ``config`` holds as ints, then :func:`_unset_sizes`
+    and :func:`_dependent_sizes`."""
+    small = {name: value for name, value in SMALL.items() if _is_int(_get(config, name))}
+    small.update({name: value for name, value in _unset_sizes(config).items() if name not in small})
+    small.update(_dependent_sizes(config, small))
+    return small
+
+
+def _unset_sizes(config: Any) -> dict[str, int]:
+    """Sizes ``config``'s class declares and its default leaves None though the modeling code reads
+    them: ``head_dim`` (hidden size over heads), ``num_key_value_heads`` (the head count) and, where
+    there are experts, ``num_experts_per_tok``."""
+    unset = {"head_dim": SMALL["hidden_size"] // SMALL["num_attention_heads"],
+             "num_key_value_heads": SMALL["num_attention_heads"]}  # fmt: skip
+    if any(_is_int(_get(config, name)) for name in ("num_experts", "num_local_experts", "n_routed_experts")):
+        unset["num_experts_per_tok"] = SMALL["num_experts_per_tok"]
+    declared = _declared(type(config))
+    return {name: value for name, value in unset.items() if name in declared and _get(config, name) is None}
+
+
+def _dependent_sizes(config: Any, small: dict[str, int]) -> dict[str, int]:
+    """Sizes that must follow the others (``small``), where ``config``'s default ties them so:
+    multi-head latent attention's ``qk_head_dim`` (the sum of its two parts), its ``head_dim`` (the
+    rotary part's, where the default has them equal) and its key-value heads (one a head, likewise);
+    Mamba-2's ``head_dim`` (its heads span the expanded width); a partial rotary ``rotary_dim`` (half
+    the head)."""
+    dependent = {}
+    latent = _is_int(_get(config, "kv_lora_rank"))
+    rope_dim = _get(config, "qk_rope_head_dim")
+    if _is_int(rope_dim) and _get(config, "head_dim") == rope_dim:
+        dependent["head_dim"] = SMALL["qk_rope_head_dim"]
+    if latent and _get(config, "num_key_value_heads") == _get(config, "num_attention_heads"):
+        dependent["num_key_value_heads"] = SMALL["num_attention_heads"]
+    if _is_int(_get(config, "qk_head_dim")) and "qk_nope_head_dim" in small and "qk_rope_head_dim" in small:
+        dependent["qk_head_dim"] = small["qk_nope_head_dim"] + small["qk_rope_head_dim"]
+    heads, head_dim, expand = (_get(config, name) for name in ("num_heads", "head_dim", "expand"))
+    if all(_is_int(v) for v in (heads, head_dim, expand)) and heads * head_dim == expand * _get(config, "hidden_size"):
+        dependent["head_dim"] = expand * SMALL["hidden_size"] // SMALL["num_heads"]
+    if _is_int(_get(config, "rotary_dim")):
+        dependent["rotary_dim"] = SMALL["hidden_size"] // SMALL["num_attention_heads"] // 2
+    return dependent
+
+
+def _layer_lists(config: Any, layers: Any, every_kind: bool) -> dict[str, Any]:
+    """``config``'s per-layer lists longer than ``layers``, cut: the kinds of layer
+    (``layer_types``, ``layers_block_type``) with ``every_kind`` to the first layer of each kind, in
+    order, and the layers after the first until there are ``layers`` (so that every kind is built: a
+    hybrid model's attention, Gemma's global layers), with ``num_hidden_layers`` raised to the
+    kinds' count where there are more kinds; else, and lists of layer indices (``mlp_only_layers``),
+    to their first ``layers``."""
+    if not _is_int(layers):
+        return {}
+    cut: dict[str, Any] = {}
+    for name in ("layer_types", "layers_block_type"):
+        kinds = _get(config, name)
+        if not isinstance(kinds, list) or len(kinds) <= layers:
+            continue
+        firsts = sorted({kind: i for i, kind in reversed(list(enumerate(kinds)))}.values()) if every_kind else []
+        rest = [i for i in range(len(kinds)) if i not in firsts][: max(layers - len(firsts), 0)]
+        cut[name] = [kinds[i] for i in sorted(firsts + rest)]
+        layers = len(cut[name])
+    value = _get(config, "mlp_only_layers")
+    if isinstance(value, list) and len(value) > layers:
+        cut["mlp_only_layers"] = value[:layers]
+    if cut and layers != _get(config, "num_hidden_layers"):
+        cut["num_hidden_layers"] = layers
+    return cut
+
+
+def _declared(cls: type) -> set[str]:
+    """The arguments a config class takes: its dataclass fields, else its ``__init__``'s parameters."""
+    if dataclasses.is_dataclass(cls):
+        return {f.name for f in dataclasses.fields(cls)}
+    return set(inspect.signature(cls).parameters)
+
+
+def _shrunk(config: Any, every_kind: bool = True) -> Any:
+    """``config`` made tiny. Built again by its class with :func:`_small_values` and its layer lists
+    cut (:func:`_layer_lists`), those it takes as arguments, so that what it derives from them
+    follows (multi-head latent attention's ``head_dim`` from ``qk_rope_head_dim``); the others set
+    where the class left them at their default (a value it derives is not set over); the default's
+    sub-configs, and what it holds beyond its class's own attributes, carried over (a parent config
+    sets some on its sub-configs after building them). Where the class does not build so, every
+    value is set on the default instead. Then special token ids are moved inside the vocabulary, and
+    each sub-config is made tiny the same way."""
+    small: dict[str, Any] = dict(_small_values(config))
+    small.update(_layer_lists(config, small.get("num_hidden_layers", _get(config, "num_hidden_layers")), every_kind))
+    declared = _declared(type(config))
+    try:
+        rebuilt = type(config)(**{name: value for name, value in small.items() if name in declared})
+    except Exception:  # (a class that does not build from these): each set on the default
+        rebuilt = None
+    for name, value in small.items():
+        if rebuilt is None or (name not in declared and _get(rebuilt, name) == _get(config, name)):
+            _set(rebuilt if rebuilt is not None else config, name, value)  # (not derived by the class)
+    if rebuilt is not None:
+        subs = getattr(rebuilt, "sub_configs", {})
+        for name, value in vars(config).items():  # what a parent config set on this one (and its sub-configs)
+            if name not in vars(rebuilt) or name in subs:
+                _set(rebuilt, name, value)
+        config = rebuilt
     for name in SPECIAL_TOKENS:
         value = _get(config, name)
         if isinstance(value, int) and value >= VOCAB:
@@ -93,7 +195,8 @@ def _shrink(config: Any) -> None:
     for name in getattr(config, "sub_configs", {}):  # text, vision, audio, ... configs
         sub = _get(config, name)
         if sub is not None and hasattr(sub, "to_dict"):
-            _shrink(sub)
+            _set(config, name, _shrunk(sub, every_kind))
+    return config
 
 
 @dataclass
@@ -120,10 +223,23 @@ def registries() -> dict[str, dict[str, str]]:
 
 
 def _build(model_type: str, registry: str) -> Any:
+    """The tiny model, with a layer of every kind where its class builds that (:func:`_layer_lists`:
+    some tie weights across two layers of a kind, or need sizes their default leaves unset for a
+    kind), else with its first layers."""
+    try:
+        return _built(model_type, registry, every_kind=True)
+    except Exception:
+        return _built(model_type, registry, every_kind=False)
+
+
+def _built(model_type: str, registry: str, every_kind: bool) -> Any:
     import transformers
 
     cls = getattr(transformers, registries()[registry][model_type])
-    config = tiny_config(model_type)
+    config = tiny_config(model_type, every_kind)
+    text_config = getattr(config, "sub_configs", {}).get("text_config")
+    if text_config is not None and getattr(cls, "config_class", None) is text_config:  # (as the Auto classes do)
+        config = config.get_text_config()  # a causal LM of a composite config's text model
     with torch.device("meta"):  # counted first: a config that does not shrink stays unbuilt
         size = sum(p.numel() for p in cls._from_config(config).parameters())
     if size > MAX_PARAMETERS:
@@ -211,7 +327,7 @@ def markdown(rows: dict[str, list[Row]]) -> str:
         "",
         f"Generated by `python -m fk.hf.coverage` with transformers {transformers.__version__} and torch "
         f"{torch.__version__}: every model type of transformers' causal-LM and image-text-to-text registries, "
-        "built tiny and random (2 layers, hidden size 64), patched with `fk.hf.apply`, loss and every gradient "
+        "built tiny and random (2 layers, or one of each kind where there are more kinds; hidden size 64), patched with `fk.hf.apply`, loss and every gradient "
         "of a text-only batch compared with the stock model's in fp32 on the CPU (fk's kernels in Triton's "
         "interpreter). `meta/tests/test_hf_registry.py` asserts the same for every type.",
         "",
