@@ -295,8 +295,8 @@ def test_recipes_draw_every_dropout_in_one_pass(device: str, case: str, monkeypa
         monkeypatch.setattr(projection, "reserve", stub)
     else:  # the one-time check that torch's fp32 masks are replicated, which draws with torch, done first
         assert torch_dropout.replicates(torch.device("cuda", torch.cuda.current_device()), torch.float32)
-    dtype, lora_fp32 = {"bf16_model_lora_fp32": (torch.bfloat16, True), "fp32_model": (torch.float32, True)}[case]
-    model = _model(device, dtype, lora_fp32=lora_fp32, dropout=0.1, layers=2)
+    dtype = {"bf16_model_lora_fp32": torch.bfloat16, "fp32_model": torch.float32}[case]
+    model = _model(device, dtype, lora_fp32=True, dropout=0.1, layers=2)
     one_pass, native = [], []
     real_one_pass, real_native = projection.dropped_lora_inputs, torch.native_dropout
     monkeypatch.setattr(

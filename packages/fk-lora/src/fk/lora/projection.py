@@ -199,7 +199,7 @@ def _one_pass_draws(x2: torch.Tensor, xc: torch.Tensor, lora_As: list[torch.Tens
     every ``A`` in the compute dtype ``c`` (``xc``'s, 16-bit), as the fused functions pass them
     under autocast (cast to ``c``), or else autocast to ``c`` on (it casts the dropped input and
     ``A`` to ``c`` for their product): then :func:`lora_input_product`'s product is the kernel's,
-    the dropped input rounded to ``c`` times ``A`` in ``c``, whatever ``x2``'s dtype. (An fp32 ``A``
+    the dropped input rounded to ``c`` times ``A`` in ``c``, ``x2`` in ``c`` or fp32. (An fp32 ``A``
     outside autocast has an fp32 product, which the kernel does not form.) And
     :func:`fk.lora.torch_dropout.reserve` able to replicate torch's masks. ``A_cs``: the ``A``\\ s
     in ``c``, which the kernel would take."""
