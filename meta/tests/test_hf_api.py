@@ -25,6 +25,7 @@ transformers = pytest.importorskip("transformers")
 sys.path.insert(0, str(Path(__file__).parent))
 from test_hf_patching import (  # noqa: E402
     TOL,
+    VOCAB,
     _assert_same_loss_and_grads,
     _batch,
     _expected_counts,
@@ -187,17 +188,59 @@ def test_auto_model_from_config_and_from_pretrained(device: str, tmp_path: Any) 
 
 
 def test_auto_model_takes_any_type_and_names_a_wrong_switch(tmp_path: Any) -> None:
-    """GPT-2 (no RMSNorm, no gated MLP, a head with other arguments): its LayerNorms are patched,
-    the rest stays stock, and the report says why."""
-    config = transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=50, n_positions=16)
-    model = fk.hf.AutoModelForCausalLM.from_config(config)
+    """GPT-2 (no RMSNorm, no gated MLP, a head that takes more arguments than Llama's and hands them
+    to its decoder): its LayerNorms and its head are patched, with GPT-2's loss and gradients."""
+    config = transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=VOCAB, n_positions=32,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
+    torch.manual_seed(0)
+    stock = transformers.AutoModelForCausalLM.from_config(config).train()
+    model = copy.deepcopy(stock)
     report = fk.hf.apply(model)
-    assert report["layer_norm"] == 3 and report["flce"] == 0
-    assert "takes other arguments than Llama's" in report.stock["GPT2LMHeadModel"]
+    assert report["layer_norm"] == 3 and report["flce"] == 1 and not report.stock
+    ids, labels = _batch("cpu")
+    _assert_same_loss_and_grads(stock, model, input_ids=ids, labels=labels, token_type_ids=ids % 2)
     with pytest.raises(TypeError, match=r"unknown fk\.hf switch.*rms_nrom"):
         fk.hf.AutoModelForCausalLM.from_pretrained(tmp_path, fk_options={"rms_nrom": False})
     with pytest.raises(OSError, match="from_pretrained"):
         fk.hf.AutoModelForCausalLM()
+
+
+CausalLMOutputWithPast = transformers.modeling_outputs.CausalLMOutputWithPast
+
+
+class _HeadHandingOn(transformers.LlamaForCausalLM):
+    """A Llama head that takes one argument more, ``extra``, only to hand it to its decoder."""
+
+    def forward(self, input_ids: Any = None, attention_mask: Any = None, position_ids: Any = None, cache: Any = None,
+                inputs_embeds: Any = None, labels: Any = None, use_cache: Any = None, logits_to_keep: Any = 0,
+                extra: Any = None, **kwargs: Any) -> Any:  # fmt: skip
+        outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                             cache=cache, inputs_embeds=inputs_embeds, use_cache=use_cache, extra=extra, **kwargs)  # fmt: skip
+        logits = self.lm_head(outputs.last_hidden_state)
+        loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, cache=outputs.cache)
+
+
+class _HeadReadingToo(transformers.LlamaForCausalLM):
+    """A head that hands ``extra`` to its decoder and scales the hidden states by it too."""
+
+    def forward(self, input_ids: Any = None, attention_mask: Any = None, position_ids: Any = None, cache: Any = None,
+                inputs_embeds: Any = None, labels: Any = None, use_cache: Any = None, logits_to_keep: Any = 0,
+                extra: Any = None, **kwargs: Any) -> Any:  # fmt: skip
+        hidden = self.model(input_ids=input_ids, extra=extra).last_hidden_state
+        return CausalLMOutputWithPast(logits=self.lm_head(hidden * extra))
+
+
+def test_head_arguments_are_taken_only_where_handed_to_the_decoder() -> None:
+    """An argument beyond Llama's is taken where the head's forward only hands it to its decoder
+    under its own name (fk's head hands it on the same way); read for anything else, the head stays
+    stock and the report names the argument."""
+    from fk.hf.recognize import HeadPlan, Refusal, head_candidate
+
+    config = _model("llama", "cpu").config
+    assert isinstance(head_candidate(_HeadHandingOn(config)), HeadPlan)
+    refusal = head_candidate(_HeadReadingToo(config))
+    assert isinstance(refusal, Refusal) and "other arguments than Llama's (extra)" in refusal.reason
 
 
 def test_class_patching_and_from_pretrained(device: str, tmp_path: Any, restore_classes: Any) -> None:

@@ -19,16 +19,20 @@ small input.
   signature is Hugging Face's and whose values equal fk.rope's on random q, k, cos and sin
   (full and partial rotary).
 - **The causal-LM head**: a module with an ``lm_head`` whose forward (under transformers'
-  decorators) takes Llama's arguments and reads nothing beyond :data:`HEAD_NAMES`; what it reads
-  tells its extras (final logit softcapping, a logit scale or divisor, a mixture of experts'
-  load-balancing loss). The probe compares the model's loss, stock and fk.
+  decorators) takes Llama's arguments, and others only to hand them to its decoder unchanged
+  (:func:`handed_to_decoder`: GPT-2's ``token_type_ids``, Gemma 4's ``per_layer_inputs``), and
+  reads nothing beyond :data:`HEAD_NAMES`; what it reads tells its extras (final logit
+  softcapping, a logit scale or divisor, a mixture of experts' load-balancing loss). The probe
+  compares the model's loss, stock and fk.
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import functools
 import inspect
+import textwrap
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -200,9 +204,36 @@ HEAD_NAMES = {
     "last_hidden_state", "slice_logits_to_keep", "lm_head", "loss_function", "config", "vocab_size",
     "cache", "past_key_values", "hidden_states", "attentions", "router_logits", "output_router_logits",
     "to", "device", "float", "torch", "tanh", "final_logit_softcapping", "logits_scaling", "logit_scale",
-    "load_balancing_loss_func", "num_experts", "num_experts_per_tok", "router_aux_loss_coef",
+    "load_balancing_loss_func", "num_experts", "num_experts_per_tok", "router_aux_loss_coef", "cross_attentions",
 }  # fmt: skip
-"""The names Llama's causal-LM forward reads, and those of the extras fk's head computes too."""
+"""The names Llama's causal-LM forward reads, and those of the extras fk's head computes too (and
+the decoder's outputs its output takes over by name, as fk's does: GPT-2's ``cross_attentions``)."""
+
+
+def handed_to_decoder(forward: types.FunctionType, backbone: str, decoder: torch.nn.Module, names: set[str]) -> set[str]:  # fmt: skip
+    """Those of the arguments ``names`` that ``forward`` (a causal LM's, unwrapped) reads only to
+    hand them on, under their own name, to ``self.<backbone>(...)``, and that the decoder's forward
+    takes: fk's head hands them on the same way (its ``**kwargs``). Read from the source; none
+    where there is no source."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(forward)))
+    except (OSError, TypeError, SyntaxError):
+        return set()
+    handing = {
+        id(keyword.value)
+        for call in ast.walk(tree)
+        if isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and call.func.attr == backbone
+        and isinstance(call.func.value, ast.Name) and call.func.value.id == "self"
+        for keyword in call.keywords
+        if isinstance(keyword.value, ast.Name) and keyword.value.id == keyword.arg
+    }  # fmt: skip
+    reads: dict[str, list[bool]] = {name: [] for name in names}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id in reads:
+            reads[node.id].append(id(node) in handing)
+    takes = inspect.signature(type(decoder).forward).parameters
+    any_keyword = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in takes.values())
+    return {name for name, handed in reads.items() if handed and all(handed) and (name in takes or any_keyword)}
 
 
 def head_candidate(module: torch.nn.Module) -> HeadPlan | Refusal | None:
@@ -216,12 +247,14 @@ def head_candidate(module: torch.nn.Module) -> HeadPlan | Refusal | None:
     code = inner.__code__
     args = set(code.co_varnames[1 : code.co_argcount])
     cache_arg = "cache" if "cache" in args else "past_key_values"
+    backbones = [n for n in code.co_names if isinstance(getattr(module, n, None), torch.nn.Module) and n != "lm_head"]
     extra_args = args - HEAD_ARGS - {cache_arg, "output_router_logits"}
+    if len(backbones) == 1:  # (fk's forward hands its keyword arguments to the decoder)
+        extra_args -= handed_to_decoder(inner, backbones[0], getattr(module, backbones[0]), extra_args)
     missing = HEAD_ARGS - args
     if extra_args or missing:
         differences = ", ".join([*sorted(extra_args), *(f"no {a}" for a in sorted(missing))])
         return Refusal("flce", f"its forward takes other arguments than Llama's ({differences})")
-    backbones = [n for n in code.co_names if isinstance(getattr(module, n, None), torch.nn.Module) and n != "lm_head"]
     outputs = [n for n in code.co_names if _is_output_class(inner.__globals__.get(n))]
     unknown = set(code.co_names) - HEAD_NAMES - set(backbones) - set(outputs)
     if len(backbones) != 1 or len(outputs) != 1 or unknown:
