@@ -199,6 +199,13 @@ def test_auto_model_takes_any_type_and_names_a_wrong_switch(tmp_path: Any) -> No
     assert report["layer_norm"] == 3 and report["flce"] == 1 and not report.stock
     ids, labels = _batch("cpu")
     _assert_same_loss_and_grads(stock, model, input_ids=ids, labels=labels, token_type_ids=ids % 2)
+    # positional arguments bind in GPT-2's order (input_ids, cache, attention_mask, token_type_ids)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    torch.testing.assert_close(model(ids, None, mask, ids % 2, labels=labels).loss,
+                               stock(ids, None, mask, ids % 2, labels=labels).loss, **TOL)  # fmt: skip
+    with pytest.raises(TypeError, match="multiple values for argument 'attention_mask'"):
+        model(ids, None, mask, attention_mask=mask)
     with pytest.raises(TypeError, match=r"unknown fk\.hf switch.*rms_nrom"):
         fk.hf.AutoModelForCausalLM.from_pretrained(tmp_path, fk_options={"rms_nrom": False})
     with pytest.raises(OSError, match="from_pretrained"):
@@ -206,6 +213,21 @@ def test_auto_model_takes_any_type_and_names_a_wrong_switch(tmp_path: Any) -> No
 
 
 CausalLMOutputWithPast = transformers.modeling_outputs.CausalLMOutputWithPast
+
+
+def test_fused_head_binds_positional_arguments_as_stock() -> None:
+    """Llama's forward, called with its arguments by position up to ``labels``: the fused head binds
+    them in Llama's order (the cache fourth), so the loss is stock's; one too many raises."""
+    stock = _model("llama", "cpu")
+    model = copy.deepcopy(stock)
+    assert fk.hf.apply(model)["flce"] == 1
+    ids, labels = _batch("cpu")
+    mask = torch.ones_like(ids)
+    # input_ids, attention_mask, position_ids, cache, inputs_embeds, labels
+    args = (ids, mask, None, None, None, labels)
+    torch.testing.assert_close(model(*args).loss, stock(*args).loss, **TOL)
+    with pytest.raises(TypeError, match="positional arguments"):
+        model(*args, None, 0, None)
 
 
 class _HeadHandingOn(transformers.LlamaForCausalLM):

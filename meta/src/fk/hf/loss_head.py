@@ -110,7 +110,24 @@ def fused_causal_lm_loss(
     return loss_forward(lm_head, hidden_states, target)
 
 
-def causal_lm_forward(
+def causal_lm_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+    """The causal-LM forward of Llama-form models (see :func:`fk.hf.recognize.head_candidate`), with
+    the loss from fused linear cross entropy (:func:`_fused_forward`). Positional arguments bind as
+    the stock forward's parameters are ordered (:attr:`fk.hf.recognize.HeadPlan.positional`): a
+    model called as ``model(input_ids, cache)`` (GPT-2's order) or ``model(input_ids, mask)``
+    (Llama's) gets what stock gives it."""
+    if args:
+        names = self.__dict__[PLAN].positional
+        if len(args) > len(names):
+            raise TypeError(f"forward() takes at most {len(names)} positional arguments after self, got {len(args)}")
+        for name, value in zip(names, args, strict=False):
+            if name in kwargs:
+                raise TypeError(f"forward() got multiple values for argument {name!r}")
+            kwargs[name] = value
+    return _fused_forward(self, **kwargs)
+
+
+def _fused_forward(
     self: Any,
     input_ids: torch.LongTensor | None = None,
     attention_mask: torch.Tensor | None = None,
@@ -122,8 +139,7 @@ def causal_lm_forward(
     skip_logits: bool | None = None,
     **kwargs: Any,
 ) -> Any:
-    """The causal-LM forward of Llama-form models (see :func:`fk.hf.recognize.head_candidate`), with
-    the loss from fused linear cross entropy.
+    """:func:`causal_lm_forward` with its arguments by name.
 
     Same arguments and outputs as stock, plus ``skip_logits``: when true, the loss comes from
     :func:`fused_causal_lm_loss` and ``logits`` is None (never materialized); when false, the

@@ -96,6 +96,9 @@ class HeadPlan:
     """The forward takes ``output_router_logits`` (else the config's is used, where read)."""
     aux_loss: Callable[..., Any] | None
     """The modeling module's ``load_balancing_loss_func``, where the forward adds it to the loss."""
+    positional: tuple[str, ...] = ()
+    """The stock forward's parameters in order (after ``self``): positional arguments bind to these
+    in fk's forward too (GPT-2's second is the cache, Llama's the attention mask)."""
 
 
 # --- norms ---------------------------------------------------------------------------------------
@@ -267,7 +270,7 @@ def head_candidate(module: torch.nn.Module) -> HeadPlan | Refusal | None:
         output_fields=tuple(f.name for f in dataclasses.fields(inner.__globals__[outputs[0]])),
         softcap="final_logit_softcapping" in names, divide_by_config="logits_scaling" in names,
         multiply_by_logit_scale="logit_scale" in names, router_logits_arg="output_router_logits" in args,
-        aux_loss=aux,
+        aux_loss=aux, positional=code.co_varnames[1 : code.co_argcount],
     )  # fmt: skip
 
 
