@@ -4,6 +4,7 @@ logits; a tied input embedding takes the head's gradient in place."""
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -231,6 +232,11 @@ def _fused_forward(
         if loss is not None:
             loss = loss + self.router_aux_loss_coef * aux_loss.to(loss.device)
     return _output(plan, outputs, loss=loss, logits=logits, aux_loss=aux_loss)
+
+
+causal_lm_forward.__signature__ = inspect.signature(_fused_forward)  # type: ignore[attr-defined]
+"""(What callers that read the forward's parameters by name see: HF Trainer keeps the dataset's
+columns the forward names.)"""
 
 
 def _output(plan: HeadPlan, outputs: Any, **computed: Any) -> Any:
