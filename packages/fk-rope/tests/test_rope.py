@@ -13,9 +13,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fk.core import testing
+from fk.core.backend import uses_kernel
 from fk.core.testing import DTYPES, dtype_name
 from fk.core.testing import attention_qk as qk
-from fk.rope import apply_rotary_pos_emb, rope, rope_ref
+from fk.rope import apply_rotary_pos_emb, rope, rope_ref, rope_single
 from fk.rope.rope import rope_tiling
 
 LAYOUTS = ("bhsd", "bshd")
@@ -423,6 +424,64 @@ def test_tiling_covers_every_head() -> None:
         assert t.block_s >= 1 and t.block_hq >= 1 and t.block_hk >= 1 and t.num_warps >= 1
 
 
+# --- one tensor ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", ["full", "partial", "interleaved", "positions"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
+def test_single_matches_reference(device: str, dtype: torch.dtype, layout: str, case: str) -> None:
+    x, _ = qk(2, 7, 5, 1, 80, dtype, device, layout, seed=40)
+    interleaved, rd = case == "interleaved", 32 if case == "partial" else 80
+    positions = torch.tensor([[0, 1, 2, 0, 1, 2, 3]] * 2, device=device) if case == "positions" else None
+    c, s = cos_sin(torch.arange(7 if positions is None else 4)[None], rd, dtype, device, interleaved)
+
+    def fk_fn(x: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        return rope_single(x, c, s, positions, layout=layout, interleaved=interleaved)
+
+    def ref_fn(x: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        return rope_ref(x, x, c, s, positions, layout=layout, interleaved=interleaved)[0]
+
+    result = testing.compare_with_reference(fk_fn, ref_fn, [x, c, s], arg_names=["x", "cos", "sin"])
+    assert result.names == ["output0", "grad of x"]
+
+
+def test_single_launches_one_kernel_of_x_alone(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The k of no heads rope_single hands on is not touched: one launch, of x alone, forward and backward.
+    kernel, launches = ROPE_MODULE._rope_kernel, []
+
+    class Recording:
+        def __getitem__(self, grid: Any) -> Callable[..., None]:
+            def launch(*args: Any, **kw: Any) -> None:
+                launches.append((kw["DO_Q"], kw["DO_K"], kw["BACKWARD"]))
+                kernel[grid](*args, **kw)
+
+            return launch
+
+    monkeypatch.setattr(ROPE_MODULE, "_rope_kernel", Recording())
+    x, _ = qk(2, 5, 4, 1, 64, torch.float32, device, "bshd", seed=41)
+    c, s = cos_sin(torch.arange(5)[None], 64, torch.float32, device)
+    if not uses_kernel(x):
+        pytest.skip("without the kernel (no GPU, no interpreter) the reference runs")
+    rope_single(x, c, s, layout="bshd").sum().backward()
+    assert launches == [(True, False, False), (True, False, True)]
+
+
+def test_single_bad_inputs(device: str) -> None:
+    x = torch.randn(2, 4, 5, 64, device=device)
+    c, s = cos_sin(torch.arange(5)[None], 64, torch.float32, device)
+    cases: list[tuple[type[Exception], str, Callable[[], object]]] = [
+        (TypeError, r"x must be a torch\.Tensor", lambda: rope_single([1.0], c, s)),  # type: ignore[arg-type]
+        (TypeError, "x must have dtype in", lambda: rope_single(x.int(), c, s)),
+        (ValueError, "x must have 4 dimension", lambda: rope_single(x[0], c, s)),
+        (ValueError, "layout must be one of", lambda: rope_single(x, c, s, layout="sbhd")),
+        (ValueError, r"cos must have one row per token \(5", lambda: rope_single(x, c[:, :4], s[:, :4])),
+    ]  # fmt: skip
+    for exc, match, call in cases:
+        with pytest.raises(exc, match=match):
+            call()
+
+
 # --- against Hugging Face --------------------------------------------------------------------------
 
 
@@ -554,6 +613,16 @@ def test_torch_compile_fullgraph(device: str, inplace: bool) -> None:
         return (q_embed * 3.0).sum() + (k_embed * k_embed).sum()
 
     testing.assert_compile_matches_eager(loss, [q0, k0])
+
+
+def test_single_torch_compile_fullgraph(device: str) -> None:
+    x0, _ = qk(2, 5, 4, 1, 64, torch.float32, device, "bshd", seed=42)
+    c, s = cos_sin(torch.arange(5)[None], 48, torch.float32, device)
+
+    def loss(x: torch.Tensor) -> torch.Tensor:
+        return (rope_single(x * 2.0, c, s, layout="bshd") * 3.0).sum()
+
+    testing.assert_compile_matches_eager(loss, [x0])
 
 
 S = testing.strategies()

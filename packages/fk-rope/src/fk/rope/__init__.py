@@ -3,6 +3,7 @@
 - :func:`rope`: RoPE of q and k with any head counts (grouped-query attention), rotate-half or
   interleaved pairs, partial rotary, position ids, ``(B, heads, S, D)`` or ``(B, S, heads, D)``
   layouts, strided inputs, and an in-place option.
+- :func:`rope_single`: the same for one tensor (q or k alone: Gemma 3n, Gemma 4).
 - :func:`apply_rotary_pos_emb`: drop-in for Hugging Face's function of that name.
 - :func:`rope_ref`: the plain PyTorch definition the kernels are tested against.
 - :func:`mrope`: multimodal RoPE (Qwen2-VL, Qwen3-VL, GLM-4V): each rotary frequency takes its
@@ -14,6 +15,14 @@
 """
 
 from fk.rope.mrope import apply_multimodal_rotary_pos_emb, mrope, mrope_ref
-from fk.rope.rope import apply_rotary_pos_emb, rope, rope_ref
+from fk.rope.rope import apply_rotary_pos_emb, rope, rope_ref, rope_single
 
-__all__ = ["apply_multimodal_rotary_pos_emb", "apply_rotary_pos_emb", "mrope", "mrope_ref", "rope", "rope_ref"]
+__all__ = [
+    "apply_multimodal_rotary_pos_emb",
+    "apply_rotary_pos_emb",
+    "mrope",
+    "mrope_ref",
+    "rope",
+    "rope_ref",
+    "rope_single",
+]

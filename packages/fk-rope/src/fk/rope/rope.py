@@ -27,7 +27,8 @@ are loaded once per token and reused across all heads of q and k. ``cos`` and ``
 differentiated: passing ones that require grad while autograd records raises a ``ValueError``.
 
 This file holds, in order: the reference, the Triton kernel, the launchers registered as custom
-ops, and the functional API (:func:`rope`, and the drop-in :func:`apply_rotary_pos_emb`).
+ops, and the functional API (:func:`rope`, :func:`rope_single` for one tensor, and the drop-in
+:func:`apply_rotary_pos_emb`).
 """
 
 from __future__ import annotations
@@ -359,6 +360,9 @@ def _launch(
     (in place). In the backward, the inputs are the upstream gradients and the outputs dq and dk.
     Strides are read, never views made: this runs on every call, and host time counts.
     """
+    heads = 2 if bshd else 1
+    q = q if q is not None and q[0].shape[heads] else None  # (a tensor of no heads is not touched: rope_single's k)
+    k = k if k is not None and k[0].shape[heads] else None
     some = q if q is not None else k
     if some is None:
         return
@@ -705,6 +709,27 @@ def rope(
         return out[0], out[1]
     _rope_fwd_inplace(q, k, cos, sin, position_ids, bshd, interleaved)
     return q, k
+
+
+def rope_single(
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    position_ids: torch.Tensor | None = None,
+    *,
+    layout: str = "bhsd",
+    interleaved: bool = False,
+) -> torch.Tensor:
+    """Rotary position embedding of one tensor (q or k alone, as Gemma 3n and Gemma 4 rotate them,
+    each after its own norm); returns ``x_embed``. Arguments as in :func:`rope`, with ``x`` in
+    place of q (no in-place option). It is :func:`rope` with a k of no heads, which the kernel
+    leaves untouched: one launch, x's gradient from one launch too."""
+    validate.check_choice("layout", layout, LAYOUTS)
+    validate.check_tensor("x", x)
+    validate.check_dtype("x", x)
+    validate.check_ndim("x", x, 4)
+    no_heads = x.narrow(2 if layout == "bshd" else 1, 0, 0)
+    return rope(x, no_heads, cos, sin, position_ids, layout=layout, interleaved=interleaved)[0]
 
 
 _UNSQUEEZE_LAYOUT = {1: "bhsd", -3: "bhsd", 2: "bshd", -2: "bshd"}
