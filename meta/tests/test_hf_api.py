@@ -265,6 +265,56 @@ def test_head_arguments_are_taken_only_where_handed_to_the_decoder() -> None:
     assert isinstance(refusal, Refusal) and "other arguments than Llama's (extra)" in refusal.reason
 
 
+class _HeadReadingShape(transformers.LlamaForCausalLM):
+    """A head that reads its hidden states' ``shape`` without handing ``logits_to_keep`` to its decoder."""
+
+    def forward(self, input_ids: Any = None, attention_mask: Any = None, position_ids: Any = None, cache: Any = None,
+                inputs_embeds: Any = None, labels: Any = None, use_cache: Any = None, logits_to_keep: Any = 0,
+                **kwargs: Any) -> Any:  # fmt: skip
+        hidden = self.model(input_ids=input_ids).last_hidden_state
+        return CausalLMOutputWithPast(logits=self.lm_head(hidden[:, : hidden.shape[1] // 2]))
+
+
+def test_head_reading_shape_is_taken_only_where_the_decoder_keeps_logits() -> None:
+    """Gemma 4's head reads ``shape`` to slice only what its decoder (handed ``logits_to_keep``)
+    left whole, which fk's head does too; a head that reads ``shape`` otherwise stays stock."""
+    from fk.hf import coverage
+    from fk.hf.recognize import HeadPlan, Refusal, head_candidate
+
+    refusal = head_candidate(_HeadReadingShape(_model("llama", "cpu").config))
+    assert isinstance(refusal, Refusal) and "does not compute (shape)" in refusal.reason
+    plan = head_candidate(coverage._build("gemma4_text", "causal_lm"))
+    assert isinstance(plan, HeadPlan) and plan.decoder_keeps_logits
+    assert "shared_kv_states" in plan.output_fields
+
+
+def test_gemma4_rope_and_fused_head(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Gemma 4 (text): its one-tensor rotary function and its head (which hands ``logits_to_keep``
+    to its decoder and returns the decoder's ``shared_kv_states``) are fk's, with stock's loss and
+    gradients; in evaluation with ``logits_to_keep`` the decoder drops the other positions itself,
+    as stock's, and the logits are stock's."""
+    from fk.hf import coverage
+
+    stock = coverage._build("gemma4_text", "causal_lm").to(device)
+    model = copy.deepcopy(stock)
+    report = fk.hf.apply(model)
+    layers = stock.config.num_hidden_layers
+    assert report["rope"] == layers and report["flce"] == 1, report
+    ids, labels = _batch(device)
+    _, got = _assert_same_loss_and_grads(stock, model, input_ids=ids, labels=labels)
+    assert got.logits is None
+    seen: list[Any] = []
+    inner = type(model.model).forward
+    monkeypatch.setattr(type(model.model), "forward", lambda self, *a, **k: (seen.append(k.get("logits_to_keep")), inner(self, *a, **k))[1])  # fmt: skip
+    stock.eval(), model.eval()
+    with torch.no_grad():
+        want = stock(input_ids=ids, logits_to_keep=2).logits
+        seen.clear()
+        last = model(input_ids=ids, logits_to_keep=2).logits
+    assert seen == [2] and last.shape[1] == 2
+    torch.testing.assert_close(last, want, **TOL)
+
+
 def test_class_patching_and_from_pretrained(device: str, tmp_path: Any, restore_classes: Any) -> None:
     """A checkpoint loaded by stock transformers while the classes are patched comes out patched."""
     stock = _model("llama", device)

@@ -189,6 +189,23 @@ def rope_half_tables(q: Any, k: Any, cos: Any, sin: Any, position_ids: Any = Non
 
 
 @functools.cache
+def one_tensor_form(variant: Callable[..., Any]) -> Callable[..., Any]:
+    """``variant`` (one of the drop-ins above) in the one-tensor form Gemma 3n's and Gemma 4's
+    ``apply_rotary_pos_emb(x, cos, sin, unsqueeze_dim=1)`` takes: x rotated as q, beside a k of no
+    heads, which fk.rope leaves untouched (as :func:`fk.rope.rope_single` does). One function per
+    variant, so that the patched attention class is made once."""
+
+    def one_tensor(x: Any, cos: Any, sin: Any, unsqueeze_dim: int = 1) -> Any:
+        from fk.rope.rope import layout_of_unsqueeze_dim
+
+        no_heads = x.narrow(1 if layout_of_unsqueeze_dim(unsqueeze_dim) == "bhsd" else 2, 0, 0)
+        return variant(x, no_heads, cos, sin, None, unsqueeze_dim)[0]
+
+    one_tensor.__qualname__ = one_tensor.__name__ = f"{variant.__name__}_one_tensor"
+    return one_tensor
+
+
+@functools.cache
 def rope_variants() -> tuple[tuple[Callable[..., Any], bool], ...]:
     """The drop-ins in the order the probe tries them, each with whether the model's own function
     takes tables of one entry per pair (``d/2`` wide) rather than one per feature. First

@@ -197,11 +197,15 @@ def _fused_forward(
     router_logits = kwargs.pop("output_router_logits", None)
     if plan.router_logits_arg:
         moe["output_router_logits"] = self.config.output_router_logits if router_logits is None else router_logits
+    keep = {"logits_to_keep": logits_to_keep} if plan.decoder_keeps_logits else {}
     outputs = getattr(self, plan.backbone)(
         input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, inputs_embeds=inputs_embeds,
-        use_cache=use_cache, **{plan.cache_arg: cache}, **moe, **kwargs,
+        use_cache=use_cache, **{plan.cache_arg: cache}, **moe, **keep, **kwargs,
     )  # fmt: skip
-    hidden_states = _keep_last(outputs.last_hidden_state, logits_to_keep)
+    hidden_states = outputs.last_hidden_state
+    given = input_ids if input_ids is not None else inputs_embeds
+    if not plan.decoder_keeps_logits or given is None or hidden_states.shape[1] == given.shape[1]:
+        hidden_states = _keep_last(hidden_states, logits_to_keep)  # (unless the decoder did, as stock reads it)
     softcap = self.config.final_logit_softcapping if plan.softcap else None
     divisor = self.config.logits_scaling if plan.divide_by_config else None
     factor = self.logit_scale if plan.multiply_by_logit_scale else None

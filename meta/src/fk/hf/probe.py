@@ -219,27 +219,41 @@ def _mlp(module: torch.nn.Module, plan: MlpPlan, forward: Callable[..., torch.Te
 def rope(fn: Callable[..., Any]) -> Callable[..., Any] | str:
     """The first of :func:`fk.hf.blocks.rope_variants` that equals ``fn`` (a model's own
     ``apply_rotary_pos_emb``) on random q (4 heads), k (2 heads), cos and sin in fp32, with full
-    rotary and, where ``fn`` takes it, half; or why none does."""
-    from fk.hf.blocks import rope_variants
+    rotary and, where ``fn`` takes it, half; or why none does. A one-tensor ``fn`` (see
+    :func:`fk.hf.recognize.rope_takes_one_tensor`) is compared on q alone, with the variants in
+    that form (:func:`fk.hf.blocks.one_tensor_form`)."""
+    from fk.hf.blocks import one_tensor_form, rope_variants
+    from fk.hf.recognize import rope_takes_one_tensor
 
+    if rope_takes_one_tensor(fn):
+        variants = tuple((one_tensor_form(v), half) for v, half in rope_variants())
+        return _first_rope_that_agrees(lambda f, q, k, c, s: (f(q, c, s),), fn, variants)
+    return _first_rope_that_agrees(lambda f, q, k, c, s: tuple(f(q, k, c, s)), fn, rope_variants())
+
+
+def _first_rope_that_agrees(
+    call: Callable[..., tuple[Any, ...]], fn: Callable[..., Any], variants: tuple[tuple[Callable[..., Any], bool], ...]
+) -> Callable[..., Any] | str:
+    """:func:`rope`'s search: ``call(f, q, k, cos, sin)`` runs a rotary function of either form
+    and gives its outputs as a tuple."""
     gen = torch.Generator().manual_seed(0)
     q, k = torch.randn(2, 4, 5, 16, generator=gen, device="cpu"), torch.randn(2, 2, 5, 16, generator=gen, device="cpu")
     angles = [torch.randn(2, 5, rotary // 2, generator=gen, device="cpu") for rotary in (16, 8)]  # full, partial
     errors, failures = [], []
-    for variant, half_tables in rope_variants():
+    for variant, half_tables in variants:
         checked, worst = 0, 0.0
         for a in angles:
             emb = a if half_tables else torch.cat([a, a], dim=-1)
             try:
-                want = fn(q, k, emb.cos(), emb.sin())
+                want = call(fn, q, k, emb.cos(), emb.sin())
             except Exception as e:
                 failures.append(type(e).__name__)
                 continue  # (that table width, or no partial rotary, in this function)
             try:
-                got = variant(q, k, emb.cos(), emb.sin())
+                got = call(variant, q, k, emb.cos(), emb.sin())
             except Exception as e:
                 return f"fk failed on the probe ({type(e).__name__}: {e})"
-            worst = max(worst, _agree(tuple(got), tuple(want), torch.float32) or 0.0)
+            worst = max(worst, _agree(got, want, torch.float32) or 0.0)
             checked += 1
         if checked and worst == 0.0:
             return variant

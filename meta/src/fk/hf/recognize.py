@@ -16,8 +16,9 @@ small input.
   ``gate_up_proj``, gate first) child modules and an activation attribute (:data:`ACT_ATTRS`)
   that computes, on a test vector, SiLU, tanh-GELU or exact GELU.
 - **Rotary embedding**: an attention forward that reads a global ``apply_rotary_pos_emb`` whose
-  signature is Hugging Face's and whose values equal fk.rope's on random q, k, cos and sin
-  (full and partial rotary).
+  signature is Hugging Face's, ``(q, k, cos, sin, ...)``, or the one-tensor form ``(x, cos, sin,
+  unsqueeze_dim)`` (Gemma 3n, Gemma 4), and whose values equal fk.rope's on random q, k, cos and
+  sin (full and partial rotary).
 - **The causal-LM head**: a module with an ``lm_head`` whose forward (under transformers'
   decorators) takes Llama's arguments, and others only to hand them to its decoder unchanged
   (:func:`handed_to_decoder`: GPT-2's ``token_type_ids``, Gemma 4's ``per_layer_inputs``), and
@@ -49,6 +50,9 @@ ACT_ATTRS = ("act_fn", "activation_fn", "act", "activation")
 ROPE_FUNCTION = "apply_rotary_pos_emb"
 ROPE_PARAMETERS = ("q", "k", "cos", "sin", "position_ids", "unsqueeze_dim")
 """Hugging Face's ``apply_rotary_pos_emb`` parameters: the first four, then any of the last two."""
+ROPE_ONE_TENSOR_PARAMETERS = ("x", "cos", "sin", "unsqueeze_dim")
+"""Those of the one-tensor form (Gemma 3n's and Gemma 4's, which rotate q and k in separate calls):
+the first three, then optionally the last."""
 
 
 class Refusal(NamedTuple):
@@ -99,6 +103,9 @@ class HeadPlan:
     positional: tuple[str, ...] = ()
     """The stock forward's parameters in order (after ``self``): positional arguments bind to these
     in fk's forward too (GPT-2's second is the cache, Llama's the attention mask)."""
+    decoder_keeps_logits: bool = False
+    """The forward hands ``logits_to_keep`` to the decoder and slices only what the decoder left
+    whole (Gemma 4: see :func:`decoder_keeps_logits`)."""
 
 
 # --- norms ---------------------------------------------------------------------------------------
@@ -194,9 +201,18 @@ def rope_candidate(stock: Callable[..., Any]) -> Callable[..., Any] | Refusal | 
         names = tuple(inspect.signature(fn).parameters)
     except (TypeError, ValueError):
         return Refusal("rope", f"{ROPE_FUNCTION} has no signature")
-    if names[:4] != ROPE_PARAMETERS[:4] or not set(names[4:]) <= set(ROPE_PARAMETERS[4:]):
+    if not (names[:4] == ROPE_PARAMETERS[:4] and set(names[4:]) <= set(ROPE_PARAMETERS[4:])) and not rope_takes_one_tensor(fn):  # fmt: skip
         return Refusal("rope", f"{ROPE_FUNCTION} takes ({', '.join(names)}), not Hugging Face's arguments")
     return fn
+
+
+def rope_takes_one_tensor(fn: Callable[..., Any]) -> bool:
+    """Whether a model's ``apply_rotary_pos_emb`` is the one-tensor form (:data:`ROPE_ONE_TENSOR_PARAMETERS`)."""
+    try:
+        names = tuple(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return False
+    return names[:3] == ROPE_ONE_TENSOR_PARAMETERS[:3] and set(names[3:]) <= set(ROPE_ONE_TENSOR_PARAMETERS[3:])
 
 
 # --- the causal-LM head --------------------------------------------------------------------------
@@ -208,9 +224,32 @@ HEAD_NAMES = {
     "cache", "past_key_values", "hidden_states", "attentions", "router_logits", "output_router_logits",
     "to", "device", "float", "torch", "tanh", "final_logit_softcapping", "logits_scaling", "logit_scale",
     "load_balancing_loss_func", "num_experts", "num_experts_per_tok", "router_aux_loss_coef", "cross_attentions",
+    "shared_kv_states",
 }  # fmt: skip
 """The names Llama's causal-LM forward reads, and those of the extras fk's head computes too (and
-the decoder's outputs its output takes over by name, as fk's does: GPT-2's ``cross_attentions``)."""
+the decoder's outputs its output takes over by name, as fk's does: GPT-2's ``cross_attentions``,
+Gemma 4's ``shared_kv_states``)."""
+
+
+@functools.cache
+def _source_tree(forward: types.FunctionType) -> ast.Module | None:
+    try:
+        return ast.parse(textwrap.dedent(inspect.getsource(forward)))
+    except (OSError, TypeError, SyntaxError):
+        return None
+
+
+def _handed_on(tree: ast.Module, backbone: str) -> dict[int, str]:
+    """The names ``self.<backbone>(...)`` is called with as keywords of their own name
+    (``name=name``), by the ``id`` of the node read."""
+    return {
+        id(keyword.value): keyword.arg
+        for call in ast.walk(tree)
+        if isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and call.func.attr == backbone
+        and isinstance(call.func.value, ast.Name) and call.func.value.id == "self"
+        for keyword in call.keywords
+        if isinstance(keyword.value, ast.Name) and keyword.value.id == keyword.arg
+    }  # fmt: skip
 
 
 def handed_to_decoder(forward: types.FunctionType, backbone: str, decoder: torch.nn.Module, names: set[str]) -> set[str]:  # fmt: skip
@@ -218,18 +257,10 @@ def handed_to_decoder(forward: types.FunctionType, backbone: str, decoder: torch
     hand them on, under their own name, to ``self.<backbone>(...)``, and that the decoder's forward
     takes: fk's head hands them on the same way (its ``**kwargs``). Read from the source; none
     where there is no source."""
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(forward)))
-    except (OSError, TypeError, SyntaxError):
+    tree = _source_tree(forward)
+    if tree is None:
         return set()
-    handing = {
-        id(keyword.value)
-        for call in ast.walk(tree)
-        if isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and call.func.attr == backbone
-        and isinstance(call.func.value, ast.Name) and call.func.value.id == "self"
-        for keyword in call.keywords
-        if isinstance(keyword.value, ast.Name) and keyword.value.id == keyword.arg
-    }  # fmt: skip
+    handing = _handed_on(tree, backbone)
     reads: dict[str, list[bool]] = {name: [] for name in names}
     for node in ast.walk(tree):
         if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id in reads:
@@ -259,7 +290,8 @@ def head_candidate(module: torch.nn.Module) -> HeadPlan | Refusal | None:
         differences = ", ".join([*sorted(extra_args), *(f"no {a}" for a in sorted(missing))])
         return Refusal("flce", f"its forward takes other arguments than Llama's ({differences})")
     outputs = [n for n in code.co_names if _is_output_class(inner.__globals__.get(n))]
-    unknown = set(code.co_names) - HEAD_NAMES - set(backbones) - set(outputs)
+    keeps = len(backbones) == 1 and decoder_keeps_logits(inner, backbones[0], getattr(module, backbones[0]))
+    unknown = set(code.co_names) - HEAD_NAMES - set(backbones) - set(outputs) - ({"shape"} if keeps else set())
     if len(backbones) != 1 or len(outputs) != 1 or unknown:
         what = sorted(unknown) or backbones or outputs
         return Refusal("flce", f"its forward reads what fk's head does not compute ({', '.join(what)})")
@@ -270,8 +302,20 @@ def head_candidate(module: torch.nn.Module) -> HeadPlan | Refusal | None:
         output_fields=tuple(f.name for f in dataclasses.fields(inner.__globals__[outputs[0]])),
         softcap="final_logit_softcapping" in names, divide_by_config="logits_scaling" in names,
         multiply_by_logit_scale="logit_scale" in names, router_logits_arg="output_router_logits" in args,
-        aux_loss=aux, positional=code.co_varnames[1 : code.co_argcount],
+        aux_loss=aux, positional=code.co_varnames[1 : code.co_argcount], decoder_keeps_logits=keeps,
     )  # fmt: skip
+
+
+def decoder_keeps_logits(forward: types.FunctionType, backbone: str, decoder: torch.nn.Module) -> bool:
+    """Whether ``forward`` (a causal LM's, unwrapped) hands ``logits_to_keep`` to its decoder
+    (``self.<backbone>(..., logits_to_keep=logits_to_keep)``, which the decoder's forward takes by
+    name): Gemma 4's decoder then drops the other positions itself (before its KV-shared layers),
+    and the head slices only hidden states still as long as the input, which is what it reads
+    ``shape`` for."""
+    tree = _source_tree(forward)
+    if tree is None or "logits_to_keep" not in _handed_on(tree, backbone).values():
+        return False
+    return "logits_to_keep" in inspect.signature(type(decoder).forward).parameters
 
 
 def _is_output_class(obj: Any) -> bool:
