@@ -187,7 +187,10 @@ def _shrunk(config: Any, every_kind: bool = True) -> Any:
         elif isinstance(value, list):
             _set(config, name, [v if v < VOCAB else 1 for v in value])
     rope = _get(config, "rope_parameters")
-    if isinstance(rope, dict) and isinstance(rope.get("mrope_section"), list):  # Qwen-VL: sections of head_dim / 2
+    # Qwen-VL: rotary sections of head_dim / 2 (Qwen2-VL's default config has none, and its model
+    # falls back to full-size ones; its class names the key among those it validates apart).
+    takes_sections = "mrope_section" in getattr(type(config), "ignore_keys_at_rope_validation", ())
+    if isinstance(rope, dict) and (isinstance(rope.get("mrope_section"), list) or takes_sections):
         heads, hidden = _get(config, "num_attention_heads"), _get(config, "hidden_size")
         head_dim = _get(config, "head_dim") or (hidden // heads if heads and hidden else 16)
         half = head_dim // 2
