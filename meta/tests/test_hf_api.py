@@ -24,6 +24,8 @@ transformers = pytest.importorskip("transformers")
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_hf_patching import (  # noqa: E402
+    BATCH,
+    SEQ,
     TOL,
     VOCAB,
     _assert_same_loss_and_grads,
@@ -284,7 +286,7 @@ def test_head_reading_shape_is_taken_only_where_the_decoder_keeps_logits() -> No
     refusal = head_candidate(_HeadReadingShape(_model("llama", "cpu").config))
     assert isinstance(refusal, Refusal) and "does not compute (shape)" in refusal.reason
     plan = head_candidate(coverage._build("gemma4_text", "causal_lm"))
-    assert isinstance(plan, HeadPlan) and plan.decoder_keeps_logits
+    assert isinstance(plan, HeadPlan) and plan.handed_on == ("logits_to_keep",)
     assert "shared_kv_states" in plan.output_fields
 
 
@@ -313,6 +315,53 @@ def test_gemma4_rope_and_fused_head(device: str, monkeypatch: pytest.MonkeyPatch
         last = model(input_ids=ids, logits_to_keep=2).logits
     assert seen == [2] and last.shape[1] == 2
     torch.testing.assert_close(last, want, **TOL)
+
+
+def test_vision_language_head_with_images(device: str) -> None:
+    """Gemma 3's vision-language model, trained on text with images (pixel values, image tokens,
+    their token types): its head (vision inputs handed to its decoder, ``labels`` too, which its
+    image masks read; the vocabulary in the text config; ``image_outputs`` passed on) takes the
+    fused loss, with stock's loss and every gradient (vision tower and projector included); its
+    input embedding is left to stock, since the decoder finds the image tokens in the input ids."""
+    from fk.hf import loss_head
+    from fk.hf.recognize import HeadPlan, head_candidate
+
+    text = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 16, "vocab_size": VOCAB, "max_position_embeddings": 64,
+            "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]}  # fmt: skip
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+              "image_size": 32, "patch_size": 8}  # fmt: skip
+    image, begin, end = VOCAB - 1, VOCAB - 3, VOCAB - 2
+    config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                                       image_token_id=image, boi_token_id=begin, eoi_token_id=end)  # fmt: skip
+    torch.manual_seed(0)
+    stock = transformers.Gemma3ForConditionalGeneration(config).to(device).train()
+    model = copy.deepcopy(stock)
+    plan = head_candidate(model)
+    assert isinstance(plan, HeadPlan) and plan.handed_on == ("labels",), plan
+    assert fk.hf.apply(model)["flce"] == 1
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, VOCAB - 10, (BATCH, SEQ), generator=gen)
+    ids[:, 2], ids[:, 3:7], ids[:, 7] = begin, image, end  # one image of 4 tokens a sequence
+    labels = ids.clone()
+    labels[:, :8] = -100
+    inputs = {"input_ids": ids.to(device), "labels": labels.to(device), "token_type_ids": (ids == image).long().to(device),
+              "pixel_values": torch.randn(BATCH, 3, 32, 32, generator=gen).to(device)}  # fmt: skip
+
+    def loss_and_grads(m: Any) -> tuple[Any, dict[str, torch.Tensor]]:  # (the vision tower's last norm gets none)
+        out = m(**inputs)
+        out.loss.backward()
+        return out, {n: p.grad for n, p in m.named_parameters() if p.grad is not None}
+
+    want, want_grads = loss_and_grads(stock)
+    got, got_grads = loss_and_grads(model)
+    assert got.logits is None and want.image_outputs is not None and got.image_outputs is not None
+    torch.testing.assert_close(got.loss, want.loss, **TOL)
+    assert got_grads.keys() == want_grads.keys()
+    for name, grad in want_grads.items():  # (relative to each gradient's size: the projector's are large)
+        error = float((got_grads[name] - grad).norm() / grad.norm().clamp_min(1e-12))
+        assert error < 1e-5, (name, error)
+    assert not loss_head._tied_embedding(model)
 
 
 def test_class_patching_and_from_pretrained(device: str, tmp_path: Any, restore_classes: Any) -> None:

@@ -153,7 +153,10 @@ def _fused_forward(
     3), the divisor ``config.logits_scaling`` (Granite), the factor ``self.logit_scale`` (Cohere;
     on the fused path the hidden states are scaled instead: ``(h s) W^T = (h W^T) s``), and a
     mixture of experts' load-balancing loss (the modeling module's ``load_balancing_loss_func``,
-    times ``router_aux_loss_coef``, added where stock adds it). The cache goes to the
+    times ``router_aux_loss_coef``, added where stock adds it), each read from the text config of a
+    vision-language model's composite config. ``labels`` and ``logits_to_keep`` go to the decoder
+    too where the stock forward hands them to it (:attr:`HeadPlan.handed_on`: Gemma 3's and 4's
+    image masks read the labels; Gemma 4's decoder drops positions itself). The cache goes to the
     decoder under the name the installed transformers gives it (``cache`` from 5.24,
     ``past_key_values`` before); either name is taken. ``return_dict=False`` gives a
     tuple, as stock. A head that is not a plain ``nn.Linear`` (see :func:`plain_linear`: a
@@ -178,6 +181,7 @@ def _fused_forward(
     autograd to add would cost a copy of the head's gradient more, 0.24 ms).
     """
     plan: HeadPlan = self.__dict__[PLAN]
+    text_config = _text_config(self.config)
     cache = kwargs.pop("cache", None)
     legacy_cache = kwargs.pop("past_key_values", None)
     cache = cache if cache is not None else legacy_cache
@@ -196,18 +200,19 @@ def _fused_forward(
     moe: dict[str, Any] = {}
     router_logits = kwargs.pop("output_router_logits", None)
     if plan.router_logits_arg:
-        moe["output_router_logits"] = self.config.output_router_logits if router_logits is None else router_logits
-    keep = {"logits_to_keep": logits_to_keep} if plan.decoder_keeps_logits else {}
+        moe["output_router_logits"] = text_config.output_router_logits if router_logits is None else router_logits
+    handed = {name: value for name, value in (("labels", labels), ("logits_to_keep", logits_to_keep))
+              if name in plan.handed_on}  # fmt: skip
     outputs = getattr(self, plan.backbone)(
         input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, inputs_embeds=inputs_embeds,
-        use_cache=use_cache, **{plan.cache_arg: cache}, **moe, **keep, **kwargs,
+        use_cache=use_cache, **{plan.cache_arg: cache}, **moe, **handed, **kwargs,
     )  # fmt: skip
     hidden_states = outputs.last_hidden_state
     given = input_ids if input_ids is not None else inputs_embeds
-    if not plan.decoder_keeps_logits or given is None or hidden_states.shape[1] == given.shape[1]:
+    if "logits_to_keep" not in handed or given is None or hidden_states.shape[1] == given.shape[1]:
         hidden_states = _keep_last(hidden_states, logits_to_keep)  # (unless the decoder did, as stock reads it)
-    softcap = self.config.final_logit_softcapping if plan.softcap else None
-    divisor = self.config.logits_scaling if plan.divide_by_config else None
+    softcap = text_config.final_logit_softcapping if plan.softcap else None
+    divisor = text_config.logits_scaling if plan.divide_by_config else None
     factor = self.logit_scale if plan.multiply_by_logit_scale else None
     logits = loss = None
     if skip_logits:
@@ -229,7 +234,7 @@ def _fused_forward(
         if softcap is not None:
             logits = torch.tanh(logits / softcap) * softcap
         if labels is not None:
-            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=text_config.vocab_size, **kwargs)
     aux_loss = None
     if plan.aux_loss is not None and moe.get("output_router_logits", router_logits):
         aux_loss = plan.aux_loss(outputs.router_logits, self.num_experts, self.num_experts_per_tok, attention_mask)
@@ -241,6 +246,13 @@ def _fused_forward(
 causal_lm_forward.__signature__ = inspect.signature(_fused_forward)  # type: ignore[attr-defined]
 """(What callers that read the forward's parameters by name see: HF Trainer keeps the dataset's
 columns the forward names.)"""
+
+
+def _text_config(config: Any) -> Any:
+    """A composite (vision-language) config's text config, where the vocabulary size and the
+    head's extras are; any other config itself."""
+    get = getattr(config, "get_text_config", None)
+    return get() if callable(get) else config
 
 
 def _output(plan: HeadPlan, outputs: Any, **computed: Any) -> Any:
@@ -256,8 +268,12 @@ def _tied_embedding(model: Any) -> bool:
     embedding (:class:`_TiedEmbedding`): the embedding is a plain ``torch.nn.Embedding`` (no
     subclass: Gemma's scales its output) without hooks (FSDP2's unsharding), ``max_norm`` or
     ``scale_grad_by_freq``, its weight is the head's, trainable and not sharded, and the head has
-    no hooks either. Not while ``torch.compile`` traces, nor without grad mode (no backward)."""
+    no hooks either. Not while ``torch.compile`` traces, nor without grad mode (no backward), nor
+    in a vision-language model (a composite config), whose decoder finds its image tokens in the
+    input ids."""
     if torch.compiler.is_compiling() or not torch.is_grad_enabled():
+        return False
+    if _text_config(model.config) is not model.config:
         return False
     embed = model.get_input_embeddings()
     if type(embed) is not torch.nn.Embedding or has_hooks(embed) or has_hooks(model.lm_head):

@@ -103,9 +103,10 @@ class HeadPlan:
     positional: tuple[str, ...] = ()
     """The stock forward's parameters in order (after ``self``): positional arguments bind to these
     in fk's forward too (GPT-2's second is the cache, Llama's the attention mask)."""
-    decoder_keeps_logits: bool = False
-    """The forward hands ``logits_to_keep`` to the decoder and slices only what the decoder left
-    whole (Gemma 4: see :func:`decoder_keeps_logits`)."""
+    handed_on: tuple[str, ...] = ()
+    """Llama's arguments beyond those fk's head always hands to the decoder that the stock forward
+    hands it too (:func:`head_args_handed_on`): ``labels``, ``logits_to_keep`` (then the head slices
+    only what the decoder left whole)."""
 
 
 # --- norms ---------------------------------------------------------------------------------------
@@ -224,11 +225,13 @@ HEAD_NAMES = {
     "cache", "past_key_values", "hidden_states", "attentions", "router_logits", "output_router_logits",
     "to", "device", "float", "torch", "tanh", "final_logit_softcapping", "logits_scaling", "logit_scale",
     "load_balancing_loss_func", "num_experts", "num_experts_per_tok", "router_aux_loss_coef", "cross_attentions",
-    "shared_kv_states",
+    "shared_kv_states", "image_outputs", "video_outputs", "text_config", "get_text_config",
 }  # fmt: skip
-"""The names Llama's causal-LM forward reads, and those of the extras fk's head computes too (and
-the decoder's outputs its output takes over by name, as fk's does: GPT-2's ``cross_attentions``,
-Gemma 4's ``shared_kv_states``)."""
+"""The names Llama's causal-LM forward reads, and those of the extras fk's head computes too; the
+decoder's outputs its output takes over by name, as fk's does (GPT-2's ``cross_attentions``,
+Gemma 4's ``shared_kv_states``, a vision-language model's ``image_outputs`` and ``video_outputs``);
+a composite config's text config, where a vision-language head reads the vocabulary size and the
+extras, as fk's head does (``config.get_text_config()``)."""
 
 
 @functools.cache
@@ -265,9 +268,13 @@ def handed_to_decoder(forward: types.FunctionType, backbone: str, decoder: torch
     for node in ast.walk(tree):
         if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id in reads:
             reads[node.id].append(id(node) in handing)
+    return {name for name, handed in reads.items() if handed and all(handed) and decoder_takes(decoder, name)}
+
+
+def decoder_takes(decoder: torch.nn.Module, name: str) -> bool:
+    """Whether the decoder's forward takes an argument ``name``, by name or as one of its ``**kwargs``."""
     takes = inspect.signature(type(decoder).forward).parameters
-    any_keyword = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in takes.values())
-    return {name for name, handed in reads.items() if handed and all(handed) and (name in takes or any_keyword)}
+    return name in takes or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in takes.values())
 
 
 def head_candidate(module: torch.nn.Module) -> HeadPlan | Refusal | None:
@@ -283,15 +290,19 @@ def head_candidate(module: torch.nn.Module) -> HeadPlan | Refusal | None:
     cache_arg = "cache" if "cache" in args else "past_key_values"
     backbones = [n for n in code.co_names if isinstance(getattr(module, n, None), torch.nn.Module) and n != "lm_head"]
     extra_args = args - HEAD_ARGS - {cache_arg, "output_router_logits"}
-    if len(backbones) == 1:  # (fk's forward hands its keyword arguments to the decoder)
-        extra_args -= handed_to_decoder(inner, backbones[0], getattr(module, backbones[0]), extra_args)
     missing = HEAD_ARGS - args
+    if len(backbones) == 1:  # (fk's forward hands its keyword arguments to the decoder)
+        decoder = getattr(module, backbones[0])
+        extra_args -= handed_to_decoder(inner, backbones[0], decoder, extra_args)
+        if decoder_takes(decoder, "use_cache"):  # (stock's **kwargs hand it on, as fk's head does by name)
+            missing.discard("use_cache")
     if extra_args or missing:
         differences = ", ".join([*sorted(extra_args), *(f"no {a}" for a in sorted(missing))])
         return Refusal("flce", f"its forward takes other arguments than Llama's ({differences})")
     outputs = [n for n in code.co_names if _is_output_class(inner.__globals__.get(n))]
-    keeps = len(backbones) == 1 and decoder_keeps_logits(inner, backbones[0], getattr(module, backbones[0]))
-    unknown = set(code.co_names) - HEAD_NAMES - set(backbones) - set(outputs) - ({"shape"} if keeps else set())
+    handed_on = head_args_handed_on(inner, backbones[0], getattr(module, backbones[0])) if len(backbones) == 1 else ()
+    keeps = {"shape"} if "logits_to_keep" in handed_on else set()
+    unknown = set(code.co_names) - HEAD_NAMES - set(backbones) - set(outputs) - keeps
     if len(backbones) != 1 or len(outputs) != 1 or unknown:
         what = sorted(unknown) or backbones or outputs
         return Refusal("flce", f"its forward reads what fk's head does not compute ({', '.join(what)})")
@@ -302,20 +313,22 @@ def head_candidate(module: torch.nn.Module) -> HeadPlan | Refusal | None:
         output_fields=tuple(f.name for f in dataclasses.fields(inner.__globals__[outputs[0]])),
         softcap="final_logit_softcapping" in names, divide_by_config="logits_scaling" in names,
         multiply_by_logit_scale="logit_scale" in names, router_logits_arg="output_router_logits" in args,
-        aux_loss=aux, positional=code.co_varnames[1 : code.co_argcount], decoder_keeps_logits=keeps,
+        aux_loss=aux, positional=code.co_varnames[1 : code.co_argcount], handed_on=handed_on,
     )  # fmt: skip
 
 
-def decoder_keeps_logits(forward: types.FunctionType, backbone: str, decoder: torch.nn.Module) -> bool:
-    """Whether ``forward`` (a causal LM's, unwrapped) hands ``logits_to_keep`` to its decoder
-    (``self.<backbone>(..., logits_to_keep=logits_to_keep)``, which the decoder's forward takes by
-    name): Gemma 4's decoder then drops the other positions itself (before its KV-shared layers),
-    and the head slices only hidden states still as long as the input, which is what it reads
-    ``shape`` for."""
+def head_args_handed_on(forward: types.FunctionType, backbone: str, decoder: torch.nn.Module) -> tuple[str, ...]:
+    """Those of ``labels`` and ``logits_to_keep`` that ``forward`` (a causal LM's, unwrapped) hands
+    to its decoder under their own name and the decoder takes: fk's head hands them on too. Gemma 3's
+    and Gemma 4's multimodal decoders read ``labels`` (training makes their image tokens attend both
+    ways); Gemma 4's decoder drops the positions ``logits_to_keep`` leaves out itself (before its
+    KV-shared layers), and its head slices only hidden states still as long as the input, which is
+    what it reads ``shape`` for."""
     tree = _source_tree(forward)
-    if tree is None or "logits_to_keep" not in _handed_on(tree, backbone).values():
-        return False
-    return "logits_to_keep" in inspect.signature(type(decoder).forward).parameters
+    if tree is None:
+        return ()
+    handed = set(_handed_on(tree, backbone).values())
+    return tuple(name for name in ("labels", "logits_to_keep") if name in handed and decoder_takes(decoder, name))
 
 
 def _is_output_class(obj: Any) -> bool:
