@@ -413,8 +413,11 @@ with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
     f.write(ptx)
     f.flush()
     arch = f"sm_{capability}a" if capability == 90 else f"sm_{capability}"
-    usage = subprocess.run([get_ptxas(capability).path, f"-arch={arch}", "-v", f.name, "-o", "/dev/null"],
-                           capture_output=True, text=True, check=True).stderr
+    ptxas = subprocess.run([get_ptxas(capability).path, f"-arch={arch}", "-v", f.name, "-o", "/dev/null"],
+                           capture_output=True, text=True)
+    if ptxas.returncode:  # (its own words: a bare CalledProcessError hid them, 2026-11-29)
+        sys.exit(f"ptxas exited with {ptxas.returncode}: {ptxas.stderr or ptxas.stdout}")
+    usage = ptxas.stderr
 print(json.dumps({
     "memory_instructions": collections.Counter(re.findall(r"\\b(?:ld|st)\\.global(?:\\.[a-zA-Z0-9_:]+)*", ptx)),
     "sync_and_mma": collections.Counter(
