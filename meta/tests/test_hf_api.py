@@ -347,14 +347,8 @@ def test_vision_language_head_with_images(device: str) -> None:
     labels[:, :8] = -100
     inputs = {"input_ids": ids.to(device), "labels": labels.to(device), "token_type_ids": (ids == image).long().to(device),
               "pixel_values": torch.randn(BATCH, 3, 32, 32, generator=gen).to(device)}  # fmt: skip
-
-    def loss_and_grads(m: Any) -> tuple[Any, dict[str, torch.Tensor]]:  # (the vision tower's last norm gets none)
-        out = m(**inputs)
-        out.loss.backward()
-        return out, {n: p.grad for n, p in m.named_parameters() if p.grad is not None}
-
-    want, want_grads = loss_and_grads(stock)
-    got, got_grads = loss_and_grads(model)
+    want, want_grads = _loss_and_grads(stock, **inputs)
+    got, got_grads = _loss_and_grads(model, **inputs)
     assert got.logits is None and want.image_outputs is not None and got.image_outputs is not None
     torch.testing.assert_close(got.loss, want.loss, **TOL)
     assert got_grads.keys() == want_grads.keys()
@@ -362,6 +356,31 @@ def test_vision_language_head_with_images(device: str) -> None:
         error = float((got_grads[name] - grad).norm() / grad.norm().clamp_min(1e-12))
         assert error < 1e-5, (name, error)
     assert not loss_head._tied_embedding(model)
+
+
+def test_paligemma2_soft_caps_as_stock(device: str) -> None:
+    """PaliGemma 2 (a Gemma 2 text model) reads its soft cap as ``getattr(text_config,
+    "final_logit_softcapping", None)``: fk's head soft-caps too, on the fused path (stock's loss and
+    gradients) and on the logits' path."""
+    from fk.hf.recognize import HeadPlan, head_candidate
+
+    text = {"model_type": "gemma2", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": VOCAB,
+            "final_logit_softcapping": 2.0, "sliding_window": 8}  # fmt: skip
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+              "image_size": 32, "patch_size": 8, "projection_dim": 64}  # fmt: skip
+    config = transformers.PaliGemmaConfig(text_config=text, vision_config=vision, image_token_index=VOCAB - 1)
+    torch.manual_seed(0)
+    stock = transformers.PaliGemmaForConditionalGeneration(config).to(device).train()
+    model = copy.deepcopy(stock)
+    plan = head_candidate(model)
+    assert isinstance(plan, HeadPlan) and plan.softcap
+    assert fk.hf.apply(model)["flce"] == 1
+    ids, labels = _batch(device)
+    _, got = _assert_same_loss_and_grads(stock, model, input_ids=ids, labels=labels)
+    assert got.logits is None
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids, skip_logits=False).logits, stock(input_ids=ids).logits, **TOL)
 
 
 def test_class_patching_and_from_pretrained(device: str, tmp_path: Any, restore_classes: Any) -> None:

@@ -150,7 +150,7 @@ def _loss_and_grads(model: Any, **inputs: Any) -> tuple[Any, dict[str, torch.Ten
     model.zero_grad(set_to_none=True)
     out = model(**inputs)
     out.loss.backward()
-    return out, {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    return out, {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
 def _assert_same_loss_and_grads(stock: Any, patched: Any, **inputs: Any) -> tuple[Any, Any]:

@@ -193,7 +193,7 @@ def _shrunk(config: Any, every_kind: bool = True) -> Any:
     if isinstance(rope, dict) and (isinstance(rope.get("mrope_section"), list) or takes_sections):
         heads, hidden = _get(config, "num_attention_heads"), _get(config, "hidden_size")
         head_dim = _get(config, "head_dim") or (hidden // heads if heads and hidden else 16)
-        half = head_dim // 2
+        half = int(head_dim * rope.get("partial_rotary_factor", 1.0)) // 2  # (GLM-4V-MoE rotates half of each head)
         _set(config, "rope_parameters", {**rope, "mrope_section": [half - 2 * (half // 3), half // 3, half // 3]})
     for name in getattr(config, "sub_configs", {}):  # text, vision, audio, ... configs
         sub = _get(config, name)

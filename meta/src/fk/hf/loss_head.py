@@ -211,7 +211,7 @@ def _fused_forward(
     given = input_ids if input_ids is not None else inputs_embeds
     if "logits_to_keep" not in handed or given is None or hidden_states.shape[1] == given.shape[1]:
         hidden_states = _keep_last(hidden_states, logits_to_keep)  # (unless the decoder did, as stock reads it)
-    softcap = text_config.final_logit_softcapping if plan.softcap else None
+    softcap = getattr(text_config, "final_logit_softcapping", None) if plan.softcap else None
     divisor = text_config.logits_scaling if plan.divide_by_config else None
     factor = self.logit_scale if plan.multiply_by_logit_scale else None
     logits = loss = None

@@ -302,11 +302,13 @@ def head_candidate(module: torch.nn.Module) -> HeadPlan | Refusal | None:
     outputs = [n for n in code.co_names if _is_output_class(inner.__globals__.get(n))]
     handed_on = head_args_handed_on(inner, backbones[0], getattr(module, backbones[0])) if len(backbones) == 1 else ()
     keeps = {"shape"} if "logits_to_keep" in handed_on else set()
-    unknown = set(code.co_names) - HEAD_NAMES - set(backbones) - set(outputs) - keeps
+    read_by_name = attributes_read_by_getattr(inner)  # (PaliGemma's softcap: getattr(config, "final_...", None))
+    by_name = {"getattr"} if read_by_name is not None and read_by_name <= HEAD_NAMES else set()
+    unknown = set(code.co_names) - HEAD_NAMES - set(backbones) - set(outputs) - keeps - by_name
     if len(backbones) != 1 or len(outputs) != 1 or unknown:
         what = sorted(unknown) or backbones or outputs
         return Refusal("flce", f"its forward reads what fk's head does not compute ({', '.join(what)})")
-    names = set(code.co_names)
+    names = set(code.co_names) | (read_by_name or set())
     aux = inner.__globals__.get("load_balancing_loss_func") if "load_balancing_loss_func" in names else None
     return HeadPlan(
         backbone=backbones[0], cache_arg=cache_arg, output_class=inner.__globals__[outputs[0]],
@@ -315,6 +317,25 @@ def head_candidate(module: torch.nn.Module) -> HeadPlan | Refusal | None:
         multiply_by_logit_scale="logit_scale" in names, router_logits_arg="output_router_logits" in args,
         aux_loss=aux, positional=code.co_varnames[1 : code.co_argcount], handed_on=handed_on,
     )  # fmt: skip
+
+
+def attributes_read_by_getattr(forward: types.FunctionType) -> set[str] | None:
+    """The attribute names ``forward`` reads as ``getattr(obj, "name", ...)`` with a constant name;
+    None where it calls ``getattr`` otherwise, or has no source."""
+    tree = _source_tree(forward)
+    if tree is None:
+        return None
+    names: set[str] = set()
+    for call in ast.walk(tree):
+        if isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id == "getattr":
+            if (
+                len(call.args) < 2
+                or not isinstance(call.args[1], ast.Constant)
+                or not isinstance(call.args[1].value, str)
+            ):
+                return None
+            names.add(call.args[1].value)
+    return names
 
 
 def head_args_handed_on(forward: types.FunctionType, backbone: str, decoder: torch.nn.Module) -> tuple[str, ...]:
