@@ -383,6 +383,27 @@ def test_paligemma2_soft_caps_as_stock(device: str) -> None:
         torch.testing.assert_close(model(input_ids=ids, skip_logits=False).logits, stock(input_ids=ids).logits, **TOL)
 
 
+@pytest.mark.parametrize("model_type", ["falcon_h1", "jetmoe"])
+def test_head_extras_under_other_names(model_type: str, device: str) -> None:
+    """Falcon-H1 multiplies its logits by its decoder's ``lm_head_multiplier``; JetMoe weighs its
+    load-balancing loss by ``aux_loss_coef``: both heads take the fused loss with stock's loss and
+    gradients, each extra away from 1 so that it matters."""
+    from fk.hf import coverage
+
+    config = coverage.tiny_config(model_type)
+    config.lm_head_multiplier, config.aux_loss_coef = 0.5, 0.3
+    torch.manual_seed(0)
+    stock = transformers.AutoModelForCausalLM.from_config(config).float().to(device).train()
+    model = copy.deepcopy(stock)
+    assert fk.hf.apply(model)["flce"] == 1
+    ids, labels = _batch(device)
+    extra = {"output_router_logits": True} if model_type == "jetmoe" else {}
+    want, got = _assert_same_loss_and_grads(stock, model, input_ids=ids, labels=labels, **extra)
+    if extra:
+        assert got.aux_loss is not None
+        torch.testing.assert_close(got.aux_loss, want.aux_loss, **TOL)
+
+
 def test_class_patching_and_from_pretrained(device: str, tmp_path: Any, restore_classes: Any) -> None:
     """A checkpoint loaded by stock transformers while the classes are patched comes out patched."""
     stock = _model("llama", device)

@@ -150,10 +150,10 @@ def _fused_forward(
     ``num_items_in_batch``, ``ignore_index`` and ``shift_labels`` are read from ``kwargs`` as
     stock's loss reads them. The head's extras, as its plan found them in the stock forward, are
     computed on both paths as stock computes them: ``config.final_logit_softcapping`` (Gemma 2 and
-    3), the divisor ``config.logits_scaling`` (Granite), the factor ``self.logit_scale`` (Cohere;
+    3), the divisor ``config.logits_scaling`` (Granite), the factor ``self.logit_scale`` (Cohere) or ``self.model.lm_head_multiplier`` (Falcon-H1;
     on the fused path the hidden states are scaled instead: ``(h s) W^T = (h W^T) s``), and a
     mixture of experts' load-balancing loss (the modeling module's ``load_balancing_loss_func``,
-    times ``router_aux_loss_coef``, added where stock adds it), each read from the text config of a
+    times ``router_aux_loss_coef``, JetMoe's ``aux_loss_coef``, added where stock adds it), each read from the text config of a
     vision-language model's composite config. ``labels`` and ``logits_to_keep`` go to the decoder
     too where the stock forward hands them to it (:attr:`HeadPlan.handed_on`: Gemma 3's and 4's
     image masks read the labels; Gemma 4's decoder drops positions itself). The cache goes to the
@@ -214,6 +214,8 @@ def _fused_forward(
     softcap = getattr(text_config, "final_logit_softcapping", None) if plan.softcap else None
     divisor = text_config.logits_scaling if plan.divide_by_config else None
     factor = self.logit_scale if plan.multiply_by_logit_scale else None
+    if plan.multiply_by_head_multiplier:
+        factor = getattr(self, plan.backbone).lm_head_multiplier
     logits = loss = None
     if skip_logits:
         assert labels is not None
@@ -239,7 +241,7 @@ def _fused_forward(
     if plan.aux_loss is not None and moe.get("output_router_logits", router_logits):
         aux_loss = plan.aux_loss(outputs.router_logits, self.num_experts, self.num_experts_per_tok, attention_mask)
         if loss is not None:
-            loss = loss + self.router_aux_loss_coef * aux_loss.to(loss.device)
+            loss = loss + getattr(self, plan.aux_loss_weight) * aux_loss.to(loss.device)
     return _output(plan, outputs, loss=loss, logits=logits, aux_loss=aux_loss)
 
 

@@ -96,10 +96,14 @@ class HeadPlan:
     """``logits = logits / config.logits_scaling`` (Granite)."""
     multiply_by_logit_scale: bool
     """``logits = logits * self.logit_scale`` (Cohere)."""
+    multiply_by_head_multiplier: bool
+    """``logits = logits * self.<backbone>.lm_head_multiplier`` (Falcon-H1)."""
     router_logits_arg: bool
     """The forward takes ``output_router_logits`` (else the config's is used, where read)."""
     aux_loss: Callable[..., Any] | None
     """The modeling module's ``load_balancing_loss_func``, where the forward adds it to the loss."""
+    aux_loss_weight: str = "router_aux_loss_coef"
+    """The head's attribute that weighs it (JetMoe's: ``aux_loss_coef``)."""
     positional: tuple[str, ...] = ()
     """The stock forward's parameters in order (after ``self``): positional arguments bind to these
     in fk's forward too (GPT-2's second is the cache, Llama's the attention mask)."""
@@ -225,7 +229,8 @@ HEAD_NAMES = {
     "cache", "past_key_values", "hidden_states", "attentions", "router_logits", "output_router_logits",
     "to", "device", "float", "torch", "tanh", "final_logit_softcapping", "logits_scaling", "logit_scale",
     "load_balancing_loss_func", "num_experts", "num_experts_per_tok", "router_aux_loss_coef", "cross_attentions",
-    "shared_kv_states", "image_outputs", "video_outputs", "text_config", "get_text_config",
+    "shared_kv_states", "image_outputs", "video_outputs", "text_config", "get_text_config", "aux_loss_coef",
+    "lm_head_multiplier",
 }  # fmt: skip
 """The names Llama's causal-LM forward reads, and those of the extras fk's head computes too; the
 decoder's outputs its output takes over by name, as fk's does (GPT-2's ``cross_attentions``,
@@ -314,8 +319,9 @@ def head_candidate(module: torch.nn.Module) -> HeadPlan | Refusal | None:
         backbone=backbones[0], cache_arg=cache_arg, output_class=inner.__globals__[outputs[0]],
         output_fields=tuple(f.name for f in dataclasses.fields(inner.__globals__[outputs[0]])),
         softcap="final_logit_softcapping" in names, divide_by_config="logits_scaling" in names,
-        multiply_by_logit_scale="logit_scale" in names, router_logits_arg="output_router_logits" in args,
-        aux_loss=aux, positional=code.co_varnames[1 : code.co_argcount], handed_on=handed_on,
+        multiply_by_logit_scale="logit_scale" in names, multiply_by_head_multiplier="lm_head_multiplier" in names,
+        router_logits_arg="output_router_logits" in args, aux_loss=aux,
+        aux_loss_weight="aux_loss_coef" if "aux_loss_coef" in names else "router_aux_loss_coef", positional=code.co_varnames[1 : code.co_argcount], handed_on=handed_on,
     )  # fmt: skip
 
 
