@@ -260,6 +260,7 @@ def run(args: argparse.Namespace) -> bench.BenchRecord:
         notes=(f"the causal LM of each family (llama: LlamaForCausalLM) shaped as {shape_name} ({shape.describe()}), random init, bf16 weights, SDPA attention (eager where the family has no SDPA: gpt_oss), "
                f"mixture-of-experts families with the experts of fk.hf.training.MOE_FIELDS (8 experts of intermediate/4; "
                f"gpt_oss and qwen3_moe 2 a token, llama4_text 1 beside its shared expert), "
+               f"gemma4_text without per-layer input embeddings and with its own rotary settings (fk.hf.training.FAMILY_FIELDS), "
                f"AdamW (fused on CUDA), {args.batch} x {args.seq} tokens a step, {args.rounds} rounds of "
                f"{args.steps} timed steps after {args.warmup} (odd rounds in reverse provider order), tokens/s "
                f"from the median of all timed steps; lora: PEFT r=16, alpha=32, q/k/v/o/gate/up/down, fp32 adapters; "

@@ -53,7 +53,9 @@ class ModelShape:
 
     def config(self, max_positions: int = 8192, model_type: str = "llama") -> Any:
         """The ``LlamaConfig`` (Llama 3's RMSNorm epsilon and rope theta; default rope scaling), or
-        the config of another ``model_type`` with the same fields (its other settings its defaults)."""
+        the config of another ``model_type`` with the same fields (its other settings its defaults,
+        and its own rotary settings where it keeps one per kind of layer, as Gemma 4), with
+        :data:`MOE_FIELDS` and :data:`FAMILY_FIELDS`."""
         from transformers import CONFIG_MAPPING
 
         config_class: Any = CONFIG_MAPPING[model_type]  # (a config class of Llama's fields)
@@ -65,6 +67,10 @@ class ModelShape:
             bos_token_id=None, eos_token_id=None, pad_token_id=None,
         )  # fmt: skip
         fields.update({name: size(self) for name, size in MOE_FIELDS.get(model_type, {}).items()})
+        fields.update(FAMILY_FIELDS.get(model_type, {}))
+        default_rope = getattr(config_class(), "rope_parameters", None)
+        if isinstance(default_rope, dict) and all(isinstance(v, dict) for v in default_rope.values()):
+            del fields["rope_parameters"]  # (one per kind of layer, as Gemma 4's: the family's own)
         return config_class(**fields)
 
     def parameters(self) -> int:
@@ -99,6 +105,13 @@ MOE_FIELDS: dict[str, dict[str, Callable[[ModelShape], int]]] = {
                     "intermediate_size": _expert_size, "intermediate_size_mlp": lambda s: s.intermediate},
 }  # fmt: skip
 """The expert fields of the mixture-of-experts families ``ModelShape.config`` builds, from the shape."""
+
+FAMILY_FIELDS: dict[str, dict[str, Any]] = {
+    # Gemma 4 without its per-layer input embeddings: a second vocabulary-sized table, 256 wide for
+    # every layer (1.1B parameters at 16 layers), that the shape does not count.
+    "gemma4_text": {"hidden_size_per_layer_input": 0},
+}
+"""Other settings of a family's config that ``ModelShape.config`` builds."""
 
 
 def _millions(n: int) -> str:
