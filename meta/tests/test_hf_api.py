@@ -383,6 +383,22 @@ def test_paligemma2_soft_caps_as_stock(device: str) -> None:
         torch.testing.assert_close(model(input_ids=ids, skip_logits=False).logits, stock(input_ids=ids).logits, **TOL)
 
 
+def test_vision_language_moe_router_loss_as_stock(device: str) -> None:
+    """Qwen3-VL-MoE reads its experts' count and its load-balancing weight from its text config
+    (its head has no such attributes): with ``output_router_logits`` fk's head computes the
+    load-balancing loss as stock, and the loss and every gradient are stock's."""
+    from fk.hf import coverage
+
+    stock = coverage._build("qwen3_vl_moe", "image_text_to_text").to(device)
+    stock.config.text_config.router_aux_loss_coef = 0.3
+    model = copy.deepcopy(stock)
+    assert fk.hf.apply(model)["flce"] == 1
+    ids, labels = _batch(device)
+    want, got = _assert_same_loss_and_grads(stock, model, input_ids=ids, labels=labels, output_router_logits=True)
+    assert want.aux_loss is not None and got.aux_loss is not None
+    torch.testing.assert_close(got.aux_loss, want.aux_loss, **TOL)
+
+
 @pytest.mark.parametrize("model_type", ["falcon_h1", "jetmoe"])
 def test_head_extras_under_other_names(model_type: str, device: str) -> None:
     """Falcon-H1 multiplies its logits by its decoder's ``lm_head_multiplier``; JetMoe weighs its

@@ -150,11 +150,12 @@ def _fused_forward(
     ``num_items_in_batch``, ``ignore_index`` and ``shift_labels`` are read from ``kwargs`` as
     stock's loss reads them. The head's extras, as its plan found them in the stock forward, are
     computed on both paths as stock computes them: ``config.final_logit_softcapping`` (Gemma 2 and
-    3), the divisor ``config.logits_scaling`` (Granite), the factor ``self.logit_scale`` (Cohere) or ``self.model.lm_head_multiplier`` (Falcon-H1;
-    on the fused path the hidden states are scaled instead: ``(h s) W^T = (h W^T) s``), and a
-    mixture of experts' load-balancing loss (the modeling module's ``load_balancing_loss_func``,
-    times ``router_aux_loss_coef``, JetMoe's ``aux_loss_coef``, added where stock adds it), each read from the text config of a
-    vision-language model's composite config. ``labels`` and ``logits_to_keep`` go to the decoder
+    3), the divisor ``config.logits_scaling`` (Granite), the factor ``self.logit_scale`` (Cohere)
+    or ``self.model.lm_head_multiplier`` (Falcon-H1; on the fused path the hidden states are
+    scaled instead: ``(h s) W^T = (h W^T) s``), and a mixture of experts' load-balancing loss (the
+    modeling module's ``load_balancing_loss_func``, times ``router_aux_loss_coef`` or JetMoe's
+    ``aux_loss_coef``, added where stock adds it), each read from the text config of a
+    vision-language model's composite config where the head has no attribute of that name. ``labels`` and ``logits_to_keep`` go to the decoder
     too where the stock forward hands them to it (:attr:`HeadPlan.handed_on`: Gemma 3's and 4's
     image masks read the labels; Gemma 4's decoder drops positions itself). The cache goes to the
     decoder under the name the installed transformers gives it (``cache`` from 5.24,
@@ -239,9 +240,11 @@ def _fused_forward(
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=text_config.vocab_size, **kwargs)
     aux_loss = None
     if plan.aux_loss is not None and moe.get("output_router_logits", router_logits):
-        aux_loss = plan.aux_loss(outputs.router_logits, self.num_experts, self.num_experts_per_tok, attention_mask)
+        experts, per_token, weight = (_moe_setting(self, text_config, name) for name in
+                                      ("num_experts", "num_experts_per_tok", plan.aux_loss_weight))  # fmt: skip
+        aux_loss = plan.aux_loss(outputs.router_logits, experts, per_token, attention_mask)
         if loss is not None:
-            loss = loss + getattr(self, plan.aux_loss_weight) * aux_loss.to(loss.device)
+            loss = loss + weight * aux_loss.to(loss.device)
     return _output(plan, outputs, loss=loss, logits=logits, aux_loss=aux_loss)
 
 
@@ -255,6 +258,12 @@ def _text_config(config: Any) -> Any:
     head's extras are; any other config itself."""
     get = getattr(config, "get_text_config", None)
     return get() if callable(get) else config
+
+
+def _moe_setting(model: Any, text_config: Any, name: str) -> Any:
+    """A mixture of experts' setting as its head reads it: the head's attribute (Mixtral's
+    ``num_experts``), else its text config's (Qwen3-VL-MoE's ``config.text_config.num_experts``)."""
+    return getattr(model, name) if hasattr(model, name) else getattr(text_config, name)
 
 
 def _output(plan: HeadPlan, outputs: Any, **computed: Any) -> Any:

@@ -206,7 +206,8 @@ def rope_candidate(stock: Callable[..., Any]) -> Callable[..., Any] | Refusal | 
         names = tuple(inspect.signature(fn).parameters)
     except (TypeError, ValueError):
         return Refusal("rope", f"{ROPE_FUNCTION} has no signature")
-    if not (names[:4] == ROPE_PARAMETERS[:4] and set(names[4:]) <= set(ROPE_PARAMETERS[4:])) and not rope_takes_one_tensor(fn):  # fmt: skip
+    hugging_faces = names[:4] == ROPE_PARAMETERS[:4] and set(names[4:]) <= set(ROPE_PARAMETERS[4:])
+    if not hugging_faces and not rope_takes_one_tensor(fn):
         return Refusal("rope", f"{ROPE_FUNCTION} takes ({', '.join(names)}), not Hugging Face's arguments")
     return fn
 
@@ -321,7 +322,8 @@ def head_candidate(module: torch.nn.Module) -> HeadPlan | Refusal | None:
         softcap="final_logit_softcapping" in names, divide_by_config="logits_scaling" in names,
         multiply_by_logit_scale="logit_scale" in names, multiply_by_head_multiplier="lm_head_multiplier" in names,
         router_logits_arg="output_router_logits" in args, aux_loss=aux,
-        aux_loss_weight="aux_loss_coef" if "aux_loss_coef" in names else "router_aux_loss_coef", positional=code.co_varnames[1 : code.co_argcount], handed_on=handed_on,
+        aux_loss_weight="aux_loss_coef" if "aux_loss_coef" in names else "router_aux_loss_coef",
+        positional=code.co_varnames[1 : code.co_argcount], handed_on=handed_on,
     )  # fmt: skip
 
 
