@@ -8,6 +8,7 @@ interpreter, compared in fp32 with stock.
 from __future__ import annotations
 
 import copy
+import inspect
 import logging
 import sys
 from pathlib import Path
@@ -340,6 +341,10 @@ def test_vision_language_head_with_images(device: str) -> None:
     plan = head_candidate(model)
     assert isinstance(plan, HeadPlan) and plan.handed_on == ("labels",), plan
     assert fk.hf.apply(model)["flce"] == 1
+    # HF Trainer keeps the dataset's columns that the forward names: the images' among them
+    shown = set(inspect.signature(model.forward).parameters)
+    assert shown == set(inspect.signature(stock.forward).parameters) | {"skip_logits"}
+    assert {"pixel_values", "token_type_ids"} <= shown
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, VOCAB - 10, (BATCH, SEQ), generator=gen)
     ids[:, 2], ids[:, 3:7], ids[:, 7] = begin, image, end  # one image of 4 tokens a sequence

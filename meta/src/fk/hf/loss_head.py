@@ -4,7 +4,9 @@ logits; a tied input embedding takes the head's gradient in place."""
 
 from __future__ import annotations
 
+import functools
 import inspect
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -251,6 +253,25 @@ def _fused_forward(
 causal_lm_forward.__signature__ = inspect.signature(_fused_forward)  # type: ignore[attr-defined]
 """(What callers that read the forward's parameters by name see: HF Trainer keeps the dataset's
 columns the forward names.)"""
+
+
+def causal_lm_forward_as(stock: Callable[..., Any]) -> Callable[..., Any]:
+    """:func:`causal_lm_forward` under the parameters of ``stock`` (the causal LM's own forward),
+    ``skip_logits`` added: HF Trainer (``remove_unused_columns``) keeps the dataset columns a
+    model's forward names, and a vision-language model's names its ``pixel_values``,
+    ``image_grid_thw``, ``token_type_ids``, ... (which :func:`_fused_forward` takes in its
+    ``**kwargs``): with ``_fused_forward``'s parameters the Trainer would drop the images."""
+
+    @functools.wraps(causal_lm_forward)
+    def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return causal_lm_forward(self, *args, **kwargs)
+
+    parameters = list(inspect.signature(stock).parameters.values())
+    if "skip_logits" not in (p.name for p in parameters):
+        at = next((i for i, p in enumerate(parameters) if p.kind is inspect.Parameter.VAR_KEYWORD), len(parameters))
+        parameters.insert(at, inspect.Parameter("skip_logits", inspect.Parameter.KEYWORD_ONLY, default=None))
+    forward.__signature__ = inspect.Signature(parameters)  # type: ignore[attr-defined]
+    return forward
 
 
 def _text_config(config: Any) -> Any:

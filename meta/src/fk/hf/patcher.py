@@ -31,7 +31,7 @@ from fk.hf.blocks import (
     swiglu_forward,
 )
 from fk.hf.decoder import add_norm_forward_for
-from fk.hf.loss_head import causal_lm_forward
+from fk.hf.loss_head import causal_lm_forward, causal_lm_forward_as
 from fk.hf.marks import ALL, GROUP, KIND, LORA, PLAN, RECOMPUTE, STOCK, SWITCHED_OFF
 from fk.hf.recognize import (
     ROPE_FUNCTION,
@@ -73,10 +73,12 @@ def _revertible(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 @functools.cache
-def _flce_forward() -> Callable[..., Any]:
+def _flce_forward(stock: Callable[..., Any]) -> Callable[..., Any]:
+    """The fused head's forward for a causal-LM class whose forward is ``stock``: its parameters
+    shown as stock's (:func:`fk.hf.loss_head.causal_lm_forward_as`); one per class."""
     from transformers.utils import can_return_tuple
 
-    return can_return_tuple(causal_lm_forward)
+    return can_return_tuple(causal_lm_forward_as(stock))
 
 
 def _set_forward(module: torch.nn.Module, kind: str, fn: Callable[..., Any], plan: Any = None) -> None:
@@ -248,7 +250,7 @@ def _patch_composite(module: torch.nn.Module, switches: dict[str, bool], verdict
     elif head is not None:
         refusal = probe.head(module, head, causal_lm_forward)
         if refusal is None:
-            _set_forward(module, "flce", _flce_forward(), head)
+            _set_forward(module, "flce", _flce_forward(type(module).forward), head)
         verdicts.record(module, "flce", refusal)
 
 
