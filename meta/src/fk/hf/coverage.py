@@ -90,10 +90,14 @@ def _small_values(config: Any) -> dict[str, int]:
 def _unset_sizes(config: Any) -> dict[str, int]:
     """Sizes ``config``'s class declares and its default leaves None though the modeling code reads
     them: ``head_dim`` (hidden size over heads), ``num_key_value_heads`` (the head count) and, where
-    there are experts, ``num_experts_per_tok``."""
+    there are experts, ``num_experts_per_tok``; the experts' counts, routed and shared, where only
+    their size is set (dots1)."""
     unset = {"head_dim": SMALL["hidden_size"] // SMALL["num_attention_heads"],
              "num_key_value_heads": SMALL["num_attention_heads"]}  # fmt: skip
-    if any(_is_int(_get(config, name)) for name in ("num_experts", "num_local_experts", "n_routed_experts")):
+    counts = ("num_experts", "num_local_experts", "n_routed_experts")
+    if _is_int(_get(config, "moe_intermediate_size")):
+        unset.update({name: SMALL[name] for name in (*counts, "n_shared_experts")})
+    if any(_is_int(_get(config, name)) for name in counts) or _is_int(_get(config, "moe_intermediate_size")):
         unset["num_experts_per_tok"] = SMALL["num_experts_per_tok"]
     declared = _declared(type(config))
     return {name: value for name, value in unset.items() if name in declared and _get(config, name) is None}
