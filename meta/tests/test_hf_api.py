@@ -363,6 +363,40 @@ def test_vision_language_head_with_images(device: str) -> None:
     assert not loss_head._tied_embedding(model)
 
 
+def test_qwen2_vl_head_with_images(device: str) -> None:
+    """Qwen2-VL trained on text with an image a sequence (patches, their grid, the image tokens'
+    types for its 3-D rotary positions): the head takes the fused loss, and the loss and every
+    gradient, the vision tower's included, are stock's."""
+    text = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "vocab_size": VOCAB, "max_position_embeddings": 128,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 2, 2]}}  # fmt: skip
+    vision = {"depth": 1, "embed_dim": 32, "hidden_size": 64, "num_heads": 2, "mlp_ratio": 2, "patch_size": 4,
+              "spatial_merge_size": 2, "temporal_patch_size": 2}  # fmt: skip
+    image, begin, end = VOCAB - 1, VOCAB - 3, VOCAB - 2
+    config = transformers.Qwen2VLConfig(text_config=text, vision_config=vision, image_token_id=image,
+                                        vision_start_token_id=begin, vision_end_token_id=end, video_token_id=VOCAB - 4)  # fmt: skip
+    torch.manual_seed(0)
+    stock = transformers.Qwen2VLForConditionalGeneration(config).to(device).train()
+    model = copy.deepcopy(stock)
+    assert fk.hf.apply(model)["flce"] == 1
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, VOCAB - 10, (BATCH, SEQ), generator=gen)
+    ids[:, 2], ids[:, 3:7], ids[:, 7] = begin, image, end  # a 4 x 4 patch grid, 4 tokens after the 2 x 2 merge
+    labels = ids.clone()
+    labels[:, :8] = -100
+    inputs = {"input_ids": ids.to(device), "labels": labels.to(device), "mm_token_type_ids": (ids == image).int().to(device),
+              "pixel_values": torch.randn(BATCH * 16, 3 * 2 * 4 * 4, generator=gen).to(device),
+              "image_grid_thw": torch.tensor([[1, 4, 4]] * BATCH, device=device)}  # fmt: skip
+    want, want_grads = _loss_and_grads(stock, **inputs)
+    got, got_grads = _loss_and_grads(model, **inputs)
+    assert got.logits is None and any("visual" in name for name in got_grads)
+    torch.testing.assert_close(got.loss, want.loss, **TOL)
+    assert got_grads.keys() == want_grads.keys()
+    for name, grad in want_grads.items():
+        error = float((got_grads[name] - grad).norm() / grad.norm().clamp_min(1e-12))
+        assert error < 1e-5, (name, error)
+
+
 def test_paligemma2_soft_caps_as_stock(device: str) -> None:
     """PaliGemma 2 (a Gemma 2 text model) reads its soft cap as ``getattr(text_config,
     "final_logit_softcapping", None)``: fk's head soft-caps too, on the fused path (stock's loss and
