@@ -95,9 +95,10 @@ def _unset_sizes(config: Any) -> dict[str, int]:
     unset = {"head_dim": SMALL["hidden_size"] // SMALL["num_attention_heads"],
              "num_key_value_heads": SMALL["num_attention_heads"]}  # fmt: skip
     counts = ("num_experts", "num_local_experts", "n_routed_experts")
-    if _is_int(_get(config, "moe_intermediate_size")):
+    sized_experts = _is_int(_get(config, "moe_intermediate_size"))
+    if sized_experts:
         unset.update({name: SMALL[name] for name in (*counts, "n_shared_experts")})
-    if any(_is_int(_get(config, name)) for name in counts) or _is_int(_get(config, "moe_intermediate_size")):
+    if sized_experts or any(_is_int(_get(config, name)) for name in counts):
         unset["num_experts_per_tok"] = SMALL["num_experts_per_tok"]
     declared = _declared(type(config))
     return {name: value for name, value in unset.items() if name in declared and _get(config, name) is None}

@@ -250,11 +250,6 @@ def _fused_forward(
     return _output(plan, outputs, loss=loss, logits=logits, aux_loss=aux_loss)
 
 
-causal_lm_forward.__signature__ = inspect.signature(_fused_forward)  # type: ignore[attr-defined]
-"""(What callers that read the forward's parameters by name see: HF Trainer keeps the dataset's
-columns the forward names.)"""
-
-
 def causal_lm_forward_as(stock: Callable[..., Any]) -> Callable[..., Any]:
     """:func:`causal_lm_forward` under the parameters of ``stock`` (the causal LM's own forward),
     ``skip_logits`` added: HF Trainer (``remove_unused_columns``) keeps the dataset columns a

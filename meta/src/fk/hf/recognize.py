@@ -297,16 +297,17 @@ def head_candidate(module: torch.nn.Module) -> HeadPlan | Refusal | None:
     backbones = [n for n in code.co_names if isinstance(getattr(module, n, None), torch.nn.Module) and n != "lm_head"]
     extra_args = args - HEAD_ARGS - {cache_arg, "output_router_logits"}
     missing = HEAD_ARGS - args
+    handed_on: tuple[str, ...] = ()
     if len(backbones) == 1:  # (fk's forward hands its keyword arguments to the decoder)
         decoder = getattr(module, backbones[0])
         extra_args -= handed_to_decoder(inner, backbones[0], decoder, extra_args)
         if decoder_takes(decoder, "use_cache"):  # (stock's **kwargs hand it on, as fk's head does by name)
             missing.discard("use_cache")
+        handed_on = head_args_handed_on(inner, backbones[0], decoder)
     if extra_args or missing:
         differences = ", ".join([*sorted(extra_args), *(f"no {a}" for a in sorted(missing))])
         return Refusal("flce", f"its forward takes other arguments than Llama's ({differences})")
     outputs = [n for n in code.co_names if _is_output_class(inner.__globals__.get(n))]
-    handed_on = head_args_handed_on(inner, backbones[0], getattr(module, backbones[0])) if len(backbones) == 1 else ()
     keeps = {"shape"} if "logits_to_keep" in handed_on else set()
     read_by_name = attributes_read_by_getattr(inner)  # (PaliGemma's softcap: getattr(config, "final_...", None))
     by_name = {"getattr"} if read_by_name is not None and read_by_name <= HEAD_NAMES else set()
