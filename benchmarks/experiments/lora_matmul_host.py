@@ -12,7 +12,11 @@ launch costs about 16 (``host_probe``). Where does it go? Each case is enqueued 
   outside the timing (what a cache of them would save);
 - ``TensorDescriptor.from_tensor`` alone, and ``fused_applies`` (the checks fk runs before each call).
 
-Run on a GPU:  python benchmarks/experiments/lora_matmul_host.py
+``--profile`` then runs each kernel case 400 times under ``cProfile`` (the GPU spinning, as above) and
+prints the functions that take the most of its own time: which lines of fk's and Triton's launch path
+a cache or a leaner launch would remove.
+
+Run on a GPU:  python benchmarks/experiments/lora_matmul_host.py [--profile]
 Check in Triton's interpreter (tiny shapes, no timing):  TRITON_INTERPRET=1 python ... --check
 """
 
@@ -106,8 +110,36 @@ def timings() -> None:
         print(f"  {name:58s} {host_us(fn):8.1f} us", flush=True)
 
 
+def profiles(t: dict[str, torch.Tensor], calls: int = 400, top: int = 18) -> None:
+    import cProfile
+    import pstats
+
+    for name, fn in cases(t).items():
+        if not name.startswith("kernel"):
+            continue
+        fn()
+        torch.cuda.synchronize()
+        torch.cuda._sleep(int(5e8))  # the launches never wait for the GPU
+        profile = cProfile.Profile()
+        profile.enable()
+        for _ in range(calls):
+            fn()
+        profile.disable()
+        torch.cuda.synchronize()
+        print(f"== {name}: {calls} calls under cProfile, by own time", flush=True)
+        pstats.Stats(profile).strip_dirs().sort_stats("tottime").print_stats(top)
+
+
 def main() -> None:
-    bench.run_probe(argparse.ArgumentParser(), check, lambda args, copy: timings())
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--profile", action="store_true", help="also cProfile each kernel case")
+
+    def body(args: argparse.Namespace, copy: float) -> None:
+        timings()
+        if args.profile:
+            profiles(_inputs(4096, 4096, 4096, "cuda", torch.bfloat16))
+
+    bench.run_probe(parser, check, body)
 
 
 if __name__ == "__main__":
