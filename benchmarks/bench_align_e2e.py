@@ -393,7 +393,7 @@ def table(record: bench.BenchRecord) -> list[dict[str, Any]]:
     for (kind, provider), r in runs.items():
         line: dict[str, Any] = {"trainer": kind, "provider": provider}
         if r.get("status") != "ok":
-            line["status"] = str(r.get("status", "")).splitlines()[0][:80]
+            line["status"] = bench.status_line(r.get("status", ""))
             lines.append(line)
             continue
         line.update({"tokens/s": r["tokens_per_s"], "peak GiB": r["peak_gib"]})

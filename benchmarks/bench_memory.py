@@ -357,7 +357,7 @@ def table(record: bench.BenchRecord) -> list[dict[str, Any]]:
     for (scenario, world, provider), r in runs.items():
         line: dict[str, Any] = {"scenario": scenario, "GPUs": world, "provider": provider}
         if r["status"] != "ok":
-            lines.append({**line, "status": str(r["status"]).splitlines()[0][:80]})
+            lines.append({**line, "status": bench.status_line(r["status"])})
             continue
         if scenario == "offload":
             bound = f" (< {r['bounded_by']})" if r.get("bounded_by") else " (no length failed)"

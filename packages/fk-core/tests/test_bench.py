@@ -492,3 +492,14 @@ def test_run_worker_returns_the_workers_json_or_why_there_is_none(tmp_path: Path
     assert bench.worker_status(out).startswith(expected)
     if kind == "crash":
         assert out["failed"].endswith("RuntimeError: the worker broke")
+        assert bench.status_line(bench.worker_status(out)) == "failed: RuntimeError: the worker broke"
+
+
+def test_status_line_keeps_a_tracebacks_exception() -> None:
+    """A table cell shows a failure's exception (the traceback's last line), a skip's first line."""
+    trace = 'failed: exit status 1:   File "x.py", line 3, in f\n    g()\nTypeError: bad keyword'
+    assert bench.status_line(trace) == "failed: TypeError: bad keyword"
+    assert bench.status_line("skipped: ImportError: no liger\nmore") == "skipped: ImportError: no liger"
+    assert bench.status_line("failed: timed out after 420 s") == "failed: timed out after 420 s"
+    assert bench.status_line("skipped: " + "x" * 100, width=20) == "skipped: " + "x" * 11
+    assert bench.status_line("") == ""

@@ -765,6 +765,18 @@ def worker_status(out: Mapping[str, Any]) -> str:
     return f"skipped: {out['skipped']}" if "skipped" in out else f"failed: {out['failed']}"
 
 
+def status_line(status: Any, width: int = 80) -> str:
+    """A run's status (:func:`worker_status`) in a table cell: its first line, or, where it holds a
+    traceback, ``failed:`` and the traceback's last line (the exception), cut to ``width``."""
+    lines = [line.strip() for line in str(status).strip().splitlines() if line.strip()]
+    if not lines:
+        return ""
+    first = lines[0]
+    if len(lines) > 1 and first.startswith("failed:"):
+        first = f"failed: {lines[-1]}"
+    return first[:width]
+
+
 def run_worker(script: str | os.PathLike[str], job: Mapping[str, Any], timeout_s: float) -> dict[str, Any]:
     """Run ``python script --worker JSON --result PATH`` in a fresh interpreter (the script calls
     :func:`worker_main` there) and return the JSON it wrote; ``{"failed": why}`` with the end of
