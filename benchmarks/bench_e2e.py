@@ -6,7 +6,11 @@ init (one seed), bf16 weights, SDPA attention, trained on a synthetic Markov-cha
 (``fk.hf.training``, shared with the demo) with AdamW (``fused=True``), 4 x 2048 tokens a step.
 ``--shape`` builds another of ``fk.hf.training.SHAPES`` instead (``llama-3.1-8b``: Llama-3.1-8B's
 sizes, untied head) and ``--layers`` another layer count; each row records its shape as ``model``,
-and ``--merge`` keeps the rows of other shapes.
+and ``--merge`` keeps the rows of other shapes. ``--family`` builds another model type's causal LM
+at that shape; a vision-language one of ``fk.hf.vision_language.FAMILIES`` (``gemma3``,
+``qwen2_5_vl``) gets its released vision tower and trains with one image in each sequence, about an
+eighth of its tokens (``fk.hf.vision_language.image_inputs``; the image out of the loss, counted in
+tokens/s).
 Four modes: ``full`` (every weight trained), ``lora`` (``peft.get_peft_model``, r=16, alpha=32,
 no dropout, on q, k, v, o, gate, up and down projections; PEFT's default fp32 adapters; the base
 frozen), ``qlora`` (the same on 4-bit bases: those seven projections of every layer made
@@ -59,6 +63,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import importlib.util
 import os
 import sys
@@ -73,6 +78,7 @@ if not torch.cuda.is_available():  # the --tiny CPU run: fk's kernels in Triton'
 
 from fk.core import bench
 from fk.hf import training
+from fk.hf import vision_language as fk_vision_language
 
 NAME = "e2e"
 PROVIDERS = ("stock", "liger", "fk", "fk-lowmem")
@@ -141,6 +147,7 @@ def search_max_batch(
     opt: torch.optim.Optimizer,
     job: dict[str, Any],
     autocast: torch.dtype | None,
+    inputs: Any = None,
 ) -> tuple[list[dict[str, Any]], str]:
     """Try the batch sizes of :data:`BATCHES` above ``job["batch"]`` in order; the rows of those that
     fit (tokens/s of the second step, peak memory), and why the search stopped: ``"oom"``,
@@ -153,7 +160,7 @@ def search_max_batch(
         torch.cuda.empty_cache()
         try:
             r = training.train(model, corpus, steps=2, warmup=1, batch=batch, seq=job["seq"], lr=job["lr"],
-                               optimizer=opt, first_step=1000, autocast=autocast)  # fmt: skip
+                               optimizer=opt, first_step=1000, autocast=autocast, inputs=inputs)  # fmt: skip
         except (torch.OutOfMemoryError, RuntimeError) as exc:
             if not is_oom(exc):
                 raise
@@ -180,11 +187,13 @@ def worker(job: dict[str, Any]) -> dict[str, Any]:
     patched = patch_after_build(provider, model)
     corpus = training.MarkovCorpus(shape.vocab, active=1024 if shape.vocab >= 4096 else 32, branching=4)
     opt = training.make_optimizer(model, job["lr"])
+    vision_language = job["family"] in fk_vision_language.FAMILIES
+    inputs = functools.partial(fk_vision_language.image_inputs, model.config) if vision_language else None
     if job["phase"] == "search":
-        rows, stopped = search_max_batch(model, corpus, opt, job, autocast)
+        rows, stopped = search_max_batch(model, corpus, opt, job, autocast, inputs)
         return {"search": rows, "search_stopped": stopped}
     r = training.train(model, corpus, steps=job["warmup"] + job["steps"], warmup=job["warmup"], batch=job["batch"],
-                       seq=job["seq"], lr=job["lr"], optimizer=opt, autocast=autocast)  # fmt: skip
+                       seq=job["seq"], lr=job["lr"], optimizer=opt, autocast=autocast, inputs=inputs)  # fmt: skip
     return {
         "losses": r.losses, "step_seconds": r.step_seconds[r.warmup :], "host_seconds": r.host_seconds[r.warmup :],
         "gc_seconds": r.gc_seconds[r.warmup :], "tokens_per_step": r.tokens_per_step,
@@ -261,6 +270,11 @@ def run(args: argparse.Namespace) -> bench.BenchRecord:
                f"mixture-of-experts families with the experts of fk.hf.training.MOE_FIELDS (8 experts of intermediate/4; "
                f"gpt_oss and qwen3_moe 2 a token, llama4_text 1 beside its shared expert), "
                f"gemma4_text without per-layer input embeddings and with its own rotary settings (fk.hf.training.FAMILY_FIELDS), "
+               f"vision-language families (fk.hf.vision_language.FAMILIES) with their text model of this shape and their released "
+               f"vision tower (qwen2_5_vl: Qwen2.5-VL-3B's, 32 blocks of 1280, 3-D rotary sections 1/4, 3/8, 3/8 of half a head; "
+               f"gemma3: Gemma 3 4B's SigLIP, 27 blocks of 1152), every weight of both trained, one image a sequence "
+               f"(fk.hf.vision_language.image_inputs: at 2048 tokens 256 image tokens, 448 x 448 pixels for qwen2_5_vl, 896 x 896 for gemma3; "
+               f"out of the loss, counted in tokens/s), "
                f"AdamW (fused on CUDA), {args.batch} x {args.seq} tokens a step, {args.rounds} rounds of "
                f"{args.steps} timed steps after {args.warmup} (odd rounds in reverse provider order), tokens/s "
                f"from the median of all timed steps; lora: PEFT r=16, alpha=32, q/k/v/o/gate/up/down, fp32 adapters; "
@@ -335,7 +349,7 @@ def table(record: bench.BenchRecord) -> list[dict[str, Any]]:
         line: dict[str, Any] = {"family": case[0], "model": r.get("model", DEFAULT_SHAPE), "mode": case[1],
                                 "provider": provider}  # fmt: skip
         if r.get("status") != "ok":
-            line["status"] = str(r.get("status", "")).splitlines()[0][:80]
+            line["status"] = bench.status_line(r.get("status", ""))
             lines.append(line)
             continue
         line.update({"tokens/s": r["tokens_per_s"], "peak GiB": r["peak_gib"]})

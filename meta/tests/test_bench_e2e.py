@@ -72,6 +72,22 @@ def test_tiny_lora_recipe_run(tmp_path: Path) -> None:
     assert "lora-recipe: lora with LoRA dropout 0.05, the forward under bf16 autocast" in record.notes
 
 
+@pytest.mark.serial
+def test_tiny_vision_language_run(tmp_path: Path) -> None:
+    """``--family gemma3 qwen2_5_vl``: the vision-language models trained on batches with an image a
+    sequence, fk's fused head taking them, the losses stock's."""
+    testing.run_python(str(SCRIPT), "--tiny", "--layers", "1", "--family", "gemma3", "qwen2_5_vl", "--modes", "full",
+                       "--providers", "stock", "fk", "--search-seconds", "0", "--out", str(tmp_path))  # fmt: skip
+    record = bench.BenchRecord.from_json(tmp_path / "e2e.json")
+    runs = {(r["family"], r["provider"]): r for r in record.rows if r["kind"] == "run"}
+    assert set(runs) == {(f, p) for f in ("gemma3", "qwen2_5_vl") for p in ("stock", "fk")}
+    for family in ("gemma3", "qwen2_5_vl"):
+        assert all(runs[family, p]["status"] == "ok" for p in ("stock", "fk"))
+        fk = runs[family, "fk"]
+        assert fk["patched"]["flce"] == 1 and not fk["logits_returned"] and fk["loss_rel_diff"] < 2e-2
+    assert "fk.hf.vision_language.image_inputs" in record.notes
+
+
 def test_merge_keeps_the_other_modes_rows() -> None:
     old = bench.BenchRecord("e2e", rows=[{"mode": "full", "v": 1}, {"mode": "lora", "v": 2}], notes="old")
     old.environment["date_utc"] = "then"

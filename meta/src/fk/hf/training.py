@@ -34,6 +34,8 @@ from typing import Any
 
 import torch
 
+from fk.hf import vision_language
+
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 """Every linear projection of a Llama layer: the LoRA adapters go on all seven."""
 
@@ -55,7 +57,8 @@ class ModelShape:
         """The ``LlamaConfig`` (Llama 3's RMSNorm epsilon and rope theta; default rope scaling), or
         the config of another ``model_type`` with the same fields (its other settings its defaults,
         and its own rotary settings where it keeps one per kind of layer, as Gemma 4), with
-        :data:`MOE_FIELDS` and :data:`FAMILY_FIELDS`."""
+        :data:`MOE_FIELDS` and :data:`FAMILY_FIELDS`; for a vision-language family
+        (:data:`fk.hf.vision_language.FAMILIES`), its config with a text model of this shape."""
         from transformers import CONFIG_MAPPING
 
         config_class: Any = CONFIG_MAPPING[model_type]  # (a config class of Llama's fields)
@@ -68,6 +71,10 @@ class ModelShape:
         )  # fmt: skip
         fields.update({name: size(self) for name, size in MOE_FIELDS.get(model_type, {}).items()})
         fields.update(FAMILY_FIELDS.get(model_type, {}))
+        if model_type in vision_language.FAMILIES:  # (the text model is of this shape)
+            family = vision_language.FAMILIES[model_type]
+            text = self.config(max_positions, family.text_type)
+            return family.config(text, self.hidden < vision_language.TINY_BELOW)  # (text, tiny)
         default_rope = getattr(config_class(), "rope_parameters", None)
         if isinstance(default_rope, dict) and all(isinstance(v, dict) for v in default_rope.values()):
             del fields["rope_parameters"]  # (one per kind of layer, as Gemma 4's: the family's own)
@@ -163,7 +170,9 @@ def build_model(
 ) -> torch.nn.Module:
     """A ``LlamaForCausalLM`` of ``shape`` from random init (transformers' own initialization),
     built directly on ``device`` in ``dtype``, in training mode; or the causal LM of another
-    ``model_type`` with the same sizes (its class in transformers' causal-LM registry).
+    ``model_type`` with the same sizes (its class in transformers' causal-LM registry; for a family
+    of :data:`fk.hf.vision_language.FAMILIES`, its image-text-to-text class: feed it
+    :func:`fk.hf.vision_language.image_inputs`).
 
     The same ``seed`` gives the same weights. With ``lora``, it is wrapped by
     ``peft.get_peft_model`` with r=16, alpha=32, no dropout, on all seven linear projections of
@@ -180,11 +189,19 @@ def build_model(
     for ``qlora``, bitsandbytes) is missing.
     """
     import transformers
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+    )
 
     qlora = qlora or qlora_recipe
     peft = _import_peft() if lora or qlora else None
-    causal_lm = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])
+    names = (
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+        if model_type in vision_language.FAMILIES
+        else MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    )
+    causal_lm = getattr(transformers, names[model_type])
     torch.manual_seed(seed)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -394,6 +411,7 @@ def train(
     first_step: int = 0,
     steps_iter: Callable[[Iterable[int]], Iterable[int]] | None = None,
     autocast: torch.dtype | None = None,
+    inputs: Callable[[torch.Tensor], dict[str, torch.Tensor]] | None = None,
 ) -> RunResult:
     """Run ``steps`` training steps of ``model`` on ``corpus`` and measure each.
 
@@ -404,7 +422,10 @@ def train(
     On CUDA the peak-memory counter is reset after the warm-up steps. ``measure_saved`` also counts
     the bytes held for backward (:func:`saved_for_backward`). ``steps_iter`` wraps the step range
     (a progress bar); ``first_step`` picks the corpus batches (step ``first_step + i``). ``autocast``:
-    the forward runs under ``torch.autocast`` to that dtype (HF Trainer's ``bf16=True``). Each step
+    the forward runs under ``torch.autocast`` to that dtype (HF Trainer's ``bf16=True``). ``inputs``
+    makes the model's inputs from a batch of tokens (made before the step's clock starts; default:
+    ``input_ids`` and ``labels`` the tokens; :func:`fk.hf.vision_language.image_inputs` for a
+    vision-language model). Each step
     also records the host's time to issue it and the garbage collector's time in it
     (:attr:`RunResult.host_seconds`, :attr:`RunResult.gc_seconds`): where step times vary, they
     say whether the host or the device varied.
@@ -422,12 +443,14 @@ def train(
             if cuda and i == result.warmup:
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
-            tokens = corpus.batch(first_step + i, batch, seq).to(device, non_blocking=True)
+            tokens = corpus.batch(first_step + i, batch, seq)
+            feed = {"input_ids": tokens, "labels": tokens} if inputs is None else inputs(tokens)
+            feed = {name: value.to(device, non_blocking=True) for name, value in feed.items()}
             _sync(device)
             start, gc_before = time.perf_counter(), collector.seconds
             casting = torch.autocast(device.type, dtype=autocast) if autocast is not None else contextlib.nullcontext()
             with saved_for_backward(model) if measure_saved else contextlib.nullcontext([0]) as held, casting:
-                out = model(input_ids=tokens, labels=tokens)
+                out = model(**feed)
             loss, result.logits_returned = out.loss, out.logits is not None
             del out
             loss.backward()
