@@ -462,6 +462,74 @@ def test_head_extras_under_other_names(model_type: str, device: str) -> None:
         torch.testing.assert_close(got.aux_loss, want.aux_loss, **TOL)
 
 
+OLDER_HEADS = {  # model type: (decoder path, return_dict handed on, position_ids taken, cast to the head's dtype)
+    "falcon": ("transformer", True, True, False), "gpt_neo": ("transformer", True, True, False),
+    "bloom": ("transformer", True, False, False), "mpt": ("transformer", True, False, False),
+    "mamba": ("backbone", True, False, True), "opt": ("model.decoder", False, True, False),
+    "xglm": ("model", False, True, False),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("model_type", sorted(OLDER_HEADS))
+def test_older_heads_take_the_fused_loss(model_type: str, device: str) -> None:
+    """The older causal-LM heads: Falcon's and GPT-Neo's take ``return_dict`` and hand it to their
+    decoder, Bloom's and MPT's take no ``position_ids``, Mamba's casts to its head's dtype and its
+    logits to fp32, OPT's calls ``self.model.decoder``, XGLM's hands ``pad_token_id`` to its loss.
+    Each takes the fused loss with stock's loss and every gradient (the same dropout masks); in
+    evaluation its logits are stock's, also as the tuple of ``return_dict=False``; where the forward
+    has no ``position_ids``, those passed go where stock's go (its ``**kwargs``)."""
+    from fk.hf import coverage
+    from fk.hf.recognize import HeadPlan, head_candidate
+
+    stock = coverage._build(model_type, "causal_lm").to(device)
+    plan = head_candidate(stock)
+    assert isinstance(plan, HeadPlan), plan
+    assert (plan.backbone, plan.decoder_return_dict, plan.position_ids, plan.cast_to_head) == OLDER_HEADS[model_type]
+    model = copy.deepcopy(stock)
+    assert fk.hf.apply(model)["flce"] == 1
+    ids, labels = _batch(device)
+    want_loss, want_grads = coverage._loss_and_grads(stock, ids, labels)  # (seeded: the same dropout masks)
+    got_loss, got_grads = coverage._loss_and_grads(model, ids, labels)
+    torch.testing.assert_close(got_loss, want_loss, **TOL)
+    assert got_grads.keys() == want_grads.keys()
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(got_grads[name], grad, **TOL, msg=lambda m, n=name: f"{n}: {m}")
+    stock.eval(), model.eval()
+    with torch.no_grad():
+        want, got = stock(input_ids=ids, labels=labels), model(input_ids=ids, labels=labels)
+        want_tuple, got_tuple = (m(input_ids=ids, labels=labels, return_dict=False) for m in (stock, model))
+    torch.testing.assert_close(got.logits, want.logits, **TOL)
+    assert got.logits.dtype == want.logits.dtype and isinstance(got_tuple, tuple)
+    torch.testing.assert_close(got_tuple[:2], want_tuple[:2], **TOL)  # (loss, logits)
+    if not plan.position_ids:
+        positions = torch.arange(ids.shape[1], device=device).expand_as(ids)
+        with torch.no_grad():
+            want, got = (m(input_ids=ids, labels=labels, position_ids=positions) for m in (stock, model))
+        torch.testing.assert_close(got.logits, want.logits, **TOL)
+
+
+def test_mamba_head_casts_to_its_dtype(device: str) -> None:
+    """Mamba in bf16 with fp32 residuals: its head casts the hidden states to the head's dtype and
+    its logits to fp32; fk's fused loss and its logits are stock's to bf16's rounding."""
+    from fk.hf import coverage
+
+    config = coverage.tiny_config("mamba")
+    config.residual_in_fp32 = True
+    torch.manual_seed(0)
+    stock = transformers.AutoModelForCausalLM.from_config(config).to(device, torch.bfloat16).train()
+    model = copy.deepcopy(stock)
+    assert fk.hf.apply(model)["flce"] == 1
+    ids, labels = _batch(device)
+    want, got = stock(input_ids=ids, labels=labels), model(input_ids=ids, labels=labels)
+    assert got.logits is None and got.loss.dtype == torch.float32
+    torch.testing.assert_close(got.loss, want.loss, rtol=2e-2, atol=2e-2)
+    stock.eval(), model.eval()
+    with torch.no_grad():
+        want, got = stock(input_ids=ids), model(input_ids=ids)
+    assert got.logits.dtype == want.logits.dtype == torch.float32
+    torch.testing.assert_close(got.logits, want.logits, rtol=2e-2, atol=6e-2)  # (fk's bf16 norm: rounding apart)
+
+
 def test_class_patching_and_from_pretrained(device: str, tmp_path: Any, restore_classes: Any) -> None:
     """A checkpoint loaded by stock transformers while the classes are patched comes out patched."""
     stock = _model("llama", device)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -206,8 +207,15 @@ def _fused_forward(
         moe["output_router_logits"] = text_config.output_router_logits if router_logits is None else router_logits
     handed = {name: value for name, value in (("labels", labels), ("logits_to_keep", logits_to_keep))
               if name in plan.handed_on}  # fmt: skip
-    outputs = getattr(self, plan.backbone)(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, inputs_embeds=inputs_embeds,
+    if plan.position_ids:
+        handed["position_ids"] = position_ids
+    elif position_ids is not None:  # (where stock's forward takes none: in its **kwargs, as stock's)
+        kwargs["position_ids"] = position_ids
+    if plan.decoder_return_dict:
+        handed["return_dict"] = True
+    decoder = operator.attrgetter(plan.backbone)(self)
+    outputs = decoder(
+        input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
         use_cache=use_cache, **{plan.cache_arg: cache}, **moe, **handed, **kwargs,
     )  # fmt: skip
     hidden_states = outputs.last_hidden_state
@@ -218,8 +226,10 @@ def _fused_forward(
     divisor = text_config.logits_scaling if plan.divide_by_config else None
     factor = self.logit_scale if plan.multiply_by_logit_scale else None
     if plan.multiply_by_head_multiplier:
-        factor = getattr(self, plan.backbone).lm_head_multiplier
+        factor = decoder.lm_head_multiplier
     logits = loss = None
+    if plan.cast_to_head:  # (Mamba's head: its input in the head's dtype, its logits fp32 below)
+        hidden_states = hidden_states.to(self.lm_head.weight.dtype)
     if skip_logits:
         assert labels is not None
         scaled = hidden_states if divisor is None else hidden_states / divisor
@@ -232,6 +242,7 @@ def _fused_forward(
         )  # fmt: skip
     else:
         logits = self.lm_head(hidden_states)
+        logits = logits.float() if plan.cast_to_head else logits
         if divisor is not None:  # as stock computes it
             logits = logits / divisor
         if factor is not None:

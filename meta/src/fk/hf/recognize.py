@@ -33,6 +33,7 @@ import ast
 import dataclasses
 import functools
 import inspect
+import operator
 import textwrap
 import types
 from collections.abc import Callable
@@ -82,7 +83,8 @@ class MlpPlan:
 @dataclass(frozen=True)
 class HeadPlan:
     backbone: str
-    """The attribute of the decoder the head's forward calls (``"model"``)."""
+    """The attribute of the decoder the head's forward calls (``"model"``), or its path (OPT's
+    ``"model.decoder"``)."""
     cache_arg: str
     """What the forward and the decoder call the key/value cache: ``"cache"`` (transformers 5.24)
     or ``"past_key_values"``."""
@@ -111,6 +113,17 @@ class HeadPlan:
     """Llama's arguments beyond those fk's head always hands to the decoder that the stock forward
     hands it too (:func:`head_args_handed_on`): ``labels``, ``logits_to_keep`` (then the head slices
     only what the decoder left whole)."""
+    position_ids: bool = True
+    """The forward takes ``position_ids`` and hands them to the decoder (Bloom's, MPT's and Mamba's
+    take none: fk's head hands none either)."""
+    cast_to_head: bool = False
+    """The stock forward casts the hidden states to the head weight's dtype and the logits to fp32,
+    ``self.lm_head(h.to(self.lm_head.weight.dtype)).float()`` (Mamba's): fk's head casts the same
+    (the fused loss is fp32 inside)."""
+    decoder_return_dict: bool = False
+    """The stock forward hands its ``return_dict`` to the decoder (Falcon's, GPT-Neo's): fk's asks the
+    decoder for its output object (``return_dict=True``) and answers ``return_dict`` itself, as
+    Llama's does (``transformers.utils.can_return_tuple``)."""
 
 
 # --- norms ---------------------------------------------------------------------------------------
@@ -223,21 +236,27 @@ def rope_takes_one_tensor(fn: Callable[..., Any]) -> bool:
 
 # --- the causal-LM head --------------------------------------------------------------------------
 
-HEAD_ARGS = {"input_ids", "attention_mask", "position_ids", "inputs_embeds", "labels", "use_cache", "logits_to_keep"}
+HEAD_ARGS = {"input_ids", "attention_mask", "inputs_embeds", "labels", "use_cache", "logits_to_keep"}
 """What a causal LM's forward takes (besides ``self``, the cache and ``output_router_logits``)."""
+HEAD_ARGS_OPTIONAL = {"position_ids", "return_dict"}
+"""What it may take or not (:attr:`HeadPlan.position_ids`, :attr:`HeadPlan.decoder_return_dict`):
+the older heads (Bloom, Falcon, GPT-Neo, MPT, Mamba) take ``return_dict`` by name, some no
+``position_ids``."""
 HEAD_NAMES = {
     "last_hidden_state", "slice_logits_to_keep", "lm_head", "loss_function", "config", "vocab_size",
     "cache", "past_key_values", "hidden_states", "attentions", "router_logits", "output_router_logits",
     "to", "device", "float", "torch", "tanh", "final_logit_softcapping", "logits_scaling", "logit_scale",
     "load_balancing_loss_func", "num_experts", "num_experts_per_tok", "router_aux_loss_coef", "cross_attentions",
     "shared_kv_states", "image_outputs", "video_outputs", "text_config", "get_text_config", "aux_loss_coef",
-    "lm_head_multiplier",
+    "lm_head_multiplier", "return_dict", "use_return_dict", "contiguous", "pad_token_id",
 }  # fmt: skip
 """The names Llama's causal-LM forward reads, and those of the extras fk's head computes too; the
 decoder's outputs its output takes over by name, as fk's does (GPT-2's ``cross_attentions``,
 Gemma 4's ``shared_kv_states``, a vision-language model's ``image_outputs`` and ``video_outputs``);
 a composite config's text config, where a vision-language head reads the vocabulary size and the
-extras, as fk's head does (``config.get_text_config()``)."""
+extras, as fk's head does (``config.get_text_config()``); the older heads' ``return_dict``, the
+``contiguous()`` OPT's takes of its logits, and the ``pad_token_id`` XGLM's hands its loss function
+(whose default, ``ForCausalLMLoss``, ignores it, as fk's loss does)."""
 
 
 @functools.cache
@@ -254,11 +273,26 @@ def _handed_on(tree: ast.Module, backbone: str) -> dict[int, str]:
     return {
         id(keyword.value): keyword.arg
         for call in ast.walk(tree)
-        if isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and call.func.attr == backbone
-        and isinstance(call.func.value, ast.Name) and call.func.value.id == "self"
+        if isinstance(call, ast.Call) and ast.unparse(call.func) == f"self.{backbone}"
         for keyword in call.keywords
         if isinstance(keyword.value, ast.Name) and keyword.value.id == keyword.arg
     }  # fmt: skip
+
+
+def called_backbone(forward: types.FunctionType, module: torch.nn.Module, backbone: str) -> str:
+    """The decoder's path from the head: ``backbone``, or ``backbone.<child>`` where ``forward``
+    calls a child module of it and nothing else of it (OPT's ``self.model.decoder(...)``); read from
+    the source."""
+    tree = _source_tree(forward)
+    if tree is None:
+        return backbone
+    called = {ast.unparse(n.func) for n in ast.walk(tree) if isinstance(n, ast.Call)}
+    on_backbone = {c for c in called if c == f"self.{backbone}" or c.startswith(f"self.{backbone}.")}
+    if len(on_backbone) == 1:
+        path = on_backbone.pop().removeprefix("self.")
+        if path.count(".") == 1 and isinstance(operator.attrgetter(path)(module), torch.nn.Module):
+            return path
+    return backbone
 
 
 def handed_to_decoder(forward: types.FunctionType, backbone: str, decoder: torch.nn.Module, names: set[str]) -> set[str]:  # fmt: skip
@@ -295,23 +329,29 @@ def head_candidate(module: torch.nn.Module) -> HeadPlan | Refusal | None:
     args = set(code.co_varnames[1 : code.co_argcount])
     cache_arg = "cache" if "cache" in args else "past_key_values"
     backbones = [n for n in code.co_names if isinstance(getattr(module, n, None), torch.nn.Module) and n != "lm_head"]
-    extra_args = args - HEAD_ARGS - {cache_arg, "output_router_logits"}
+    extra_args = args - HEAD_ARGS - HEAD_ARGS_OPTIONAL - {cache_arg, "output_router_logits"}
     missing = HEAD_ARGS - args
     handed_on: tuple[str, ...] = ()
+    return_dict_handed = False
     if len(backbones) == 1:  # (fk's forward hands its keyword arguments to the decoder)
-        decoder = getattr(module, backbones[0])
+        backbones = [called_backbone(inner, module, backbones[0])]
+        decoder = operator.attrgetter(backbones[0])(module)
         extra_args -= handed_to_decoder(inner, backbones[0], decoder, extra_args)
         if decoder_takes(decoder, "use_cache"):  # (stock's **kwargs hand it on, as fk's head does by name)
             missing.discard("use_cache")
         handed_on = head_args_handed_on(inner, backbones[0], decoder)
+        return_dict_handed = "return_dict" in args and "return_dict" in handed_names(inner, backbones[0])
     if extra_args or missing:
         differences = ", ".join([*sorted(extra_args), *(f"no {a}" for a in sorted(missing))])
         return Refusal("flce", f"its forward takes other arguments than Llama's ({differences})")
     outputs = [n for n in code.co_names if _is_output_class(inner.__globals__.get(n))]
     keeps = {"shape"} if "logits_to_keep" in handed_on else set()
+    cast_to_head = casts_to_head_dtype(inner)
+    keeps |= {"dtype", "weight"} if cast_to_head else set()
     read_by_name = attributes_read_by_getattr(inner)  # (PaliGemma's softcap: getattr(config, "final_...", None))
     by_name = {"getattr"} if read_by_name is not None and read_by_name <= HEAD_NAMES else set()
-    unknown = set(code.co_names) - HEAD_NAMES - set(backbones) - set(outputs) - keeps - by_name
+    path = {part for backbone in backbones for part in backbone.split(".")}
+    unknown = set(code.co_names) - HEAD_NAMES - path - set(outputs) - keeps - by_name
     if len(backbones) != 1 or len(outputs) != 1 or unknown:
         what = sorted(unknown) or backbones or outputs
         return Refusal("flce", f"its forward reads what fk's head does not compute ({', '.join(what)})")
@@ -325,6 +365,24 @@ def head_candidate(module: torch.nn.Module) -> HeadPlan | Refusal | None:
         router_logits_arg="output_router_logits" in args, aux_loss=aux,
         aux_loss_weight="aux_loss_coef" if "aux_loss_coef" in names else "router_aux_loss_coef",
         positional=code.co_varnames[1 : code.co_argcount], handed_on=handed_on,
+        position_ids="position_ids" in args, decoder_return_dict=return_dict_handed, cast_to_head=cast_to_head,
+    )  # fmt: skip
+
+
+def casts_to_head_dtype(forward: types.FunctionType) -> bool:
+    """Whether ``forward`` calls its head as ``self.lm_head(<h>.to(self.lm_head.weight.dtype)).float()``
+    (:attr:`HeadPlan.cast_to_head`), read from its source, and calls it so only."""
+    tree = _source_tree(forward)
+    if tree is None:
+        return False
+    calls = [node for node in ast.walk(tree) if isinstance(node, ast.Call) and ast.unparse(node.func) == "self.lm_head"]
+    floats = {id(node.func.value) for node in ast.walk(tree) if isinstance(node, ast.Call)
+              and isinstance(node.func, ast.Attribute) and node.func.attr == "float" and not node.args}  # fmt: skip
+    return bool(calls) and all(
+        id(call) in floats and len(call.args) == 1 and not call.keywords and isinstance(call.args[0], ast.Call)
+        and ast.unparse(call.args[0].func).endswith(".to") and len(call.args[0].args) == 1
+        and ast.unparse(call.args[0].args[0]) == "self.lm_head.weight.dtype"
+        for call in calls
     )  # fmt: skip
 
 
@@ -354,11 +412,15 @@ def head_args_handed_on(forward: types.FunctionType, backbone: str, decoder: tor
     ways); Gemma 4's decoder drops the positions ``logits_to_keep`` leaves out itself (before its
     KV-shared layers), and its head slices only hidden states still as long as the input, which is
     what it reads ``shape`` for."""
-    tree = _source_tree(forward)
-    if tree is None:
-        return ()
-    handed = set(_handed_on(tree, backbone).values())
+    handed = handed_names(forward, backbone)
     return tuple(name for name in ("labels", "logits_to_keep") if name in handed and decoder_takes(decoder, name))
+
+
+def handed_names(forward: types.FunctionType, backbone: str) -> set[str]:
+    """The names ``forward`` hands to ``self.<backbone>(...)`` as keywords of their own name; none
+    where it has no source."""
+    tree = _source_tree(forward)
+    return set() if tree is None else set(_handed_on(tree, backbone).values())
 
 
 def _is_output_class(obj: Any) -> bool:
