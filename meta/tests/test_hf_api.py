@@ -508,6 +508,33 @@ def test_older_heads_take_the_fused_loss(model_type: str, device: str) -> None:
         torch.testing.assert_close(got.logits, want.logits, **TOL)
 
 
+@pytest.mark.parametrize("model_type", ["qwen2_5_omni_thinker", "minicpmv4_6"])
+def test_heads_without_logits_to_keep(model_type: str, device: str) -> None:
+    """The Qwen2.5-Omni thinker and MiniCPM-V 4.6 take no ``logits_to_keep``: their heads take the
+    fused loss with stock's loss and every gradient, and in evaluation give stock's logits of every
+    position."""
+    from fk.hf import coverage
+    from fk.hf.recognize import HeadPlan, head_candidate
+
+    stock = coverage._build(model_type, "image_text_to_text").to(device)
+    plan = head_candidate(stock)
+    assert isinstance(plan, HeadPlan) and not plan.logits_to_keep, plan
+    model = copy.deepcopy(stock)
+    assert fk.hf.apply(model)["flce"] == 1
+    ids, labels = _batch(device)
+    want_loss, want_grads = coverage._loss_and_grads(stock, ids, labels)
+    got_loss, got_grads = coverage._loss_and_grads(model, ids, labels)
+    torch.testing.assert_close(got_loss, want_loss, **TOL)
+    assert got_grads.keys() == want_grads.keys()
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(got_grads[name], grad, **TOL, msg=lambda m, n=name: f"{n}: {m}")
+    stock.eval(), model.eval()
+    with torch.no_grad():
+        want, got = stock(input_ids=ids), model(input_ids=ids)
+    assert got.logits.shape[1] == ids.shape[1]
+    torch.testing.assert_close(got.logits, want.logits, **TOL)
+
+
 def test_mamba_head_casts_to_its_dtype(device: str) -> None:
     """Mamba in bf16 with fp32 residuals: its head casts the hidden states to the head's dtype and
     its logits to fp32; fk's fused loss and its logits are stock's to bf16's rounding."""

@@ -207,6 +207,10 @@ def _fused_forward(
         moe["output_router_logits"] = text_config.output_router_logits if router_logits is None else router_logits
     handed = {name: value for name, value in (("labels", labels), ("logits_to_keep", logits_to_keep))
               if name in plan.handed_on}  # fmt: skip
+    if not plan.logits_to_keep:  # (where stock's forward takes none: in its **kwargs, as stock's)
+        if not isinstance(logits_to_keep, int) or logits_to_keep != 0:
+            kwargs["logits_to_keep"] = logits_to_keep
+        logits_to_keep = 0
     if plan.position_ids:
         handed["position_ids"] = position_ids
     elif position_ids is not None:  # (where stock's forward takes none: in its **kwargs, as stock's)

@@ -113,6 +113,9 @@ class HeadPlan:
     """Llama's arguments beyond those fk's head always hands to the decoder that the stock forward
     hands it too (:func:`head_args_handed_on`): ``labels``, ``logits_to_keep`` (then the head slices
     only what the decoder left whole)."""
+    logits_to_keep: bool = True
+    """The forward takes ``logits_to_keep`` (where it does not, fk's head keeps every position and
+    leaves one given to where stock's goes, its ``**kwargs``)."""
     position_ids: bool = True
     """The forward takes ``position_ids`` and hands them to the decoder (Bloom's, MPT's and Mamba's
     take none: fk's head hands none either)."""
@@ -236,12 +239,13 @@ def rope_takes_one_tensor(fn: Callable[..., Any]) -> bool:
 
 # --- the causal-LM head --------------------------------------------------------------------------
 
-HEAD_ARGS = {"input_ids", "attention_mask", "inputs_embeds", "labels", "use_cache", "logits_to_keep"}
+HEAD_ARGS = {"input_ids", "attention_mask", "inputs_embeds", "labels", "use_cache"}
 """What a causal LM's forward takes (besides ``self``, the cache and ``output_router_logits``)."""
-HEAD_ARGS_OPTIONAL = {"position_ids", "return_dict"}
-"""What it may take or not (:attr:`HeadPlan.position_ids`, :attr:`HeadPlan.decoder_return_dict`):
-the older heads (Bloom, Falcon, GPT-Neo, MPT, Mamba) take ``return_dict`` by name, some no
-``position_ids``."""
+HEAD_ARGS_OPTIONAL = {"position_ids", "return_dict", "logits_to_keep"}
+"""What it may take or not (:attr:`HeadPlan.position_ids`, :attr:`HeadPlan.decoder_return_dict`,
+:attr:`HeadPlan.logits_to_keep`): the older heads (Bloom, Falcon, GPT-Neo, MPT, Mamba) take
+``return_dict`` by name, some no ``position_ids``; some take no ``logits_to_keep`` (the Qwen-Omni
+thinkers, MiniCPM-V 4.6, VideoLLaMA 3: their logits cover every position)."""
 HEAD_NAMES = {
     "last_hidden_state", "slice_logits_to_keep", "lm_head", "loss_function", "config", "vocab_size",
     "cache", "past_key_values", "hidden_states", "attentions", "router_logits", "output_router_logits",
@@ -366,6 +370,7 @@ def head_candidate(module: torch.nn.Module) -> HeadPlan | Refusal | None:
         aux_loss_weight="aux_loss_coef" if "aux_loss_coef" in names else "router_aux_loss_coef",
         positional=code.co_varnames[1 : code.co_argcount], handed_on=handed_on,
         position_ids="position_ids" in args, decoder_return_dict=return_dict_handed, cast_to_head=cast_to_head,
+        logits_to_keep="logits_to_keep" in args,
     )  # fmt: skip
 
 
