@@ -485,6 +485,7 @@ def test_older_heads_take_the_fused_loss(model_type: str, device: str) -> None:
     plan = head_candidate(stock)
     assert isinstance(plan, HeadPlan), plan
     assert (plan.backbone, plan.decoder_return_dict, plan.position_ids, plan.cast_to_head) == OLDER_HEADS[model_type]
+    assert plan.float_logits == plan.cast_to_head  # (Mamba's both)
     model = copy.deepcopy(stock)
     assert fk.hf.apply(model)["flce"] == 1
     ids, labels = _batch(device)
@@ -506,6 +507,48 @@ def test_older_heads_take_the_fused_loss(model_type: str, device: str) -> None:
         with torch.no_grad():
             want, got = (m(input_ids=ids, labels=labels, position_ids=positions) for m in (stock, model))
         torch.testing.assert_close(got.logits, want.logits, **TOL)
+
+
+@pytest.mark.parametrize(
+    ("model_type", "registry", "setting"),
+    [("apertus1p5_text", "causal_lm", "output_vocab_size"), ("muse_glimmer", "image_text_to_text", "output_multiplier"),
+     ("hy_v4", "causal_lm", "fp32 head")],
+)  # fmt: skip
+def test_more_head_extras(model_type: str, registry: str, setting: str, device: str) -> None:
+    """Apertus 1.5 scores against its head's pruned output vocabulary (``out_features``, here 250
+    of 300 ids, the labels within it); Muse Glimmer multiplies its logits by
+    ``text_config.output_multiplier`` before its soft cap; HunYuan V4 keeps its head in fp32 and
+    casts the hidden states to it. Each head takes the fused loss with stock's loss and every
+    gradient, and in evaluation gives stock's logits."""
+    from fk.hf import coverage
+    from fk.hf.recognize import HeadPlan, head_candidate
+
+    config = coverage.tiny_config(model_type)
+    if setting == "output_vocab_size":
+        config.output_vocab_size = VOCAB - 50
+    torch.manual_seed(0)
+    model_class = getattr(transformers, coverage.registries()[registry][model_type])
+    stock = model_class._from_config(config).float().to(device).train()
+    plan = head_candidate(stock)
+    assert isinstance(plan, HeadPlan), plan
+    assert (plan.vocab_from_head, plan.multiply_by_output_multiplier, plan.cast_to_head) == (
+        setting == "output_vocab_size", setting == "output_multiplier", setting == "fp32 head")  # fmt: skip
+    if setting == "output_vocab_size":
+        assert stock.lm_head.out_features == VOCAB - 50
+    model = copy.deepcopy(stock)
+    assert fk.hf.apply(model)["flce"] == 1
+    ids, labels = _batch(device)
+    labels = labels.clamp(max=VOCAB - 51)
+    want_loss, want_grads = coverage._loss_and_grads(stock, ids, labels)
+    got_loss, got_grads = coverage._loss_and_grads(model, ids, labels)
+    torch.testing.assert_close(got_loss, want_loss, **TOL)
+    assert got_grads.keys() == want_grads.keys()
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(got_grads[name], grad, **TOL, msg=lambda m, n=name: f"{n}: {m}")
+    stock.eval(), model.eval()
+    with torch.no_grad():
+        want, got = stock(input_ids=ids, labels=labels), model(input_ids=ids, labels=labels)
+    torch.testing.assert_close((got.loss, got.logits), (want.loss, want.logits), **TOL)
 
 
 @pytest.mark.parametrize("model_type", ["qwen2_5_omni_thinker", "minicpmv4_6"])

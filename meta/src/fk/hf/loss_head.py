@@ -153,9 +153,11 @@ def _fused_forward(
     ``num_items_in_batch``, ``ignore_index`` and ``shift_labels`` are read from ``kwargs`` as
     stock's loss reads them. The head's extras, as its plan found them in the stock forward, are
     computed on both paths as stock computes them: ``config.final_logit_softcapping`` (Gemma 2 and
-    3), the divisor ``config.logits_scaling`` (Granite), the factor ``self.logit_scale`` (Cohere)
-    or ``self.model.lm_head_multiplier`` (Falcon-H1; on the fused path the hidden states are
-    scaled instead: ``(h s) W^T = (h W^T) s``), and a mixture of experts' load-balancing loss (the
+    3), the divisor ``config.logits_scaling`` (Granite), the factor ``self.logit_scale`` (Cohere),
+    ``self.model.lm_head_multiplier`` (Falcon-H1) or ``text_config.output_multiplier`` (Muse
+    Glimmer; on the fused path the hidden states are scaled instead: ``(h s) W^T = (h W^T) s``),
+    the hidden states cast to the head's dtype and the logits to fp32 (Mamba, HunYuan V4), the
+    head's ``out_features`` as the loss's vocabulary size (Apertus 1.5), and a mixture of experts' load-balancing loss (the
     modeling module's ``load_balancing_loss_func``, times ``router_aux_loss_coef`` or JetMoe's
     ``aux_loss_coef``, added where stock adds it), each read from the text config of a
     vision-language model's composite config where the head has no attribute of that name. ``labels`` and ``logits_to_keep`` go to the decoder
@@ -231,8 +233,10 @@ def _fused_forward(
     factor = self.logit_scale if plan.multiply_by_logit_scale else None
     if plan.multiply_by_head_multiplier:
         factor = decoder.lm_head_multiplier
+    if plan.multiply_by_output_multiplier:
+        factor = text_config.output_multiplier
     logits = loss = None
-    if plan.cast_to_head:  # (Mamba's head: its input in the head's dtype, its logits fp32 below)
+    if plan.cast_to_head:  # (Mamba's and HunYuan V4's heads: their input in the head's dtype)
         hidden_states = hidden_states.to(self.lm_head.weight.dtype)
     if skip_logits:
         assert labels is not None
@@ -246,7 +250,7 @@ def _fused_forward(
         )  # fmt: skip
     else:
         logits = self.lm_head(hidden_states)
-        logits = logits.float() if plan.cast_to_head else logits
+        logits = logits.float() if plan.float_logits else logits
         if divisor is not None:  # as stock computes it
             logits = logits / divisor
         if factor is not None:
@@ -254,7 +258,8 @@ def _fused_forward(
         if softcap is not None:
             logits = torch.tanh(logits / softcap) * softcap
         if labels is not None:
-            loss = self.loss_function(logits=logits, labels=labels, vocab_size=text_config.vocab_size, **kwargs)
+            vocab = self.lm_head.out_features if plan.vocab_from_head else text_config.vocab_size
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=vocab, **kwargs)
     aux_loss = None
     if plan.aux_loss is not None and moe.get("output_router_logits", router_logits):
         experts, per_token, weight = (_moe_setting(self, text_config, name) for name in

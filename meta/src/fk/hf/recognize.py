@@ -120,9 +120,17 @@ class HeadPlan:
     """The forward takes ``position_ids`` and hands them to the decoder (Bloom's, MPT's and Mamba's
     take none: fk's head hands none either)."""
     cast_to_head: bool = False
-    """The stock forward casts the hidden states to the head weight's dtype and the logits to fp32,
-    ``self.lm_head(h.to(self.lm_head.weight.dtype)).float()`` (Mamba's): fk's head casts the same
-    (the fused loss is fp32 inside)."""
+    """The stock forward casts the hidden states to the head weight's dtype,
+    ``self.lm_head(h.to(self.lm_head.weight.dtype))`` (Mamba's; HunYuan V4's, whose head is fp32):
+    fk's head casts the same."""
+    float_logits: bool = False
+    """It takes the logits in fp32, ``self.lm_head(...).float()`` (Mamba's): so do fk's (its fused
+    loss is fp32 inside)."""
+    multiply_by_output_multiplier: bool = False
+    """``logits = logits * text_config.output_multiplier`` (Muse Glimmer, before its soft cap)."""
+    vocab_from_head: bool = False
+    """The loss's vocabulary size is the head's ``out_features`` (Apertus 1.5's output vocabulary),
+    not the config's ``vocab_size``."""
     decoder_return_dict: bool = False
     """The stock forward hands its ``return_dict`` to the decoder (Falcon's, GPT-Neo's): fk's asks the
     decoder for its output object (``return_dict=True``) and answers ``return_dict`` itself, as
@@ -252,7 +260,8 @@ HEAD_NAMES = {
     "to", "device", "float", "torch", "tanh", "final_logit_softcapping", "logits_scaling", "logit_scale",
     "load_balancing_loss_func", "num_experts", "num_experts_per_tok", "router_aux_loss_coef", "cross_attentions",
     "shared_kv_states", "image_outputs", "video_outputs", "text_config", "get_text_config", "aux_loss_coef",
-    "lm_head_multiplier", "return_dict", "use_return_dict", "contiguous", "pad_token_id",
+    "lm_head_multiplier", "return_dict", "use_return_dict", "contiguous", "pad_token_id", "output_multiplier",
+    "out_features",
 }  # fmt: skip
 """The names Llama's causal-LM forward reads, and those of the extras fk's head computes too; the
 decoder's outputs its output takes over by name, as fk's does (GPT-2's ``cross_attentions``,
@@ -350,7 +359,7 @@ def head_candidate(module: torch.nn.Module) -> HeadPlan | Refusal | None:
         return Refusal("flce", f"its forward takes other arguments than Llama's ({differences})")
     outputs = [n for n in code.co_names if _is_output_class(inner.__globals__.get(n))]
     keeps = {"shape"} if "logits_to_keep" in handed_on else set()
-    cast_to_head = casts_to_head_dtype(inner)
+    cast_to_head, float_logits = head_call_casts(inner)
     keeps |= {"dtype", "weight"} if cast_to_head else set()
     read_by_name = attributes_read_by_getattr(inner)  # (PaliGemma's softcap: getattr(config, "final_...", None))
     by_name = {"getattr"} if read_by_name is not None and read_by_name <= HEAD_NAMES else set()
@@ -370,25 +379,35 @@ def head_candidate(module: torch.nn.Module) -> HeadPlan | Refusal | None:
         aux_loss_weight="aux_loss_coef" if "aux_loss_coef" in names else "router_aux_loss_coef",
         positional=code.co_varnames[1 : code.co_argcount], handed_on=handed_on,
         position_ids="position_ids" in args, decoder_return_dict=return_dict_handed, cast_to_head=cast_to_head,
+        float_logits=float_logits, multiply_by_output_multiplier="output_multiplier" in names,
+        vocab_from_head="out_features" in names,
         logits_to_keep="logits_to_keep" in args,
     )  # fmt: skip
 
 
-def casts_to_head_dtype(forward: types.FunctionType) -> bool:
-    """Whether ``forward`` calls its head as ``self.lm_head(<h>.to(self.lm_head.weight.dtype)).float()``
-    (:attr:`HeadPlan.cast_to_head`), read from its source, and calls it so only."""
+HEAD_DTYPE = "self.lm_head.weight.dtype"
+
+
+def head_call_casts(forward: types.FunctionType) -> tuple[bool, bool]:
+    """How ``forward`` calls its head, read from its source: whether every call casts its input
+    to the head weight's dtype (``self.lm_head(h.to(self.lm_head.weight.dtype))``, the dtype
+    positional or by name), and whether every call's logits are taken ``.float()``."""
     tree = _source_tree(forward)
     if tree is None:
-        return False
+        return False, False
     calls = [node for node in ast.walk(tree) if isinstance(node, ast.Call) and ast.unparse(node.func) == "self.lm_head"]
     floats = {id(node.func.value) for node in ast.walk(tree) if isinstance(node, ast.Call)
               and isinstance(node.func, ast.Attribute) and node.func.attr == "float" and not node.args}  # fmt: skip
-    return bool(calls) and all(
-        id(call) in floats and len(call.args) == 1 and not call.keywords and isinstance(call.args[0], ast.Call)
-        and ast.unparse(call.args[0].func).endswith(".to") and len(call.args[0].args) == 1
-        and ast.unparse(call.args[0].args[0]) == "self.lm_head.weight.dtype"
-        for call in calls
-    )  # fmt: skip
+
+    def casts(call: ast.Call) -> bool:
+        if len(call.args) != 1 or call.keywords or not isinstance(call.args[0], ast.Call):
+            return False
+        to = call.args[0]
+        dtypes = [*to.args, *(k.value for k in to.keywords if k.arg == "dtype")]
+        one_dtype = len(to.args) + len(to.keywords) == 1 and len(dtypes) == 1
+        return one_dtype and ast.unparse(to.func).endswith(".to") and ast.unparse(dtypes[0]) == HEAD_DTYPE
+
+    return bool(calls) and all(map(casts, calls)), bool(calls) and all(id(call) in floats for call in calls)
 
 
 def attributes_read_by_getattr(forward: types.FunctionType) -> set[str] | None:
