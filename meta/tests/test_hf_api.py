@@ -462,6 +462,31 @@ def test_head_extras_under_other_names(model_type: str, device: str) -> None:
         torch.testing.assert_close(got.aux_loss, want.aux_loss, **TOL)
 
 
+def _plan_and_patched(stock: Any) -> tuple[Any, Any]:
+    """The plan fk makes of ``stock``'s head (a ``HeadPlan``), and a patched copy of ``stock`` whose
+    head takes the fused loss."""
+    from fk.hf.recognize import HeadPlan, head_candidate
+
+    plan = head_candidate(stock)
+    assert isinstance(plan, HeadPlan), plan
+    model = copy.deepcopy(stock)
+    assert fk.hf.apply(model)["flce"] == 1
+    return plan, model
+
+
+def _assert_same_seeded_loss_and_grads(stock: Any, model: Any, ids: torch.Tensor, labels: torch.Tensor) -> None:
+    """As :func:`_assert_same_loss_and_grads`, each run from the same random state (the coverage
+    check's: the same dropout masks in models that drop out in training)."""
+    from fk.hf import coverage
+
+    want_loss, want_grads = coverage._loss_and_grads(stock, ids, labels)
+    got_loss, got_grads = coverage._loss_and_grads(model, ids, labels)
+    torch.testing.assert_close(got_loss, want_loss, **TOL)
+    assert got_grads.keys() == want_grads.keys()
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(got_grads[name], grad, **TOL, msg=lambda m, n=name: f"{n}: {m}")
+
+
 OLDER_HEADS = {  # model type: (decoder path, return_dict handed on, position_ids taken, cast to the head's dtype)
     "falcon": ("transformer", True, True, False), "gpt_neo": ("transformer", True, True, False),
     "bloom": ("transformer", True, False, False), "mpt": ("transformer", True, False, False),
@@ -479,22 +504,13 @@ def test_older_heads_take_the_fused_loss(model_type: str, device: str) -> None:
     evaluation its logits are stock's, also as the tuple of ``return_dict=False``; where the forward
     has no ``position_ids``, those passed go where stock's go (its ``**kwargs``)."""
     from fk.hf import coverage
-    from fk.hf.recognize import HeadPlan, head_candidate
 
     stock = coverage._build(model_type, "causal_lm").to(device)
-    plan = head_candidate(stock)
-    assert isinstance(plan, HeadPlan), plan
+    plan, model = _plan_and_patched(stock)
     assert (plan.backbone, plan.decoder_return_dict, plan.position_ids, plan.cast_to_head) == OLDER_HEADS[model_type]
     assert plan.float_logits == plan.cast_to_head  # (Mamba's both)
-    model = copy.deepcopy(stock)
-    assert fk.hf.apply(model)["flce"] == 1
     ids, labels = _batch(device)
-    want_loss, want_grads = coverage._loss_and_grads(stock, ids, labels)  # (seeded: the same dropout masks)
-    got_loss, got_grads = coverage._loss_and_grads(model, ids, labels)
-    torch.testing.assert_close(got_loss, want_loss, **TOL)
-    assert got_grads.keys() == want_grads.keys()
-    for name, grad in want_grads.items():
-        torch.testing.assert_close(got_grads[name], grad, **TOL, msg=lambda m, n=name: f"{n}: {m}")
+    _assert_same_seeded_loss_and_grads(stock, model, ids, labels)
     stock.eval(), model.eval()
     with torch.no_grad():
         want, got = stock(input_ids=ids, labels=labels), model(input_ids=ids, labels=labels)
@@ -521,7 +537,6 @@ def test_more_head_extras(model_type: str, registry: str, setting: str, device: 
     casts the hidden states to it. Each head takes the fused loss with stock's loss and every
     gradient, and in evaluation gives stock's logits."""
     from fk.hf import coverage
-    from fk.hf.recognize import HeadPlan, head_candidate
 
     config = coverage.tiny_config(model_type)
     if setting == "output_vocab_size":
@@ -529,22 +544,14 @@ def test_more_head_extras(model_type: str, registry: str, setting: str, device: 
     torch.manual_seed(0)
     model_class = getattr(transformers, coverage.registries()[registry][model_type])
     stock = model_class._from_config(config).float().to(device).train()
-    plan = head_candidate(stock)
-    assert isinstance(plan, HeadPlan), plan
+    plan, model = _plan_and_patched(stock)
     assert (plan.vocab_from_head, plan.multiply_by_output_multiplier, plan.cast_to_head) == (
         setting == "output_vocab_size", setting == "output_multiplier", setting == "fp32 head")  # fmt: skip
     if setting == "output_vocab_size":
         assert stock.lm_head.out_features == VOCAB - 50
-    model = copy.deepcopy(stock)
-    assert fk.hf.apply(model)["flce"] == 1
     ids, labels = _batch(device)
     labels = labels.clamp(max=VOCAB - 51)
-    want_loss, want_grads = coverage._loss_and_grads(stock, ids, labels)
-    got_loss, got_grads = coverage._loss_and_grads(model, ids, labels)
-    torch.testing.assert_close(got_loss, want_loss, **TOL)
-    assert got_grads.keys() == want_grads.keys()
-    for name, grad in want_grads.items():
-        torch.testing.assert_close(got_grads[name], grad, **TOL, msg=lambda m, n=name: f"{n}: {m}")
+    _assert_same_seeded_loss_and_grads(stock, model, ids, labels)
     stock.eval(), model.eval()
     with torch.no_grad():
         want, got = stock(input_ids=ids, labels=labels), model(input_ids=ids, labels=labels)
@@ -557,20 +564,12 @@ def test_heads_without_logits_to_keep(model_type: str, device: str) -> None:
     fused loss with stock's loss and every gradient, and in evaluation give stock's logits of every
     position."""
     from fk.hf import coverage
-    from fk.hf.recognize import HeadPlan, head_candidate
 
     stock = coverage._build(model_type, "image_text_to_text").to(device)
-    plan = head_candidate(stock)
-    assert isinstance(plan, HeadPlan) and not plan.logits_to_keep, plan
-    model = copy.deepcopy(stock)
-    assert fk.hf.apply(model)["flce"] == 1
+    plan, model = _plan_and_patched(stock)
+    assert not plan.logits_to_keep, plan
     ids, labels = _batch(device)
-    want_loss, want_grads = coverage._loss_and_grads(stock, ids, labels)
-    got_loss, got_grads = coverage._loss_and_grads(model, ids, labels)
-    torch.testing.assert_close(got_loss, want_loss, **TOL)
-    assert got_grads.keys() == want_grads.keys()
-    for name, grad in want_grads.items():
-        torch.testing.assert_close(got_grads[name], grad, **TOL, msg=lambda m, n=name: f"{n}: {m}")
+    _assert_same_seeded_loss_and_grads(stock, model, ids, labels)
     stock.eval(), model.eval()
     with torch.no_grad():
         want, got = stock(input_ids=ids), model(input_ids=ids)
