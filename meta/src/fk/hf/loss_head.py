@@ -157,8 +157,8 @@ def _fused_forward(
     ``self.model.lm_head_multiplier`` (Falcon-H1) or ``text_config.output_multiplier`` (Muse
     Glimmer; on the fused path the hidden states are scaled instead: ``(h s) W^T = (h W^T) s``),
     the hidden states cast to the head's dtype and the logits to fp32 (Mamba, HunYuan V4), the
-    head's ``out_features`` as the loss's vocabulary size (Apertus 1.5), and a mixture of experts' load-balancing loss (the
-    modeling module's ``load_balancing_loss_func``, times ``router_aux_loss_coef`` or JetMoe's
+    head's ``out_features`` as the loss's vocabulary size (Apertus 1.5), and a mixture of experts'
+    load-balancing loss (the modeling module's ``load_balancing_loss_func``, times ``router_aux_loss_coef`` or JetMoe's
     ``aux_loss_coef``, added where stock adds it), each read from the text config of a
     vision-language model's composite config where the head has no attribute of that name. ``labels`` and ``logits_to_keep`` go to the decoder
     too where the stock forward hands them to it (:attr:`HeadPlan.handed_on`: Gemma 3's and 4's

@@ -269,7 +269,8 @@ Gemma 4's ``shared_kv_states``, a vision-language model's ``image_outputs`` and 
 a composite config's text config, where a vision-language head reads the vocabulary size and the
 extras, as fk's head does (``config.get_text_config()``); the older heads' ``return_dict``, the
 ``contiguous()`` OPT's takes of its logits, and the ``pad_token_id`` XGLM's hands its loss function
-(whose default, ``ForCausalLMLoss``, ignores it, as fk's loss does)."""
+(whose default, ``ForCausalLMLoss``, ignores it, as fk's loss does); Muse Glimmer's
+``output_multiplier`` and Apertus 1.5's ``out_features`` (:class:`HeadPlan`)."""
 
 
 @functools.cache
@@ -386,6 +387,7 @@ def head_candidate(module: torch.nn.Module) -> HeadPlan | Refusal | None:
 
 
 HEAD_DTYPE = "self.lm_head.weight.dtype"
+"""The head's dtype as a forward's source spells it (:func:`head_call_casts`)."""
 
 
 def head_call_casts(forward: types.FunctionType) -> tuple[bool, bool]:
