@@ -68,6 +68,7 @@ import importlib.util
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -147,7 +148,7 @@ def search_max_batch(
     opt: torch.optim.Optimizer,
     job: dict[str, Any],
     autocast: torch.dtype | None,
-    inputs: Any = None,
+    inputs: Callable[[torch.Tensor], dict[str, torch.Tensor]] | None = None,
 ) -> tuple[list[dict[str, Any]], str]:
     """Try the batch sizes of :data:`BATCHES` above ``job["batch"]`` in order; the rows of those that
     fit (tokens/s of the second step, peak memory), and why the search stopped: ``"oom"``,

@@ -14,7 +14,9 @@ Shared by the training demo (``python -m fk.hf.demo``) and the end-to-end benchm
 - :func:`train`: AdamW steps (fused where available), each one timed, with CUDA's peak memory on a
   GPU and the bytes held for backward on CPU;
 - :func:`word_tokenizer`: a tokenizer over a model's whole vocabulary, built on the spot, for the
-  trainers that need a processing class (TRL's; nothing downloaded).
+  trainers that need a processing class (TRL's; nothing downloaded);
+- vision-language models (Gemma 3, Qwen2.5-VL) with a text model of a shape, and their batches with
+  images: :mod:`fk.hf.vision_language`.
 
 Importing this module imports torch only; ``transformers`` (and ``peft`` for LoRA, ``bitsandbytes``
 for QLoRA) when a model is built, ``tokenizers`` when a tokenizer is.
