@@ -63,6 +63,10 @@ class ModelShape:
         (:data:`fk.hf.vision_language.FAMILIES`), its config with a text model of this shape."""
         from transformers import CONFIG_MAPPING
 
+        if model_type in vision_language.FAMILIES:  # (the text model is of this shape)
+            family = vision_language.FAMILIES[model_type]
+            text = self.config(max_positions, family.text_type)
+            return family.config(text, self.hidden < vision_language.TINY_BELOW)  # (text, tiny)
         config_class: Any = CONFIG_MAPPING[model_type]  # (a config class of Llama's fields)
         fields = dict(
             vocab_size=self.vocab, hidden_size=self.hidden, intermediate_size=self.intermediate,
@@ -73,10 +77,6 @@ class ModelShape:
         )  # fmt: skip
         fields.update({name: size(self) for name, size in MOE_FIELDS.get(model_type, {}).items()})
         fields.update(FAMILY_FIELDS.get(model_type, {}))
-        if model_type in vision_language.FAMILIES:  # (the text model is of this shape)
-            family = vision_language.FAMILIES[model_type]
-            text = self.config(max_positions, family.text_type)
-            return family.config(text, self.hidden < vision_language.TINY_BELOW)  # (text, tiny)
         default_rope = getattr(config_class(), "rope_parameters", None)
         if isinstance(default_rope, dict) and all(isinstance(v, dict) for v in default_rope.values()):
             del fields["rope_parameters"]  # (one per kind of layer, as Gemma 4's: the family's own)
