@@ -66,7 +66,7 @@ class ModelShape:
         if model_type in vision_language.FAMILIES:  # (the text model is of this shape)
             family = vision_language.FAMILIES[model_type]
             text = self.config(max_positions, family.text_type)
-            return family.config(text, self.hidden < vision_language.TINY_BELOW)  # (text, tiny)
+            return family.build(text, tiny=self.hidden < vision_language.TINY_BELOW)
         config_class: Any = CONFIG_MAPPING[model_type]  # (a config class of Llama's fields)
         fields = dict(
             vocab_size=self.vocab, hidden_size=self.hidden, intermediate_size=self.intermediate,

@@ -35,10 +35,14 @@ class Family:
     """Its vision tower's config fields, as released."""
     tiny_tower: dict[str, Any]
     """The fields that shrink the tower for a tiny shape."""
-    config: Callable[[Any, bool], Any]
-    """``(text config, tiny) ->`` the model's config."""
+    config: Callable[[Any, dict[str, Any], bool], Any]
+    """``(text config, tower fields, tiny) ->`` the model's config (:meth:`build`)."""
     inputs: Callable[[Any, torch.Tensor, torch.Generator], dict[str, torch.Tensor]]
     """``(config, tokens, generator) ->`` the model's training inputs (:func:`image_inputs`)."""
+
+    def build(self, text: Any, tiny: bool) -> Any:
+        """The model's config around ``text``, its tower as released or, ``tiny``, shrunk."""
+        return self.config(text, {**self.tower, **(self.tiny_tower if tiny else {})}, tiny)
 
 
 def _special_tokens(vocab: int, *names: str) -> dict[str, int]:
@@ -73,7 +77,7 @@ def _place_image(tokens: torch.Tensor, begin: int, image: int, end: int, image_t
 # ------------------------------------------------------------------------------------ Qwen2.5-VL
 
 
-def _qwen_vl_config(text: Any, tiny: bool) -> Any:
+def _qwen_vl_config(text: Any, tower: dict[str, Any], tiny: bool) -> Any:
     """Qwen2.5-VL: its 3-D rotary sections in the family's proportions (1/4, 3/8, 3/8 of half a
     head), the tower projecting to the text model's width."""
     from transformers import CONFIG_MAPPING
@@ -81,13 +85,12 @@ def _qwen_vl_config(text: Any, tiny: bool) -> Any:
     half = text.head_dim // 2
     sections = [half // 4, half * 3 // 8, half - half // 4 - half * 3 // 8]
     text.rope_parameters = {**text.rope_parameters, "mrope_section": sections}
-    family = FAMILIES["qwen2_5_vl"]
-    tower = {**family.tower, **(family.tiny_tower if tiny else {}), "out_hidden_size": text.hidden_size}
+    tower = {**tower, "out_hidden_size": text.hidden_size}
     ids = _special_tokens(text.vocab_size, "image_token_id", "vision_end_token_id", "vision_start_token_id",
                           "video_token_id")  # fmt: skip
     config_class: Any = CONFIG_MAPPING["qwen2_5_vl"]
     return config_class(text_config=text, vision_config=tower,
-                                       tie_word_embeddings=text.tie_word_embeddings, **ids)  # fmt: skip
+                        tie_word_embeddings=text.tie_word_embeddings, **ids)  # fmt: skip
 
 
 def _qwen_vl_inputs(config: Any, tokens: torch.Tensor, gen: torch.Generator) -> dict[str, torch.Tensor]:
@@ -109,17 +112,15 @@ def _qwen_vl_inputs(config: Any, tokens: torch.Tensor, gen: torch.Generator) -> 
 # ---------------------------------------------------------------------------------------- Gemma 3
 
 
-def _gemma3_config(text: Any, tiny: bool) -> Any:
+def _gemma3_config(text: Any, tower: dict[str, Any], tiny: bool) -> Any:
     """Gemma 3: the SigLIP tower's patches average-pooled to ``mm_tokens_per_image`` tokens (256 at
     896 x 896 pixels as released, 4 at 56 x 56 tiny)."""
     from transformers import CONFIG_MAPPING
 
-    family = FAMILIES["gemma3"]
-    tower = {**family.tower, **(family.tiny_tower if tiny else {})}
     ids = _special_tokens(text.vocab_size, "image_token_index", "eoi_token_index", "boi_token_index")
     config_class: Any = CONFIG_MAPPING["gemma3"]
     return config_class(text_config=text, vision_config=tower, mm_tokens_per_image=4 if tiny else 256,
-                                    tie_word_embeddings=text.tie_word_embeddings, **ids)  # fmt: skip
+                        tie_word_embeddings=text.tie_word_embeddings, **ids)  # fmt: skip
 
 
 def _gemma3_inputs(config: Any, tokens: torch.Tensor, gen: torch.Generator) -> dict[str, torch.Tensor]:
