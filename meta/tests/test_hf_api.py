@@ -525,6 +525,40 @@ def test_older_heads_take_the_fused_loss(model_type: str, device: str) -> None:
         torch.testing.assert_close(got.logits, want.logits, **TOL)
 
 
+UNSHIFTED_HEADS = ["bart", "bigbird_pegasus", "blenderbot", "blenderbot-small", "marian", "mbart", "pegasus", "plbart"]
+
+
+@pytest.mark.parametrize("model_type", UNSHIFTED_HEADS)
+def test_unshifted_heads_take_the_fused_loss(model_type: str, device: str) -> None:
+    """The BART family's causal LMs score position t against ``labels[:, t]`` with a fresh
+    ``CrossEntropyLoss()`` (their labels come shifted already): each takes the fused loss with
+    stock's loss and every gradient, for labels that differ from the inputs shifted, also where
+    the Trainer passes ``num_items_in_batch`` and ``shift_labels`` (which stock's loss does not
+    read); in evaluation its loss and logits are stock's. Llama's plan is not unshifted."""
+    from fk.hf import coverage
+
+    stock = coverage._build(model_type, "causal_lm").to(device)
+    plan, model = _plan_and_patched(stock)
+    from fk.hf.recognize import head_candidate
+
+    assert plan.unshifted_labels and not head_candidate(_model("llama", device)).unshifted_labels
+    ids, _ = _batch(device)
+    labels = torch.randint(0, VOCAB, ids.shape, generator=torch.Generator().manual_seed(5)).to(device)
+    labels[0, :5] = -100
+    _assert_same_seeded_loss_and_grads(stock, model, ids, labels)
+    trainer_kwargs = {"num_items_in_batch": torch.tensor(7, device=device), "shift_labels": labels.roll(1, -1)}
+    torch.manual_seed(1)
+    want = stock(input_ids=ids, labels=labels, **trainer_kwargs).loss
+    torch.manual_seed(1)
+    got = model(input_ids=ids, labels=labels, **trainer_kwargs)
+    assert got.logits is None
+    torch.testing.assert_close(got.loss, want, **TOL)
+    stock.eval(), model.eval()
+    with torch.no_grad():
+        want, got = stock(input_ids=ids, labels=labels), model(input_ids=ids, labels=labels)
+    torch.testing.assert_close((got.loss, got.logits), (want.loss, want.logits), **TOL)
+
+
 @pytest.mark.parametrize(
     ("model_type", "registry", "setting"),
     [("apertus1p5_text", "causal_lm", "output_vocab_size"), ("muse_glimmer", "image_text_to_text", "output_multiplier"),

@@ -157,7 +157,10 @@ def _fused_forward(
     ``self.model.lm_head_multiplier`` (Falcon-H1) or ``text_config.output_multiplier`` (Muse
     Glimmer; on the fused path the hidden states are scaled instead: ``(h s) W^T = (h W^T) s``),
     the hidden states cast to the head's dtype and the logits to fp32 (Mamba, HunYuan V4), the
-    head's ``out_features`` as the loss's vocabulary size (Apertus 1.5), and a mixture of experts'
+    head's ``out_features`` as the loss's vocabulary size (Apertus 1.5), the BART family's unshifted
+    ``CrossEntropyLoss()`` (position t against ``labels[:, t]``, the mean over labels not -100;
+    ``num_items_in_batch``, ``shift_labels`` and ``ignore_index`` not read, as stock's reads none of
+    them: :attr:`HeadPlan.unshifted_labels`), and a mixture of experts'
     load-balancing loss (the modeling module's ``load_balancing_loss_func``, times ``router_aux_loss_coef`` or JetMoe's
     ``aux_loss_coef``, added where stock adds it), each read from the text config of a
     vision-language model's composite config where the head has no attribute of that name. ``labels`` and ``logits_to_keep`` go to the decoder
@@ -238,14 +241,16 @@ def _fused_forward(
     logits = loss = None
     if plan.cast_to_head:  # (Mamba's and HunYuan V4's heads: their input in the head's dtype)
         hidden_states = hidden_states.to(self.lm_head.weight.dtype)
+    loss_kwargs = {"shift_labels": kwargs.get("shift_labels"), "num_items_in_batch": kwargs.get("num_items_in_batch"),
+                   "ignore_index": kwargs.get("ignore_index", -100)}  # fmt: skip
+    if plan.unshifted_labels:  # (the BART family's CrossEntropyLoss(): labels[:, t] for position t, the mean)
+        loss_kwargs = {"shift_labels": labels, "num_items_in_batch": None, "ignore_index": -100}
     if skip_logits:
         assert labels is not None
         scaled = hidden_states if divisor is None else hidden_states / divisor
         scaled = scaled if factor is None else scaled * factor
         loss = fused_causal_lm_loss(
-            scaled, self.lm_head, labels, shift_labels=kwargs.get("shift_labels"),
-            num_items_in_batch=kwargs.get("num_items_in_batch"), ignore_index=kwargs.get("ignore_index", -100),
-            softcap=softcap, options=self.__dict__.get(LOSS_OPTIONS),
+            scaled, self.lm_head, labels, **loss_kwargs, softcap=softcap, options=self.__dict__.get(LOSS_OPTIONS),
             weight=_TiedHeadWeight.apply(self.lm_head.weight, tied) if tied is not None else None,
         )  # fmt: skip
     else:
@@ -257,8 +262,10 @@ def _fused_forward(
             logits = logits * factor
         if softcap is not None:
             logits = torch.tanh(logits / softcap) * softcap
-        if labels is not None:
-            vocab = self.lm_head.out_features if plan.vocab_from_head else text_config.vocab_size
+        vocab = self.lm_head.out_features if plan.vocab_from_head else text_config.vocab_size
+        if labels is not None and plan.unshifted_labels:
+            loss = torch.nn.functional.cross_entropy(logits.view(-1, vocab), labels.to(logits.device).view(-1))
+        elif labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=vocab, **kwargs)
     aux_loss = None
     if plan.aux_loss is not None and moe.get("output_router_logits", router_logits):

@@ -23,7 +23,8 @@ small input.
   decorators) takes Llama's arguments, and others only to hand them to its decoder unchanged
   (:func:`handed_to_decoder`: GPT-2's ``token_type_ids``, Gemma 4's ``per_layer_inputs``), and
   reads nothing beyond :data:`HEAD_NAMES`; what it reads tells its extras (final logit
-  softcapping, a logit scale or divisor, a mixture of experts' load-balancing loss). The probe
+  softcapping, a logit scale or divisor, a mixture of experts' load-balancing loss, the BART
+  family's unshifted ``CrossEntropyLoss()``). The probe
   compares the model's loss, stock and fk.
 """
 
@@ -135,6 +136,11 @@ class HeadPlan:
     """The stock forward hands its ``return_dict`` to the decoder (Falcon's, GPT-Neo's): fk's asks the
     decoder for its output object (``return_dict=True``) and answers ``return_dict`` itself, as
     Llama's does (``transformers.utils.can_return_tuple``)."""
+    unshifted_labels: bool = False
+    """The stock forward scores position t against ``labels[:, t]`` (no shift) with a fresh
+    ``CrossEntropyLoss()``, the mean over the labels that are not -100, ``num_items_in_batch``,
+    ``shift_labels`` and ``ignore_index`` not read (the BART family's decoders,
+    :func:`unshifted_cross_entropy`): so does fk's."""
 
 
 # --- norms ---------------------------------------------------------------------------------------
@@ -360,6 +366,8 @@ def head_candidate(module: torch.nn.Module) -> HeadPlan | Refusal | None:
         return Refusal("flce", f"its forward takes other arguments than Llama's ({differences})")
     outputs = [n for n in code.co_names if _is_output_class(inner.__globals__.get(n))]
     keeps = {"shape"} if "logits_to_keep" in handed_on else set()
+    unshifted = unshifted_cross_entropy(inner)
+    keeps |= {"CrossEntropyLoss", "view"} if unshifted else set()
     cast_to_head, float_logits = head_call_casts(inner)
     keeps |= {"dtype", "weight"} if cast_to_head else set()
     read_by_name = attributes_read_by_getattr(inner)  # (PaliGemma's softcap: getattr(config, "final_...", None))
@@ -381,7 +389,7 @@ def head_candidate(module: torch.nn.Module) -> HeadPlan | Refusal | None:
         positional=code.co_varnames[1 : code.co_argcount], handed_on=handed_on,
         position_ids="position_ids" in args, decoder_return_dict=return_dict_handed, cast_to_head=cast_to_head,
         float_logits=float_logits, multiply_by_output_multiplier="output_multiplier" in names,
-        vocab_from_head="out_features" in names,
+        vocab_from_head="out_features" in names, unshifted_labels=unshifted,
         logits_to_keep="logits_to_keep" in args,
     )  # fmt: skip
 
@@ -410,6 +418,25 @@ def head_call_casts(forward: types.FunctionType) -> tuple[bool, bool]:
         return one_dtype and ast.unparse(to.func).endswith(".to") and ast.unparse(dtypes[0]) == HEAD_DTYPE
 
     return bool(calls) and all(map(casts, calls)), bool(calls) and all(id(call) in floats for call in calls)
+
+
+UNSHIFTED_LOSS = ("loss_fct = CrossEntropyLoss()", "loss_fct(logits.view(-1, self.config.vocab_size), labels.view(-1))")
+"""The BART family's loss as its causal LMs' forwards spell it (:func:`unshifted_cross_entropy`)."""
+
+
+def unshifted_cross_entropy(forward: types.FunctionType) -> bool:
+    """Whether ``forward`` computes its loss as the BART family's causal LMs do, read from its
+    source: :data:`UNSHIFTED_LOSS`, torch's ``CrossEntropyLoss`` made with no arguments (the mean,
+    -100 ignored) and called once on the logits and labels unshifted, and neither called otherwise."""
+    tree = _source_tree(forward)
+    if tree is None or forward.__globals__.get("CrossEntropyLoss") is not torch.nn.CrossEntropyLoss:
+        return False
+    made, called = UNSHIFTED_LOSS
+    nodes = list(ast.walk(tree))
+    assigned = [ast.unparse(node) for node in nodes if isinstance(node, ast.Assign)]
+    calls = [ast.unparse(node) for node in nodes if isinstance(node, ast.Call)
+             and ast.unparse(node.func) in ("loss_fct", "CrossEntropyLoss")]  # fmt: skip
+    return assigned.count(made) == 1 and sorted(calls) == sorted([made.partition(" = ")[2], called])
 
 
 def attributes_read_by_getattr(forward: types.FunctionType) -> set[str] | None:
