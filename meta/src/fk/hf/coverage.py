@@ -40,6 +40,12 @@ SMALL: dict[str, int] = {
     "hidden_size_per_layer_input": 16, "num_kv_shared_layers": 0, "shared_experts_intermediate_size": 64, "n_groups": 2,
     "encoder_layers": 2, "decoder_layers": 2, "encoder_attention_heads": 4, "decoder_attention_heads": 4,
     "encoder_ffn_dim": 128, "decoder_ffn_dim": 128, "decoder_vocab_size": 300,
+    "unpadded_vocab_size": 300, "moe_hidden_size": 32, "dense_intermediate_size": 128,
+    "shared_intermediate_size": 64, "moe_shared_expert_intermediate_size": 64, "hidden_size_global": 64,
+    "encoder_hash_byte_group_vocab": 300, "cross_attn_k": 1, "projector_hidden_size": 64, "merged_hidden_size": 256,
+    "projection_hidden_dim": 64, "projection_dim": 64, "text_hidden_size": 64, "vision_hidden_size": 64,
+    "image_token_embed_dim": 64, "num_embeddings": 64, "adapter_out_dim": 64, "base_channels": 32,
+    "latent_channels": 16, "codebook_size": 64,
 }  # fmt: skip
 """Config attributes set where a default config has them (ints only), to make every model tiny."""
 SPECIAL_TOKENS = ("pad_token_id", "bos_token_id", "eos_token_id")
@@ -65,8 +71,21 @@ def tiny_config(model_type: str, every_kind: bool = True) -> Any:
 def _get(config: Any, name: str) -> Any:
     try:
         return getattr(config, name, None)
-    except Exception:  # transformers' per-layer attributes raise on a global read
-        return None
+    except Exception:  # a per-layer attribute of a heterogeneous config raises on a global read:
+        # its global value is the layers' default (see :func:`_per_layer_overrides`)
+        read_global = getattr(config, "_getattr_without_heterogeneous_validation", None)
+        try:
+            return read_global(name, None) if read_global is not None else None
+        except Exception:
+            return None
+
+
+def _per_layer_overrides(config: Any) -> dict[int, dict[str, Any]]:
+    """A heterogeneous config's overrides of its global values, by layer index (transformers'
+    ``per_layer_config``: DOTS-3 Note's sliding layers have heads and ranks of their own); empty
+    for any other config."""
+    spec = vars(config).get("_heterogeneity_spec")
+    return {int(i): dict(values) for i, values in (getattr(spec, "per_layer_overrides", None) or {}).items()}
 
 
 def _set(config: Any, name: str, value: Any) -> None:
@@ -127,29 +146,40 @@ def _dependent_sizes(config: Any, small: dict[str, int]) -> dict[str, int]:
     return dependent
 
 
-def _layer_lists(config: Any, layers: Any, every_kind: bool) -> dict[str, Any]:
+def _layer_lists(config: Any, layers: Any, every_kind: bool, small: dict[str, Any]) -> dict[str, Any]:
     """``config``'s per-layer lists longer than ``layers``, cut: the kinds of layer
     (``layer_types``, ``layers_block_type``) with ``every_kind`` to the first layer of each kind, in
     order, and the layers after the first until there are ``layers`` (so that every kind is built: a
     hybrid model's attention, Gemma's global layers), with ``num_hidden_layers`` raised to the
     kinds' count where there are more kinds; else, and lists of layer indices (``mlp_only_layers``),
-    to their first ``layers``."""
+    to their first ``layers``. A heterogeneous config's per-layer overrides follow the layers kept,
+    their sizes made small as the config's own (``small``, else :data:`SMALL`)."""
     if not _is_int(layers):
         return {}
     cut: dict[str, Any] = {}
+    kept = list(range(layers))
     for name in ("layer_types", "layers_block_type"):
         kinds = _get(config, name)
         if not isinstance(kinds, list) or len(kinds) <= layers:
             continue
         firsts = sorted({kind: i for i, kind in reversed(list(enumerate(kinds)))}.values()) if every_kind else []
         rest = [i for i in range(len(kinds)) if i not in firsts][: max(layers - len(firsts), 0)]
-        cut[name] = [kinds[i] for i in sorted(firsts + rest)]
+        kept = sorted(firsts + rest)
+        cut[name] = [kinds[i] for i in kept]
         layers = len(cut[name])
     value = _get(config, "mlp_only_layers")
     if isinstance(value, list) and len(value) > layers:
         cut["mlp_only_layers"] = value[:layers]
     if cut and layers != _get(config, "num_hidden_layers"):
         cut["num_hidden_layers"] = layers
+    overrides = _per_layer_overrides(config)
+    if overrides:
+        sizes = {**SMALL, **small}
+        cut["per_layer_config"] = {
+            new: {name: sizes[name] if name in sizes and _is_int(value) else value
+                  for name, value in overrides[old].items()}
+            for new, old in enumerate(kept) if old in overrides
+        }  # fmt: skip
     return cut
 
 
@@ -170,14 +200,15 @@ def _shrunk(config: Any, every_kind: bool = True) -> Any:
     value is set on the default instead. Then special token ids are moved inside the vocabulary, and
     each sub-config is made tiny the same way."""
     small: dict[str, Any] = dict(_small_values(config))
-    small.update(_layer_lists(config, small.get("num_hidden_layers", _get(config, "num_hidden_layers")), every_kind))
-    declared = _declared(type(config))
+    layers = small.get("num_hidden_layers", _get(config, "num_hidden_layers"))
+    small.update(_layer_lists(config, layers, every_kind, small))
+    taken = _declared(type(config)) | {"per_layer_config"}  # (every config takes that, into its kwargs)
     try:
-        rebuilt = type(config)(**{name: value for name, value in small.items() if name in declared})
+        rebuilt = type(config)(**{name: value for name, value in small.items() if name in taken})
     except Exception:  # (a class that does not build from these): each set on the default
         rebuilt = None
     for name, value in small.items():
-        if rebuilt is None or (name not in declared and _get(rebuilt, name) == _get(config, name)):
+        if rebuilt is None or (name not in taken and _get(rebuilt, name) == _get(config, name)):
             _set(rebuilt if rebuilt is not None else config, name, value)  # (not derived by the class)
     if rebuilt is not None:
         subs = getattr(rebuilt, "sub_configs", {})
