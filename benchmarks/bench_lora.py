@@ -14,7 +14,8 @@ peak memory. FLOPs counted: the base matmuls only, forward and the input gradien
 floor ("fk floor%") is the base matmuls' FLOPs, twice with dropout (PEFT's DoRA then computes
 ``F.linear(dropout(x), W)`` beside the base output, and its input gradient), at the matmul ceiling
 plus one read of each bf16 base weight (the norm of ``W + s B A``, every forward) at the copy
-bandwidth (:func:`dora_floor_work`).
+bandwidth (:func:`dora_floor_work`); with dropout cuBLAS's time for both sets of products is taken in
+one call, as the row runs them (a run that long is slower: :func:`_against_ceilings`).
 
 ``--qlora`` runs the same on 4-bit base weights (QLoRA; record ``lora_qlora.json``): each base linear
 a bitsandbytes ``Linear4bit`` (NF4, nested absmax, blocksize 64, bf16 compute) under PEFT's LoRA
@@ -170,36 +171,42 @@ def base_products(block: str, tokens: int, shape: Shape = LLAMA, *, fused: bool)
     return forward + input_gradient
 
 
-def base_gemm_times(block: str, tokens: int, shape: Shape = LLAMA, rep: int = 20) -> dict[str, float]:
+def base_gemm_times(block: str, tokens: int, shape: Shape = LLAMA, rep: int = 20, sets: int = 1) -> dict[str, float]:
     """cuBLAS's GPU time (ms) for :func:`base_products`, one product a projection ("separate") and the
     projections that share an input in one ("fused"): random bf16 operands in the layer's layouts,
     timed as the rows are (``bench.time_ms(gpu_only=True)``: L2 flushed and the GPU idle before each
-    call, so the products start on the clocks a row's do). Needs CUDA."""
+    call, so the products start on the clocks a row's do). ``sets`` runs the products that many times
+    in the call, each set with inputs of its own and the same weights (DoRA with dropout: ``x`` and
+    the dropped ``x``, and their gradients). Needs CUDA."""
     gen = torch.Generator(device="cuda").manual_seed(tokens)
     times = {}
     for name in ("separate", "fused"):
         operands = []
-        for m, k, n, layout in base_products(block, tokens, shape, fused=name == "fused"):
-            a = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
+        products = base_products(block, tokens, shape, fused=name == "fused")
+        weights = []
+        for _, k, n, layout in products:
             if layout == "nt":  # x @ W.T, W stored [n, k]
-                b = torch.randn(n, k, device="cuda", generator=gen).bfloat16().t()
+                weights.append(torch.randn(n, k, device="cuda", generator=gen).bfloat16().t())
             else:  # dy @ W, W stored [k, n] here (its rows are dy's columns)
-                b = torch.randn(k, n, device="cuda", generator=gen).bfloat16()
-            operands.append((a, b))
+                weights.append(torch.randn(k, n, device="cuda", generator=gen).bfloat16())
+        for _ in range(sets):
+            for (m, k, _, _), b in zip(products, weights, strict=True):
+                operands.append((torch.randn(m, k, device="cuda", generator=gen).bfloat16(), b))
 
-        def products(pairs: list[tuple[torch.Tensor, torch.Tensor]] = operands) -> None:
+        def run(pairs: list[tuple[torch.Tensor, torch.Tensor]] = operands) -> None:
             for a, b in pairs:
                 torch.matmul(a, b)
 
-        times[name] = bench.time_ms(products, warmup=5, rep=rep, gpu_only=True)
-        del operands
+        times[name] = bench.time_ms(run, warmup=5, rep=rep, gpu_only=True)
+        del operands, weights
         torch.cuda.empty_cache()
     return times
 
 
-def base_gemm_ms(block: str, tokens: int, shape: Shape = LLAMA) -> float:
-    """The faster of :func:`base_gemm_times`: what cuBLAS needs for ``block``'s base products."""
-    return min(base_gemm_times(block, tokens, shape).values())
+def base_gemm_ms(block: str, tokens: int, shape: Shape = LLAMA, sets: int = 1) -> float:
+    """The faster of :func:`base_gemm_times`: what cuBLAS needs for ``block``'s base products (``sets``
+    of them in one call)."""
+    return min(base_gemm_times(block, tokens, shape, sets=sets).values())
 
 
 def dequantization_bytes(block: str, shape: Shape = LLAMA) -> int:
@@ -236,6 +243,12 @@ DORA_FLOOR = (
     "floor: base matmul FLOPs of forward and input gradient (twice with dropout: PEFT's DoRA multiplies "
     "the dropped input by the base weight too) at the matmul ceiling + one read of each bf16 base weight "
     "(its norm) at the copy bandwidth"
+)
+
+DORA_TWICE_FLOOR = (
+    "DoRA with dropout: cuBLAS's time for both sets of products run in one call (each row's "
+    "gemm_twice_ms: a run that long is slower than two each started idle, experiments/"
+    "dora_dropout_gemm_floor), the ceiling's time scaled by its ratio to twice gemm_ms"
 )
 
 
@@ -283,14 +296,21 @@ def dropout_bytes(block: str, tokens: int, shape: Shape = LLAMA) -> int:
 
 
 def _against_ceilings(ceilings: bench.Ceilings | None, block: str, tokens: int, shape: Shape, qlora: bool,
-                      ms: float, dora: bool = False, dropout: float = 0.0,
-                      gemm_ms: float | None = None) -> dict[str, float]:  # fmt: skip
+                      ms: float, dora: bool = False, dropout: float = 0.0, gemm_ms: float | None = None,
+                      gemm_twice_ms: float | None = None) -> dict[str, float]:  # fmt: skip
     """A row's share of what the ceilings allow: ``floor_ms`` and ``floor_fraction`` (the floor's time
     over ``ms``): the base matmuls' FLOPs at the matmul ceiling (DoRA's, :func:`dora_floor_work`), or
     where faster cuBLAS's own time for those products (``gemm_ms``, :func:`base_gemm_ms`; twice for
     DoRA with dropout), plus at the copy bandwidth the dequantizations of 4-bit weights and DoRA's
     read of each weight, and with dropout :func:`dropout_bytes`; dense LoRA also ``tflops`` and
-    ``matmul_fraction``. Nothing without ceilings (the CPU)."""
+    ``matmul_fraction``. Nothing without ceilings (the CPU).
+
+    DoRA with dropout runs its products twice, back to back in one call, and a run of products that
+    long is slower than two calls each started on an idle GPU (the MLP at 16384 tokens: 32.2 ms
+    against twice 14.5; ``experiments/dora_dropout_gemm_floor``). Where the row has cuBLAS's time for
+    both sets in one call (``gemm_twice_ms``, :func:`base_gemm_ms` with ``sets=2``), that time
+    stands for twice ``gemm_ms``, and the ceiling's time (a short product's, started idle) is
+    scaled by the same ratio: the ceiling is not kept up over the row's length either."""
     if ceilings is None:
         return {}
     flops, nbytes = dora_floor_work(block, tokens, dropout, shape) if dora else (_flops(block, tokens, shape), 0)
@@ -300,7 +320,9 @@ def _against_ceilings(ceilings: bench.Ceilings | None, block: str, tokens: int, 
         nbytes += dropout_bytes(block, tokens, shape)
     matmul_ms = bench.floor_ms(ceilings, flops=flops)
     if gemm_ms is not None:
-        matmul_ms = min(matmul_ms, (2 if dora and dropout > 0 else 1) * gemm_ms)
+        sets = 2 if dora and dropout > 0 else 1
+        sustained = gemm_twice_ms / (2 * gemm_ms) if sets == 2 and gemm_twice_ms is not None else 1.0
+        matmul_ms = min(matmul_ms, sets * gemm_ms) * sustained
     floor = bench.floor_ms(ceilings, nbytes=nbytes) + matmul_ms
     shares = {"floor_ms": floor, "floor_fraction": floor / ms}
     if qlora or dora:
@@ -317,7 +339,8 @@ def refloor(record: bench.BenchRecord) -> bench.BenchRecord:
     for row in record.rows:
         if "ms" in row and "block" in row:
             row.update(_against_ceilings(ceilings, row["block"], row["tokens"], LLAMA, "qlora" in row, row["ms"],
-                                         row.get("dora", False), row["dropout"], row.get("gemm_ms")))  # fmt: skip
+                                         row.get("dora", False), row["dropout"], row.get("gemm_ms"),
+                                         row.get("gemm_twice_ms")))  # fmt: skip
     if DROPOUT_FLOOR not in record.notes:
         recomputed = (
             f"{DROPOUT_FLOOR} (floors recomputed on {time.strftime('%Y-%m-%d')} from this run's ceilings and times)"
@@ -331,7 +354,7 @@ def refloor(record: bench.BenchRecord) -> bench.BenchRecord:
 
 def measure(record: bench.BenchRecord, ceilings: bench.Ceilings | None, block: str, tokens: int, dropout: float,
             rank: int, alpha: int, rep: int, adapter: str, dora: bool = False, *, shape: Shape = LLAMA,
-            qlora: bool = False, gemm_ms: float | None = None) -> None:  # fmt: skip
+            qlora: bool = False, gemm_ms: float | None = None, gemm_twice_ms: float | None = None) -> None:  # fmt: skip
     import fk.lora
 
     model = _lora_model(block, dropout, rank, alpha, ADAPTER_DTYPES[adapter], dora, shape=shape, qlora=qlora)
@@ -357,6 +380,7 @@ def measure(record: bench.BenchRecord, ceilings: bench.Ceilings | None, block: s
             if err > 0.05:
                 raise AssertionError(f"fk disagrees with PEFT ({block}, {tokens} tokens): relative error {err}")
 
+    twice = gemm_twice_ms if dora and dropout > 0 else None
     for provider in ("peft", "fk"):
         if provider == "fk":
             report = fk.lora.patch(model)
@@ -365,8 +389,10 @@ def measure(record: bench.BenchRecord, ceilings: bench.Ceilings | None, block: s
         timing = _timing(forward_backward, leaves, rep)
         record.add(
             provider=provider, block=block, tokens=tokens, dropout=dropout, adapter=adapter, mode="fwd+bwd",
-            **timing, **_against_ceilings(ceilings, block, tokens, shape, qlora, timing["ms"], dora, dropout, gemm_ms),
+            **timing, **_against_ceilings(ceilings, block, tokens, shape, qlora, timing["ms"], dora, dropout, gemm_ms,
+                                          twice),
             **({"gemm_ms": gemm_ms} if gemm_ms is not None else {}),
+            **({"gemm_twice_ms": twice} if twice is not None else {}),
             **({"dora": True} if dora else {}), **({"qlora": QUANT_TYPE} if qlora else {}),
         )  # fmt: skip
     fk.lora.unpatch(model)
@@ -396,18 +422,21 @@ def run(tokens: list[int], dropouts: list[float], adapters: list[str], out: Path
     record = bench.BenchRecord(
         NAME,
         notes=(f"{layer}, {'DoRA, ' if dora else ''}r={rank}, alpha={alpha}, {base}, LoRA weights "
-               f"in {' and '.join(adapters)}; {accounting}; {GEMM_FLOOR}; {DROPOUT_FLOOR}"),
+               f"in {' and '.join(adapters)}; {accounting}; {GEMM_FLOOR}; {DROPOUT_FLOOR}"
+               f"{f'; {DORA_TWICE_FLOOR}' if dora and any(d > 0 for d in dropouts) else ''}"),
     )  # fmt: skip
-    ceilings, gemm_ms = None, {}
+    ceilings, gemm_ms, gemm_twice_ms = None, {}, {}
     if DEVICE == "cuda":  # all timed as the rows are (the GPU idle before each call)
         ceilings = bench.measure_ceilings(gpu_only=True)
         record.ceilings = ceilings.as_dict()
         print(f"ceilings: copy {ceilings.copy_tbps:.2f} TB/s, bf16 matmul {ceilings.matmul_tflops:.0f} TFLOP/s")
         gemm_ms = {(b, t): base_gemm_ms(b, t, shape) for b in BLOCKS for t in tokens}
+        if dora and any(d > 0 for d in dropouts):  # (see _against_ceilings)
+            gemm_twice_ms = {(b, t): base_gemm_ms(b, t, shape, sets=2) for b in BLOCKS for t in tokens}
     cases = [(b, t, d, a) for a in adapters for b in BLOCKS for t in tokens for d in dropouts]
     for block, t, d, a in bench.progress(cases, desc=NAME):
         measure(record, ceilings, block, t, d, rank, alpha, rep, a, dora, shape=shape, qlora=qlora,
-                gemm_ms=gemm_ms.get((block, t)))  # fmt: skip
+                gemm_ms=gemm_ms.get((block, t)), gemm_twice_ms=gemm_twice_ms.get((block, t)))  # fmt: skip
         if DEVICE == "cuda":
             torch.cuda.empty_cache()
     out.parent.mkdir(parents=True, exist_ok=True)

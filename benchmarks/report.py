@@ -64,7 +64,7 @@ FLOOR_SHARE = 0.85
 measured in the same run) is listed (issue #34's target)."""
 
 MEASURED = {"ms", "gpu_ms", "tbps", "tflops", "copy_fraction", "gpu_copy_fraction", "matmul_fraction", "floor_ms",
-            "floor_fraction", "peak_mb", "rep", "provider", "status", "measured_utc", "gemm_ms"}  # fmt: skip
+            "floor_fraction", "peak_mb", "rep", "provider", "status", "measured_utc", "gemm_ms", "gemm_twice_ms"}  # fmt: skip
 """The fields of a row that are measurements (or when: a merged record stamps the rows it kept with
 their call's time); the others name the case."""
 

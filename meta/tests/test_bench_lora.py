@@ -121,14 +121,16 @@ def test_refloor_recomputes_floors_from_the_run_and_keeps_the_measurements() -> 
 
 def test_the_floor_takes_cublas_time_for_the_base_products_where_faster() -> None:
     """A row's ``gemm_ms`` (cuBLAS's time for its base products) replaces their FLOPs at the ceiling
-    only where it is shorter, twice for DoRA with dropout (its products run twice); the bytes stay."""
+    only where it is shorter, twice for DoRA with dropout (its products run twice), and there, where
+    both sets were timed in one call (``gemm_twice_ms``), that time, with the ceiling's time scaled by
+    its ratio to twice ``gemm_ms``; the bytes stay."""
     module = _load(SCRIPT)
     ceilings = bench.Ceilings(copy_tbps=4.0, matmul_tflops=600.0)
     at_ceiling = bench.floor_ms(ceilings, flops=module._flops("mlp", 4096))
     masks = bench.floor_ms(ceilings, nbytes=module.dropout_bytes("mlp", 4096))
 
-    def floor(gemm_ms: float | None, dora: bool = False) -> float:
-        return module._against_ceilings(ceilings, "mlp", 4096, module.LLAMA, False, 1.0, dora, 0.05, gemm_ms)[
+    def floor(gemm_ms: float | None, dora: bool = False, twice: float | None = None) -> float:
+        return module._against_ceilings(ceilings, "mlp", 4096, module.LLAMA, False, 1.0, dora, 0.05, gemm_ms, twice)[
             "floor_ms"
         ]
 
@@ -137,6 +139,14 @@ def test_the_floor_takes_cublas_time_for_the_base_products_where_faster() -> Non
     assert floor(1.2 * at_ceiling) == pytest.approx(at_ceiling + masks)  # never above the ceiling's
     weights = bench.floor_ms(ceilings, nbytes=module.dora_floor_work("mlp", 4096, 0.05)[1])
     assert floor(0.8 * at_ceiling, dora=True) == pytest.approx(2 * 0.8 * at_ceiling + weights + masks)
+    # both sets timed in one call, 10% slower than twice one: that time, and the ceiling's scaled alike
+    assert floor(0.8 * at_ceiling, dora=True, twice=1.1 * 2 * 0.8 * at_ceiling) == pytest.approx(
+        1.1 * 2 * 0.8 * at_ceiling + weights + masks
+    )
+    assert floor(1.2 * at_ceiling, dora=True, twice=1.1 * 2 * 1.2 * at_ceiling) == pytest.approx(
+        1.1 * 2 * at_ceiling + weights + masks
+    )
+    assert floor(0.8 * at_ceiling, twice=2.0 * at_ceiling) == pytest.approx(0.8 * at_ceiling + masks)  # (not DoRA)
 
 
 def test_base_products_are_each_projections_forward_and_input_gradient() -> None:
