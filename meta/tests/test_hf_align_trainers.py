@@ -1,4 +1,4 @@
-"""fk.hf with TRL's DPOTrainer, GRPOTrainer and GKDTrainer: ``fk.hf.align_trainer``.
+"""fk.hf with TRL's DPOTrainer, KTOTrainer, GRPOTrainer and GKDTrainer: ``fk.hf.align_trainer``.
 
 Each test trains a tiny random-init llama (test_hf_patching.py's) for a few steps with the stock
 trainer and with ``fk.hf.align_trainer`` from the same seed, and compares every logged number
@@ -77,7 +77,8 @@ def _assert_same_logs(patched: Any, stock: Any) -> None:
 def spy(monkeypatch: Any) -> dict[str, int]:
     """Calls of each fk-align loss in grad mode (training steps)."""
     calls: dict[str, int] = {}
-    for name in ("fused_linear_dpo_loss", "fused_linear_grpo_loss", "fused_linear_distill_from_logits"):
+    for name in ("fused_linear_dpo_loss", "fused_linear_kto_loss", "fused_linear_grpo_loss",
+                 "fused_linear_distill_from_logits"):  # fmt: skip
         fused = getattr(fk.align, name)
 
         def wrapper(*args: Any, _fused: Any = fused, _name: str = name, **kwargs: Any) -> Any:
@@ -180,11 +181,81 @@ def test_dpo_unsupported_setting_falls_back_with_one_warning(device: str, tmp_pa
     assert trainer.__dict__["_fk_align"] is None and "_compute_loss" not in trainer.__dict__
     assert [r.getMessage() for r in caplog.records if "use_weighting=True" in r.getMessage()]
     assert any(fk.hf.patched_modules(trainer.model).values())
-    with pytest.raises(TypeError, match="DPOTrainer, GRPOTrainer or GKDTrainer"):
+    with pytest.raises(TypeError, match="DPOTrainer, KTOTrainer, GRPOTrainer or GKDTrainer"):
         fk.hf.align_trainer(transformers.Trainer(model=_model("llama", device), args=_config(
             transformers.TrainingArguments, tmp_path, device)))  # fmt: skip
     with pytest.raises(TypeError, match=r"unknown fk\.hf switch"):
         fk.hf.align_trainer(trainer, rms_nrom=False)
+
+
+# --- KTO ------------------------------------------------------------------------------------------
+
+
+def _kto_dataset() -> Any:
+    """Unpaired completions, five desirable and three not (a batch of 2 may hold one kind only)."""
+    import datasets
+
+    gen = torch.Generator().manual_seed(6)
+    rows: dict[str, list[Any]] = {"prompt": [], "completion": [], "label": []}
+    for i in range(8):
+        rows["prompt"].append(_words(gen, 2 + i % 3))
+        rows["completion"].append(" " + _words(gen, 2 + (i * 5) % 4))
+        rows["label"].append(i % 3 != 2)
+    return datasets.Dataset.from_dict(rows)
+
+
+def _train_kto(tmp_path: Path, device: str, fk_on: bool, peft_config: Any = None, **overrides: Any) -> Any:
+    args = _config(trl.KTOConfig, tmp_path / ("fk" if fk_on else "stock"), device, **overrides)
+    trainer = trl.KTOTrainer(
+        model=_model("llama", device), ref_model=None if peft_config else _perturbed(device), args=args,
+        train_dataset=_kto_dataset(), processing_class=_tokenizer(), peft_config=peft_config,
+    )  # fmt: skip
+    if fk_on:
+        assert fk.hf.align_trainer(trainer) is trainer
+    trainer.train()
+    return trainer
+
+
+KTO_OPTIONS = [
+    {"per_device_train_batch_size": 4},  # kto with its KL estimate (TRL needs batches of 3 or more for it)
+    {"loss_type": "apo_zero_unpaired", "desirable_weight": 1.5, "undesirable_weight": 0.7},  # no KL
+]
+
+
+@pytest.mark.parametrize("options", KTO_OPTIONS)
+def test_kto_trainer_matches_stock(options: dict[str, Any], device: str, tmp_path: Path, spy: dict[str, int]) -> None:
+    """``fk.hf.align_trainer(KTOTrainer(...))``: every step's loss comes from
+    ``fk.align.fused_linear_kto_loss`` on the patched model, and the logged loss and metrics (KL,
+    rewards, log-probs, entropy, mean logits, token count) are stock KTO's, with the KL estimate
+    and without (``apo_zero_unpaired``, weighted)."""
+    stock = _train_kto(tmp_path, device, False, **options)
+    assert not spy
+    patched = _train_kto(tmp_path, device, True, **options)
+    assert spy == {"fused_linear_kto_loss": STEPS}
+    assert patched.__dict__["_fk_align"] == "kto"
+    ref_counts = fk.hf.patched_modules(patched.ref_model)
+    assert ref_counts["rms_norm"] > 0 and ref_counts["flce"] == 0
+    logs = _logs(patched)
+    assert "entropy" in logs[0] and "kl" in logs[0]
+    assert any(e["kl"] != 0.0 for e in logs) == (options.get("loss_type", "kto") == "kto")
+    _assert_same_logs(patched, stock)
+
+
+def test_kto_trainer_with_peft_config(device: str, tmp_path: Path, spy: dict[str, int]) -> None:
+    """KTO of a LoRA adapter TRL adds from ``peft_config``, its reference the model with the adapter
+    off: fk.lora fuses the LoRA layers, fk-align computes the loss, and the logs are stock's."""
+    peft = pytest.importorskip("peft")
+    from test_hf_api import LORA_TARGETS
+
+    def lora() -> Any:
+        return peft.LoraConfig(r=4, lora_alpha=8, target_modules=LORA_TARGETS, init_lora_weights=False)
+
+    options = {"per_device_train_batch_size": 4}
+    stock = _train_kto(tmp_path, device, False, peft_config=lora(), **options)
+    patched = _train_kto(tmp_path, device, True, peft_config=lora(), **options)
+    assert isinstance(patched.model, peft.PeftModel) and fk.hf.patched_modules(patched.model)["lora"] > 0
+    assert spy == {"fused_linear_kto_loss": STEPS}
+    _assert_same_logs(patched, stock)
 
 
 # --- GRPO -----------------------------------------------------------------------------------------

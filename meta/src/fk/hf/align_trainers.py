@@ -1,7 +1,7 @@
-"""fk.hf with TRL's ``DPOTrainer``, ``GRPOTrainer`` and ``GKDTrainer``: :func:`align_trainer`.
+"""fk.hf with TRL's ``DPOTrainer``, ``KTOTrainer``, ``GRPOTrainer`` and ``GKDTrainer``: :func:`align_trainer`.
 
-``trainer = fk.hf.align_trainer(DPOTrainer(...))`` (or a ``GRPOTrainer``, a ``GKDTrainer``, or a
-subclass of one that keeps its loss method) patches the trainer's model with :func:`fk.hf.apply`,
+``trainer = fk.hf.align_trainer(DPOTrainer(...))`` (or a ``KTOTrainer``, a ``GRPOTrainer``, a
+``GKDTrainer``, or a subclass of one that keeps its loss method) patches the trainer's model with :func:`fk.hf.apply`,
 unless a :class:`fk.hf.FkCallback` already did, and makes the trainer compute its training loss
 with fk-align's loss on the fused LM head: the model's decoder gives the last hidden states, and
 the loss reads the LM head's weight (and bias) without the ``[tokens, vocab]`` logits.
@@ -9,14 +9,17 @@ the loss reads the LM head's weight (and bias) without the ``[tokens, vocab]`` l
 - ``DPOTrainer``: :func:`fk.align.fused_linear_dpo_loss` replaces ``_compute_loss``; the reference
   log-probabilities are TRL's (precomputed, or its ``compute_ref_log_probs`` on the reference
   model, or on the PEFT model with its adapter off).
+- ``KTOTrainer``: :func:`fk.align.fused_linear_kto_loss` replaces ``_compute_loss``; the log-
+  probabilities of the KL completions (the policy's, without gradient) and the reference's are
+  TRL's, as for DPO.
 - ``GRPOTrainer``: :func:`fk.align.fused_linear_grpo_loss` replaces ``_compute_loss``, on the
   batch TRL generated and scored (old and reference log-probabilities, advantages are TRL's).
 - ``GKDTrainer``: :func:`fk.align.fused_linear_distill_from_logits` replaces ``compute_loss``:
   the student's logits are never built; the teacher's are TRL's, as its ``compute_loss`` has them.
 
 The loss is TRL's, and so are the metrics logged beside it, under the same names and with the same
-reductions across processes. DPO's ``entropy``, ``logits/*`` and ``mean_token_accuracy`` need the
-head's full distribution, which the loss does not keep: a pass over the scored tokens without
+reductions across processes. DPO's and KTO's ``entropy`` and ``logits/*`` (and DPO's
+``mean_token_accuracy``) need the head's full distribution, which the loss does not keep: a pass over the scored tokens without
 gradient computes them (2 N H V FLOPs more; chunks of at most 256 MiB of fp32 logits).
 
 A setting fk-align does not compute (see :func:`unsupported_settings`) leaves that trainer's loss
@@ -55,7 +58,7 @@ log = logging.getLogger("fk.hf")
 HEAD_KWARG = "fk_head"
 """The keyword of the model's ``forward`` that takes fk's loss: ``fn(hidden_states, weight, bias)``."""
 
-STATE = "_fk_align"  # the trainer's __dict__ key: which loss fk computes ("dpo", "grpo", "gkd"), or None
+STATE = "_fk_align"  # the trainer's __dict__ key: which loss fk computes ("dpo", "kto", "grpo", "gkd"), or None
 _HEAD_MARK = "_fk_align_head"  # the model's __dict__ key: the forward takes HEAD_KWARG
 _WARNED = "_fk_align_warned"
 
@@ -64,6 +67,8 @@ _HEAD_EXTRAS = ("final_logit_softcapping", "logit_scale", "output_multiplier", "
 
 # Inputs beyond the token ids and masks (vision-language models): that batch takes TRL's path.
 _DPO_MODEL_INPUTS = ("input_ids", "attention_mask")
+_KTO_BATCH = ("input_ids", "attention_mask", "completion_mask", "KL_input_ids", "KL_attention_mask",
+              "KL_completion_mask", "label", "ref_logps", "ref_KL_logps")  # fmt: skip
 _GRPO_MULTIMODAL = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes",
                     "num_tiles", "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")  # fmt: skip
 
@@ -86,6 +91,7 @@ def _trainer_classes() -> dict[str, tuple[type, str]]:
     if gkd is not None:
         classes["gkd"] = (gkd.GKDTrainer, "compute_loss")
     classes["dpo"] = (trl.DPOTrainer, "_compute_loss")
+    classes["kto"] = (trl.KTOTrainer, "_compute_loss")
     classes["grpo"] = (trl.GRPOTrainer, "_compute_loss")
     return classes
 
@@ -135,6 +141,9 @@ def unsupported_settings(trainer: Any, kind: str, method: str) -> list[str]:
         if trainer.use_weighting:
             found.append("use_weighting=True")
         found += [f"loss_type={t!r}" for t in trainer.loss_types if t not in align.DPO_LOSS_TYPES]
+    elif kind == "kto":
+        if trainer.loss_type not in align.KTO_LOSS_TYPES:
+            found.append(f"loss_type={trainer.loss_type!r}")
     elif kind == "grpo":
         if trainer.loss_type not in align.GRPO_LOSS_TYPES:
             found.append(f"loss_type={trainer.loss_type!r}")
@@ -302,7 +311,75 @@ def dpo_compute_loss(self: Any, model: Any, inputs: dict[str, Any], return_outpu
     return out.loss
 
 
-# --- 4. GRPO --------------------------------------------------------------------------------------
+# --- 4. KTO ---------------------------------------------------------------------------------------
+
+
+def kto_compute_loss(self: Any, model: Any, inputs: dict[str, Any], return_outputs: bool) -> Any:
+    """``KTOTrainer._compute_loss`` on :func:`fk.align.fused_linear_kto_loss`. The KL estimate is
+    TRL's: its policy's log-probabilities of the mismatched KL completions (without gradient,
+    ``_compute_kl_logps``) against the reference's, averaged over the processes and clamped at 0;
+    the reference's log-probabilities are TRL's (precomputed, or its ``compute_ref_log_probs``)."""
+    extra = sorted(k for k in inputs if k not in _KTO_BATCH)
+    if return_outputs or extra:
+        _warn_once(self, "return_outputs=True" if return_outputs else f"inputs {', '.join(extra)}")
+        return _stock(self, "_compute_loss")(model, inputs, return_outputs)
+    mode = "train" if self.model.training else "eval"
+    batch = {k: v.to(self.accelerator.device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+    kl_logps = self._compute_kl_logps(model, batch)
+    if self.precompute_ref_logps:
+        ref_logps, ref_kl_logps = batch["ref_logps"], batch.get("ref_KL_logps")
+    else:
+        ref_logps, ref_kl_logps = self.compute_ref_log_probs(self.ref_model if self.ref_model is not None else model,
+                                                             batch)  # fmt: skip
+    kl = torch.zeros(1, device=self.accelerator.device)
+    kl_pair: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)  # (fk-align's KL estimate: none)
+    if self.calculate_KL:
+        kl = self.accelerator.gather_for_metrics((kl_logps - ref_kl_logps).mean().detach()).mean().clamp(min=0)
+        kl_pair = (kl.reshape(1), torch.zeros_like(kl).reshape(1))  # (fk-align's estimate from these is kl)
+    completion_mask = batch["completion_mask"]
+    labels = batch["input_ids"].masked_fill(completion_mask == 0, -100)
+    desirable = torch.as_tensor(batch["label"], dtype=torch.bool, device=labels.device)
+    seq = labels.shape[1]
+
+    def loss_fn(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> Any:
+        hidden = hidden[:, -seq:]  # (prompt-learning PEFT puts virtual tokens first)
+        out = align.fused_linear_kto_loss(
+            hidden, weight, labels, desirable, bias=bias, ref_logps=ref_logps, kl_logps=kl_pair[0],
+            ref_kl_logps=kl_pair[1], beta=self.beta, loss_type=self.loss_type,
+            desirable_weight=self.desirable_weight, undesirable_weight=self.undesirable_weight, shift=True,
+        )  # fmt: skip
+        stats = head_statistics(hidden[:, :-1].detach(), weight.detach(),
+                                None if bias is None else bias.detach(), labels[:, 1:])  # fmt: skip
+        return out, stats
+
+    model_kwargs = {k: batch[k] for k in _DPO_MODEL_INPUTS}
+    out, (entropy, mean_logits, _) = model(**model_kwargs, **{HEAD_KWARG: loss_fn})
+
+    metrics = self._metrics[mode]
+    metrics["kl"].append(kl.item())
+    mask = completion_mask[:, 1:].bool()
+    metrics["entropy"].append(_ratio(self, (entropy * mask).sum(), mask.sum()))
+    if mode == "train":
+        tokens = self.accelerator.gather_for_metrics(batch["attention_mask"].sum()).sum().item()
+        self._total_train_tokens += tokens // self._tp_size
+    metrics["num_tokens"] = [self._total_train_tokens]
+    gather = self.accelerator.gather_for_metrics
+    kinds = (("chosen", desirable), ("rejected", ~desirable))
+    for name, rows in kinds:  # (TRL logs nothing for a kind without tokens, or without sequences)
+        count = gather(mask[rows].sum()).sum().item()
+        if count > 0:
+            metrics[f"logits/{name}"].append(gather(mean_logits[rows][mask[rows]].sum()).sum().item() / count)
+    sequences = {name: gather(rows.sum()).sum().item() for name, rows in kinds}
+    for name, rows in kinds:
+        if sequences[name] > 0:
+            for metric, values in (("rewards", out.rewards), ("logps", out.logps)):
+                metrics[f"{metric}/{name}"].append(gather(values[rows].nansum()).nansum().item() / sequences[name])
+    if sequences["chosen"] > 0 and sequences["rejected"] > 0:
+        metrics["rewards/margins"].append(metrics["rewards/chosen"][-1] - metrics["rewards/rejected"][-1])
+    return out.loss
+
+
+# --- 5. GRPO --------------------------------------------------------------------------------------
 
 
 def grpo_compute_loss(self: Any, model: Any, inputs: dict[str, Any]) -> torch.Tensor:
@@ -373,7 +450,7 @@ def grpo_compute_loss(self: Any, model: Any, inputs: dict[str, Any]) -> torch.Te
     return out.loss
 
 
-# --- 5. GKD ---------------------------------------------------------------------------------------
+# --- 6. GKD ---------------------------------------------------------------------------------------
 
 
 def gkd_compute_loss(
@@ -401,15 +478,16 @@ def gkd_compute_loss(
     return model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], **{HEAD_KWARG: loss_fn})
 
 
-_LOSSES: dict[str, Callable[..., Any]] = {"dpo": dpo_compute_loss, "grpo": grpo_compute_loss, "gkd": gkd_compute_loss}
+_LOSSES: dict[str, Callable[..., Any]] = {"dpo": dpo_compute_loss, "kto": kto_compute_loss, "grpo": grpo_compute_loss,
+                                           "gkd": gkd_compute_loss}  # fmt: skip
 
 
-# --- 6. The switch --------------------------------------------------------------------------------
+# --- 7. The switch --------------------------------------------------------------------------------
 
 
 FROZEN_MODELS = ("ref_model", "teacher_model")
-"""The trainer attributes of the models that run without gradient every step (DPO's and GRPO's
-reference, GKD's teacher): :func:`align_trainer` patches their blocks too (not their heads: TRL
+"""The trainer attributes of the models that run without gradient every step (DPO's, KTO's and
+GRPO's reference, GKD's teacher): :func:`align_trainer` patches their blocks too (not their heads: TRL
 computes their log-probabilities or logits with its own head code, over the patched decoder)."""
 
 
@@ -421,7 +499,7 @@ def align_trainer(trainer: Any, switches: dict[str, bool]) -> Any:
     found = trainer_kind(trainer)
     if found is None:
         raise TypeError(
-            f"trainer must be a TRL DPOTrainer, GRPOTrainer or GKDTrainer (or a subclass), got "
+            f"trainer must be a TRL DPOTrainer, KTOTrainer, GRPOTrainer or GKDTrainer (or a subclass), got "
             f"{type(trainer).__name__}; the transformers Trainer and SFTTrainer take fk.hf.FkCallback()"
         )
     kind, method = found
