@@ -217,7 +217,7 @@ def _train_kto(tmp_path: Path, device: str, fk_on: bool, peft_config: Any = None
 
 
 KTO_OPTIONS = [
-    {"per_device_train_batch_size": 4},  # kto with its KL estimate (TRL needs batches of 3 or more for it)
+    {"per_device_train_batch_size": 4},  # kto with its KL estimate (TRL's needs batches of 2 or more)
     {"loss_type": "apo_zero_unpaired", "desirable_weight": 1.5, "undesirable_weight": 0.7},  # no KL
 ]
 

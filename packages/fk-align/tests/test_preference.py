@@ -21,12 +21,14 @@ from fk.align import (
     fused_linear_kto_loss,
     fused_linear_logprobs_ref,
     fused_linear_orpo_loss,
+    token_statistics,
 )
 from fk.align.budget import HEAD_DTYPE_SUM_CHUNKS, sums_in_fp32
 from fk.align.preference import SINGLE_PASS_DPO_TYPES, LossSpec, PreferenceOutput, sequence_grads, sequence_loss
 from fk.core import testing
 from fk.core.testing import DTYPES, dtype_name
 from fk.flce import chunks
+from fk.flce.linear_cross_entropy import shift_labels
 
 P, T, H, V = 2, 7, 16, 1003  # 2 pairs of 7 tokens: 28 tokens, an odd count per sequence
 SMALL_CHUNKS = 8 * V * 4  # several chunks of 8 fp32 tokens: no pair (14 tokens) fits, two passes
@@ -312,6 +314,45 @@ def test_single_pass_is_taken_where_each_pair_has_its_own_gradient(
     phase[0] = "backward"
     out.loss.backward()
     assert (calls.count("forward"), calls.count("backward")) == (forward, backward)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_name)
+@pytest.mark.parametrize("budget", [SMALL_CHUNKS, ONE_PAIR, 1 << 30], ids=["two_passes", "one_pass", "one_chunk"])
+@pytest.mark.parametrize("loss", ["dpo", "kto"])
+def test_token_stats_equal_the_full_logits(device: str, dtype: torch.dtype, budget: int, loss: str) -> None:
+    """``return_token_stats``: each position's entropy, mean logit and top-1 against its label after
+    the shift, from the single pass's own logits (a pair a chunk, or one chunk) or from one more
+    pass where no pair fits, equal :func:`fk.align.token_statistics` on the full logits (made in
+    the same dtype), 0 and False where not scored; the loss and its gradients are those without
+    asking. In bf16 a logit can round to a tie with the label's: top-1 may differ there alone."""
+    h, w, b, labels = _batch(device, dtype, seed=41, bias=True)
+    with torch.no_grad():  # every other label the argmax of its position's logits: top-1 is often true
+        top = torch.nn.functional.linear(h, w, b).argmax(-1)
+        labels[:, 1::2] = torch.where(labels[:, 1::2] == -100, -100, top[:, 0::2][:, : labels[:, 1::2].shape[1]])
+    desirable = torch.tensor([True, False, True, True], device=device)
+
+    def run(stats: bool) -> Any:
+        kw = {"bias": b, "shift": True, "memory_budget": budget, "return_token_stats": stats}
+        if loss == "dpo":
+            return fused_linear_dpo_loss(h, w, labels, **kw)
+        return fused_linear_kto_loss(h, w, labels, desirable, **kw)
+
+    plain, out = run(False), run(True)
+    assert plain.token_stats is None and out.token_stats is not None
+    torch.testing.assert_close(out.loss, plain.loss, rtol=0, atol=0)
+    got_grads = torch.autograd.grad(out.loss, [h, w, b])
+    for got, want in zip(got_grads, torch.autograd.grad(plain.loss, [h, w, b]), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    scored = shift_labels(labels, -100)
+    want = token_statistics(h.detach(), w.detach(), scored, bias=b.detach())
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    torch.testing.assert_close(out.token_stats.entropy, want.entropy, **tol)
+    torch.testing.assert_close(out.token_stats.mean_logit, want.mean_logit, **tol)
+    assert out.token_stats.entropy.shape == labels.shape and bool((out.token_stats.entropy[scored == -100] == 0).all())
+    assert int(want.top1.sum()) >= 4
+    mismatched = int((out.token_stats.top1 != want.top1).sum())
+    assert mismatched == 0 if dtype == torch.float32 else mismatched <= 1
+    assert not bool(out.token_stats.top1[scored == -100].any())
 
 
 # --- The formulas against TRL's code --------------------------------------------------------------

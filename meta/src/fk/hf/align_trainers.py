@@ -19,8 +19,8 @@ the loss reads the LM head's weight (and bias) without the ``[tokens, vocab]`` l
 
 The loss is TRL's, and so are the metrics logged beside it, under the same names and with the same
 reductions across processes. DPO's and KTO's ``entropy`` and ``logits/*`` (and DPO's
-``mean_token_accuracy``) need the head's full distribution, which the loss does not keep: a pass over the scored tokens without
-gradient computes them (2 N H V FLOPs more; chunks of at most 256 MiB of fp32 logits).
+``mean_token_accuracy``) read the head's full distribution at each scored token: the loss gives them
+from its own pass over the logits (``return_token_stats``).
 
 A setting fk-align does not compute (see :func:`unsupported_settings`) leaves that trainer's loss
 stock, with one warning naming the setting: a training run does not fail on the switch. Inputs
@@ -48,7 +48,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 import fk.align as align
 from fk.hf.sharding_hooks import plain_linear, run_as_forward
@@ -71,8 +70,6 @@ _KTO_BATCH = ("input_ids", "attention_mask", "completion_mask", "KL_input_ids", 
               "KL_completion_mask", "label", "ref_logps", "ref_KL_logps")  # fmt: skip
 _GRPO_MULTIMODAL = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes",
                     "num_tiles", "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")  # fmt: skip
-
-_STATS_BUDGET = 256 << 20  # bytes of fp32 logits per chunk of DPO's metrics pass
 
 
 # --- 1. Which trainer, and what it asks for -------------------------------------------------------
@@ -223,33 +220,6 @@ def install_head(model: Any) -> None:
 # --- 3. DPO ---------------------------------------------------------------------------------------
 
 
-@torch.no_grad()
-def head_statistics(
-    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(entropy, mean logit, label is the top-1) per token of ``labels`` ``(B, T)`` (0 or False
-    where a label is -100), from the logits ``hidden @ weight.T + bias`` of the scored tokens,
-    in chunks: the per-token values TRL's fused head gives DPO's metrics."""
-    mask = labels != -100
-    rows, targets = hidden[mask], labels[mask]
-    n = rows.shape[0]
-    entropy = torch.zeros(n, dtype=torch.float32, device=hidden.device)
-    mean = torch.zeros_like(entropy)
-    top1 = torch.zeros(n, dtype=torch.bool, device=hidden.device)
-    chunk = max(1, _STATS_BUDGET // (4 * weight.shape[0]))
-    for start in range(0, n, chunk):
-        end = min(start + chunk, n)
-        logits = F.linear(rows[start:end], weight, bias).float()
-        logp = torch.log_softmax(logits, dim=-1)
-        entropy[start:end] = -(logp.exp() * logp).sum(-1)
-        mean[start:end] = logits.mean(-1)
-        top1[start:end] = logits.argmax(-1) == targets[start:end]
-    out_e = torch.zeros(mask.shape, dtype=torch.float32, device=hidden.device).masked_scatter(mask, entropy)
-    out_m = torch.zeros_like(out_e).masked_scatter(mask, mean)
-    out_t = torch.zeros(mask.shape, dtype=torch.bool, device=hidden.device).masked_scatter(mask, top1)
-    return out_e, out_m, out_t
-
-
 def _ratio(trainer: Any, total: torch.Tensor, count: torch.Tensor) -> float:
     """sum(total) / sum(count) over the processes (``gather_for_metrics``), 0 without a count."""
     gather = trainer.accelerator.gather_for_metrics
@@ -276,17 +246,16 @@ def dpo_compute_loss(self: Any, model: Any, inputs: dict[str, Any], return_outpu
 
     def loss_fn(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> Any:
         hidden = hidden[:, -seq:]  # (prompt-learning PEFT puts virtual tokens first)
-        out = align.fused_linear_dpo_loss(
+        return align.fused_linear_dpo_loss(
             hidden, weight, labels, bias=bias, ref_chosen_logps=ref_chosen, ref_rejected_logps=ref_rejected,
             beta=self.beta, loss_type=list(self.loss_types), loss_weights=list(self.loss_weights),
             label_smoothing=self.label_smoothing, discopop_tau=self.args.discopop_tau, shift=True,
+            return_token_stats=True,
         )  # fmt: skip
-        stats = head_statistics(hidden[:, :-1].detach(), weight.detach(),
-                                None if bias is None else bias.detach(), labels[:, 1:])  # fmt: skip
-        return out, stats
 
     model_kwargs = {k: inputs[k] for k in _DPO_MODEL_INPUTS if k in inputs}
-    out, (entropy, mean_logits, top1) = model(**model_kwargs, **{HEAD_KWARG: loss_fn})
+    out = model(**model_kwargs, **{HEAD_KWARG: loss_fn})
+    entropy, mean_logits, top1 = (values[:, :-1] for values in out.token_stats)  # (the labels' positions 1...)
 
     metrics = self._metrics[mode]
     mask = completion_mask[:, 1:].bool()
@@ -343,17 +312,16 @@ def kto_compute_loss(self: Any, model: Any, inputs: dict[str, Any], return_outpu
 
     def loss_fn(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> Any:
         hidden = hidden[:, -seq:]  # (prompt-learning PEFT puts virtual tokens first)
-        out = align.fused_linear_kto_loss(
+        return align.fused_linear_kto_loss(
             hidden, weight, labels, desirable, bias=bias, ref_logps=ref_logps, kl_logps=kl_pair[0],
             ref_kl_logps=kl_pair[1], beta=self.beta, loss_type=self.loss_type,
             desirable_weight=self.desirable_weight, undesirable_weight=self.undesirable_weight, shift=True,
+            return_token_stats=True,
         )  # fmt: skip
-        stats = head_statistics(hidden[:, :-1].detach(), weight.detach(),
-                                None if bias is None else bias.detach(), labels[:, 1:])  # fmt: skip
-        return out, stats
 
     model_kwargs = {k: batch[k] for k in _DPO_MODEL_INPUTS}
-    out, (entropy, mean_logits, _) = model(**model_kwargs, **{HEAD_KWARG: loss_fn})
+    out = model(**model_kwargs, **{HEAD_KWARG: loss_fn})
+    entropy, mean_logits = (values[:, :-1] for values in out.token_stats[:2])  # (the labels' positions 1...)
 
     metrics = self._metrics[mode]
     metrics["kl"].append(kl.item())

@@ -1,7 +1,9 @@
 """fk.align: preference, RL and distillation losses on the fused LM head, without the ``[tokens, vocab]`` logits.
 
 - :func:`fused_linear_logprobs` (and ``_ref``): per-token log-probabilities (and entropies) of
-  ``hidden @ weight.T + bias`` at a temperature, the building block of every loss here.
+  ``hidden @ weight.T + bias`` at a temperature, the building block of every loss here;
+  :func:`token_statistics` the per-token entropy, mean logit and top-1 that TRL's metrics read
+  (:class:`TokenStats`; DPO and KTO give them from their own pass with ``return_token_stats``).
 - :func:`fused_linear_dpo_loss`, :func:`fused_linear_cpo_loss` (SimPO, AlphaPO),
   :func:`fused_linear_orpo_loss`: paired preference losses as TRL computes them, with TRL's
   metrics (:class:`PreferenceOutput`); :func:`fused_linear_kto_loss` (:class:`KTOOutput`) for
@@ -26,7 +28,13 @@ from fk.align.distill import (
 )
 from fk.align.grpo import LOSS_TYPES as GRPO_LOSS_TYPES
 from fk.align.grpo import GRPOOutput, fused_linear_grpo_loss
-from fk.align.logprobs import LogProbsOutput, fused_linear_logprobs, fused_linear_logprobs_ref
+from fk.align.logprobs import (
+    LogProbsOutput,
+    TokenStats,
+    fused_linear_logprobs,
+    fused_linear_logprobs_ref,
+    token_statistics,
+)
 from fk.align.preference import (
     CPO_LOSS_TYPES,
     DPO_LOSS_TYPES,
@@ -56,6 +64,7 @@ __all__ = [
     "LogProbsOutput",
     "PreferenceOutput",
     "SequenceLogps",
+    "TokenStats",
     "cpo_pair_losses",
     "distill_loss_ref",
     "dpo_pair_losses",
@@ -72,4 +81,5 @@ __all__ = [
     "kto_sequence_losses",
     "orpo_pair_losses",
     "sequence_logps",
+    "token_statistics",
 ]

@@ -93,6 +93,61 @@ def fused_linear_logprobs_ref(
     return LogProbsOutput(logps, entropy)
 
 
+class TokenStats(NamedTuple):
+    """Per-token statistics of the head's distribution that TRL's metrics read (DPO's and KTO's
+    ``entropy``, ``logits/*`` and ``mean_token_accuracy``), shaped like the labels, at each position
+    scored against its label (after the shift, where there is one); 0 (False) where not scored."""
+
+    entropy: torch.Tensor  # fp32: -sum_v p log p
+    mean_logit: torch.Tensor  # fp32: the mean of the position's logits over the vocabulary
+    top1: torch.Tensor  # bool: the label is the logits' argmax
+
+
+@torch.no_grad()
+def token_statistics(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    memory_budget: int = DEFAULT_MEMORY_BUDGET,
+) -> TokenStats:
+    """:class:`TokenStats` of the scored tokens (``target`` not ``ignore_index``; no shift here),
+    from their logits ``hidden @ weight.T + bias`` made in the dtype of ``hidden`` and upcast to
+    fp32, in chunks of ``memory_budget`` bytes of fp32 logits; without gradient. The reference of
+    what the one-pass preference losses compute beside their loss (``return_token_stats``), and
+    their path where that pass does not run."""
+    scored = target != ignore_index
+    rows, labels = hidden[scored], target[scored]
+    entropy = torch.zeros(rows.shape[0], dtype=torch.float32, device=hidden.device)
+    mean = torch.zeros_like(entropy)
+    top1 = torch.zeros(rows.shape[0], dtype=torch.bool, device=hidden.device)
+    chunk = max(1, memory_budget // (4 * weight.shape[0]))
+    for start in range(0, rows.shape[0], chunk):
+        end = min(start + chunk, rows.shape[0])
+        logits = F.linear(rows[start:end], weight, bias).float()
+        logp = torch.log_softmax(logits, dim=-1)
+        entropy[start:end] = -(logp.exp() * logp).sum(-1)
+        mean[start:end] = logits.mean(-1)
+        top1[start:end] = logits.argmax(-1) == labels[start:end]
+    placed = torch.zeros(target.shape, dtype=torch.float32, device=hidden.device)
+    return TokenStats(placed.masked_scatter(scored, entropy), torch.zeros_like(placed).masked_scatter(scored, mean),
+                      torch.zeros(target.shape, dtype=torch.bool, device=hidden.device).masked_scatter(scored, top1))  # fmt: skip
+
+
+def chunk_token_stats(
+    logits: torch.Tensor, target: torch.Tensor, ignore_index: int, entropy: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:class:`TokenStats`' values of one chunk's rows from its ``logits`` (before anything
+    overwrites them) and ``entropy``, which pass 1 of the kernel wrote (:func:`launch_token_logprobs`
+    with ``entropy``): the mean logit (an fp32 sum, no fp32 copy of the chunk) and whether the
+    label is the argmax, 0 (False) at ignored rows."""
+    scored = target != ignore_index
+    mean = torch.where(scored, logits.sum(-1, dtype=torch.float32) / logits.shape[1], 0.0)
+    return entropy, mean, (logits.argmax(-1) == target) & scored
+
+
 # --- 2. Kernel ------------------------------------------------------------------------------------
 #
 # Backward, per token t (not ignored) with upstream gradients g = d L / d logp_t and e = d L / d H_t,

@@ -49,13 +49,20 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from fk.align.budget import ALIGN_MEMORY_BUDGET, sums_in_fp32
-from fk.align.logprobs import fused_linear_logprobs, fused_linear_logprobs_ref, launch_token_logprobs
+from fk.align.logprobs import (
+    TokenStats,
+    chunk_token_stats,
+    fused_linear_logprobs,
+    fused_linear_logprobs_ref,
+    launch_token_logprobs,
+    token_statistics,
+)
 from fk.core import validate
 from fk.core.backend import uses_kernel
 from fk.core.launch import cdiv
@@ -64,6 +71,7 @@ from fk.flce.chunks import (
     DEFAULT_MEMORY_BUDGET,
     chunk_tokens_for,
     define_stored_grads_op,
+    empty_output,
     gathered_head_grads,
     head_grad_fakes,
 )
@@ -92,6 +100,7 @@ class PreferenceOutput(NamedTuple):
     nll_loss: torch.Tensor | None = None  # CPO and ORPO: the chosen sequences' mean NLL per token
     log_odds_ratio: torch.Tensor | None = None  # ORPO: mean of logsigmoid(log_odds)
     log_odds_chosen: torch.Tensor | None = None  # ORPO: mean of log_odds
+    token_stats: TokenStats | None = None  # DPO with return_token_stats: each position's (shifted) statistics
 
 
 class SequenceLogps(NamedTuple):
@@ -164,7 +173,7 @@ def _metrics(
     rejected_logps: torch.Tensor,
     chosen_rewards: torch.Tensor,
     rejected_rewards: torch.Tensor,
-    **extras: torch.Tensor | None,
+    **extras: Any,
 ) -> PreferenceOutput:
     chosen_rewards, rejected_rewards = chosen_rewards.detach(), rejected_rewards.detach()
     return PreferenceOutput(loss, chosen_logps.detach(), rejected_logps.detach(), chosen_rewards, rejected_rewards,
@@ -265,6 +274,7 @@ def fused_linear_dpo_loss(
     reference: bool = False,
     accum_dtype: torch.dtype | None = None,
     memory_budget: int = ALIGN_MEMORY_BUDGET,
+    return_token_stats: bool = False,
 ) -> PreferenceOutput:
     """DPO on the fused head, as TRL 1.16's ``DPOTrainer`` computes it.
 
@@ -282,6 +292,11 @@ def fused_linear_dpo_loss(
         loss_type: one of :data:`DPO_LOSS_TYPES`, or a list of them, summed with ``loss_weights``
             (default all 1), as TRL combines several.
         reference: run the fp32 full-logit reference instead (the tests' definition).
+        return_token_stats: also each position's entropy, mean logit and whether its label is the
+            top-1 (:class:`~fk.align.logprobs.TokenStats`, ``(2 P, T)``, without gradient; what
+            TRL's ``entropy``, ``logits/*`` and ``mean_token_accuracy`` read): in the single pass
+            from its own logits (two more reads of each chunk's), else one more pass over the head
+            (:func:`~fk.align.logprobs.token_statistics`, 2 N H V FLOPs).
 
     Returns a :class:`PreferenceOutput`: ``loss`` is the mean over pairs (weighted sum over loss
     types); rewards are ``beta * (logps - ref_logps)`` of the sequence sums.
@@ -308,10 +323,11 @@ def fused_linear_dpo_loss(
         ref = torch.cat([ref_chosen_logps, ref_rejected_logps]).to(compute)
     spec = LossSpec("dpo", tuple(types), tuple(weights), beta, label_smoothing, discopop_tau)
     out = loss_on_head(spec, hidden, weight, target, bias, ref, None, None, ignore_index, shift, reference, accum_dtype,
-                       memory_budget)  # fmt: skip
+                       memory_budget, return_token_stats)  # fmt: skip
     chosen, rejected = _pairs(out.sums, "hidden")
     ref_chosen, ref_rejected = _pairs(torch.zeros_like(out.sums) if ref is None else ref.to(out.sums.dtype), "ref")
-    return _metrics(out.loss, chosen, rejected, beta * (chosen - ref_chosen), beta * (rejected - ref_rejected))
+    return _metrics(out.loss, chosen, rejected, beta * (chosen - ref_chosen), beta * (rejected - ref_rejected),
+                    token_stats=out.token_stats)  # fmt: skip
 
 
 # --- 3. CPO and SimPO -----------------------------------------------------------------------------
@@ -457,6 +473,7 @@ class KTOOutput(NamedTuple):
     logps: torch.Tensor
     rewards: torch.Tensor
     metrics: dict[str, torch.Tensor]
+    token_stats: TokenStats | None = None  # with return_token_stats
 
 
 def kto_sequence_losses(
@@ -504,12 +521,13 @@ def fused_linear_kto_loss(
     reference: bool = False,
     accum_dtype: torch.dtype | None = None,
     memory_budget: int = ALIGN_MEMORY_BUDGET,
+    return_token_stats: bool = False,
 ) -> KTOOutput:
     """KTO on the fused head, as TRL 1.16's ``KTOTrainer`` (unpaired: one label per sequence).
 
     Args:
-        hidden, weight, target, bias, ignore_index, shift, reference, accum_dtype, memory_budget:
-            as in :func:`fused_linear_dpo_loss`, for ``B`` sequences in any order.
+        hidden, weight, target, bias, ignore_index, shift, reference, accum_dtype, memory_budget,
+            return_token_stats: as in :func:`fused_linear_dpo_loss`, for ``B`` sequences in any order.
         desirable: ``(B,)`` bool, TRL's ``label`` (True: desirable).
         ref_logps: ``(B,)`` the reference model's sequence log-probabilities (None: 0).
         kl_logps, ref_kl_logps: the policy's and the reference's sequence log-probabilities of
@@ -549,7 +567,7 @@ def fused_linear_kto_loss(
     spec = LossSpec("kto", (loss_type,), (1.0,), beta, desirable_weight=float(desirable_weight),
                     undesirable_weight=float(undesirable_weight))  # fmt: skip
     out = loss_on_head(spec, hidden, weight, target, bias, ref, desirable, kl, ignore_index, shift, reference,
-                       accum_dtype, memory_budget)  # fmt: skip
+                       accum_dtype, memory_budget, return_token_stats)  # fmt: skip
     logps = out.sums.detach()
     rewards = beta * (logps - ref.to(logps.dtype))
     n_chosen = desirable.sum()
@@ -562,7 +580,7 @@ def fused_linear_kto_loss(
         "logps/rejected": torch.where(desirable, 0, logps.detach()).sum() / n_rejected,
     }
     metrics["rewards/margins"] = metrics["rewards/chosen"] - metrics["rewards/rejected"]
-    return KTOOutput(out.loss, logps, rewards, metrics)
+    return KTOOutput(out.loss, logps, rewards, metrics, out.token_stats)
 
 
 # --- 6. The loss on the head, in one pass where each pair's loss is its own -----------------------
@@ -817,8 +835,9 @@ def sequence_chunks(n_seqs: int, per_chunk: int, paired: bool) -> list[tuple[sli
     return out
 
 
-# (loss, sums, dh, dw, db, dlogits): torch.library needs the arity spelled out.
-Outputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+# (loss, sums, dh, dw, db, dlogits, entropy, mean logit, top-1): torch.library needs the arity spelled out.
+Outputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                torch.Tensor, torch.Tensor]  # fmt: skip
 
 
 def _preference_fwd(
@@ -846,13 +865,16 @@ def _preference_fwd(
     compute_dh: bool,
     compute_dw: bool,
     compute_db: bool,
+    want_stats: bool,
 ) -> Outputs:
     """Forward launcher on flat tokens (``hidden`` ``(B T, H)``, ``target`` ``(B, T)``, ``ref``
     ``(B,)`` fp32; ``types``: :class:`LossSpec`'s, joined by commas): the loss with its gradients for an upstream gradient of 1, as
     :func:`fk.flce.chunks.head_grads` returns them, and each sequence's log-probability sum.
     Each chunk's logits give its tokens' log-probabilities (pass 1 of :mod:`fk.align.logprobs`'
     kernel), their sums per sequence, :func:`sequence_grads` on those, and ``dz`` over the logits
-    (pass 2), then ``dh`` and the chunk's ``dW`` share."""
+    (pass 2), then ``dh`` and the chunk's ``dW`` share. With ``want_stats``, also each token's
+    :class:`~fk.align.logprobs.TokenStats` values, flat: the entropy from pass 1, the mean logit and
+    the top-1 from the chunk's logits before pass 2 overwrites them (else three empty outputs)."""
     spec = LossSpec(family, tuple(types.split(",")), tuple(type_weights), beta, label_smoothing, discopop_tau, simpo_gamma,
                     cpo_alpha, alpha, desirable_weight, undesirable_weight)  # fmt: skip
     n_seqs, seq_len = target.shape
@@ -860,13 +882,26 @@ def _preference_fwd(
     chosen_total = counts[: n_seqs // 2].sum() if spec.paired else counts.sum()
     sums = torch.empty(n_seqs, dtype=torch.float32, device=hidden.device)
     flat_target = target.reshape(-1)
+    stats = [empty_output(hidden, dtype) for dtype in (torch.float32, torch.float32, torch.bool)]
+    if want_stats:
+        stats = [flat_target.new_zeros(flat_target.shape, dtype=dtype) for dtype in (torch.float32, torch.float32,
+                                                                                     torch.bool)]  # fmt: skip
     chunks = sequence_chunks(n_seqs, seqs_per_chunk // 2 if spec.paired else seqs_per_chunk, spec.paired)
 
     def chunk_loss(logits: torch.Tensor, parts: tuple[slice, ...], want_grad: bool) -> None:
         seqs = [slice(part.start // seq_len, part.stop // seq_len) for part in parts]
         tgt = flat_target[parts[0]] if len(parts) == 1 else torch.cat([flat_target[part] for part in parts])
         lse, logp = row_values(logits), row_values(logits)
-        launch_token_logprobs(logits, tgt, ignore_index, 1.0, lse=lse, logp=logp)
+        entropy = row_values(logits) if want_stats else None
+        launch_token_logprobs(logits, tgt, ignore_index, 1.0, lse=lse, logp=logp, entropy=entropy)
+        if entropy is not None:  # (before pass 2 writes dz over the logits)
+            values = chunk_token_stats(logits, tgt, ignore_index, entropy)
+            offset = 0
+            for part in parts:
+                size = part.stop - part.start
+                for out, value in zip(stats, values, strict=True):
+                    out[part] = value[offset : offset + size]
+                offset += size
         chunk_sums = logp.view(-1, seq_len).sum(-1)
         offset = 0
         for rows in seqs:
@@ -885,7 +920,9 @@ def _preference_fwd(
     grads = gathered_head_grads(hidden, weight, bias, token_chunks, chunk_loss, accum_fp32, compute_dh, compute_dw,
                                 compute_db)  # fmt: skip
     loss = sequence_loss(spec, sums, counts, ref, desirable, kl)
-    return (loss, sums, *grads)
+    dh, dw, db, dlogits = grads
+    entropy, mean_logit, top1 = stats
+    return loss, sums, dh, dw, db, dlogits, entropy, mean_logit, top1
 
 
 def _preference_fwd_fake(
@@ -899,13 +936,27 @@ def _preference_fwd_fake(
     compute_dh: bool,
     compute_dw: bool,
     compute_db: bool,
+    want_stats: bool,
 ) -> Outputs:
     n_seqs = target.shape[0]
     one_chunk = len(sequence_chunks(n_seqs, seqs_per_chunk // 2 if family != "kto" else seqs_per_chunk,
                                     family != "kto")) == 1  # fmt: skip
     sums = hidden.new_empty(n_seqs, dtype=torch.float32)
-    return (sums.new_empty(()), sums, *head_grad_fakes(hidden, weight, bias, hidden.shape[0] if one_chunk else 0,
-                                                       accum_fp32, compute_dh, compute_dw, compute_db))  # fmt: skip
+    tokens = hidden.shape[0] if want_stats else 0
+    dh, dw, db, dlogits = head_grad_fakes(hidden, weight, bias, hidden.shape[0] if one_chunk else 0, accum_fp32,
+                                          compute_dh, compute_dw, compute_db)  # fmt: skip
+    entropy, mean_logit = (hidden.new_empty(tokens, dtype=torch.float32) for _ in range(2))
+    return (
+        sums.new_empty(()),
+        sums,
+        dh,
+        dw,
+        db,
+        dlogits,
+        entropy,
+        mean_logit,
+        hidden.new_empty(tokens, dtype=torch.bool),
+    )
 
 
 _preference_loss = define_stored_grads_op(
@@ -914,7 +965,7 @@ _preference_loss = define_stored_grads_op(
     _preference_fwd,
     fake_from(_preference_fwd, _preference_fwd_fake),
     grads_at=2,
-    n_inputs=24,
+    n_inputs=25,
 )
 
 
@@ -927,11 +978,13 @@ def seqs_per_chunk_for(spec: LossSpec, memory_budget: int, vocab: int, itemsize:
 
 
 class SequenceValues(NamedTuple):
-    """What a loss' metrics read: the loss, each sequence's log-probability sum and its count."""
+    """What a loss' metrics read: the loss, each sequence's log-probability sum and its count, and
+    where asked for, each position's :class:`TokenStats`."""
 
     loss: torch.Tensor
     sums: torch.Tensor
     counts: torch.Tensor
+    token_stats: TokenStats | None = None
 
 
 def loss_on_head(
@@ -948,12 +1001,14 @@ def loss_on_head(
     reference: bool,
     accum_dtype: torch.dtype | None,
     memory_budget: int,
+    token_stats: bool = False,
 ) -> SequenceValues:
     """The loss of ``spec`` on the head: one pass (:data:`_preference_loss`, 6 N H V FLOPs) where
     the loss is per pair (:attr:`LossSpec.single_pass`) and a pair fits ``memory_budget``'s
     logits, else :func:`sequence_logps` and autograd on :func:`sequence_loss` (8 N H V), as on the
     CPU without Triton and for the reference. ``ref``: ``(B,)`` (DPO: the chosen's then the
-    rejected's) or None (0)."""
+    rejected's) or None (0). ``token_stats``: also each position's :class:`TokenStats`, from the
+    one pass's own logits, else by :func:`~fk.align.logprobs.token_statistics` (2 N H V more)."""
     validate.check_tensor("hidden", hidden)
     validate.check_ndim("hidden", hidden, 3)
     n_seqs, seq_len = hidden.shape[:2]
@@ -964,7 +1019,13 @@ def loss_on_head(
         seq = sequence_logps(hidden, weight, target, bias=bias, ignore_index=ignore_index, shift=shift,
                              reference=reference, accum_dtype=accum_dtype, memory_budget=memory_budget)  # fmt: skip
         refs = torch.zeros_like(seq.sums) if ref is None else ref
-        return SequenceValues(sequence_loss(spec, seq.sums, seq.counts, refs, desirable, kl), seq.sums, seq.counts)
+        stats = None
+        if token_stats:
+            scored = shift_labels(target, ignore_index) if shift else target
+            stats = token_statistics(hidden, weight, scored, bias=bias, ignore_index=ignore_index,
+                                     memory_budget=memory_budget)  # fmt: skip
+        loss = sequence_loss(spec, seq.sums, seq.counts, refs, desirable, kl)
+        return SequenceValues(loss, seq.sums, seq.counts, stats)
     _options, target, _ = check_inputs(hidden, weight, target, bias, None, ignore_index, "none", 0.0, 0.0, None, shift,
                                        None, accum_dtype, memory_budget)  # fmt: skip
     hidden2d = hidden.reshape(-1, hidden.shape[-1])
@@ -972,13 +1033,14 @@ def loss_on_head(
         hidden2d = hidden2d.contiguous()
     refs = torch.zeros(n_seqs, dtype=torch.float32, device=hidden.device) if ref is None else ref.float().contiguous()
     grad_on = torch.is_grad_enabled()
-    loss, sums, *_ = _preference_loss(
+    loss, sums, _dh, _dw, _db, _dlogits, *stats = _preference_loss(
         hidden2d, weight, bias, target, refs, desirable, kl.float() if kl is not None else None, spec.family,
         ",".join(spec.types), list(spec.type_weights), spec.beta, spec.label_smoothing, spec.discopop_tau,
         spec.simpo_gamma, spec.cpo_alpha, spec.alpha, spec.desirable_weight, spec.undesirable_weight, ignore_index,
         per_chunk, sums_in_fp32(accum_dtype, weight.dtype, cdiv(n_seqs, per_chunk)),
         grad_on and hidden.requires_grad, grad_on and weight.requires_grad,
-        grad_on and bias is not None and bias.requires_grad,
+        grad_on and bias is not None and bias.requires_grad, token_stats,
     )  # fmt: skip
     counts = (target != ignore_index).sum(-1).to(torch.float32)
-    return SequenceValues(loss, sums, counts)
+    placed = TokenStats(*(value.view(target.shape) for value in stats)) if token_stats else None
+    return SequenceValues(loss, sums, counts, placed)
