@@ -1,4 +1,4 @@
-"""End-to-end DPO and GRPO through TRL: stock, TRL with ``use_liger_kernel=True``, and fk.
+"""End-to-end DPO, KTO and GRPO through TRL: stock, TRL with ``use_liger_kernel=True``, and fk.
 
 The model: bench_e2e.py's (``fk.hf.training``): a ``LlamaForCausalLM`` shaped like Llama-3.2-1B
 (hidden 2048, 16 layers, vocabulary 128256, tied embeddings), random init (seed 0), bf16 weights,
@@ -10,6 +10,10 @@ checkpointing, AdamW), except the learning rate (``--lr``, as bench_e2e.py) and 
 - ``dpo``: ``trl.DPOTrainer``, its default loss (``sigmoid``, beta 0.1), a reference model of the
   same weights (a second copy, run without gradient every step); a step: 2 pairs of a 512-token
   prompt and two 1536-token answers (4 sequences of 2048 tokens; 6144 of the 8192 scored);
+- ``kto``: ``trl.KTOTrainer``, its default loss (``kto``, beta 0.1, with its KL estimate), a
+  reference copy as DPO's; a step: 4 sequences of a 512-token prompt and a 1536-token completion,
+  desirable and undesirable in turn (8192 tokens, 6144 scored), and TRL's 4 mismatched KL
+  sequences, whose log-probabilities the policy and the reference compute without gradient;
 - ``grpo``: ``trl.GRPOTrainer``, its default loss (``dapo``, no KL term); a step: 2 prompts of 896
   tokens, 8 completions each (TRL's default) sampled by ``model.generate`` (TRL's transformers
   path: temperature 1, no top-k or top-p) to exactly 128 tokens (``min_new_tokens``), scored by a
@@ -28,7 +32,8 @@ Providers, each in its own process:
   TRL's, which refuses Liger's fused linear cross entropy for these trainers and calls no Liger
   loss. The worker checks that Liger's modules are in place after training;
 - ``fk``: ``fk.hf.align_trainer(trainer)``: the policy patched by ``fk.hf.apply``, the loss computed
-  by ``fk.align.fused_linear_dpo_loss`` / ``fused_linear_grpo_loss`` on the fused head. The worker
+  by ``fk.align.fused_linear_dpo_loss`` / ``fused_linear_kto_loss`` / ``fused_linear_grpo_loss`` on
+  the fused head. The worker
   checks that fk's loss computed every step's loss (a count of its calls with gradient).
 
 Measured per (trainer, provider), as bench_e2e.py does (``fk.core.bench.run_worker``,
@@ -37,12 +42,12 @@ Measured per (trainer, provider), as bench_e2e.py does (``fk.core.bench.run_work
 the Trainer's ``on_step_begin`` to its ``on_step_end`` (for GRPO the generation and scoring, then
 forward, backward, optimizer step); tokens/s from the median of all rounds' timed steps, its tokens
 TRL's count (DPO: the Trainer's non-padding ``num_input_tokens_seen``; GRPO: prompt and completion
-tokens); peak memory ``torch.cuda.max_memory_allocated`` over the timed steps. For GRPO, the
+tokens; KTO: as DPO); peak memory ``torch.cuda.max_memory_allocated`` over the timed steps. For GRPO, the
 generation and scoring (TRL's ``_generate_and_score_completions``, timed between synchronizations)
 are also left out, giving the training part alone: ``train tokens/s`` (the same tokens over the
-median step without them) and its ``train peak`` (the peak counter reset when they end). DPO's
-first-step loss is compared with stock's (:data:`FIRST_LOSS_TOLERANCE`): the same weights, batch
-and reference. Later steps are recorded, not compared: from random init at this learning rate a
+median step without them) and its ``train peak`` (the peak counter reset when they end). DPO's and
+KTO's first-step losses are compared with stock's (:data:`FIRST_LOSS_TOLERANCE`): the same weights,
+batch and reference. Later steps are recorded, not compared: from random init at this learning rate a
 step's bf16 rounding changes the next steps' losses by tens of percent, for Liger as for fk. GRPO's
 are not comparable: each provider samples its own completions (the patched kernels round
 differently in bf16, and one changed probability changes the samples).
@@ -74,15 +79,18 @@ from fk.hf import training
 
 NAME = "align_e2e"
 PROVIDERS = ("stock", "liger", "fk")
-TRAINERS = ("dpo", "grpo")
+TRAINERS = ("dpo", "kto", "grpo")
+PREFERENCE = ("dpo", "kto")
+"""The trainers with a reference copy of the policy, whose first-step losses are compared."""
 FIRST_LOSS_TOLERANCE = 0.1
-"""Largest absolute difference from stock's first DPO loss that counts as agreeing. Stock's is
-log 2 (policy and reference are one model); another provider's moves by beta/2 times the margin
-its kernels' bf16 rounding puts between policy and reference, a sum over the 3072 scored tokens of
-differences of ~0.01 nats each (~0.5 at random signs: ~0.03 at beta 0.1). An error in the loss
-(a token shifted, a sum or a sign wrong) moves the margin by hundreds of nats."""
+"""Largest absolute difference from stock's first DPO (KTO) loss that counts as agreeing. Stock's
+is log 2 (KTO's 1/2): policy and reference are one model; another provider's moves by beta/2
+(beta/4) times the margin its kernels' bf16 rounding puts between policy and reference, a sum over
+the 3072 scored tokens of differences of ~0.01 nats each (~0.5 at random signs: ~0.03 at beta
+0.1). An error in the loss (a token shifted, a sum or a sign wrong) moves the margin by hundreds
+of nats."""
 WORKER_TIMEOUT_S = 300
-FK_LOSSES = {"dpo": "fused_linear_dpo_loss", "grpo": "fused_linear_grpo_loss"}
+FK_LOSSES = {"dpo": "fused_linear_dpo_loss", "kto": "fused_linear_kto_loss", "grpo": "fused_linear_grpo_loss"}
 """The fk.align function that computes each trainer's loss under fk."""
 
 
@@ -91,16 +99,18 @@ class Sizes(NamedTuple):
 
     prompt: int  # tokens of a prompt
     completion: int  # tokens of a completion (DPO: of the chosen one, and of the rejected one)
-    batch: int  # DPO: pairs a step (two sequences each); GRPO: completions a step
+    batch: int  # DPO: pairs a step (two sequences each); KTO: sequences a step; GRPO: completions a step
     generations: int = 1  # GRPO: completions of a prompt (TRL's default num_generations is 8)
 
 
 SIZES = {
     "dpo": Sizes(prompt=512, completion=1536, batch=2),
+    "kto": Sizes(prompt=512, completion=1536, batch=4),
     "grpo": Sizes(prompt=896, completion=128, batch=16, generations=8),
 }
 TINY_SIZES = {
     "dpo": Sizes(prompt=4, completion=12, batch=1),
+    "kto": Sizes(prompt=4, completion=12, batch=2),
     "grpo": Sizes(prompt=6, completion=4, batch=4, generations=2),
 }
 """Few tokens: each of fk's kernel launches runs one program per row in Triton's interpreter."""
@@ -202,6 +212,12 @@ def _dataset(trainer: str, vocab: int, rows: int, prompt: int, completion: int) 
             columns["chosen"].append(_words(gen, vocab, completion))
             columns["rejected"].append(_words(gen, vocab, completion))
         return datasets.Dataset.from_dict(columns)
+    if trainer == "kto":  # desirable and undesirable in turn
+        return datasets.Dataset.from_dict({
+            "prompt": [_words(gen, vocab, prompt) for _ in range(rows)],
+            "completion": [_words(gen, vocab, completion) for _ in range(rows)],
+            "label": [i % 2 == 0 for i in range(rows)],
+        })  # fmt: skip
     return datasets.Dataset.from_dict({"prompt": [_words(gen, vocab, prompt) for _ in range(rows)]})
 
 
@@ -237,7 +253,7 @@ def _count_calls(module: Any, name: str) -> list[int]:
 
 
 def _trainer(job: dict[str, Any], model: torch.nn.Module, output_dir: str) -> Any:
-    """TRL's trainer for ``job`` (its data, config and, for DPO, a reference copy of the model)."""
+    """TRL's trainer for ``job`` (its data, config and, for DPO and KTO, a reference copy of the model)."""
     import trl
 
     kind, shape = job["trainer"], training.SHAPES[job["shape"]]
@@ -250,13 +266,15 @@ def _trainer(job: dict[str, Any], model: torch.nn.Module, output_dir: str) -> An
         use_liger_kernel=job["provider"] == "liger", dataloader_num_workers=0,
     )  # fmt: skip
     tokenizer = training.word_tokenizer(shape.vocab)
-    if kind == "dpo":
-        config = trl.DPOConfig(**common, max_length=None, include_num_input_tokens_seen="non_padding")
+    if kind in PREFERENCE:
         reference = training.build_model(shape, dtype=torch.bfloat16, device=model.device, seed=0,
                                          max_positions=prompt + completion + 8)  # fmt: skip
         data = _dataset(kind, shape.vocab, steps * batch, prompt, completion)
-        return trl.DPOTrainer(model=model, ref_model=reference.eval(), args=config, train_dataset=data,
-                              processing_class=tokenizer)  # fmt: skip
+        config_class, trainer_class = (trl.DPOConfig, trl.DPOTrainer) if kind == "dpo" else (trl.KTOConfig,
+                                                                                            trl.KTOTrainer)  # fmt: skip
+        config = config_class(**common, max_length=None, include_num_input_tokens_seen="non_padding")
+        return trainer_class(model=model, ref_model=reference.eval(), args=config, train_dataset=data,
+                             processing_class=tokenizer)  # fmt: skip
     config = trl.GRPOConfig(**common, num_generations=job["generations"], max_completion_length=completion,
                             generation_kwargs={"min_new_tokens": completion})  # fmt: skip
     data = _dataset(kind, shape.vocab, steps * batch // job["generations"], prompt, completion)
@@ -346,11 +364,12 @@ def run(args: argparse.Namespace) -> bench.BenchRecord:
     sizes = "; ".join(f"{kind}: {', '.join(f'{k} {v}' for k, v in args.sizes[kind]._asdict().items())}"
                       for kind in TRAINERS)  # fmt: skip
     notes = [
-        "TRL's DPOTrainer (loss sigmoid, a reference copy of the policy) and GRPOTrainer (loss dapo, beta 0, "
-        "completions sampled by model.generate to exactly the completion length)",
+        "TRL's DPOTrainer (loss sigmoid, a reference copy of the policy), KTOTrainer (loss kto with its KL "
+        "estimate, a reference copy) and GRPOTrainer (loss dapo, beta 0, completions sampled by model.generate to "
+        "exactly the completion length)",
         f"LlamaForCausalLM shaped as {shape_name} ({shape.describe()}), random init, bf16 weights, SDPA attention",
         f"TRL's defaults (bf16 autocast, gradient checkpointing, AdamW) but lr {args.lr} and a log a step",
-        f"{sizes} (DPO's batch: pairs; GRPO's: completions)",
+        f"{sizes} (DPO's batch: pairs; KTO's: sequences; GRPO's: completions)",
         f"{args.rounds} rounds of {args.steps} timed steps after {args.warmup}, odd rounds in reverse provider order",
         "tokens/s: TRL's token count over the median of all timed steps; GRPO's train tokens/s and train peak: "
         "without the generation and scoring",
@@ -372,7 +391,7 @@ def run(args: argparse.Namespace) -> bench.BenchRecord:
             round_tokens_per_s=out["round_tokens_per_s"], median_step_ms=out["median_step_ms"], peak_gib=out["peak_gib"],
             train_tokens_per_s=out["train_tokens_per_s"], train_median_step_ms=out["train_median_step_ms"],
             train_peak_gib=out["train_peak_gib"], generation_share=out["generation_share"], losses=out["losses"],
-            first_loss_diff=abs(out["losses"][0] - stock[0]) if kind == "dpo" and stock else None,
+            first_loss_diff=abs(out["losses"][0] - stock[0]) if kind in PREFERENCE and stock else None,
             fk_loss_calls=out["fk_loss_calls"], liger_modules=out["liger_modules"], patched=out["patched"],
         )  # fmt: skip
     return record
@@ -409,7 +428,7 @@ def table(record: bench.BenchRecord) -> list[dict[str, Any]]:
             if r["peak_gib"] and p["peak_gib"]:
                 line[f"memory / {peer}"] = r["peak_gib"] / p["peak_gib"]
         diff = r.get("first_loss_diff")
-        line["first loss"] = r["losses"][0] if kind == "dpo" and r.get("losses") else None
+        line["first loss"] = r["losses"][0] if kind in PREFERENCE and r.get("losses") else None
         line["first loss vs stock"] = None if provider == "stock" else diff
         line["status"] = "ok" if diff is None or diff <= FIRST_LOSS_TOLERANCE else "LOSS DIFFERS"
         lines.append(line)
@@ -422,8 +441,8 @@ COLUMNS = ["trainer", "provider", "tokens/s", "train tokens/s", "generation shar
 
 def summary(record: bench.BenchRecord) -> str:
     """Markdown for docs/benchmarks.md ("x peer": tokens/s over the peer's, for GRPO of the training
-    part; "memory / peer": peak over the peer's; "first loss": DPO's loss at the first step, and its
-    absolute difference from stock's)."""
+    part; "memory / peer": peak over the peer's; "first loss": DPO's and KTO's loss at the first
+    step, and its absolute difference from stock's)."""
     return bench.markdown_table(table(record), COLUMNS, skip_absent=True)
 
 

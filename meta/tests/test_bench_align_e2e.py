@@ -1,6 +1,7 @@
-"""benchmarks/bench_align_e2e.py: a --tiny run of TRL's DPO and GRPO trainers on the CPU (Triton's
-interpreter), stock and fk, whose record must show fk's loss computing every step of fk's runs and
-none of stock's, TRL's token counts of the tiny sizes, and DPO's losses agreeing with stock's; how
+"""benchmarks/bench_align_e2e.py: a --tiny run of TRL's DPO, KTO and GRPO trainers on the CPU
+(Triton's interpreter), stock and fk, whose record must show fk's loss computing every step of fk's
+runs and none of stock's, TRL's token counts of the tiny sizes, and DPO's and KTO's losses agreeing
+with stock's; how
 it merges rounds with the training part alone; which modules it counts as Liger's."""
 
 from __future__ import annotations
@@ -21,12 +22,12 @@ pytestmark = pytest.mark.skipif(not SCRIPT.exists(), reason="needs a checkout wi
 
 
 @pytest.mark.serial
-def test_tiny_run_of_dpo_and_grpo_through_trl(tmp_path: Path) -> None:
+def test_tiny_run_of_dpo_kto_and_grpo_through_trl(tmp_path: Path) -> None:
     testing.run_python(str(SCRIPT), "--tiny", "--providers", "stock", "fk", "--steps", "1", "--out", str(tmp_path))
     script = testing.load_script(SCRIPT)
     record = bench.BenchRecord.from_json(tmp_path / "align_e2e.json")
     runs = {(r["trainer"], r["provider"]): r for r in record.rows}
-    assert set(runs) == {(kind, provider) for kind in ("dpo", "grpo") for provider in ("stock", "fk")}
+    assert set(runs) == {(kind, provider) for kind in ("dpo", "kto", "grpo") for provider in ("stock", "fk")}
     for (kind, provider), run in runs.items():
         sizes = script.TINY_SIZES[kind]
         assert run["status"] == "ok", run["status"]
@@ -35,7 +36,9 @@ def test_tiny_run_of_dpo_and_grpo_through_trl(tmp_path: Path) -> None:
         sequences = 2 * sizes.batch if kind == "dpo" else sizes.batch  # DPO: chosen and rejected of each pair
         assert run["tokens_per_step"] == sequences * (sizes.prompt + sizes.completion)
     assert runs["dpo", "fk"]["first_loss_diff"] <= script.FIRST_LOSS_TOLERANCE
+    assert runs["kto", "fk"]["first_loss_diff"] <= script.FIRST_LOSS_TOLERANCE
     assert abs(runs["dpo", "stock"]["losses"][0] - math.log(2)) < 1e-4  # policy = reference at the first step
+    assert abs(runs["kto", "stock"]["losses"][0] - 0.5) < 1e-4  # (1 - sigmoid(0), its KL estimate 0)
     for provider in ("stock", "fk"):
         grpo = runs["grpo", provider]
         assert 0 < grpo["generation_share"] < 1 and grpo["train_tokens_per_s"] > grpo["tokens_per_s"]
