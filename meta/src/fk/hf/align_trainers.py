@@ -227,6 +227,19 @@ def _ratio(trainer: Any, total: torch.Tensor, count: torch.Tensor) -> float:
     return total_all / count_all if count_all > 0 else 0.0
 
 
+def _log_entropy_and_tokens(
+    trainer: Any, mode: str, entropy: torch.Tensor, mask: torch.Tensor, attention_mask: torch.Tensor
+) -> None:
+    """DPO's and KTO's ``entropy`` (the mean over the scored tokens ``mask`` of all processes) and
+    ``num_tokens`` (the non-padding tokens trained on so far), as TRL logs them."""
+    metrics = trainer._metrics[mode]
+    metrics["entropy"].append(_ratio(trainer, (entropy * mask).sum(), mask.sum()))
+    if mode == "train":
+        tokens = trainer.accelerator.gather_for_metrics(attention_mask.sum()).sum().item()
+        trainer._total_train_tokens += tokens // trainer._tp_size
+    metrics["num_tokens"] = [trainer._total_train_tokens]
+
+
 def dpo_compute_loss(self: Any, model: Any, inputs: dict[str, Any], return_outputs: bool) -> Any:
     """``DPOTrainer._compute_loss`` on :func:`fk.align.fused_linear_dpo_loss`."""
     extra = sorted(k for k in inputs if k not in (*_DPO_MODEL_INPUTS, "completion_mask", "ref_chosen_logps",
@@ -259,11 +272,7 @@ def dpo_compute_loss(self: Any, model: Any, inputs: dict[str, Any], return_outpu
 
     metrics = self._metrics[mode]
     mask = completion_mask[:, 1:].bool()
-    metrics["entropy"].append(_ratio(self, (entropy * mask).sum(), mask.sum()))
-    if mode == "train":
-        tokens = self.accelerator.gather_for_metrics(inputs["attention_mask"].sum()).sum().item()
-        self._total_train_tokens += tokens // self._tp_size
-    metrics["num_tokens"] = [self._total_train_tokens]
+    _log_entropy_and_tokens(self, mode, entropy, mask, inputs["attention_mask"])
     chosen_mask, rejected_mask = mask.chunk(2, dim=0)
     chosen_logits, rejected_logits = mean_logits.chunk(2, dim=0)
     metrics["logits/chosen"].append(_ratio(self, chosen_logits[chosen_mask].sum(), chosen_mask.sum()))
@@ -326,11 +335,7 @@ def kto_compute_loss(self: Any, model: Any, inputs: dict[str, Any], return_outpu
     metrics = self._metrics[mode]
     metrics["kl"].append(kl.item())
     mask = completion_mask[:, 1:].bool()
-    metrics["entropy"].append(_ratio(self, (entropy * mask).sum(), mask.sum()))
-    if mode == "train":
-        tokens = self.accelerator.gather_for_metrics(batch["attention_mask"].sum()).sum().item()
-        self._total_train_tokens += tokens // self._tp_size
-    metrics["num_tokens"] = [self._total_train_tokens]
+    _log_entropy_and_tokens(self, mode, entropy, mask, batch["attention_mask"])
     gather = self.accelerator.gather_for_metrics
     kinds = (("chosen", desirable), ("rejected", ~desirable))
     for name, rows in kinds:  # (TRL logs nothing for a kind without tokens, or without sequences)
