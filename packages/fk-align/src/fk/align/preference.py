@@ -71,7 +71,6 @@ from fk.flce.chunks import (
     DEFAULT_MEMORY_BUDGET,
     chunk_tokens_for,
     define_stored_grads_op,
-    empty_output,
     gathered_head_grads,
     head_grad_fakes,
 )
@@ -882,10 +881,8 @@ def _preference_fwd(
     chosen_total = counts[: n_seqs // 2].sum() if spec.paired else counts.sum()
     sums = torch.empty(n_seqs, dtype=torch.float32, device=hidden.device)
     flat_target = target.reshape(-1)
-    stats = [empty_output(hidden, dtype) for dtype in (torch.float32, torch.float32, torch.bool)]
-    if want_stats:
-        stats = [flat_target.new_zeros(flat_target.shape, dtype=dtype) for dtype in (torch.float32, torch.float32,
-                                                                                     torch.bool)]  # fmt: skip
+    tokens = flat_target.shape[0] if want_stats else 0  # (empty outputs where not asked for)
+    stats = [hidden.new_zeros(tokens, dtype=dtype) for dtype in (torch.float32, torch.float32, torch.bool)]
     chunks = sequence_chunks(n_seqs, seqs_per_chunk // 2 if spec.paired else seqs_per_chunk, spec.paired)
 
     def chunk_loss(logits: torch.Tensor, parts: tuple[slice, ...], want_grad: bool) -> None:
