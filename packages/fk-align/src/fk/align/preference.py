@@ -839,6 +839,13 @@ Outputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Te
                 torch.Tensor, torch.Tensor]  # fmt: skip
 
 
+def _stats_buffers(like: torch.Tensor, tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The one pass's flat entropy, mean-logit and top-1 outputs for ``tokens`` tokens (0: empty,
+    where they were not asked for; each its own tensor: a custom op's outputs may not alias)."""
+    entropy = like.new_zeros(tokens, dtype=torch.float32)
+    return entropy, torch.zeros_like(entropy), like.new_zeros(tokens, dtype=torch.bool)
+
+
 def _preference_fwd(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -881,8 +888,7 @@ def _preference_fwd(
     chosen_total = counts[: n_seqs // 2].sum() if spec.paired else counts.sum()
     sums = torch.empty(n_seqs, dtype=torch.float32, device=hidden.device)
     flat_target = target.reshape(-1)
-    tokens = flat_target.shape[0] if want_stats else 0  # (empty outputs where not asked for)
-    stats = [hidden.new_zeros(tokens, dtype=dtype) for dtype in (torch.float32, torch.float32, torch.bool)]
+    stats = _stats_buffers(hidden, flat_target.shape[0] if want_stats else 0)
     chunks = sequence_chunks(n_seqs, seqs_per_chunk // 2 if spec.paired else seqs_per_chunk, spec.paired)
 
     def chunk_loss(logits: torch.Tensor, parts: tuple[slice, ...], want_grad: bool) -> None:
@@ -917,9 +923,7 @@ def _preference_fwd(
     grads = gathered_head_grads(hidden, weight, bias, token_chunks, chunk_loss, accum_fp32, compute_dh, compute_dw,
                                 compute_db)  # fmt: skip
     loss = sequence_loss(spec, sums, counts, ref, desirable, kl)
-    dh, dw, db, dlogits = grads
-    entropy, mean_logit, top1 = stats
-    return loss, sums, dh, dw, db, dlogits, entropy, mean_logit, top1
+    return (loss, sums, *grads, *stats)
 
 
 def _preference_fwd_fake(
@@ -939,21 +943,9 @@ def _preference_fwd_fake(
     one_chunk = len(sequence_chunks(n_seqs, seqs_per_chunk // 2 if family != "kto" else seqs_per_chunk,
                                     family != "kto")) == 1  # fmt: skip
     sums = hidden.new_empty(n_seqs, dtype=torch.float32)
-    tokens = hidden.shape[0] if want_stats else 0
-    dh, dw, db, dlogits = head_grad_fakes(hidden, weight, bias, hidden.shape[0] if one_chunk else 0, accum_fp32,
-                                          compute_dh, compute_dw, compute_db)  # fmt: skip
-    entropy, mean_logit = (hidden.new_empty(tokens, dtype=torch.float32) for _ in range(2))
-    return (
-        sums.new_empty(()),
-        sums,
-        dh,
-        dw,
-        db,
-        dlogits,
-        entropy,
-        mean_logit,
-        hidden.new_empty(tokens, dtype=torch.bool),
-    )
+    grads = head_grad_fakes(hidden, weight, bias, hidden.shape[0] if one_chunk else 0, accum_fp32, compute_dh,
+                            compute_dw, compute_db)  # fmt: skip
+    return (sums.new_empty(()), sums, *grads, *_stats_buffers(hidden, hidden.shape[0] if want_stats else 0))
 
 
 _preference_loss = define_stored_grads_op(
