@@ -425,7 +425,9 @@ def test_kernel_matches_trl_on_logits(device: str, beta: float, temperature: flo
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
     (grad,) = torch.autograd.grad(got, [h])
     want.backward()
-    torch.testing.assert_close(grad.double(), h64.grad, rtol=1e-4, atol=1e-7)
+    # The gradient reaches ~0.9 here: fp32's rounding of its largest terms is ~1e-7 absolute, which an
+    # element near 0 cannot meet relatively (on an H200 one of 240 was 1.8e-7 off, 2e-7 of the largest).
+    torch.testing.assert_close(grad.double(), h64.grad, rtol=1e-4, atol=1e-6)
 
 
 @needs_trl
