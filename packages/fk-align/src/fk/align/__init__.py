@@ -13,6 +13,8 @@
 - :func:`fused_linear_grpo_loss`: GRPO and TRL's variants (:data:`GRPO_LOSS_TYPES`), token or
   sequence importance sampling, KL to a reference, entropy bonus, TRL's metrics
   (:class:`GRPOOutput`); in one pass with gradients at the token level.
+- :func:`fused_linear_rloo_loss`: RLOO's clipped objective on each completion's log-probability,
+  TRL's metrics (:class:`RLOOOutput`); in one pass with gradients over chunks of whole completions.
 - :func:`fused_linear_distill` (and ``_ref``), :class:`LinearDistillLoss`: a student head
   distilled from a frozen teacher head (generalized JSD, forward/reverse KL, TVD) as TRL computes
   them, neither head's logits built; :func:`fused_linear_distill_from_logits` from precomputed
@@ -52,6 +54,7 @@ from fk.align.preference import (
     orpo_pair_losses,
     sequence_logps,
 )
+from fk.align.rloo import RLOOOutput, fused_linear_rloo_loss
 
 __all__ = [
     "CPO_LOSS_TYPES",
@@ -63,6 +66,7 @@ __all__ = [
     "LinearDistillLoss",
     "LogProbsOutput",
     "PreferenceOutput",
+    "RLOOOutput",
     "SequenceLogps",
     "TokenStats",
     "cpo_pair_losses",
@@ -78,6 +82,7 @@ __all__ = [
     "fused_linear_logprobs",
     "fused_linear_logprobs_ref",
     "fused_linear_orpo_loss",
+    "fused_linear_rloo_loss",
     "kto_sequence_losses",
     "orpo_pair_losses",
     "sequence_logps",

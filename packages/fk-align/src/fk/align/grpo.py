@@ -392,7 +392,8 @@ _grpo_token_loss = define_stored_grads_op(
 # --- 3. Functional API ----------------------------------------------------------------------------
 
 
-def _check_float(name: str, value: object, *, low: float = 0.0) -> float:
+def check_number(name: str, value: object, *, low: float = 0.0) -> float:
+    """``value``: a finite number >= ``low``, as a float (else a ``ValueError`` naming ``name``)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise ValueError(f"{name} must be a finite number, got {value!r}")
     if value < low:
@@ -400,7 +401,8 @@ def _check_float(name: str, value: object, *, low: float = 0.0) -> float:
     return float(value)
 
 
-def _check_per_token(name: str, t: torch.Tensor | None, shape: tuple[int, ...], device: torch.device) -> None:
+def check_per_token(name: str, t: torch.Tensor | None, shape: tuple[int, ...], device: torch.device) -> None:
+    """``t``: None, or a tensor of ``shape`` on ``device`` (the one of ``hidden``)."""
     if t is None:
         return
     validate.check_tensor(name, t)
@@ -469,20 +471,20 @@ def fused_linear_grpo_loss(
     validate.check_choice("importance_sampling_level", importance_sampling_level, IMPORTANCE_SAMPLING_LEVELS)
     shape = tuple(hidden.shape[:2])
     validate.check_tensor("completion_mask", completion_mask)
-    _check_per_token("completion_mask", completion_mask, shape, hidden.device)
+    check_per_token("completion_mask", completion_mask, shape, hidden.device)
     validate.check_tensor("completion_ids", completion_ids)
-    _check_per_token("completion_ids", completion_ids, shape, hidden.device)
+    check_per_token("completion_ids", completion_ids, shape, hidden.device)
     validate.check_tensor("advantages", advantages)
     if tuple(advantages.shape) not in (shape[:1], shape):
         raise ValueError(f"advantages must have shape {shape[:1]} or {shape}, got {tuple(advantages.shape)}")
-    _check_per_token("old_per_token_logps", old_per_token_logps, shape, hidden.device)
-    _check_per_token("ref_per_token_logps", ref_per_token_logps, shape, hidden.device)
-    beta = _check_float("beta", beta)
+    check_per_token("old_per_token_logps", old_per_token_logps, shape, hidden.device)
+    check_per_token("ref_per_token_logps", ref_per_token_logps, shape, hidden.device)
+    beta = check_number("beta", beta)
     if beta != 0.0 and ref_per_token_logps is None:
         raise ValueError("ref_per_token_logps must be given when beta != 0 (the KL term needs it)")
-    epsilon_low = _check_float("epsilon_low", epsilon_low)
-    epsilon_high = epsilon_low if epsilon_high is None else _check_float("epsilon_high", epsilon_high)
-    delta_value = math.inf if delta is None else _check_float("delta", delta)
+    epsilon_low = check_number("epsilon_low", epsilon_low)
+    epsilon_high = epsilon_low if epsilon_high is None else check_number("epsilon_high", epsilon_high)
+    delta_value = math.inf if delta is None else check_number("delta", delta)
     if loss_type == "dr_grpo" and (
         isinstance(max_completion_length, bool) or not isinstance(max_completion_length, int)
         or max_completion_length <= 0
@@ -492,11 +494,11 @@ def fused_linear_grpo_loss(
     if isinstance(gradient_accumulation_steps, bool) or not isinstance(gradient_accumulation_steps, int) or \
             gradient_accumulation_steps <= 0:  # fmt: skip
         raise ValueError(f"gradient_accumulation_steps must be a positive int, got {gradient_accumulation_steps!r}")
-    entropy_coef = _check_float("entropy_coef", entropy_coef, low=-math.inf)
+    entropy_coef = check_number("entropy_coef", entropy_coef, low=-math.inf)
     temperature = check_temperature(temperature)
     options = GRPOOptions(loss_type, beta, epsilon_low, epsilon_high, delta_value, importance_sampling_level,
-                          bool(use_bias_correction_kl), _check_float("sapo_temperature_pos", sapo_temperature_pos),
-                          _check_float("sapo_temperature_neg", sapo_temperature_neg))  # fmt: skip
+                          bool(use_bias_correction_kl), check_number("sapo_temperature_pos", sapo_temperature_pos),
+                          check_number("sapo_temperature_neg", sapo_temperature_neg))  # fmt: skip
     compute = torch.promote_types(hidden.dtype, torch.float32)  # fp32 (fp64 for the reference in fp64)
     mask = completion_mask.to(compute)
     target = torch.where(completion_mask.bool(), completion_ids, IGNORE)

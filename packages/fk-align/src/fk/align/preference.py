@@ -55,6 +55,7 @@ import torch
 import torch.nn.functional as F
 
 from fk.align.budget import ALIGN_MEMORY_BUDGET, sums_in_fp32
+from fk.align.grpo import GRPOOptions, check_per_token, per_token_loss, per_token_loss_grad
 from fk.align.logprobs import (
     TokenStats,
     chunk_token_stats,
@@ -109,6 +110,7 @@ class SequenceLogps(NamedTuple):
     per_token: torch.Tensor
     sums: torch.Tensor
     counts: torch.Tensor
+    entropy: torch.Tensor | None = None  # (B, T) at the temperature, with return_entropy
 
     def means(self) -> torch.Tensor:
         """The mean log-probability per scored token of each sequence (0 for a sequence with none)."""
@@ -124,23 +126,29 @@ def sequence_logps(
     target: torch.Tensor,
     *,
     bias: torch.Tensor | None = None,
+    temperature: float = 1.0,
     ignore_index: int = -100,
     shift: bool = False,
     reference: bool = False,
+    return_entropy: bool = False,
     accum_dtype: torch.dtype | None = None,
     memory_budget: int = DEFAULT_MEMORY_BUDGET,
 ) -> SequenceLogps:
-    """Per-token and per-sequence log-probabilities of ``target`` ``(B, T)`` under the head, on
-    :func:`fk.align.fused_linear_logprobs` (``reference``: on the full logits instead)."""
+    """Per-token and per-sequence log-probabilities of ``target`` ``(B, T)`` under the head at
+    ``temperature``, on :func:`fk.align.fused_linear_logprobs` (``reference``: on the full logits
+    instead); ``return_entropy``: each token's entropy too."""
     validate.check_tensor("hidden", hidden)
     validate.check_ndim("hidden", hidden, 3)
     if reference:
-        per_token = fused_linear_logprobs_ref(hidden, weight, target, bias=bias, ignore_index=ignore_index, shift=shift)
+        out = fused_linear_logprobs_ref(hidden, weight, target, bias=bias, temperature=temperature,
+                                        ignore_index=ignore_index, shift=shift, return_entropy=return_entropy)  # fmt: skip
     else:
-        per_token = fused_linear_logprobs(hidden, weight, target, bias=bias, ignore_index=ignore_index, shift=shift,
-                                          accum_dtype=accum_dtype, memory_budget=memory_budget)  # fmt: skip
+        out = fused_linear_logprobs(hidden, weight, target, bias=bias, temperature=temperature, ignore_index=ignore_index,
+                                    shift=shift, return_entropy=return_entropy, accum_dtype=accum_dtype,
+                                    memory_budget=memory_budget)  # fmt: skip
+    per_token, entropy = (out.logps, out.entropy) if return_entropy else (out, None)
     scored = (shift_labels(target, ignore_index) if shift else target) != ignore_index
-    return SequenceLogps(per_token, per_token.sum(-1), scored.sum(-1).to(per_token.dtype))
+    return SequenceLogps(per_token, per_token.sum(-1), scored.sum(-1).to(per_token.dtype), entropy)
 
 
 def _pairs(t: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -246,15 +254,6 @@ def dpo_pair_losses(
     raise ValueError(f"loss_type must be one of {', '.join(repr(t) for t in DPO_LOSS_TYPES)}, got {loss_type!r}")
 
 
-def _check_ref(name: str, ref: torch.Tensor | None, n_pairs: int, device: torch.device) -> None:
-    if ref is None:
-        return
-    validate.check_tensor(name, ref)
-    validate.check_shape(name, ref, (n_pairs,))
-    if ref.device != device:
-        raise ValueError(f"{name} must be on the device of hidden ({device}), got {ref.device}")
-
-
 def fused_linear_dpo_loss(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -314,8 +313,8 @@ def fused_linear_dpo_loss(
     n_pairs = hidden.shape[0] // 2
     if (ref_chosen_logps is None) != (ref_rejected_logps is None):
         raise ValueError("ref_chosen_logps and ref_rejected_logps must both be given, or both None (reference-free)")
-    _check_ref("ref_chosen_logps", ref_chosen_logps, n_pairs, hidden.device)
-    _check_ref("ref_rejected_logps", ref_rejected_logps, n_pairs, hidden.device)
+    check_per_token("ref_chosen_logps", ref_chosen_logps, (n_pairs,), hidden.device)
+    check_per_token("ref_rejected_logps", ref_rejected_logps, (n_pairs,), hidden.device)
     ref = None
     if ref_chosen_logps is not None and ref_rejected_logps is not None:
         compute = torch.promote_types(hidden.dtype, torch.float32)
@@ -550,7 +549,7 @@ def fused_linear_kto_loss(
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
             raise ValueError(f"{name} must be a number >= 0, got {value!r}")
     compute = torch.promote_types(hidden.dtype, torch.float32)
-    _check_ref("ref_logps", ref_logps, hidden.shape[0], hidden.device)
+    check_per_token("ref_logps", ref_logps, (hidden.shape[0],), hidden.device)
     ref = (
         torch.zeros(hidden.shape[0], dtype=compute, device=hidden.device)
         if ref_logps is None
@@ -558,7 +557,7 @@ def fused_linear_kto_loss(
     )
     if kl_logps is not None and ref_kl_logps is not None:
         validate.check_tensor("kl_logps", kl_logps)
-        _check_ref("ref_kl_logps", ref_kl_logps, kl_logps.shape[0], hidden.device)
+        check_per_token("ref_kl_logps", ref_kl_logps, (kl_logps.shape[0],), hidden.device)
         kl = (kl_logps.detach() - ref_kl_logps).to(compute).mean().clamp(min=0)
     else:
         kl = torch.zeros((), dtype=compute, device=hidden.device)
@@ -592,9 +591,9 @@ passes."""
 
 
 class LossSpec(NamedTuple):
-    """A preference loss and TRL's settings of it, as the single pass takes them (``family``:
-    ``"dpo"``, ``"cpo"``, ``"orpo"`` or ``"kto"``; ``types`` and ``type_weights``: DPO's list of
-    loss types and their weights, the one type of CPO and KTO)."""
+    """A sequence-level loss and TRL's settings of it, as the single pass takes them (``family``:
+    ``"dpo"``, ``"cpo"``, ``"orpo"``, ``"kto"`` or ``"rloo"``; ``types`` and ``type_weights``:
+    DPO's list of loss types and their weights, the one type of the others)."""
 
     family: str
     types: tuple[str, ...]
@@ -607,10 +606,13 @@ class LossSpec(NamedTuple):
     alpha: float = 0.0
     desirable_weight: float = 1.0
     undesirable_weight: float = 1.0
+    epsilon_low: float = 0.2  # RLOO's clip range
+    epsilon_high: float = 0.2
+    temperature: float = 1.0  # the logits are divided by it (RLOO's sampling temperature)
 
     @property
     def paired(self) -> bool:
-        return self.family != "kto"
+        return self.family not in ("kto", "rloo")
 
     @property
     def uses_means(self) -> bool:
@@ -623,6 +625,12 @@ class LossSpec(NamedTuple):
         return self.family != "dpo" or all(t in SINGLE_PASS_DPO_TYPES for t in self.types)
 
 
+def rloo_options(spec: LossSpec) -> GRPOOptions:
+    """RLOO's per-sequence objective as GRPO's clipped one (:func:`fk.align.grpo.per_token_loss`)
+    on one value per sequence: no KL term (RLOO puts it in the reward), no two-sided clip."""
+    return GRPOOptions("grpo", 0.0, spec.epsilon_low, spec.epsilon_high, math.inf, "token", False, 1.0, 1.0)
+
+
 def sequence_loss(
     spec: LossSpec,
     sums: torch.Tensor,
@@ -630,9 +638,15 @@ def sequence_loss(
     ref: torch.Tensor,
     desirable: torch.Tensor | None,
     kl: torch.Tensor | None,
+    advantages: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The loss (0-dim) from each sequence's log-probability sum ``(B,)`` and scored-token count,
-    by the ``*_pair_losses`` formulas: both passes' loss (autograd differentiates it in two)."""
+    by the ``*_pair_losses`` formulas: both passes' loss (autograd differentiates it in two).
+    ``ref``: RLOO's old log-probabilities, beside its ``advantages``."""
+    if spec.family == "rloo":
+        assert advantages is not None
+        return per_token_loss(sums, ref.to(sums.dtype), None, advantages.to(sums.dtype), None,
+                              rloo_options(spec))[0].mean()  # fmt: skip
     if spec.family == "kto":
         assert desirable is not None and kl is not None
         return kto_sequence_losses(sums, ref.to(sums.dtype), desirable, kl.to(sums.dtype), beta=spec.beta,
@@ -680,7 +694,8 @@ def sequence_loss(
 # d o / d c = -1 / expm1(c), d o / d r = 1 / expm1(r), and d loss / d o = -b s(-o) / P, plus the NLL's
 # -1 / sum(n_c). A mean's gradient reaches its sum divided by the count. KTO on l = sum - ref:
 # desirable -w_d b s(y) s(-y) with y = b (l - kl) ("apo_zero_unpaired": y = b l), undesirable
-# w_u b s(y) s(-y) with y = b (kl - l) (b l), over the B sequences.
+# w_u b s(y) s(-y) with y = b (kl - l) (b l), over the B sequences. RLOO on r = exp(sum - old):
+# GRPO's clipped objective's derivative (fk.align.grpo.per_token_loss_grad) over the B sequences.
 
 
 def _sigmoid_slope(x: torch.Tensor) -> torch.Tensor:
@@ -786,11 +801,15 @@ def sequence_grads(
     kl: torch.Tensor | None,
     n_seqs: int,
     chosen_total: torch.Tensor,
+    advantages: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``d loss / d sums`` (the gradient of each scored token's log-probability) of the sequences
     of one chunk (:func:`sequence_loss` of the whole batch of ``n_seqs`` sequences, see the
     derivation above): chosen then rejected sequences of the same pairs when paired.
     ``chosen_total``: the batch's scored chosen tokens (the NLL's and ``"sft"``'s denominator)."""
+    if spec.family == "rloo":
+        assert advantages is not None
+        return per_token_loss_grad(sums, ref, None, advantages, rloo_options(spec)) / n_seqs
     if spec.family == "kto":
         assert desirable is not None and kl is not None
         return _kto_grads(spec, sums, ref, desirable, kl, n_seqs)
@@ -839,11 +858,15 @@ Outputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Te
                 torch.Tensor, torch.Tensor]  # fmt: skip
 
 
-def _stats_buffers(like: torch.Tensor, tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The one pass's flat entropy, mean-logit and top-1 outputs for ``tokens`` tokens (0: empty,
-    where they were not asked for; each its own tensor: a custom op's outputs may not alias)."""
-    entropy = like.new_zeros(tokens, dtype=torch.float32)
-    return entropy, torch.zeros_like(entropy), like.new_zeros(tokens, dtype=torch.bool)
+def _stats_buffers(
+    like: torch.Tensor, tokens: int, want_entropy: bool, want_stats: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The one pass's flat entropy, mean-logit and top-1 outputs for ``tokens`` tokens: the
+    entropy with either flag, the other two with ``want_stats`` (empty where not asked for; each its
+    own tensor: a custom op's outputs may not alias)."""
+    stat_tokens = tokens if want_stats else 0
+    entropy = like.new_zeros(tokens if want_entropy or want_stats else 0, dtype=torch.float32)
+    return entropy, like.new_zeros(stat_tokens, dtype=torch.float32), like.new_zeros(stat_tokens, dtype=torch.bool)
 
 
 def _preference_fwd(
@@ -854,6 +877,7 @@ def _preference_fwd(
     ref: torch.Tensor,
     desirable: torch.Tensor | None,
     kl: torch.Tensor | None,
+    advantages: torch.Tensor | None,
     family: str,
     types: str,
     type_weights: list[float],
@@ -865,12 +889,16 @@ def _preference_fwd(
     alpha: float,
     desirable_weight: float,
     undesirable_weight: float,
+    epsilon_low: float,
+    epsilon_high: float,
+    temperature: float,
     ignore_index: int,
     seqs_per_chunk: int,
     accum_fp32: bool,
     compute_dh: bool,
     compute_dw: bool,
     compute_db: bool,
+    want_entropy: bool,
     want_stats: bool,
 ) -> Outputs:
     """Forward launcher on flat tokens (``hidden`` ``(B T, H)``, ``target`` ``(B, T)``, ``ref``
@@ -880,29 +908,31 @@ def _preference_fwd(
     kernel), their sums per sequence, :func:`sequence_grads` on those, and ``dz`` over the logits
     (pass 2), then ``dh`` and the chunk's ``dW`` share. With ``want_stats``, also each token's
     :class:`~fk.align.logprobs.TokenStats` values, flat: the entropy from pass 1, the mean logit and
-    the top-1 from the chunk's logits before pass 2 overwrites them (else three empty outputs)."""
+    the top-1 from the chunk's logits before pass 2 overwrites them; with ``want_entropy`` the
+    entropy alone (else empty outputs)."""
     spec = LossSpec(family, tuple(types.split(",")), tuple(type_weights), beta, label_smoothing, discopop_tau, simpo_gamma,
-                    cpo_alpha, alpha, desirable_weight, undesirable_weight)  # fmt: skip
+                    cpo_alpha, alpha, desirable_weight, undesirable_weight, epsilon_low, epsilon_high,
+                    temperature)  # fmt: skip
     n_seqs, seq_len = target.shape
     counts = (target != ignore_index).sum(-1).to(torch.float32)
     chosen_total = counts[: n_seqs // 2].sum() if spec.paired else counts.sum()
     sums = torch.empty(n_seqs, dtype=torch.float32, device=hidden.device)
     flat_target = target.reshape(-1)
-    stats = _stats_buffers(hidden, flat_target.shape[0] if want_stats else 0)
+    stats = _stats_buffers(hidden, flat_target.shape[0], want_entropy, want_stats)
     chunks = sequence_chunks(n_seqs, seqs_per_chunk // 2 if spec.paired else seqs_per_chunk, spec.paired)
 
     def chunk_loss(logits: torch.Tensor, parts: tuple[slice, ...], want_grad: bool) -> None:
         seqs = [slice(part.start // seq_len, part.stop // seq_len) for part in parts]
         tgt = flat_target[parts[0]] if len(parts) == 1 else torch.cat([flat_target[part] for part in parts])
         lse, logp = row_values(logits), row_values(logits)
-        entropy = row_values(logits) if want_stats else None
-        launch_token_logprobs(logits, tgt, ignore_index, 1.0, lse=lse, logp=logp, entropy=entropy)
+        entropy = row_values(logits) if want_stats or want_entropy else None
+        launch_token_logprobs(logits, tgt, ignore_index, temperature, lse=lse, logp=logp, entropy=entropy)
         if entropy is not None:  # (before pass 2 writes dz over the logits)
-            values = chunk_token_stats(logits, tgt, ignore_index, entropy)
+            values = chunk_token_stats(logits, tgt, ignore_index, entropy) if want_stats else (entropy,)
             offset = 0
             for part in parts:
                 size = part.stop - part.start
-                for out, value in zip(stats, values, strict=True):
+                for out, value in zip(stats, values, strict=False):
                     out[part] = value[offset : offset + size]
                 offset += size
         chunk_sums = logp.view(-1, seq_len).sum(-1)
@@ -915,14 +945,15 @@ def _preference_fwd(
             return
         pick = lambda t: t[seqs[0]] if len(seqs) == 1 else torch.cat([t[rows] for rows in seqs])  # noqa: E731
         grad = sequence_grads(spec, chunk_sums, pick(counts), pick(ref), pick(desirable) if desirable is not None
-                              else None, kl, n_seqs, chosen_total)  # fmt: skip
+                              else None, kl, n_seqs, chosen_total,
+                              pick(advantages) if advantages is not None else None)  # fmt: skip
         grad_logp = grad.to(torch.float32).unsqueeze(-1).expand(-1, seq_len).reshape(-1).contiguous()
-        launch_token_logprobs(logits, tgt, ignore_index, 1.0, lse=lse, forward=False, grad_logp=grad_logp)
+        launch_token_logprobs(logits, tgt, ignore_index, temperature, lse=lse, forward=False, grad_logp=grad_logp)
 
     token_chunks = [tuple(slice(rows.start * seq_len, rows.stop * seq_len) for rows in seqs) for seqs in chunks]
     grads = gathered_head_grads(hidden, weight, bias, token_chunks, chunk_loss, accum_fp32, compute_dh, compute_dw,
                                 compute_db)  # fmt: skip
-    loss = sequence_loss(spec, sums, counts, ref, desirable, kl)
+    loss = sequence_loss(spec, sums, counts, ref, desirable, kl, advantages)
     return (loss, sums, *grads, *stats)
 
 
@@ -937,15 +968,16 @@ def _preference_fwd_fake(
     compute_dh: bool,
     compute_dw: bool,
     compute_db: bool,
+    want_entropy: bool,
     want_stats: bool,
 ) -> Outputs:
     n_seqs = target.shape[0]
-    one_chunk = len(sequence_chunks(n_seqs, seqs_per_chunk // 2 if family != "kto" else seqs_per_chunk,
-                                    family != "kto")) == 1  # fmt: skip
+    paired = LossSpec(family, (), (), 1.0).paired
+    one_chunk = len(sequence_chunks(n_seqs, seqs_per_chunk // 2 if paired else seqs_per_chunk, paired)) == 1
     sums = hidden.new_empty(n_seqs, dtype=torch.float32)
     grads = head_grad_fakes(hidden, weight, bias, hidden.shape[0] if one_chunk else 0, accum_fp32, compute_dh,
                             compute_dw, compute_db)  # fmt: skip
-    return (sums.new_empty(()), sums, *grads, *_stats_buffers(hidden, hidden.shape[0] if want_stats else 0))
+    return (sums.new_empty(()), sums, *grads, *_stats_buffers(hidden, hidden.shape[0], want_entropy, want_stats))
 
 
 _preference_loss = define_stored_grads_op(
@@ -954,7 +986,7 @@ _preference_loss = define_stored_grads_op(
     _preference_fwd,
     fake_from(_preference_fwd, _preference_fwd_fake),
     grads_at=2,
-    n_inputs=25,
+    n_inputs=30,
 )
 
 
@@ -968,12 +1000,13 @@ def seqs_per_chunk_for(spec: LossSpec, memory_budget: int, vocab: int, itemsize:
 
 class SequenceValues(NamedTuple):
     """What a loss' metrics read: the loss, each sequence's log-probability sum and its count, and
-    where asked for, each position's :class:`TokenStats`."""
+    where asked for, each position's :class:`TokenStats` or its entropy alone ``(B, T)``."""
 
     loss: torch.Tensor
     sums: torch.Tensor
     counts: torch.Tensor
     token_stats: TokenStats | None = None
+    entropy: torch.Tensor | None = None
 
 
 def loss_on_head(
@@ -991,13 +1024,19 @@ def loss_on_head(
     accum_dtype: torch.dtype | None,
     memory_budget: int,
     token_stats: bool = False,
+    advantages: torch.Tensor | None = None,
+    entropy: bool = False,
 ) -> SequenceValues:
     """The loss of ``spec`` on the head: one pass (:data:`_preference_loss`, 6 N H V FLOPs) where
     the loss is per pair (:attr:`LossSpec.single_pass`) and a pair fits ``memory_budget``'s
     logits, else :func:`sequence_logps` and autograd on :func:`sequence_loss` (8 N H V), as on the
     CPU without Triton and for the reference. ``ref``: ``(B,)`` (DPO: the chosen's then the
-    rejected's) or None (0). ``token_stats``: also each position's :class:`TokenStats`, from the
-    one pass's own logits, else by :func:`~fk.align.logprobs.token_statistics` (2 N H V more)."""
+    rejected's; RLOO: the old log-probabilities, beside ``advantages``) or None (0).
+    ``token_stats``: also each position's :class:`TokenStats` (at temperature 1), from the one
+    pass's own logits, else by :func:`~fk.align.logprobs.token_statistics` (2 N H V more).
+    ``entropy``: each position's entropy at ``spec.temperature`` alone, from the pass itself."""
+    if token_stats and spec.temperature != 1.0:
+        raise ValueError("token_stats are taken at temperature 1")
     validate.check_tensor("hidden", hidden)
     validate.check_ndim("hidden", hidden, 3)
     n_seqs, seq_len = hidden.shape[:2]
@@ -1005,16 +1044,18 @@ def loss_on_head(
     if spec.paired and n_seqs % 2:
         _pairs(hidden, "hidden")  # raises
     if reference or not spec.single_pass or per_chunk == 0 or not uses_kernel(hidden):
-        seq = sequence_logps(hidden, weight, target, bias=bias, ignore_index=ignore_index, shift=shift,
-                             reference=reference, accum_dtype=accum_dtype, memory_budget=memory_budget)  # fmt: skip
+        seq = sequence_logps(hidden, weight, target, bias=bias, temperature=spec.temperature,
+                             ignore_index=ignore_index, shift=shift, reference=reference, return_entropy=entropy,
+                             accum_dtype=accum_dtype, memory_budget=memory_budget)  # fmt: skip
         refs = torch.zeros_like(seq.sums) if ref is None else ref
         stats = None
         if token_stats:
             scored = shift_labels(target, ignore_index) if shift else target
             stats = token_statistics(hidden, weight, scored, bias=bias, ignore_index=ignore_index,
                                      memory_budget=memory_budget)  # fmt: skip
-        loss = sequence_loss(spec, seq.sums, seq.counts, refs, desirable, kl)
-        return SequenceValues(loss, seq.sums, seq.counts, stats)
+        loss = sequence_loss(spec, seq.sums, seq.counts, refs, desirable, kl, advantages)
+        entropies = seq.entropy.detach() if seq.entropy is not None else None
+        return SequenceValues(loss, seq.sums, seq.counts, stats, entropies)
     _options, target, _ = check_inputs(hidden, weight, target, bias, None, ignore_index, "none", 0.0, 0.0, None, shift,
                                        None, accum_dtype, memory_budget)  # fmt: skip
     hidden2d = hidden.reshape(-1, hidden.shape[-1])
@@ -1023,13 +1064,15 @@ def loss_on_head(
     refs = torch.zeros(n_seqs, dtype=torch.float32, device=hidden.device) if ref is None else ref.float().contiguous()
     grad_on = torch.is_grad_enabled()
     loss, sums, _dh, _dw, _db, _dlogits, *stats = _preference_loss(
-        hidden2d, weight, bias, target, refs, desirable, kl.float() if kl is not None else None, spec.family,
-        ",".join(spec.types), list(spec.type_weights), spec.beta, spec.label_smoothing, spec.discopop_tau,
-        spec.simpo_gamma, spec.cpo_alpha, spec.alpha, spec.desirable_weight, spec.undesirable_weight, ignore_index,
-        per_chunk, sums_in_fp32(accum_dtype, weight.dtype, cdiv(n_seqs, per_chunk)),
+        hidden2d, weight, bias, target, refs, desirable, kl.float() if kl is not None else None,
+        advantages.float().contiguous() if advantages is not None else None, spec.family, ",".join(spec.types),
+        list(spec.type_weights), spec.beta, spec.label_smoothing, spec.discopop_tau, spec.simpo_gamma, spec.cpo_alpha,
+        spec.alpha, spec.desirable_weight, spec.undesirable_weight, spec.epsilon_low, spec.epsilon_high,
+        spec.temperature, ignore_index, per_chunk, sums_in_fp32(accum_dtype, weight.dtype, cdiv(n_seqs, per_chunk)),
         grad_on and hidden.requires_grad, grad_on and weight.requires_grad,
-        grad_on and bias is not None and bias.requires_grad, token_stats,
+        grad_on and bias is not None and bias.requires_grad, entropy, token_stats,
     )  # fmt: skip
     counts = (target != ignore_index).sum(-1).to(torch.float32)
     placed = TokenStats(*(value.view(target.shape) for value in stats)) if token_stats else None
-    return SequenceValues(loss, sums, counts, placed)
+    entropies = stats[0].view(target.shape) if entropy else None
+    return SequenceValues(loss, sums, counts, placed, entropies)
