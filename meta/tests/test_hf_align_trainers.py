@@ -1,4 +1,4 @@
-"""fk.hf with TRL's DPOTrainer, KTOTrainer, GRPOTrainer and GKDTrainer: ``fk.hf.align_trainer``.
+"""fk.hf with TRL's DPOTrainer, KTOTrainer, GRPOTrainer, RLOOTrainer and GKDTrainer: ``fk.hf.align_trainer``.
 
 Each test trains a tiny random-init llama (test_hf_patching.py's) for a few steps with the stock
 trainer and with ``fk.hf.align_trainer`` from the same seed, and compares every logged number
@@ -77,7 +77,7 @@ def _assert_same_logs(patched: Any, stock: Any) -> None:
 def spy(monkeypatch: Any) -> dict[str, int]:
     """Calls of each fk-align loss in grad mode (training steps)."""
     calls: dict[str, int] = {}
-    for name in ("fused_linear_dpo_loss", "fused_linear_kto_loss", "fused_linear_grpo_loss",
+    for name in ("fused_linear_dpo_loss", "fused_linear_kto_loss", "fused_linear_grpo_loss", "fused_linear_rloo_loss",
                  "fused_linear_distill_from_logits"):  # fmt: skip
         fused = getattr(fk.align, name)
 
@@ -181,7 +181,7 @@ def test_dpo_unsupported_setting_falls_back_with_one_warning(device: str, tmp_pa
     assert trainer.__dict__["_fk_align"] is None and "_compute_loss" not in trainer.__dict__
     assert [r.getMessage() for r in caplog.records if "use_weighting=True" in r.getMessage()]
     assert any(fk.hf.patched_modules(trainer.model).values())
-    with pytest.raises(TypeError, match="DPOTrainer, KTOTrainer, GRPOTrainer or GKDTrainer"):
+    with pytest.raises(TypeError, match="DPOTrainer, KTOTrainer, GRPOTrainer, RLOOTrainer or GKDTrainer"):
         fk.hf.align_trainer(transformers.Trainer(model=_model("llama", device), args=_config(
             transformers.TrainingArguments, tmp_path, device)))  # fmt: skip
     with pytest.raises(TypeError, match=r"unknown fk\.hf switch"):
@@ -273,11 +273,15 @@ def _grpo_dataset() -> Any:
     return datasets.Dataset.from_dict({"prompt": [_words(gen, 3 + i % 2) for i in range(8)]})
 
 
-def _train_grpo(model_dir: Path, tmp_path: Path, device: str, fk_on: bool, **overrides: Any) -> Any:
+def _train_grpo(model_dir: Path, tmp_path: Path, device: str, fk_on: bool, kind: str = "grpo",
+                **overrides: Any) -> Any:  # fmt: skip
+    """Train GRPO (``kind="rloo"``: RLOO, whose data and generation are GRPO's)."""
+    config_class, trainer_class = (trl.GRPOConfig, trl.GRPOTrainer) if kind == "grpo" else (trl.RLOOConfig,
+                                                                                             trl.RLOOTrainer)  # fmt: skip
     options = {"num_generations": 2, "max_completion_length": 3, "beta": 0.05, **overrides}
-    args = _config(trl.GRPOConfig, tmp_path / ("fk" if fk_on else "stock"), device, **options)
-    trainer = trl.GRPOTrainer(model=str(model_dir), reward_funcs=_reward, args=args, train_dataset=_grpo_dataset(),
-                              processing_class=_tokenizer())  # fmt: skip
+    args = _config(config_class, tmp_path / ("fk" if fk_on else "stock"), device, **options)
+    trainer = trainer_class(model=str(model_dir), reward_funcs=_reward, args=args, train_dataset=_grpo_dataset(),
+                            processing_class=_tokenizer())  # fmt: skip
     if fk_on:
         fk.hf.align_trainer(trainer)
     trainer.train()
@@ -308,6 +312,33 @@ def test_grpo_trainer_matches_stock(options: dict[str, Any], device: str, tmp_pa
     assert patched.__dict__["_fk_align"] == "grpo" and any(fk.hf.patched_modules(patched.model).values())
     assert ("kl" in _logs(patched)[0]) == (options.get("beta", 0.05) != 0.0)
     _assert_same_logs(patched, stock)
+
+
+# --- RLOO -----------------------------------------------------------------------------------------
+
+
+RLOO_OPTIONS = [
+    {},  # on-policy, the KL penalty in the reward (the reference model runs)
+    # a second step on the first step's generations: ratios away from 1, clipped on both sides
+    {"num_iterations": 2, "epsilon": 0.002, "temperature": 0.7, "beta": 0.0},
+]
+
+
+@pytest.mark.parametrize("options", RLOO_OPTIONS)
+def test_rloo_trainer_matches_stock(options: dict[str, Any], device: str, tmp_path: Path, spy: dict[str, int]) -> None:
+    """``fk.hf.align_trainer(RLOOTrainer(...))``: TRL generates and scores the completions as
+    stock, every step's loss comes from ``fk.align.fused_linear_rloo_loss``, and the logged loss,
+    entropy and clip ratios are stock RLOO's."""
+    model_dir = tmp_path / "model"
+    _model("llama", "cpu").save_pretrained(model_dir)
+    stock = _train_grpo(model_dir, tmp_path, device, False, "rloo", **options)
+    assert not spy
+    patched = _train_grpo(model_dir, tmp_path, device, True, "rloo", **options)
+    assert spy == {"fused_linear_rloo_loss": STEPS}
+    assert patched.__dict__["_fk_align"] == "rloo" and any(fk.hf.patched_modules(patched.model).values())
+    _assert_same_logs(patched, stock)
+    if options.get("num_iterations"):
+        assert any(entry["clip_ratio/region_mean"] > 0 for entry in _logs(stock))
 
 
 # --- GKD ------------------------------------------------------------------------------------------

@@ -9,7 +9,8 @@
   returned already patched (switches in ``fk_options``).
 - With the ``transformers`` Trainer or TRL's ``SFTTrainer``: ``callbacks=[fk.hf.FkCallback()]``
   (see :mod:`fk.hf.trainer`), or ``model_init=fk.hf.model_init(make_model)``.
-- With TRL's ``DPOTrainer``, ``KTOTrainer``, ``GRPOTrainer`` or ``GKDTrainer``: ``fk.hf.align_trainer(trainer)``,
+- With TRL's ``DPOTrainer``, ``KTOTrainer``, ``GRPOTrainer``, ``RLOOTrainer`` or ``GKDTrainer``:
+  ``fk.hf.align_trainer(trainer)``,
   which also computes the loss with fk-align's fused-head losses (see :mod:`fk.hf.align_trainers`).
 - ``python -m fk.hf.demo`` trains a small Llama stock and patched, side by side (:mod:`fk.hf.demo`,
   on the helpers of :mod:`fk.hf.training`); ``python -m fk.hf.check`` runs every installed fk
@@ -178,7 +179,7 @@ def model_init(make_model: Callable[..., Any], **switches: bool) -> Callable[...
 
 
 def align_trainer(trainer: Any, **switches: bool) -> Any:
-    """Make TRL's ``DPOTrainer``, ``KTOTrainer``, ``GRPOTrainer`` or ``GKDTrainer`` (or a subclass of
+    """Make TRL's ``DPOTrainer``, ``KTOTrainer``, ``GRPOTrainer``, ``RLOOTrainer`` or ``GKDTrainer`` (or a subclass of
     one that keeps its loss method) train an fk-patched model with fk-align's losses on the fused LM head:
     ``trainer = fk.hf.align_trainer(DPOTrainer(...))``, before ``trainer.train()``.
 
@@ -187,7 +188,8 @@ def align_trainer(trainer: Any, **switches: bool) -> Any:
     step (its blocks: its head stays TRL's or the model's own), and the trainer's loss method is
     replaced on the instance by one that runs the model's decoder and
     :func:`fk.align.fused_linear_dpo_loss`, :func:`fk.align.fused_linear_kto_loss`,
-    :func:`fk.align.fused_linear_grpo_loss` or :func:`fk.align.fused_linear_distill_from_logits`, returning TRL's loss and logging TRL's
+    :func:`fk.align.fused_linear_grpo_loss`, :func:`fk.align.fused_linear_rloo_loss` or
+    :func:`fk.align.fused_linear_distill_from_logits`, returning TRL's loss and logging TRL's
     metrics. A setting fk-align does not compute (see
     docs/packages/meta.md) leaves the trainer's loss TRL's own, with one warning naming it. Returns
     ``trainer``; calling it again does nothing. Any other trainer, or an unknown switch, raises

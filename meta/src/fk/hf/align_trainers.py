@@ -1,7 +1,8 @@
-"""fk.hf with TRL's ``DPOTrainer``, ``KTOTrainer``, ``GRPOTrainer`` and ``GKDTrainer``: :func:`align_trainer`.
+"""fk.hf with TRL's ``DPOTrainer``, ``KTOTrainer``, ``GRPOTrainer``, ``RLOOTrainer`` and ``GKDTrainer``:
+:func:`align_trainer`.
 
-``trainer = fk.hf.align_trainer(DPOTrainer(...))`` (or a ``KTOTrainer``, a ``GRPOTrainer``, a
-``GKDTrainer``, or a subclass of one that keeps its loss method) patches the trainer's model with :func:`fk.hf.apply`,
+``trainer = fk.hf.align_trainer(DPOTrainer(...))`` (or a ``KTOTrainer``, a ``GRPOTrainer``, an
+``RLOOTrainer``, a ``GKDTrainer``, or a subclass of one that keeps its loss method) patches the trainer's model with :func:`fk.hf.apply`,
 unless a :class:`fk.hf.FkCallback` already did, and makes the trainer compute its training loss
 with fk-align's loss on the fused LM head: the model's decoder gives the last hidden states, and
 the loss reads the LM head's weight (and bias) without the ``[tokens, vocab]`` logits.
@@ -14,6 +15,9 @@ the loss reads the LM head's weight (and bias) without the ``[tokens, vocab]`` l
   TRL's, as for DPO.
 - ``GRPOTrainer``: :func:`fk.align.fused_linear_grpo_loss` replaces ``_compute_loss``, on the
   batch TRL generated and scored (old and reference log-probabilities, advantages are TRL's).
+- ``RLOOTrainer``: :func:`fk.align.fused_linear_rloo_loss` replaces ``_compute_loss``, on the
+  batch TRL generated and scored (the old sequence log-probabilities and the advantages, the KL
+  penalty already in them, are TRL's).
 - ``GKDTrainer``: :func:`fk.align.fused_linear_distill_from_logits` replaces ``compute_loss``:
   the student's logits are never built; the teacher's are TRL's, as its ``compute_loss`` has them.
 
@@ -57,7 +61,7 @@ log = logging.getLogger("fk.hf")
 HEAD_KWARG = "fk_head"
 """The keyword of the model's ``forward`` that takes fk's loss: ``fn(hidden_states, weight, bias)``."""
 
-STATE = "_fk_align"  # the trainer's __dict__ key: which loss fk computes ("dpo", "kto", "grpo", "gkd"), or None
+STATE = "_fk_align"  # the trainer's __dict__ key: which loss fk computes ("dpo", "kto", "grpo", "rloo", "gkd"), or None
 _HEAD_MARK = "_fk_align_head"  # the model's __dict__ key: the forward takes HEAD_KWARG
 _WARNED = "_fk_align_warned"
 
@@ -90,6 +94,7 @@ def _trainer_classes() -> dict[str, tuple[type, str]]:
     classes["dpo"] = (trl.DPOTrainer, "_compute_loss")
     classes["kto"] = (trl.KTOTrainer, "_compute_loss")
     classes["grpo"] = (trl.GRPOTrainer, "_compute_loss")
+    classes["rloo"] = (trl.RLOOTrainer, "_compute_loss")
     return classes
 
 
@@ -355,16 +360,25 @@ def kto_compute_loss(self: Any, model: Any, inputs: dict[str, Any], return_outpu
 # --- 5. GRPO --------------------------------------------------------------------------------------
 
 
-def grpo_compute_loss(self: Any, model: Any, inputs: dict[str, Any]) -> torch.Tensor:
-    """``GRPOTrainer._compute_loss`` on :func:`fk.align.fused_linear_grpo_loss`."""
+def _generated_batch(trainer: Any, inputs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The model's ``input_ids`` and ``attention_mask`` (prompt, then completion) of a batch GRPO or
+    RLOO generated; None, with one warning, for a batch with multimodal inputs (TRL's path takes it)."""
     multimodal = sorted(k for k in _GRPO_MULTIMODAL if inputs.get(k) is not None)
     if multimodal:
-        _warn_once(self, f"inputs {', '.join(multimodal)}")
+        _warn_once(trainer, f"inputs {', '.join(multimodal)}")
+        return None
+    input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+    return input_ids, torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+
+
+def grpo_compute_loss(self: Any, model: Any, inputs: dict[str, Any]) -> torch.Tensor:
+    """``GRPOTrainer._compute_loss`` on :func:`fk.align.fused_linear_grpo_loss`."""
+    batch = _generated_batch(self, inputs)
+    if batch is None:
         return _stock(self, "_compute_loss")(model, inputs)
+    input_ids, attention_mask = batch
     mode = "train" if self.model.training else "eval"
     completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
-    input_ids = torch.cat([inputs["prompt_ids"], completion_ids], dim=1)
-    attention_mask = torch.cat([inputs["prompt_mask"], completion_mask], dim=1)
     mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
     steps = completion_ids.shape[1]
     accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
@@ -423,7 +437,47 @@ def grpo_compute_loss(self: Any, model: Any, inputs: dict[str, Any]) -> torch.Te
     return out.loss
 
 
-# --- 6. GKD ---------------------------------------------------------------------------------------
+# --- 6. RLOO --------------------------------------------------------------------------------------
+
+
+def rloo_compute_loss(self: Any, model: Any, inputs: dict[str, Any]) -> torch.Tensor:
+    """``RLOOTrainer._compute_loss`` on :func:`fk.align.fused_linear_rloo_loss`."""
+    batch = _generated_batch(self, inputs)
+    if batch is None:
+        return _stock(self, "_compute_loss")(model, inputs)
+    input_ids, attention_mask = batch
+    mode = "train" if self.model.training else "eval"
+    completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
+    steps = completion_ids.shape[1]
+
+    def loss_fn(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> Any:
+        return align.fused_linear_rloo_loss(
+            hidden[:, -steps - 1 : -1], weight, completion_ids, completion_mask, inputs["advantages"],
+            inputs["old_logps"], bias=bias, epsilon_low=self.epsilon_low, epsilon_high=self.epsilon_high,
+            temperature=self.temperature,
+        )  # fmt: skip
+
+    with self.accelerator.autocast():  # (TRL's policy forward runs under it)
+        out = model(input_ids=input_ids, attention_mask=attention_mask, **{HEAD_KWARG: loss_fn})
+
+    from trl.trainer.utils import nanmax, nanmin
+
+    metrics = self._metrics[mode]
+    mask = completion_mask.float()
+    totals = self.accelerator.reduce(torch.stack([(out.entropies * mask).sum(), mask.sum()]), reduction="sum")
+    metrics["entropy"].append((totals[0] / totals[1].clamp(min=1.0)).item())
+    low = self.accelerator.gather(out.low_clipped.float())
+    high = self.accelerator.gather(out.high_clipped.float())
+    metrics["clip_ratio/low_mean"].append(low.nanmean().item())
+    metrics["clip_ratio/low_min"].append(nanmin(low).item())
+    metrics["clip_ratio/high_mean"].append(high.nanmean().item())
+    metrics["clip_ratio/high_max"].append(nanmax(high).item())
+    region = self.accelerator.gather((out.low_clipped | out.high_clipped).float())
+    metrics["clip_ratio/region_mean"].append(region.nanmean().item())
+    return out.loss
+
+
+# --- 7. GKD ---------------------------------------------------------------------------------------
 
 
 def gkd_compute_loss(
@@ -452,15 +506,15 @@ def gkd_compute_loss(
 
 
 _LOSSES: dict[str, Callable[..., Any]] = {"dpo": dpo_compute_loss, "kto": kto_compute_loss, "grpo": grpo_compute_loss,
-                                           "gkd": gkd_compute_loss}  # fmt: skip
+                                           "rloo": rloo_compute_loss, "gkd": gkd_compute_loss}  # fmt: skip
 
 
-# --- 7. The switch --------------------------------------------------------------------------------
+# --- 8. The switch --------------------------------------------------------------------------------
 
 
 FROZEN_MODELS = ("ref_model", "teacher_model")
-"""The trainer attributes of the models that run without gradient every step (DPO's, KTO's and
-GRPO's reference, GKD's teacher): :func:`align_trainer` patches their blocks too (not their heads: TRL
+"""The trainer attributes of the models that run without gradient every step (DPO's, KTO's,
+GRPO's and RLOO's reference, GKD's teacher): :func:`align_trainer` patches their blocks too (not their heads: TRL
 computes their log-probabilities or logits with its own head code, over the patched decoder)."""
 
 
@@ -472,7 +526,7 @@ def align_trainer(trainer: Any, switches: dict[str, bool]) -> Any:
     found = trainer_kind(trainer)
     if found is None:
         raise TypeError(
-            f"trainer must be a TRL DPOTrainer, KTOTrainer, GRPOTrainer or GKDTrainer (or a subclass), got "
+            f"trainer must be a TRL DPOTrainer, KTOTrainer, GRPOTrainer, RLOOTrainer or GKDTrainer (or a subclass), got "
             f"{type(trainer).__name__}; the transformers Trainer and SFTTrainer take fk.hf.FkCallback()"
         )
     kind, method = found
