@@ -1,4 +1,4 @@
-"""End-to-end DPO, KTO and GRPO through TRL: stock, TRL with ``use_liger_kernel=True``, and fk.
+"""End-to-end DPO, KTO, GRPO and RLOO through TRL: stock, TRL with ``use_liger_kernel=True``, and fk.
 
 The model: bench_e2e.py's (``fk.hf.training``): a ``LlamaForCausalLM`` shaped like Llama-3.2-1B
 (hidden 2048, 16 layers, vocabulary 128256, tied embeddings), random init (seed 0), bf16 weights,
@@ -19,7 +19,10 @@ checkpointing, AdamW), except the learning rate (``--lr``, as bench_e2e.py) and 
   path: temperature 1, no top-k or top-p) to exactly 128 tokens (``min_new_tokens``), scored by a
   reward that differs within a group (the share of even token ids): 16,384 tokens, 2048 of them
   scored. The completions are short so that generation, a few hundred small kernels a token,
-  stays a minority of the step.
+  stays a minority of the step;
+- ``rloo``: ``trl.RLOOTrainer``, its loss (the clipped ratio of each completion's log-probability)
+  with beta 0 (no KL penalty in the reward, so no reference model: TRL builds one from a model path,
+  which this in-memory model has not); a step as GRPO's.
 
 :data:`SIZES` holds these; ``--tiny`` takes :data:`TINY_SIZES` and the tiny model.
 
@@ -32,24 +35,25 @@ Providers, each in its own process:
   TRL's, which refuses Liger's fused linear cross entropy for these trainers and calls no Liger
   loss. The worker checks that Liger's modules are in place after training;
 - ``fk``: ``fk.hf.align_trainer(trainer)``: the policy patched by ``fk.hf.apply``, the loss computed
-  by ``fk.align.fused_linear_dpo_loss`` / ``fused_linear_kto_loss`` / ``fused_linear_grpo_loss`` on
-  the fused head. The worker
+  by ``fk.align.fused_linear_dpo_loss`` / ``fused_linear_kto_loss`` / ``fused_linear_grpo_loss`` /
+  ``fused_linear_rloo_loss`` on the fused head. The worker
   checks that fk's loss computed every step's loss (a count of its calls with gradient).
 
 Measured per (trainer, provider), as bench_e2e.py does (``fk.core.bench.run_worker``,
 ``round_order``, ``merge_rounds``): ``--rounds`` rounds, odd ones in reverse provider order, each
 ``--warmup`` steps then ``--steps`` timed ones; a step is timed between two synchronizations, from
-the Trainer's ``on_step_begin`` to its ``on_step_end`` (for GRPO the generation and scoring, then
-forward, backward, optimizer step); tokens/s from the median of all rounds' timed steps, its tokens
-TRL's count (DPO: the Trainer's non-padding ``num_input_tokens_seen``; GRPO: prompt and completion
-tokens; KTO: as DPO); peak memory ``torch.cuda.max_memory_allocated`` over the timed steps. For GRPO, the
+the Trainer's ``on_step_begin`` to its ``on_step_end`` (for GRPO and RLOO the generation and scoring,
+then forward, backward, optimizer step); tokens/s from the median of all rounds' timed steps, its
+tokens TRL's count (DPO: the Trainer's non-padding ``num_input_tokens_seen``; GRPO and RLOO: prompt
+and completion tokens; KTO: as DPO); peak memory ``torch.cuda.max_memory_allocated`` over the timed
+steps. For GRPO and RLOO, the
 generation and scoring (TRL's ``_generate_and_score_completions``, timed between synchronizations)
 are also left out, giving the training part alone: ``train tokens/s`` (the same tokens over the
 median step without them) and its ``train peak`` (the peak counter reset when they end). DPO's and
 KTO's first-step losses are compared with stock's (:data:`FIRST_LOSS_TOLERANCE`): the same weights,
 batch and reference. Later steps are recorded, not compared: from random init at this learning rate a
 step's bf16 rounding changes the next steps' losses by tens of percent, for Liger as for fk. GRPO's
-are not comparable: each provider samples its own completions (the patched kernels round
+and RLOO's are not comparable: each provider samples its own completions (the patched kernels round
 differently in bf16, and one changed probability changes the samples).
 
 Run on a GPU:  python benchmarks/bench_align_e2e.py --out benchmarks/results
@@ -79,9 +83,11 @@ from fk.hf import training
 
 NAME = "align_e2e"
 PROVIDERS = ("stock", "liger", "fk")
-TRAINERS = ("dpo", "kto", "grpo")
+TRAINERS = ("dpo", "kto", "grpo", "rloo")
 PREFERENCE = ("dpo", "kto")
 """The trainers with a reference copy of the policy, whose first-step losses are compared."""
+GENERATING = ("grpo", "rloo")
+"""The trainers that sample their completions each step: compared by the step's training part."""
 FIRST_LOSS_TOLERANCE = 0.1
 """Largest absolute difference from stock's first DPO (KTO) loss that counts as agreeing. Stock's
 is log 2 (KTO's 1/2): policy and reference are one model; another provider's moves by beta/2
@@ -90,7 +96,8 @@ the 3072 scored tokens of differences of ~0.01 nats each (~0.5 at random signs: 
 0.1). An error in the loss (a token shifted, a sum or a sign wrong) moves the margin by hundreds
 of nats."""
 WORKER_TIMEOUT_S = 300
-FK_LOSSES = {"dpo": "fused_linear_dpo_loss", "kto": "fused_linear_kto_loss", "grpo": "fused_linear_grpo_loss"}
+FK_LOSSES = {"dpo": "fused_linear_dpo_loss", "kto": "fused_linear_kto_loss", "grpo": "fused_linear_grpo_loss",
+             "rloo": "fused_linear_rloo_loss"}  # fmt: skip
 """The fk.align function that computes each trainer's loss under fk."""
 
 
@@ -99,19 +106,21 @@ class Sizes(NamedTuple):
 
     prompt: int  # tokens of a prompt
     completion: int  # tokens of a completion (DPO: of the chosen one, and of the rejected one)
-    batch: int  # DPO: pairs a step (two sequences each); KTO: sequences a step; GRPO: completions a step
-    generations: int = 1  # GRPO: completions of a prompt (TRL's default num_generations is 8)
+    batch: int  # DPO: pairs a step (two sequences each); KTO: sequences a step; GRPO, RLOO: completions a step
+    generations: int = 1  # GRPO, RLOO: completions of a prompt (GRPO's default num_generations is 8)
 
 
 SIZES = {
     "dpo": Sizes(prompt=512, completion=1536, batch=2),
     "kto": Sizes(prompt=512, completion=1536, batch=4),
     "grpo": Sizes(prompt=896, completion=128, batch=16, generations=8),
+    "rloo": Sizes(prompt=896, completion=128, batch=16, generations=8),
 }
 TINY_SIZES = {
     "dpo": Sizes(prompt=4, completion=12, batch=1),
     "kto": Sizes(prompt=4, completion=12, batch=2),
     "grpo": Sizes(prompt=6, completion=4, batch=4, generations=2),
+    "rloo": Sizes(prompt=6, completion=4, batch=4, generations=2),
 }
 """Few tokens: each of fk's kernel launches runs one program per row in Triton's interpreter."""
 
@@ -192,7 +201,7 @@ def _callback(clock: StepClock) -> Any:
 
 
 def even_token_share(completion_ids: list[list[int]], **kwargs: Any) -> list[float]:
-    """GRPO's reward: the share of even token ids in each completion (it differs within a group)."""
+    """GRPO's and RLOO's reward: the share of even token ids in each completion (it differs within a group)."""
     return [sum(1 - token % 2 for token in ids) / max(len(ids), 1) for ids in completion_ids]
 
 
@@ -275,11 +284,13 @@ def _trainer(job: dict[str, Any], model: torch.nn.Module, output_dir: str) -> An
         config = config_class(**common, max_length=None, include_num_input_tokens_seen="non_padding")
         return trainer_class(model=model, ref_model=reference.eval(), args=config, train_dataset=data,
                              processing_class=tokenizer)  # fmt: skip
-    config = trl.GRPOConfig(**common, num_generations=job["generations"], max_completion_length=completion,
-                            generation_kwargs={"min_new_tokens": completion})  # fmt: skip
+    config_class, trainer_class = (trl.GRPOConfig, trl.GRPOTrainer) if kind == "grpo" else (trl.RLOOConfig,
+                                                                                             trl.RLOOTrainer)  # fmt: skip
+    config = config_class(**common, num_generations=job["generations"], max_completion_length=completion,
+                          generation_kwargs={"min_new_tokens": completion}, beta=0.0)  # fmt: skip
     data = _dataset(kind, shape.vocab, steps * batch // job["generations"], prompt, completion)
-    return trl.GRPOTrainer(model=model, reward_funcs=even_token_share, args=config, train_dataset=data,
-                           processing_class=tokenizer)  # fmt: skip
+    return trainer_class(model=model, reward_funcs=even_token_share, args=config, train_dataset=data,
+                         processing_class=tokenizer)  # fmt: skip
 
 
 def worker(job: dict[str, Any]) -> dict[str, Any]:
@@ -304,7 +315,7 @@ def worker(job: dict[str, Any]) -> dict[str, Any]:
         calls = _count_calls(fk.align, FK_LOSSES[kind])
         clock = StepClock(job["warmup"], lambda: int(trainer.state.num_input_tokens_seen))
         trainer.add_callback(_callback(clock))
-        if kind == "grpo":
+        if kind in GENERATING:
             trainer._generate_and_score_completions = clock.timed_generation(trainer._generate_and_score_completions)
         trainer.train()
     steps = job["warmup"] + job["steps"]
@@ -365,13 +376,13 @@ def run(args: argparse.Namespace) -> bench.BenchRecord:
                       for kind in TRAINERS)  # fmt: skip
     notes = [
         "TRL's DPOTrainer (loss sigmoid, a reference copy of the policy), KTOTrainer (loss kto with its KL "
-        "estimate, a reference copy) and GRPOTrainer (loss dapo, beta 0, completions sampled by model.generate to "
-        "exactly the completion length)",
+        "estimate, a reference copy), GRPOTrainer (loss dapo, beta 0, completions sampled by model.generate to "
+        "exactly the completion length) and RLOOTrainer (beta 0, completions as GRPO's)",
         f"LlamaForCausalLM shaped as {shape_name} ({shape.describe()}), random init, bf16 weights, SDPA attention",
         f"TRL's defaults (bf16 autocast, gradient checkpointing, AdamW) but lr {args.lr} and a log a step",
-        f"{sizes} (DPO's batch: pairs; KTO's: sequences; GRPO's: completions)",
+        f"{sizes} (DPO's batch: pairs; KTO's: sequences; GRPO's and RLOO's: completions)",
         f"{args.rounds} rounds of {args.steps} timed steps after {args.warmup}, odd rounds in reverse provider order",
-        "tokens/s: TRL's token count over the median of all timed steps; GRPO's train tokens/s and train peak: "
+        "tokens/s: TRL's token count over the median of all timed steps; GRPO's and RLOO's train tokens/s and train peak: "
         "without the generation and scoring",
         "liger: use_liger_kernel=True (Liger's RMSNorm, RoPE and SwiGLU; TRL's own loss); fk: fk.hf.align_trainer",
         "peak memory: torch.cuda.max_memory_allocated",
@@ -416,14 +427,14 @@ def table(record: bench.BenchRecord) -> list[dict[str, Any]]:
             lines.append(line)
             continue
         line.update({"tokens/s": r["tokens_per_s"], "peak GiB": r["peak_gib"]})
-        if kind == "grpo":
+        if kind in GENERATING:
             line.update({"train tokens/s": r["train_tokens_per_s"], "train peak GiB": r["train_peak_gib"],
                          "generation share": r["generation_share"]})  # fmt: skip
         for peer in ("stock", "liger"):
             p = runs.get((kind, peer))
             if peer == provider or p is None or p.get("status") != "ok":
                 continue
-            speed = "train_tokens_per_s" if kind == "grpo" else "tokens_per_s"
+            speed = "train_tokens_per_s" if kind in GENERATING else "tokens_per_s"
             line[f"x {peer}"] = r[speed] / p[speed]
             if r["peak_gib"] and p["peak_gib"]:
                 line[f"memory / {peer}"] = r["peak_gib"] / p["peak_gib"]
@@ -440,7 +451,7 @@ COLUMNS = ["trainer", "provider", "tokens/s", "train tokens/s", "generation shar
 
 
 def summary(record: bench.BenchRecord) -> str:
-    """Markdown for docs/benchmarks.md ("x peer": tokens/s over the peer's, for GRPO of the training
+    """Markdown for docs/benchmarks.md ("x peer": tokens/s over the peer's, for GRPO and RLOO of the training
     part; "memory / peer": peak over the peer's; "first loss": DPO's and KTO's loss at the first
     step, and its absolute difference from stock's)."""
     return bench.markdown_table(table(record), COLUMNS, skip_absent=True)

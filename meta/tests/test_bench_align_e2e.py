@@ -1,4 +1,4 @@
-"""benchmarks/bench_align_e2e.py: a --tiny run of TRL's DPO, KTO and GRPO trainers on the CPU
+"""benchmarks/bench_align_e2e.py: a --tiny run of TRL's DPO, KTO, GRPO and RLOO trainers on the CPU
 (Triton's interpreter), stock and fk, whose record must show fk's loss computing every step of fk's
 runs and none of stock's, TRL's token counts of the tiny sizes, and DPO's and KTO's losses agreeing
 with stock's; how
@@ -22,12 +22,12 @@ pytestmark = pytest.mark.skipif(not SCRIPT.exists(), reason="needs a checkout wi
 
 
 @pytest.mark.serial
-def test_tiny_run_of_dpo_kto_and_grpo_through_trl(tmp_path: Path) -> None:
+def test_tiny_run_of_dpo_kto_grpo_and_rloo_through_trl(tmp_path: Path) -> None:
     testing.run_python(str(SCRIPT), "--tiny", "--providers", "stock", "fk", "--steps", "1", "--out", str(tmp_path))
     script = testing.load_script(SCRIPT)
     record = bench.BenchRecord.from_json(tmp_path / "align_e2e.json")
     runs = {(r["trainer"], r["provider"]): r for r in record.rows}
-    assert set(runs) == {(kind, provider) for kind in ("dpo", "kto", "grpo") for provider in ("stock", "fk")}
+    assert set(runs) == {(kind, provider) for kind in ("dpo", "kto", "grpo", "rloo") for provider in ("stock", "fk")}
     for (kind, provider), run in runs.items():
         sizes = script.TINY_SIZES[kind]
         assert run["status"] == "ok", run["status"]
@@ -39,9 +39,10 @@ def test_tiny_run_of_dpo_kto_and_grpo_through_trl(tmp_path: Path) -> None:
     assert runs["kto", "fk"]["first_loss_diff"] <= script.FIRST_LOSS_TOLERANCE
     assert abs(runs["dpo", "stock"]["losses"][0] - math.log(2)) < 1e-4  # policy = reference at the first step
     assert abs(runs["kto", "stock"]["losses"][0] - 0.5) < 1e-4  # (1 - sigmoid(0), its KL estimate 0)
-    for provider in ("stock", "fk"):
-        grpo = runs["grpo", provider]
-        assert 0 < grpo["generation_share"] < 1 and grpo["train_tokens_per_s"] > grpo["tokens_per_s"]
+    for kind in ("grpo", "rloo"):
+        for provider in ("stock", "fk"):
+            run = runs[kind, provider]
+            assert 0 < run["generation_share"] < 1 and run["train_tokens_per_s"] > run["tokens_per_s"]
 
 
 def test_rounds_merge_into_whole_steps_and_their_training_part() -> None:
