@@ -226,6 +226,37 @@ def test_without_target_every_token_counts(device: str, reduction: str) -> None:
     _compare((2, 7), torch.float32, device, seed=7, target=False, loss="reverse_kl", reduction=reduction)
 
 
+@pytest.mark.parametrize("reduction", ["batchmean", "sum", "mean"])
+def test_ignored_rows_are_left_out_before_the_heads(
+    device: str, reduction: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``skip_ignored`` (the default): only the scored rows reach the op, and the loss and
+    gradients are those of every row computed (and of the reference: every other test here)."""
+    import fk.align.distill as module
+
+    rows: list[int] = []
+    op = module._fused_linear_distill
+
+    def spy(hidden: torch.Tensor, *args: Any) -> Any:
+        rows.append(hidden.shape[0])
+        return op(hidden, *args)
+
+    monkeypatch.setattr(module, "_fused_linear_distill", spy)
+    student, teacher = _heads((3, 7), torch.float32, device, seed=13, bias=True)
+    labels = _labels((3, 7), device, seed=14)
+
+    def run(skip: bool) -> tuple[torch.Tensor, ...]:
+        loss = fused_linear_distill(*student[:2], teacher.hidden, teacher.weight, labels, student_bias=student.bias,
+                                    teacher_bias=teacher.bias, reduction=reduction, memory_budget=SMALL_CHUNKS,
+                                    skip_ignored=skip)  # fmt: skip
+        return (loss, *torch.autograd.grad(loss, list(student)))
+
+    every, scored = run(False), run(True)
+    assert rows == [21, int((labels != -100).sum())] and rows[1] < rows[0]
+    for got, want in zip(scored, every, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+
+
 @pytest.mark.parametrize("n", [1, 2, 13])
 def test_token_counts(device: str, n: int) -> None:
     _compare((n,), torch.float32, device, seed=8, loss="tvd", memory_budget=SMALL_CHUNKS)
@@ -491,6 +522,7 @@ def test_matches_trls_fused_distillation_trainer_loss(device: str, beta: float, 
         ({"num_items_in_batch": 4, "reduction": "sum"}, ValueError, "num_items_in_batch .* needs reduction"),
         ({"memory_budget": 0}, ValueError, "memory_budget must be a positive"),
         ({"accum_dtype": torch.float16}, ValueError, "accum_dtype must be"),
+        ({"skip_ignored": 1}, TypeError, "skip_ignored must be a bool"),
     ],
 )
 def test_bad_input_is_named(device: str, kwargs: dict[str, Any], error: type[Exception], match: str,
@@ -548,7 +580,8 @@ def test_no_host_synchronization() -> None:
     target = _labels((300,), "cuda", seed=43, vocab=5000)
 
     def step(**kw: Any) -> None:
-        fused_linear_distill(h, w, teacher.hidden, teacher.weight, target, student_bias=b, **kw).backward()
+        fused_linear_distill(h, w, teacher.hidden, teacher.weight, target, student_bias=b, skip_ignored=False,
+                             **kw).backward()  # fmt: skip
 
     step()  # compile and warm up first
     # Built before the check: copying a Python number to the GPU is itself a synchronizing copy.

@@ -113,6 +113,34 @@ def test_token_level_runs_in_one_pass(device: str, monkeypatch: pytest.MonkeyPat
     assert batch["h"].grad is not None and batch["w"].grad is not None
 
 
+def test_tokens_outside_the_mask_are_left_out_before_the_head(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``skip_ignored`` (the default): only the masked tokens' rows reach the op, and the loss,
+    metrics, per-token values and gradients are those of every row computed."""
+    import fk.align.grpo as module
+
+    rows: list[int] = []
+    op = module._grpo_token_loss
+
+    def spy(hidden: torch.Tensor, *args: Any) -> Any:
+        rows.append(hidden.shape[0])
+        return op(hidden, *args)
+
+    monkeypatch.setattr(module, "_grpo_token_loss", spy)
+    batch = _batch(device, torch.float32, seed=11, bias=True)
+
+    def run(skip: bool) -> list[torch.Tensor]:
+        out = fused_linear_grpo_loss(batch["h"], batch["w"], batch["ids"], batch["mask"], batch["adv"], bias=batch["b"],
+                                     old_per_token_logps=batch["old"], ref_per_token_logps=batch["ref"], beta=0.04,
+                                     entropy_coef=0.01, memory_budget=SMALL_CHUNKS, skip_ignored=skip)  # fmt: skip
+        grads = torch.autograd.grad(out.loss, [batch["h"], batch["w"], batch["b"]])
+        return [out.loss, out.per_token_logps, out.entropies, *out.metrics.values(), *grads]
+
+    every, masked = run(False), run(True)
+    assert rows == [B * T, int(batch["mask"].sum())] and rows[1] < rows[0]
+    for got, want in zip(masked, every, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+
+
 def test_compile_matches_eager(device: str) -> None:
     batch = _batch(device, torch.float32, seed=6, bias=True)
 
@@ -208,6 +236,7 @@ def test_equals_trl_grpo_trainer(loss_type: str, level: str, off_policy: bool) -
         ({"completion_mask": "wrong"}, "completion_mask"),
         ({"old_per_token_logps": "wrong"}, "old_per_token_logps"),
         ({"completion_ids": "out_of_range"}, "target"),
+        ({"skip_ignored": 1}, "skip_ignored"),
     ],
 )
 def test_bad_input_raises_naming_the_argument(change: dict[str, Any], message: str) -> None:
@@ -225,7 +254,7 @@ def test_bad_input_raises_naming_the_argument(change: dict[str, Any], message: s
             kw[key] = torch.zeros(B, T + 1)
         else:
             kw[key] = value
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises((ValueError, TypeError), match=message):
         fused_linear_grpo_loss(*args, **kw)
 
 
@@ -241,7 +270,7 @@ def test_frozen_head_gets_no_gradient(device: str) -> None:
 def test_no_host_synchronization() -> None:
     batch = _batch("cuda", torch.bfloat16, seed=10, bias=True)
     args = (batch["h"], batch["w"], batch["ids"], batch["mask"], batch["adv"])
-    kw: dict[str, Any] = {"bias": batch["b"], "old_per_token_logps": batch["old"],
+    kw: dict[str, Any] = {"bias": batch["b"], "old_per_token_logps": batch["old"], "skip_ignored": False,
                           "ref_per_token_logps": batch["ref"], "beta": 0.04, "entropy_coef": 0.01}  # fmt: skip
     fused_linear_grpo_loss(*args, **kw).loss.backward()  # compile and warm up first
     items = torch.tensor(12.0, device="cuda")

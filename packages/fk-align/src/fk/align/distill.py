@@ -41,7 +41,9 @@ forms ``dh_s``, ``dW_s`` and ``db_s`` from them. Neither model's logits exist be
 
 FLOPs (N tokens, student hidden size H, teacher hidden size H_t, vocabulary V): the teacher head
 costs ``2 N H_t V`` (forward only: the teacher is frozen, never differentiated), the student head
-``6 N H V`` (``4 N H V`` with a frozen student weight, whose gradient is never computed). With
+``6 N H V`` (``4 N H V`` with a frozen student weight, whose gradient is never computed), N the
+scored tokens with ``target`` and a teacher head (``skip_ignored``: the others' rows are left out
+first, after one host synchronization), else every token. With
 ``reduction="none"`` the backward recomputes both heads' logits: ``4 N H_t V + 8 N H V``. Given
 ``teacher_logits``, the teacher costs nothing here.
 
@@ -916,9 +918,11 @@ def _fused_distill(
     num_items_in_batch: torch.Tensor | float | None,
     accum_dtype: torch.dtype | None,
     memory_budget: int,
+    skip_ignored: bool = False,
     **loss_options: Any,
 ) -> torch.Tensor:
-    """The two functional APIs' common body; ``loss_options``: the keywords of :func:`check_options`."""
+    """The two functional APIs' common body; ``loss_options``: the keywords of :func:`check_options`;
+    ``skip_ignored``: see :func:`fused_linear_distill`."""
     options = check_options(**loss_options)
     reduction, ignore_index = loss_options["reduction"], options.ignore_index
     num_items = check_inputs(student_hidden, student_weight, student_bias, teacher, target, options, reduction,
@@ -940,6 +944,13 @@ def _fused_distill(
         teacher.bias.detach() if teacher.bias is not None else None,
         _as_rows(teacher.logits).detach() if teacher.logits is not None else None,
     )
+    flat_target = target.reshape(-1) if target is not None else None
+    if skip_ignored and flat_target is not None and reduction != "none" and not torch.compiler.is_compiling():
+        kept = (flat_target != ignore_index).nonzero().squeeze(1)  # (the host synchronization)
+        if kept.numel() < flat_target.numel():  # only the scored rows' logits; autograd scatters dh back
+            hidden2d, flat_target = hidden2d.index_select(0, kept), flat_target[kept]
+            assert teacher2d.hidden is not None
+            teacher2d = teacher2d._replace(hidden=teacher2d.hidden.index_select(0, kept))
     itemsize = student_hidden.element_size()
     if teacher.hidden is not None:
         itemsize += teacher.hidden.element_size()  # the teacher's chunk of logits shares the budget
@@ -948,8 +959,7 @@ def _fused_distill(
     n_tokens = None if torch.compiler.is_compiling() else hidden2d.shape[0]
     per_chunk = chunk_tokens_for(memory_budget, n_classes, itemsize, n_tokens)
     out, *_ = _fused_linear_distill(
-        hidden2d, student_weight, student_bias, *teacher2d, target.reshape(-1) if target is not None else None,
-        denominator, *options, reduction, per_chunk,
+        hidden2d, student_weight, student_bias, *teacher2d, flat_target, denominator, *options, reduction, per_chunk,
         sums_in_fp32(accum_dtype, student_weight.dtype, None if n_tokens is None else cdiv(n_tokens, per_chunk)),
         in_forward and student_hidden.requires_grad,
         in_forward and student_weight.requires_grad,
@@ -982,6 +992,7 @@ def fused_linear_distill(
     num_items_in_batch: torch.Tensor | float | None = None,
     accum_dtype: torch.dtype | None = None,
     memory_budget: int = ALIGN_MEMORY_BUDGET,
+    skip_ignored: bool = True,
 ) -> torch.Tensor:
     """The distillation loss of a student head against a frozen teacher head, without the
     ``[tokens, vocab]`` logits of either (see the module docstring for the losses and reductions).
@@ -1021,16 +1032,25 @@ def fused_linear_distill(
             pass has at most :data:`fk.align.budget.HEAD_DTYPE_SUM_CHUNKS` chunks, else fp32.
         memory_budget: bytes for one chunk of logits, the student's and the teacher's together
             (default :data:`fk.align.budget.ALIGN_MEMORY_BUDGET`, 1 GiB).
+        skip_ignored: with ``target`` (and a reduction but "none"), compute the logits of the
+            scored tokens only, as TRL's ``DistillationTrainer`` does: the rows whose label is
+            ``ignore_index`` are left out before the heads (their loss and gradient are 0 either
+            way). Finding them costs one host synchronization (the count of scored tokens); False
+            keeps the call free of synchronization and computes every row. Not under
+            ``torch.compile``.
 
     Returns the loss in fp32: a scalar, or one value per token (``student_hidden.shape[:-1]``)
     for reduction "none".
     """
+    if not isinstance(skip_ignored, bool):
+        raise TypeError(f"skip_ignored must be a bool, got {type(skip_ignored).__name__}")
     return _fused_distill(
         student_hidden, student_weight, student_bias, _Teacher(teacher_hidden, teacher_weight, teacher_bias, None),
         target, loss=loss, beta=beta, temperature=temperature, ignore_index=ignore_index, reduction=reduction,
         weight_soft_loss=weight_soft_loss, weight_hard_loss=weight_hard_loss, student_logit_scale=student_logit_scale,
         teacher_logit_scale=teacher_logit_scale, student_softcap=student_softcap, teacher_softcap=teacher_softcap,
         num_items_in_batch=num_items_in_batch, accum_dtype=accum_dtype, memory_budget=memory_budget,
+        skip_ignored=skip_ignored,
     )  # fmt: skip
 
 
@@ -1082,11 +1102,11 @@ class LinearDistillLoss(torch.nn.Module):
         super().__init__()
         allowed = {"loss", "beta", "temperature", "ignore_index", "reduction", "weight_soft_loss", "weight_hard_loss",
                    "student_logit_scale", "teacher_logit_scale", "student_softcap", "teacher_softcap", "accum_dtype",
-                   "memory_budget"}  # fmt: skip
+                   "memory_budget", "skip_ignored"}  # fmt: skip
         unknown = sorted(set(options) - allowed)
         if unknown:
             raise TypeError(f"unknown option(s) {', '.join(unknown)}; allowed: {', '.join(sorted(allowed))}")
-        check_options(**{k: v for k, v in options.items() if k not in ("accum_dtype", "memory_budget")})
+        check_options(**{k: v for k, v in options.items() if k not in ("accum_dtype", "memory_budget", "skip_ignored")})
         self.options = options
 
     def forward(

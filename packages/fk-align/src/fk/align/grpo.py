@@ -392,6 +392,12 @@ _grpo_token_loss = define_stored_grads_op(
 # --- 3. Functional API ----------------------------------------------------------------------------
 
 
+def _placed(values: torch.Tensor, kept: torch.Tensor, shape: tuple[int, ...], fill: float) -> torch.Tensor:
+    """Per-token ``values`` of the ``kept`` flat positions, placed in a flat tensor of ``shape``'s
+    size filled with ``fill`` elsewhere."""
+    return values.new_full((math.prod(shape),), fill).index_copy_(0, kept, values)
+
+
 def check_number(name: str, value: object, *, low: float = 0.0) -> float:
     """``value``: a finite number >= ``low``, as a float (else a ``ValueError`` naming ``name``)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
@@ -439,6 +445,7 @@ def fused_linear_grpo_loss(
     reference: bool = False,
     accum_dtype: torch.dtype | None = None,
     memory_budget: int = DEFAULT_MEMORY_BUDGET,
+    skip_ignored: bool = True,
 ) -> GRPOOutput:
     """The GRPO loss on the fused head, as TRL 1.16's ``GRPOTrainer`` (see the module docstring).
 
@@ -462,6 +469,10 @@ def fused_linear_grpo_loss(
             other than dapo/cispo, and the entropy bonus, are divided by it).
         return_entropy: compute each token's entropy (TRL always logs its mean).
         reference: run the fp32 full-logit reference instead (the tests' definition).
+        skip_ignored: at the token level, compute the logits of the tokens in the mask only (a
+            token outside it adds nothing to the loss or its gradient): one host synchronization
+            (the count of masked tokens) to leave the others' rows out; False keeps the call free
+            of synchronization and computes every row. Not under ``torch.compile``.
 
     Returns a :class:`GRPOOutput`.
     """
@@ -469,6 +480,8 @@ def fused_linear_grpo_loss(
     validate.check_ndim("hidden", hidden, 3)
     validate.check_choice("loss_type", loss_type, LOSS_TYPES)
     validate.check_choice("importance_sampling_level", importance_sampling_level, IMPORTANCE_SAMPLING_LEVELS)
+    if not isinstance(skip_ignored, bool):
+        raise TypeError(f"skip_ignored must be a bool, got {type(skip_ignored).__name__}")
     shape = tuple(hidden.shape[:2])
     validate.check_tensor("completion_mask", completion_mask)
     check_per_token("completion_mask", completion_mask, shape, hidden.device)
@@ -529,19 +542,31 @@ def fused_linear_grpo_loss(
     hidden2d = hidden.reshape(-1, hidden.shape[-1])
     if hidden2d.stride(-1) != 1 or hidden2d.stride(0) != hidden2d.shape[1]:
         hidden2d = hidden2d.contiguous()
-    n_tokens = None if torch.compiler.is_compiling() else hidden2d.shape[0]
-    chunk_tokens = chunk_tokens_for(memory_budget, weight.shape[0], hidden.element_size(), n_tokens)
-    grad_on = torch.is_grad_enabled()
     entropy_grad = (entropy_weights(mask, entropy_coef, gradient_accumulation_steps).reshape(-1)
                     if entropy_coef != 0.0 else None)  # fmt: skip
     flat = lambda t: t.reshape(-1).contiguous() if t is not None else None  # noqa: E731
+    per_token = [target.reshape(-1), flat(adv.expand(shape)), flat(old), flat(ref), flat(weights), entropy_grad]
+    kept = None
+    if skip_ignored and not torch.compiler.is_compiling():
+        kept = per_token[0].ne(IGNORE).nonzero().squeeze(1)  # (the host synchronization)
+        if kept.numel() < per_token[0].numel():  # only the masked tokens' rows; autograd scatters dh back
+            hidden2d = hidden2d.index_select(0, kept)
+            per_token = [t.index_select(0, kept) if t is not None else None for t in per_token]
+        else:
+            kept = None
+    n_tokens = None if torch.compiler.is_compiling() else hidden2d.shape[0]
+    chunk_tokens = chunk_tokens_for(memory_budget, weight.shape[0], hidden.element_size(), n_tokens)
+    grad_on = torch.is_grad_enabled()
     loss, logp, entropy, coef_1, kl, *_ = _grpo_token_loss(
-        hidden2d, weight, bias, target.reshape(-1), flat(adv.expand(shape)), flat(old), flat(ref), flat(weights),
-        entropy_grad, loss_type, beta, epsilon_low, epsilon_high, delta_value, bool(use_bias_correction_kl),
-        options.sapo_temperature_pos, options.sapo_temperature_neg, temperature, want_entropy, chunk_tokens,
-        accum_dtype != weight.dtype, grad_on and hidden.requires_grad, grad_on and weight.requires_grad,
-        grad_on and bias is not None and bias.requires_grad,
+        hidden2d, weight, bias, *per_token, loss_type, beta, epsilon_low, epsilon_high, delta_value,
+        bool(use_bias_correction_kl), options.sapo_temperature_pos, options.sapo_temperature_neg, temperature,
+        want_entropy, chunk_tokens, accum_dtype != weight.dtype, grad_on and hidden.requires_grad,
+        grad_on and weight.requires_grad, grad_on and bias is not None and bias.requires_grad,
     )  # fmt: skip
+    if kept is not None:  # each token's values back in place: 0 outside the mask (coef_1: 1)
+        logp, coef_1 = _placed(logp, kept, shape, 0.0), _placed(coef_1, kept, shape, 1.0)
+        entropy = _placed(entropy, kept, shape, 0.0) if want_entropy else entropy
+        kl = _placed(kl, kept, shape, 0.0) if beta != 0.0 else kl
     logps = logp.reshape(shape)
     entropies = entropy.reshape(shape) if want_entropy else None
     metrics = grpo_metrics(coef_1.reshape(shape), kl.reshape(shape) if beta != 0.0 else None, entropies,
