@@ -48,6 +48,11 @@ Providers:
   are checked against it (``check`` rows) before it is timed; a disagreement beyond bf16's
   tolerance raises, except Liger's JSD (:data:`NOT_ENFORCED`), which takes the log-softmax of the
   bf16 logits in bf16 and is a few percent off: recorded only.
+- ``trl``: for ``jsd``, TRL 1.16's own fused head of its ``DistillationTrainer``
+  (``trl.trainer.distillation_trainer._chunked_divergence_loss``: its Triton kernel over tiles of
+  the scored positions' logits, the student's gradient from its backward), with the completion
+  mask ``target != -100`` and TRL's mean over those positions; the other losses have no standalone
+  fused function in TRL (their trainers build it into the model's forward).
 - ``torch.compile``: of the eager function (``dynamic=False``), at the largest token count of
   each loss and head only (with ``--tokens``: a compilation per shape would take most of the run).
 
@@ -58,15 +63,20 @@ FLOPs (multiply-adds of the head's matmuls, times 2), and the floor: ``tflops`` 
 ``matmul_fraction`` count the minimum any implementation must do, at the bf16 matmul ceiling
 measured in the same run (from the wall time, as bench_flce.py). The minimum is one pass:
 ``6 N H V`` (the logits, then ``dh`` and ``dW`` from their gradient) for every loss but ``jsd``,
-whose teacher adds ``2 N H_t V``. A preference loss can be done in one pass by holding each pair
-in one chunk (Liger does); GRPO at the token level needs only each token's own values.
-What each provider does: fk 6 N H V for ``dpo``/``cpo``/``simpo``/``orpo``/``kto`` (one pass:
-chunks of whole pairs, whole sequences for ``kto``; here the default budget, 1 GiB, holds two of
-the four pairs: two chunks, ``dW`` summed in bf16) and for ``grpo`` (one pass over
-tokens), 6 N H V + 2 N H_t V for ``jsd``; Liger 6 N H V for the preference losses
-and ``kto`` (``torch.func.grad_and_value`` per chunk), 8 N H V for ``grpo`` (its selective
-log-prob recomputes the logits in its backward), 6 N H V + 2 N H_t V for ``jsd``; eager and
-torch.compile the one pass, with the full logits.
+whose teacher adds ``2 N H_t V``. ``N`` is every token, scored or not, for the preference losses
+(every provider computes every row's logits there), and the scored tokens for ``grpo`` and
+``jsd`` (:data:`SCORED_FLOOR`: a token outside the mask, or without a label, adds nothing to the
+loss or its gradient; fk leaves those rows out, as TRL's ``jsd`` does). A preference loss can be
+done in one pass by holding each pair in one chunk (Liger does); GRPO at the token level needs
+only each token's own values. What each provider does: fk 6 N H V for
+``dpo``/``cpo``/``simpo``/``orpo``/``kto`` over every token (one pass: chunks of whole pairs, whole
+sequences for ``kto``; here the default budget, 1 GiB, holds two of the four pairs: two chunks,
+``dW`` summed in bf16), 6 N H V for ``grpo`` (one pass over tokens) and 6 N H V + 2 N H_t V for
+``jsd``, both over the scored tokens only (``skip_ignored``); Liger 6 N H V for the preference
+losses and ``kto`` (``torch.func.grad_and_value`` per chunk), 8 N H V for ``grpo`` (its selective
+log-prob recomputes the logits in its backward), 6 N H V + 2 N H_t V for ``jsd``, both over every
+token; TRL's ``jsd`` 6 N H V + 2 N H_t V over the scored tokens; eager and torch.compile the one
+pass, with the full logits.
 
 Run on a GPU:  python benchmarks/bench_align.py --out benchmarks/results       (10 cases: about 6 minutes on an
                H200, most of it compiling Liger's chunk functions and the eager losses, 10 of each)
@@ -394,14 +404,25 @@ LOSSES = {
     "grpo": Loss("grpo", grpo_inputs, eager_grpo, fk_grpo, 3),
     "jsd": Loss("jsd", jsd_inputs, eager_jsd, fk_jsd, 4),
 }
-PROVIDERS = ("eager", "fk", "liger", "torch.compile")
+PROVIDERS = ("eager", "fk", "liger", "trl", "torch.compile")
 """In the order each case runs them: eager first, as every other provider is checked against it."""
-PEERS = ("liger", "torch.compile", "eager")
+PEERS = ("liger", "trl", "torch.compile", "eager")
 
 
-def floor_flops(loss: Loss, head: Head, tokens: int) -> int:
-    """The FLOPs any implementation must do: 6 N H V (+ 2 N H_t V for the teacher of ``jsd``)."""
-    return 2 * loss.floor_passes * tokens * head.hidden * head.vocab
+SCORED_FLOOR = ("grpo", "jsd")
+"""The losses whose floor counts the scored tokens only (see the module docstring)."""
+
+
+def scored_tokens(loss: str, inputs: Inputs) -> int:
+    """The tokens ``inputs`` score: GRPO's mask, JSD's labels not ignored."""
+    return int(inputs[3].sum()) if loss == "grpo" else int((inputs[-1] != IGNORE).sum())
+
+
+def floor_flops(loss: Loss, head: Head, tokens: int, scored: int) -> int:
+    """The floor's FLOPs: 6 N H V (+ 2 N H_t V for the teacher of ``jsd``), N every token, or the
+    ``scored`` ones for :data:`SCORED_FLOOR` (see the module docstring)."""
+    n = scored if loss.name in SCORED_FLOOR else tokens
+    return 2 * loss.floor_passes * n * head.hidden * head.vocab
 
 
 class Case(NamedTuple):
@@ -511,7 +532,8 @@ def measure(record: bench.BenchRecord, matmul_tflops: float | None, case: Case, 
     grads = list(inputs[:2])
     where = {"loss": case.loss, "model": case.head.name, "hidden": case.head.hidden, "vocab": case.head.vocab,
              "tokens": case.tokens, "seq": case.seq}  # fmt: skip
-    flops = floor_flops(loss, case.head, case.tokens)
+    scored = scored_tokens(case.loss, inputs) if case.loss in SCORED_FLOOR else case.tokens
+    flops = floor_flops(loss, case.head, case.tokens, scored)
     reference: tuple[float, list[torch.Tensor]] | None = None
     reference_name = ""
     for provider, fn in functions.items():
@@ -554,6 +576,24 @@ def measure(record: bench.BenchRecord, matmul_tflops: float | None, case: Case, 
                 torch.cuda.empty_cache()
 
 
+def trl_jsd(tiny: bool) -> Fn | str:
+    """TRL's own fused JSD (its DistillationTrainer's), or why it does not run."""
+    if tiny:
+        return "skipped: --tiny runs fk and eager only"
+    try:
+        from trl.trainer.distillation_trainer import _chunked_divergence_loss
+    except ImportError as error:
+        return f"not available: {error}"
+
+    def jsd(student_hidden: torch.Tensor, student_weight: torch.Tensor, teacher_hidden: torch.Tensor,
+            teacher_weight: torch.Tensor, target: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        loss, _entropy, _count = _chunked_divergence_loss(student_hidden, teacher_hidden, student_weight,
+                                                          teacher_weight, target != -100, JSD_BETA)  # fmt: skip
+        return loss
+
+    return jsd
+
+
 def providers(loss: str, wanted: Sequence[str], tiny: bool, compile_here: bool) -> dict[str, Fn | str]:
     """Provider -> its function for ``loss``, or why it does not run (a status row)."""
     spec = LOSSES[loss]
@@ -571,6 +611,9 @@ def providers(loss: str, wanted: Sequence[str], tiny: bool, compile_here: bool) 
                 found[name] = "skipped: --tiny runs fk and eager only" if tiny else liger
             except ImportError as error:
                 found[name] = f"not available: {error}"
+        elif name == "trl":
+            if loss == "jsd":  # (TRL's other fused heads are built into its trainers' model forward)
+                found[name] = trl_jsd(tiny)
         elif tiny:
             found[name] = "skipped: --tiny runs fk and eager only"
         elif not compile_here:
@@ -586,7 +629,8 @@ def run(losses: Sequence[str], wanted: Sequence[str], tokens: Sequence[int], eve
     given) is written to ``out`` after each case."""
     record = bench.BenchRecord(NAME, notes=(
         f"bf16, LM head trainable, forward+backward; sequences of {SEQ if not tiny else 32} tokens; floor: 6 N H V "
-        "FLOPs (jsd: + 2 N H_t V) at the bf16 matmul ceiling; eager: TRL's formula on fp32 logits"))  # fmt: skip
+        "FLOPs (jsd: + 2 N H_t V) at the bf16 matmul ceiling, N every token (grpo, jsd: the scored ones); eager: "
+        "TRL's formula on fp32 logits"))  # fmt: skip
     if previous is not None:
         record = merge_record(record, previous, losses)
     matmul = None
@@ -679,9 +723,10 @@ def memory_table(record: bench.BenchRecord) -> list[dict[str, Any]]:
     return table
 
 
-TIME_COLUMNS = ["loss", "model", "tokens", "fk ms", "fk GPU ms", "fk matmul%", "liger ms", "torch.compile ms",
-                "eager ms", "x liger", "x torch.compile", "x eager", "speedup", "fastest peer"]  # fmt: skip
-MEMORY_COLUMNS = ["loss", "model", "tokens", "fk MB", "liger MB", "torch.compile MB", "eager MB", "fk / liger"]
+TIME_COLUMNS = ["loss", "model", "tokens", "fk ms", "fk GPU ms", "fk matmul%", "liger ms", "trl ms", "torch.compile ms",
+                "eager ms", "x liger", "x trl", "x torch.compile", "x eager", "speedup", "fastest peer"]  # fmt: skip
+MEMORY_COLUMNS = ["loss", "model", "tokens", "fk MB", "liger MB", "trl MB", "torch.compile MB", "eager MB",
+                  "fk / liger"]  # fmt: skip
 
 
 def summary(record: bench.BenchRecord) -> str:
