@@ -234,14 +234,7 @@ def test_ignored_rows_are_left_out_before_the_heads(
     gradients are those of every row computed (and of the reference: every other test here)."""
     import fk.align.distill as module
 
-    rows: list[int] = []
-    op = module._fused_linear_distill
-
-    def spy(hidden: torch.Tensor, *args: Any) -> Any:
-        rows.append(hidden.shape[0])
-        return op(hidden, *args)
-
-    monkeypatch.setattr(module, "_fused_linear_distill", spy)
+    rows = testing.rows_reaching(monkeypatch, module, "_fused_linear_distill")
     student, teacher = _heads((3, 7), torch.float32, device, seed=13, bias=True)
     labels = _labels((3, 7), device, seed=14)
 

@@ -118,14 +118,7 @@ def test_tokens_outside_the_mask_are_left_out_before_the_head(device: str, monke
     metrics, per-token values and gradients are those of every row computed."""
     import fk.align.grpo as module
 
-    rows: list[int] = []
-    op = module._grpo_token_loss
-
-    def spy(hidden: torch.Tensor, *args: Any) -> Any:
-        rows.append(hidden.shape[0])
-        return op(hidden, *args)
-
-    monkeypatch.setattr(module, "_grpo_token_loss", spy)
+    rows = testing.rows_reaching(monkeypatch, module, "_grpo_token_loss")
     batch = _batch(device, torch.float32, seed=11, bias=True)
 
     def run(skip: bool) -> list[torch.Tensor]:

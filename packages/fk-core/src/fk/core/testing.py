@@ -367,6 +367,20 @@ def assert_compile_matches_eager(
         )
 
 
+def rows_reaching(monkeypatch: Any, module: ModuleType, name: str) -> list[int]:
+    """Wrap ``module.name`` (with pytest's ``monkeypatch``, undone after the test) so that each call
+    records the row count of its first argument: how many rows reached an op. Returns that list."""
+    rows: list[int] = []
+    fn = getattr(module, name)
+
+    def counted(first: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        rows.append(first.shape[0])
+        return fn(first, *args, **kwargs)
+
+    monkeypatch.setattr(module, name, counted)
+    return rows
+
+
 def run_on_reference_path(code: str) -> None:
     """Run ``code`` in a fresh interpreter with Triton's interpreter off and no GPU visible (the
     path a CPU-only user gets: the plain PyTorch reference); it must print ``ok`` last."""
