@@ -545,11 +545,12 @@ def fused_linear_grpo_loss(
     entropy_grad = (entropy_weights(mask, entropy_coef, gradient_accumulation_steps).reshape(-1)
                     if entropy_coef != 0.0 else None)  # fmt: skip
     flat = lambda t: t.reshape(-1).contiguous() if t is not None else None  # noqa: E731
-    per_token = [target.reshape(-1), flat(adv.expand(shape)), flat(old), flat(ref), flat(weights), entropy_grad]
+    flat_target = target.reshape(-1)
+    per_token = [flat_target, flat(adv.expand(shape)), flat(old), flat(ref), flat(weights), entropy_grad]
     kept = None
     if skip_ignored and not torch.compiler.is_compiling():
-        kept = per_token[0].ne(IGNORE).nonzero().squeeze(1)  # (the host synchronization)
-        if kept.numel() < per_token[0].numel():  # only the masked tokens' rows; autograd scatters dh back
+        kept = flat_target.ne(IGNORE).nonzero().squeeze(1)  # (the host synchronization)
+        if kept.numel() < flat_target.numel():  # only the masked tokens' rows; autograd scatters dh back
             hidden2d = hidden2d.index_select(0, kept)
             per_token = [t.index_select(0, kept) if t is not None else None for t in per_token]
         else:
