@@ -274,14 +274,14 @@ def _grpo_dataset() -> Any:
 
 
 def _train_grpo(model_dir: Path, tmp_path: Path, device: str, fk_on: bool, kind: str = "grpo",
-                **overrides: Any) -> Any:  # fmt: skip
+                peft_config: Any = None, **overrides: Any) -> Any:  # fmt: skip
     """Train GRPO (``kind="rloo"``: RLOO, whose data and generation are GRPO's)."""
     config_class, trainer_class = (trl.GRPOConfig, trl.GRPOTrainer) if kind == "grpo" else (trl.RLOOConfig,
                                                                                              trl.RLOOTrainer)  # fmt: skip
     options = {"num_generations": 2, "max_completion_length": 3, "beta": 0.05, **overrides}
     args = _config(config_class, tmp_path / ("fk" if fk_on else "stock"), device, **options)
     trainer = trainer_class(model=str(model_dir), reward_funcs=_reward, args=args, train_dataset=_grpo_dataset(),
-                            processing_class=_tokenizer())  # fmt: skip
+                            processing_class=_tokenizer(), peft_config=peft_config)  # fmt: skip
     if fk_on:
         fk.hf.align_trainer(trainer)
     trainer.train()
@@ -339,6 +339,25 @@ def test_rloo_trainer_matches_stock(options: dict[str, Any], device: str, tmp_pa
     _assert_same_logs(patched, stock)
     if options.get("num_iterations"):
         assert any(entry["clip_ratio/region_mean"] > 0 for entry in _logs(stock))
+
+
+def test_rloo_trainer_with_peft_config(device: str, tmp_path: Path, spy: dict[str, int]) -> None:
+    """RLOO of a LoRA adapter TRL adds from ``peft_config``, the KL penalty's reference the model
+    with the adapter off: fk.lora fuses the LoRA layers, fk-align computes the loss, and the logs
+    are stock's."""
+    peft = pytest.importorskip("peft")
+    from test_hf_api import LORA_TARGETS
+
+    def lora() -> Any:
+        return peft.LoraConfig(r=4, lora_alpha=8, target_modules=LORA_TARGETS, init_lora_weights=False)
+
+    model_dir = tmp_path / "model"
+    _model("llama", "cpu").save_pretrained(model_dir)
+    stock = _train_grpo(model_dir, tmp_path, device, False, "rloo", peft_config=lora())
+    patched = _train_grpo(model_dir, tmp_path, device, True, "rloo", peft_config=lora())
+    assert isinstance(patched.model, peft.PeftModel) and fk.hf.patched_modules(patched.model)["lora"] > 0
+    assert spy == {"fused_linear_rloo_loss": STEPS}
+    _assert_same_logs(patched, stock)
 
 
 # --- GKD ------------------------------------------------------------------------------------------
