@@ -1,4 +1,4 @@
-"""Every model type of transformers' causal-LM and image-text-to-text registries, built tiny and
+"""Every model type of transformers' causal-LM, image-text-to-text and seq2seq LM registries, built tiny and
 random: fk.hf.apply patches what it recognizes and the probe verifies, with loss and every gradient
 equal to stock's (fp32, on CPU through Triton's interpreter), or leaves it stock, and never raises.
 (``python -m fk.hf.coverage`` writes the same check as docs/models.md.)"""

@@ -61,6 +61,7 @@ def fused_causal_lm_loss(
     softcap: float | None = None,
     options: dict[str, Any] | None = None,
     weight: torch.Tensor | None = None,
+    extra_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Hugging Face's ``ForCausalLMLoss`` of ``lm_head(hidden_states)`` without the logits.
 
@@ -72,7 +73,8 @@ def fused_causal_lm_loss(
     arguments of :func:`fk.flce.linear_cross_entropy` (``memory_budget``, ``accum_dtype``; see
     :func:`fk.hf.loss_options`; where none are set, :func:`loss_defaults`). ``weight``, when given,
     stands for ``lm_head.weight`` (an alias of it whose gradient goes elsewhere:
-    :class:`_TiedHeadWeight`).
+    :class:`_TiedHeadWeight`). ``extra_bias`` ``(V,)``, when given, is added to the head's bias (the
+    BART family's ``final_logits_bias``, which the logits get after the head).
     """
     from fk.flce import linear_cross_entropy
 
@@ -81,6 +83,9 @@ def fused_causal_lm_loss(
     def loss_forward(head: Any, hidden: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         head_weight: torch.Tensor = head.weight if weight is None else weight
         bias: torch.Tensor | None = getattr(head, "bias", None)
+        if extra_bias is not None:
+            extra = extra_bias.to(device=head_weight.device, dtype=head_weight.dtype)
+            bias = extra if bias is None else bias + extra
         if is_dtensor(head_weight):
             raise TypeError(
                 "lm_head.weight is a sharded DTensor where fk's fused loss reads it: FSDP2 unshards a "

@@ -35,6 +35,7 @@ from fk.hf.loss_head import causal_lm_forward, causal_lm_forward_as
 from fk.hf.marks import ALL, GROUP, KIND, LORA, PLAN, RECOMPUTE, STOCK, SWITCHED_OFF
 from fk.hf.recognize import (
     ROPE_FUNCTION,
+    HeadPlan,
     MlpPlan,
     NormPlan,
     Refusal,
@@ -44,6 +45,7 @@ from fk.hf.recognize import (
     rope_candidate,
 )
 from fk.hf.report import PatchReport
+from fk.hf.seq2seq_head import Seq2SeqHeadPlan, seq2seq_candidate, seq2seq_forward
 from fk.hf.sharding_hooks import plain_linear
 from fk.hf.switches import SWITCHES
 
@@ -79,6 +81,13 @@ def _flce_forward(stock: Callable[..., Any]) -> Callable[..., Any]:
     from transformers.utils import can_return_tuple
 
     return can_return_tuple(causal_lm_forward_as(stock))
+
+
+@functools.cache
+def _seq2seq_forward(stock: Callable[..., Any]) -> Callable[..., Any]:
+    """The fused head's forward for an encoder-decoder LM class whose forward is ``stock``
+    (:func:`fk.hf.seq2seq_head.seq2seq_forward`); one per class."""
+    return seq2seq_forward(stock)
 
 
 def _set_forward(module: torch.nn.Module, kind: str, fn: Callable[..., Any], plan: Any = None) -> None:
@@ -244,9 +253,17 @@ def _patch_composite(module: torch.nn.Module, switches: dict[str, bool], verdict
             module.__dict__[RECOMPUTE] = True
         verdicts.record(module, "add_norm")
         return
-    head = head_candidate(module) if switches["flce"] else None
+    head: HeadPlan | Seq2SeqHeadPlan | Refusal | None = head_candidate(module) if switches["flce"] else None
+    encoder_decoder = seq2seq_candidate(module) if switches["flce"] else None
+    if encoder_decoder is not None:  # (an encoder-decoder LM's forward is never Llama's)
+        head = encoder_decoder
     if isinstance(head, Refusal):
         verdicts.record(module, "flce", head)
+    elif isinstance(head, Seq2SeqHeadPlan):
+        refusal = probe.head(module, head, _seq2seq_forward(type(module).forward))
+        if refusal is None:
+            _set_forward(module, "flce", _seq2seq_forward(type(module).forward), head)
+        verdicts.record(module, "flce", refusal)
     elif head is not None:
         refusal = probe.head(module, head, causal_lm_forward)
         if refusal is None:

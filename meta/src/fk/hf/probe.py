@@ -29,6 +29,7 @@ import torch
 
 from fk.hf.marks import PLAN
 from fk.hf.recognize import HeadPlan, MlpPlan, NormPlan, Refusal
+from fk.hf.seq2seq_head import Seq2SeqHeadPlan
 from fk.hf.sharding_hooks import is_zero3_partitioned
 
 TOLERANCE = {torch.float64: 1e-7, torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
@@ -267,12 +268,12 @@ def _first_rope_that_agrees(
 # --- the causal-LM head --------------------------------------------------------------------------
 
 
-def head(module: torch.nn.Module, plan: HeadPlan, forward: Callable[..., Any]) -> Refusal | None:
+def head(module: torch.nn.Module, plan: HeadPlan | Seq2SeqHeadPlan, forward: Callable[..., Any]) -> Refusal | None:
     """None where the loss of fk's head ``forward`` (with ``plan``) equals stock's on the probe.
     A model on the meta device (built for ``from_pretrained``, its weights not loaded yet), or
     partitioned by DeepSpeed's ``zero.Init``, is not probed: its head is taken on structure alone
     (its forward reads nothing beyond :data:`fk.hf.recognize.HEAD_NAMES`)."""
-    weight = getattr(module.lm_head, "weight", None)
+    weight = getattr(getattr(module, getattr(plan, "head", "lm_head")), "weight", None)
     if not isinstance(weight, torch.Tensor):
         return Refusal("flce", "the head has no weight")
     if _meta(weight) or is_zero3_partitioned(weight):
