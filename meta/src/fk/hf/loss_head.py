@@ -293,12 +293,18 @@ def causal_lm_forward_as(stock: Callable[..., Any]) -> Callable[..., Any]:
     def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
         return causal_lm_forward(self, *args, **kwargs)
 
+    forward.__signature__ = with_skip_logits(stock)  # type: ignore[attr-defined]
+    return forward
+
+
+def with_skip_logits(stock: Callable[..., Any]) -> inspect.Signature:
+    """The signature of the stock forward ``stock`` with a keyword-only ``skip_logits=None`` added
+    (before its ``**kwargs``), as fk's fused-head forwards show theirs."""
     parameters = list(inspect.signature(stock).parameters.values())
     if "skip_logits" not in (p.name for p in parameters):
         at = next((i for i, p in enumerate(parameters) if p.kind is inspect.Parameter.VAR_KEYWORD), len(parameters))
         parameters.insert(at, inspect.Parameter("skip_logits", inspect.Parameter.KEYWORD_ONLY, default=None))
-    forward.__signature__ = inspect.Signature(parameters)  # type: ignore[attr-defined]
-    return forward
+    return inspect.Signature(parameters)
 
 
 def _text_config(config: Any) -> Any:

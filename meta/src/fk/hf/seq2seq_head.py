@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from fk.hf.loss_head import fused_causal_lm_loss, with_skip_logits
 from fk.hf.marks import LOSS_OPTIONS, PLAN
 from fk.hf.recognize import Refusal
 from fk.hf.sharding_hooks import plain_linear
@@ -136,17 +137,11 @@ def seq2seq_forward(stock: Any) -> Any:
                 self._buffers[LOGITS_BIAS] = logits_bias
         if kept.input is None:
             raise RuntimeError(f"{type(self).__name__}'s forward did not call its {plan.head}")
-        from fk.hf.loss_head import fused_causal_lm_loss
-
         loss = fused_causal_lm_loss(kept.input, head, labels, shift_labels=labels, options=self.__dict__.get(LOSS_OPTIONS),
                                     extra_bias=logits_bias.reshape(-1) if logits_bias is not None else None)  # fmt: skip
         return dataclasses.replace(outputs, loss=loss, logits=None)
 
-    parameters = list(inspect.signature(stock).parameters.values())
-    if "skip_logits" not in (p.name for p in parameters):
-        at = next((i for i, p in enumerate(parameters) if p.kind is inspect.Parameter.VAR_KEYWORD), len(parameters))
-        parameters.insert(at, inspect.Parameter("skip_logits", inspect.Parameter.KEYWORD_ONLY, default=None))
-    forward.__signature__ = inspect.Signature(parameters)  # type: ignore[attr-defined]
+    forward.__signature__ = with_skip_logits(stock)  # type: ignore[attr-defined]
     forward.__name__ = forward.__qualname__ = "forward"
     forward.__doc__ = stock.__doc__
     return forward
