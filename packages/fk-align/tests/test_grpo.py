@@ -22,9 +22,7 @@ SMALL_CHUNKS = 4 * V * 4  # 4 tokens (fp32) or 8 (half) per chunk: several chunk
 
 def _batch(device: str, dtype: torch.dtype, seed: int, *, bias: bool = False) -> dict[str, Any]:
     """Hidden states, head and completions: one sequence of 2 tokens, one with no token at all."""
-    h = testing.random_tensor((B, T, H), dtype, device, seed=seed, requires_grad=True)
-    w = testing.random_tensor((V, H), dtype, device, seed=seed + 1, scale=H**-0.5 * 2, requires_grad=True)
-    b = testing.random_tensor((V,), dtype, device, seed=seed + 2, requires_grad=True) if bias else None
+    h, w, b = testing.random_head((B, T), V, H, dtype, device, seed=seed, bias=bias)
     g = torch.Generator().manual_seed(seed + 3)
     ids = torch.randint(0, V, (B, T), generator=g)
     mask = torch.ones(B, T, dtype=torch.long)

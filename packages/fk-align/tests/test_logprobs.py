@@ -26,10 +26,7 @@ def _labels(shape: tuple[int, ...], device: str, seed: int) -> torch.Tensor:
 
 
 def _inputs(n: int, dtype: torch.dtype, device: str, seed: int, *, bias: bool) -> list[torch.Tensor | None]:
-    h = testing.random_tensor((n, H), dtype, device, seed=seed, requires_grad=True)
-    w = testing.random_tensor((V, H), dtype, device, seed=seed + 1, scale=H**-0.5 * 3, requires_grad=True)
-    b = testing.random_tensor((V,), dtype, device, seed=seed + 2, requires_grad=True) if bias else None
-    return [h, w, b]
+    return testing.random_head((n,), V, H, dtype, device, seed=seed, bias=bias, weight_scale=3.0)
 
 
 def _pair(target: torch.Tensor, **kw: Any) -> tuple[Callable[..., Any], Callable[..., Any]]:

@@ -38,9 +38,7 @@ ONE_PAIR = 16 * V * 4  # 16 fp32 tokens: one pair (or two KTO sequences) per chu
 def _batch(device: str, dtype: torch.dtype, seed: int, *, bias: bool = False, pairs: int = P) -> list[Any]:
     """(hidden, weight, bias, labels): unshifted labels as TRL builds them, the prompt (the first
     2 tokens, 3 for the rejected sequences) and one padded tail ignored."""
-    h = testing.random_tensor((2 * pairs, T, H), dtype, device, seed=seed, requires_grad=True)
-    w = testing.random_tensor((V, H), dtype, device, seed=seed + 1, scale=H**-0.5 * 2, requires_grad=True)
-    b = testing.random_tensor((V,), dtype, device, seed=seed + 2, requires_grad=True) if bias else None
+    h, w, b = testing.random_head((2 * pairs, T), V, H, dtype, device, seed=seed, bias=bias)
     g = torch.Generator().manual_seed(seed + 3)
     labels = torch.randint(0, V, (2 * pairs, T), generator=g)
     labels[:, :2] = -100

@@ -25,9 +25,7 @@ def _batch(device: str, dtype: torch.dtype, seed: int, *, bias: bool = False, sp
     """Hidden states, head and completions (one of 1 token, one with none), advantages of both
     signs, and old log-probabilities the true ones moved by up to ``spread`` per token: with the
     default some ratios fall outside [1 - eps, 1 + eps] on each side; with 0 every ratio is 1."""
-    h = testing.random_tensor((B, T, H), dtype, device, seed=seed, requires_grad=True)
-    w = testing.random_tensor((V, H), dtype, device, seed=seed + 1, scale=H**-0.5 * 2, requires_grad=True)
-    b = testing.random_tensor((V,), dtype, device, seed=seed + 2, requires_grad=True) if bias else None
+    h, w, b = testing.random_head((B, T), V, H, dtype, device, seed=seed, bias=bias)
     g = torch.Generator().manual_seed(seed + 3)
     ids = torch.randint(0, V, (B, T), generator=g)
     mask = torch.ones(B, T, dtype=torch.long)

@@ -80,6 +80,28 @@ def random_tensor(
     return out.requires_grad_(requires_grad)
 
 
+def random_head(
+    rows: Sequence[int],
+    vocab: int,
+    hidden: int,
+    dtype: torch.dtype,
+    device: str | torch.device,
+    *,
+    seed: int,
+    bias: bool = False,
+    weight_scale: float = 2.0,
+) -> list[torch.Tensor | None]:
+    """A trainable LM head's inputs, each requiring grad: hidden states ``(*rows, hidden)`` (seed
+    ``seed``), the weight ``(vocab, hidden)`` of scale ``weight_scale / sqrt(hidden)`` (``seed + 1``:
+    logits of spread about ``weight_scale``) and, with ``bias``, a ``(vocab,)`` bias (``seed + 2``;
+    else None)."""
+    h = random_tensor((*rows, hidden), dtype, device, seed=seed, requires_grad=True)
+    w = random_tensor((vocab, hidden), dtype, device, seed=seed + 1, scale=hidden**-0.5 * weight_scale,
+                      requires_grad=True)  # fmt: skip
+    b = random_tensor((vocab,), dtype, device, seed=seed + 2, requires_grad=True) if bias else None
+    return [h, w, b]
+
+
 def attention_qk(
     batch: int,
     seq: int,
